@@ -1,0 +1,282 @@
+//! Differentiable collectives on Burn tensors, each paired with its adjoint:
+//!
+//! | forward            | backward                          |
+//! |--------------------|-----------------------------------|
+//! | all_gather         | reduce_scatter (sum) to the rank's piece |
+//! | reduce_scatter     | all_gather                        |
+//! | copy_to_group      | all_reduce (sum)                  |
+//! | reduce_from_group  | identity                          |
+//! | scatter_to_group   | all_gather                        |
+//! | gather_from_group  | the rank's slice of the gradient  |
+//! | all_to_all         | the inverse all_to_all            |
+//!
+//! They work with and without autodiff, on every backend the extension lists. Gradients are
+//! summed, never averaged: data-parallel averaging is the caller's choice.
+//!
+//! Every rank must build its own autodiff tensors. An autodiff tensor shared by two rank
+//! threads joins their graphs under one lock, and a collective in one rank's backward then
+//! waits for a rank that cannot enter its own backward. Share `TensorData` (or plain tensors)
+//! and create the tracked tensors on each rank.
+
+use burn::backend::Dispatch;
+use burn::tensor::{Tensor, TensorData};
+
+use crate::chunk::{chunk_range, chunk_sizes, offsets};
+use crate::collective::{CollectiveHandle, OpKind};
+use crate::data::{ReduceOp, narrow};
+use crate::error::CollectiveError;
+use crate::group::ProcessGroup;
+
+use super::extension::{CollectiveBackend, HostCollective, HostFn};
+
+type Result<T> = std::result::Result<T, CollectiveError>;
+
+fn attach<const D: usize>(x: Tensor<D>, op: HostCollective) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CollectiveBackend>::host_collective(
+        x.into_dispatch(),
+        op,
+    ))
+}
+
+/// Unwraps a collective run inside backward, where Burn allows no error: the panic reaches
+/// the launcher, which fails this rank and releases the others.
+fn in_backward<T>(op: &str, result: Result<T>) -> T {
+    result.unwrap_or_else(|e| {
+        let hint = if matches!(e, CollectiveError::Timeout { .. }) {
+            " (a common cause: two ranks share an autodiff tensor, which joins their graphs \
+             under one lock so one rank's backward blocks the other's; build each rank's \
+             tensors on that rank, or share TensorData)"
+        } else {
+            ""
+        };
+        panic!("{op} in backward failed: {e}{hint}")
+    })
+}
+
+fn check_dim<const D: usize>(op: OpKind, group: &ProcessGroup, dim: usize) -> Result<()> {
+    if dim < D {
+        Ok(())
+    } else {
+        Err(CollectiveError::InvalidArgument {
+            op: op.name().into(),
+            group: group.label().into(),
+            message: format!("dim {dim} is out of range for a {D}-d tensor"),
+        })
+    }
+}
+
+/// Concatenation along `dim` of every rank's tensor (sizes may differ). Backward: each rank
+/// gets the sum over ranks of its piece of the output gradient.
+pub fn all_gather<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(OpKind::AllGather, group, dim)?;
+    let (gathered, sizes) = group.all_gather_sized(x.to_data(), dim)?;
+    Ok(attach(x, gather_op(group, dim, gathered, sizes, false)))
+}
+
+/// As [`all_gather`], but under gradient checkpointing the gathered tensor is not kept for
+/// backward: it is dropped after forward and gathered again when backward needs it (FSDP's
+/// reshard-after-forward). Without checkpointing it behaves exactly like `all_gather`.
+pub fn all_gather_recompute<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(OpKind::AllGather, group, dim)?;
+    let (gathered, sizes) = group.all_gather_sized(x.to_data(), dim)?;
+    Ok(attach(x, gather_op(group, dim, gathered, sizes, true)))
+}
+
+fn gather_op(
+    group: &ProcessGroup,
+    dim: usize,
+    gathered: TensorData,
+    sizes: Vec<usize>,
+    recompute: bool,
+) -> HostCollective {
+    let g = group.clone();
+    let backward = HostFn::new(move |dy| {
+        in_backward(
+            "reduce_scatter",
+            g.reduce_scatter_sizes(dy, dim, &sizes, ReduceOp::Sum),
+        )
+    });
+    let g = group.clone();
+    let regather =
+        HostFn::new(move |x| in_backward("all_gather (recompute)", g.all_gather(x, dim)));
+    HostCollective {
+        output: Some(gathered),
+        backward: Some(backward),
+        recompute: recompute.then_some(regather),
+    }
+}
+
+/// An all-gather started ahead of its use (prefetch): the communication runs while the caller
+/// computes; `finish` waits and returns the differentiable result.
+#[must_use = "finish() the gather to use its result"]
+pub struct PendingAllGather<const D: usize> {
+    x: Tensor<D>,
+    group: ProcessGroup,
+    dim: usize,
+    recompute: bool,
+    handle: CollectiveHandle,
+}
+
+impl<const D: usize> PendingAllGather<D> {
+    pub fn finish(self) -> Result<Tensor<D>> {
+        let (gathered, sizes) = self.handle.wait_sized()?;
+        let op = gather_op(&self.group, self.dim, gathered, sizes, self.recompute);
+        Ok(attach(self.x, op))
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.handle.is_done()
+    }
+}
+
+/// Starts [`all_gather`] (or, with `recompute`, [`all_gather_recompute`]) without waiting.
+pub fn start_all_gather<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+    recompute: bool,
+) -> Result<PendingAllGather<D>> {
+    check_dim::<D>(OpKind::AllGather, group, dim)?;
+    let handle = group.all_gather_async(x.to_data(), dim);
+    Ok(PendingAllGather {
+        x,
+        group: group.clone(),
+        dim,
+        recompute,
+        handle,
+    })
+}
+
+/// Rank `i` gets the sum over ranks of chunk `i` along `dim` (pad-to-ceil chunks, FSDP2's).
+/// Backward: all-gather of the output gradient.
+pub fn reduce_scatter<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(OpKind::ReduceScatter, group, dim)?;
+    let sizes = chunk_sizes(x.dims()[dim], group.size());
+    let out = group.reduce_scatter_sizes(x.to_data(), dim, &sizes, ReduceOp::Sum)?;
+    let g = group.clone();
+    let backward = HostFn::new(move |dy| in_backward("all_gather", g.all_gather(dy, dim)));
+    Ok(attach(
+        x,
+        HostCollective {
+            output: Some(out),
+            backward: Some(backward),
+            recompute: None,
+        },
+    ))
+}
+
+/// Identity forward; backward sums the gradient over the group (Megatron's `f`, the input of
+/// a column-parallel layer).
+pub fn copy_to_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Tensor<D> {
+    let g = group.clone();
+    let backward =
+        HostFn::new(move |dy| in_backward("all_reduce", g.all_reduce(dy, ReduceOp::Sum)));
+    attach(
+        x,
+        HostCollective {
+            output: None,
+            backward: Some(backward),
+            recompute: None,
+        },
+    )
+}
+
+/// Sum over the group forward; identity backward (Megatron's `g`, the output of a row-parallel
+/// layer).
+pub fn reduce_from_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Result<Tensor<D>> {
+    let out = group.all_reduce(x.to_data(), ReduceOp::Sum)?;
+    Ok(attach(
+        x,
+        HostCollective {
+            output: Some(out),
+            backward: None,
+            recompute: None,
+        },
+    ))
+}
+
+/// This rank's chunk along `dim` (pad-to-ceil chunks) of a tensor replicated over the group;
+/// backward all-gathers the gradient.
+pub fn scatter_to_group<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(OpKind::AllGather, group, dim)?;
+    let range = chunk_range(x.dims()[dim], group.size(), group.index());
+    let out = narrow(&x.to_data(), dim, range.start, range.len());
+    let g = group.clone();
+    let backward = HostFn::new(move |dy| in_backward("all_gather", g.all_gather(dy, dim)));
+    Ok(attach(
+        x,
+        HostCollective {
+            output: Some(out),
+            backward: Some(backward),
+            recompute: None,
+        },
+    ))
+}
+
+/// All-gather along `dim` of a tensor whose consumers are replicated over the group; backward
+/// keeps this rank's slice of the gradient (no communication).
+pub fn gather_from_group<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(OpKind::AllGather, group, dim)?;
+    let (gathered, sizes) = group.all_gather_sized(x.to_data(), dim)?;
+    let me = group.index();
+    let start = offsets(&sizes)[me];
+    let len = sizes[me];
+    let backward = HostFn::new(move |dy| narrow(&dy, dim, start, len));
+    Ok(attach(
+        x,
+        HostCollective {
+            output: Some(gathered),
+            backward: Some(backward),
+            recompute: None,
+        },
+    ))
+}
+
+/// Slice `j` along `split_dim` (`send_sizes[j]` long) goes to rank `j`; received slices are
+/// concatenated along `concat_dim`. Backward: the inverse exchange of the gradient.
+pub fn all_to_all<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    split_dim: usize,
+    concat_dim: usize,
+    send_sizes: &[usize],
+) -> Result<Tensor<D>> {
+    check_dim::<D>(OpKind::AllToAll, group, split_dim)?;
+    check_dim::<D>(OpKind::AllToAll, group, concat_dim)?;
+    let (out, received) = group.all_to_all_sized(x.to_data(), split_dim, concat_dim, send_sizes)?;
+    let g = group.clone();
+    let backward = HostFn::new(move |dy| {
+        in_backward(
+            "all_to_all",
+            g.all_to_all(dy, concat_dim, split_dim, &received),
+        )
+    });
+    Ok(attach(
+        x,
+        HostCollective {
+            output: Some(out),
+            backward: Some(backward),
+            recompute: None,
+        },
+    ))
+}

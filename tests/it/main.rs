@@ -1,0 +1,11 @@
+//! The one integration-test binary (Burn test binaries are large: one binary links once).
+
+mod common;
+
+mod brute;
+mod collective_props;
+mod differentiable;
+mod failures;
+mod megatron;
+mod mesh;
+mod recompute;
