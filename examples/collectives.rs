@@ -71,7 +71,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // Each rank's gradient is summed by the reduce-scatter: scale for the mean.
             let loss = mse(x.matmul(full), y) / WORLD as f32;
             let global = world.all_reduce(loss.to_data(), ReduceOp::Sum)?;
-            losses.push(global.to_vec::<f32>().unwrap()[0]);
+            losses.push(global.try_to_vec::<f32>().unwrap()[0]);
             let grad = s.grad(&loss.backward()).unwrap();
             shard = Tensor::from_inner(shard.inner() - grad * LR);
         }

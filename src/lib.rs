@@ -1,1 +1,2 @@
 pub use burn_parallel_dist as dist;
+pub use burn_parallel_fsdp as fsdp;

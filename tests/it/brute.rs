@@ -108,8 +108,12 @@ pub fn reduce(inputs: &[Dense], op: &str, round: impl Fn(f32) -> f32) -> Dense {
             "avg" => vals
                 .fold(None, |acc: Option<f32>, v| Some(acc.map_or(v, |a| a + v)))
                 .map(|s| s / n),
-            "max" => vals.fold(None, |acc: Option<f32>, v| Some(acc.map_or(v, |a| a.max(v)))),
-            "min" => vals.fold(None, |acc: Option<f32>, v| Some(acc.map_or(v, |a| a.min(v)))),
+            "max" => vals.fold(None, |acc: Option<f32>, v| {
+                Some(acc.map_or(v, |a| a.max(v)))
+            }),
+            "min" => vals.fold(None, |acc: Option<f32>, v| {
+                Some(acc.map_or(v, |a| a.min(v)))
+            }),
             other => panic!("unknown op {other}"),
         };
         round(v.unwrap())

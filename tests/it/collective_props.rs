@@ -45,7 +45,12 @@ fn split(n: usize, parts: usize, seed: u64) -> Vec<usize> {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1usize..=5, prop::collection::vec(0usize..=4, 1..=4), any::<bool>(), any::<u64>())
+    (
+        1usize..=5,
+        prop::collection::vec(0usize..=4, 1..=4),
+        any::<bool>(),
+        any::<u64>(),
+    )
         .prop_flat_map(|(world, shape, bf16, seed)| {
             let rank = shape.len();
             (
@@ -168,13 +173,7 @@ fn run_all(c: &Case, group: &ProcessGroup, asynchronous: bool) -> Vec<TensorData
     } else {
         calls
             .into_iter()
-            .map(|call| {
-                group
-                    .run(call)
-                    .expect("collective")
-                    .data
-                    .expect("a tensor")
-            })
+            .map(|call| group.run(call).expect("collective").data.expect("a tensor"))
             .collect()
     }
 }
@@ -228,7 +227,13 @@ fn check(c: &Case, asynchronous: bool) -> Result<(), TestCaseError> {
         for (i, (got, want)) in outs.iter().zip(&want).enumerate() {
             prop_assert_eq!(got.dtype(), dtype, "op {} dtype", i);
             prop_assert_eq!(got.shape().to_vec(), want.shape.clone(), "op {} shape", i);
-            prop_assert_eq!(to_vec(got), want.values.clone(), "op {} on rank {}", i, rank);
+            prop_assert_eq!(
+                to_vec(got),
+                want.values.clone(),
+                "op {} on rank {}",
+                i,
+                rank
+            );
         }
     }
     Ok(())

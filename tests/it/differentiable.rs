@@ -34,7 +34,9 @@ fn sharded_matmul(device: Device) {
         let group = ctx.world()?;
         let me = group.index();
         let rows = chunk_range(7, world, me);
-        let shard = w_full(&device).narrow(0, rows.start, rows.len()).require_grad();
+        let shard = w_full(&device)
+            .narrow(0, rows.start, rows.len())
+            .require_grad();
         let gathered = coll::all_gather(shard.clone(), &group, 0)?;
         let y = x(me, &device).matmul(gathered.clone());
         let grads = (y * c(me, &device)).sum().backward();
@@ -93,8 +95,18 @@ fn reduce_scatter_matches_single_device() {
     .unwrap();
     for (me, (y, grad)) in got.iter().enumerate() {
         let cols = chunk_range(5, world, me);
-        assert_close(y, &vec_of(&total.clone().narrow(1, cols.start, cols.len())), 1e-6, "y");
-        assert_close(grad, &vec_of(&leaves[me].grad(&grads).unwrap()), 1e-6, "x grad");
+        assert_close(
+            y,
+            &vec_of(&total.clone().narrow(1, cols.start, cols.len())),
+            1e-6,
+            "y",
+        );
+        assert_close(
+            grad,
+            &vec_of(&leaves[me].grad(&grads).unwrap()),
+            1e-6,
+            "x grad",
+        );
     }
 }
 
@@ -140,11 +152,8 @@ fn run(case: &FdCase, bump: Option<(usize, usize, f32)>) -> (f64, Vec<Vec<f32>>)
     let out = launch(case.world, |ctx| {
         let group = ctx.world()?;
         let me = group.index();
-        let x = Tensor::<2>::from_data(
-            TensorData::new(input(case, me, bump), case.shape),
-            &device,
-        )
-        .require_grad();
+        let x = Tensor::<2>::from_data(TensorData::new(input(case, me, bump), case.shape), &device)
+            .require_grad();
         let y = (case.op)(x.clone(), &group)?;
         let seed = match case.mode {
             Mode::ReplicatedOutput => 500,
@@ -278,7 +287,11 @@ fn all_to_all_v_gradient_is_the_inverse_exchange() {
     for r in 0..world {
         let mut expected = Vec::new();
         for j in 0..world {
-            let c = vec_of(&tensor(70 + j as u64, [(0..world).map(|s| send[s][j]).sum(), 2], &device));
+            let c = vec_of(&tensor(
+                70 + j as u64,
+                [(0..world).map(|s| send[s][j]).sum(), 2],
+                &device,
+            ));
             let row0: usize = (0..r).map(|s| send[s][j]).sum();
             for k in 0..send[r][j] {
                 expected.extend_from_slice(&c[(row0 + k) * 2..(row0 + k) * 2 + 2]);
@@ -298,7 +311,10 @@ fn bf16_all_gather_on_flex() {
         let group = ctx.world()?;
         let me = group.index();
         let x32 = tensor(80 + me as u64, [3, 4], &device);
-        let x = x32.clone().cast(burn::tensor::FloatDType::BF16).require_grad();
+        let x = x32
+            .clone()
+            .cast(burn::tensor::FloatDType::BF16)
+            .require_grad();
         let y = coll::all_gather(x.clone(), &group, 1)?;
         let c = tensor(90 + me as u64, [3, 8], &device).cast(burn::tensor::FloatDType::BF16);
         let grads = (y.clone() * c).sum().backward();
@@ -311,7 +327,11 @@ fn bf16_all_gather_on_flex() {
         assert_eq!(*g_dtype, DType::BF16);
         let parts: Vec<Vec<f32>> = (0..world).map(|r| values(80 + r as u64, 12)).collect();
         let want: Vec<f32> = (0..3)
-            .flat_map(|row| parts.iter().flat_map(move |p| p[row * 4..row * 4 + 4].to_vec()))
+            .flat_map(|row| {
+                parts
+                    .iter()
+                    .flat_map(move |p| p[row * 4..row * 4 + 4].to_vec())
+            })
             .collect();
         assert_close(y, &want, 1e-2, "gathered bf16");
         // d/dx_me = sum over ranks of c_r's columns belonging to me.
@@ -332,7 +352,10 @@ fn ops_run_on_plain_tensors() {
     let device = ndarray();
     let got = launch(3, |ctx| {
         let group = ctx.world()?;
-        let x = Tensor::<1>::from_data(TensorData::new(vec![group.index() as f32 + 1.0], [1]), &device);
+        let x = Tensor::<1>::from_data(
+            TensorData::new(vec![group.index() as f32 + 1.0], [1]),
+            &device,
+        );
         let sum = coll::reduce_from_group(x.clone(), &group)?;
         let gathered = coll::all_gather(x, &group, 0)?;
         Ok::<_, CollectiveError>((vec_of(&sum), vec_of(&gathered)))

@@ -41,7 +41,9 @@ fn a_panicking_rank_aborts_the_others() {
     assert_eq!(err.failures.len(), 3);
     for other in &err.failures[1..] {
         assert!(
-            other.message.contains("aborted: rank 1 failed: rank one blew up"),
+            other
+                .message
+                .contains("aborted: rank 1 failed: rank one blew up"),
             "{}",
             other.message
         );
@@ -178,7 +180,11 @@ fn a_late_rank_times_out_with_its_name() {
     let first = err.first();
     assert_eq!(first.rank, 0);
     assert!(first.message.contains("timed out"), "{}", first.message);
-    assert!(first.message.contains("ranks [1] did not arrive"), "{}", first.message);
+    assert!(
+        first.message.contains("ranks [1] did not arrive"),
+        "{}",
+        first.message
+    );
 }
 
 #[test]
@@ -204,13 +210,37 @@ fn bad_arguments_are_rejected_before_communicating() {
     })
     .unwrap();
     let msgs = &errors[0];
-    assert!(msgs[0].contains("dim 1 is out of range for a tensor of shape [4]"), "{}", msgs[0]);
-    assert!(msgs[1].contains("sizes [1, 2] sum to 3 but the dimension has 4"), "{}", msgs[1]);
-    assert!(msgs[2].contains("rank 5 is not in this group of 2 ranks"), "{}", msgs[2]);
-    assert!(msgs[3].contains("send_sizes has 1 entries but the group has 2 ranks"), "{}", msgs[3]);
-    assert!(msgs[4].contains("does not support dtype I64"), "{}", msgs[4]);
+    assert!(
+        msgs[0].contains("dim 1 is out of range for a tensor of shape [4]"),
+        "{}",
+        msgs[0]
+    );
+    assert!(
+        msgs[1].contains("sizes [1, 2] sum to 3 but the dimension has 4"),
+        "{}",
+        msgs[1]
+    );
+    assert!(
+        msgs[2].contains("rank 5 is not in this group of 2 ranks"),
+        "{}",
+        msgs[2]
+    );
+    assert!(
+        msgs[3].contains("send_sizes has 1 entries but the group has 2 ranks"),
+        "{}",
+        msgs[3]
+    );
+    assert!(
+        msgs[4].contains("does not support dtype I64"),
+        "{}",
+        msgs[4]
+    );
     assert!(msgs[5].contains("listed twice"), "{}", msgs[5]);
-    assert!(msgs[6].contains("rank 9 does not exist in a world of 2 ranks"), "{}", msgs[6]);
+    assert!(
+        msgs[6].contains("rank 9 does not exist in a world of 2 ranks"),
+        "{}",
+        msgs[6]
+    );
 }
 
 #[test]

@@ -6,6 +6,7 @@ mod brute;
 mod collective_props;
 mod differentiable;
 mod failures;
+mod fsdp_basic;
 mod megatron;
 mod mesh;
 mod recompute;

@@ -62,7 +62,11 @@ fn single_device(hidden: usize, with_norm: bool) -> Grads {
         w.b2.require_grad(),
         w.norm.require_grad(),
     );
-    let input = if with_norm { norm(x.clone(), nw.clone()) } else { x.clone() };
+    let input = if with_norm {
+        norm(x.clone(), nw.clone())
+    } else {
+        x.clone()
+    };
     let y = mlp(input, w1.clone(), b1.clone()).matmul(w2.clone()) + b2.clone().unsqueeze::<2>();
     let c = tensor(7, [TOKENS, MODEL], &d);
     let grads = (y.clone() * c).sum().backward();
@@ -73,7 +77,11 @@ fn single_device(hidden: usize, with_norm: bool) -> Grads {
         b1: vec_of(&b1.grad(&grads).unwrap()),
         w2: vec_of(&w2.grad(&grads).unwrap()),
         b2: vec_of(&b2.grad(&grads).unwrap()),
-        norm: if with_norm { vec_of(&nw.grad(&grads).unwrap()) } else { Vec::new() },
+        norm: if with_norm {
+            vec_of(&nw.grad(&grads).unwrap())
+        } else {
+            Vec::new()
+        },
     }
 }
 
@@ -87,13 +95,29 @@ fn tensor_parallel(tp: usize, hidden: usize) -> Vec<Grads> {
         let group = ctx.world()?;
         let cols = chunk_range(hidden, tp, group.index());
         let x = tensor(6, [TOKENS, MODEL], &d).require_grad();
-        let w1 = w.w1.clone().narrow(1, cols.start, cols.len()).require_grad();
-        let b1 = w.b1.clone().narrow(0, cols.start, cols.len()).require_grad();
-        let w2 = w.w2.clone().narrow(0, cols.start, cols.len()).require_grad();
+        let w1 =
+            w.w1.clone()
+                .narrow(1, cols.start, cols.len())
+                .require_grad();
+        let b1 =
+            w.b1.clone()
+                .narrow(0, cols.start, cols.len())
+                .require_grad();
+        let w2 =
+            w.w2.clone()
+                .narrow(0, cols.start, cols.len())
+                .require_grad();
         let b2 = w.b2.clone().require_grad();
-        let h = mlp(coll::copy_to_group(x.clone(), &group), w1.clone(), b1.clone());
-        let y = coll::reduce_from_group(h.matmul(w2.clone()), &group)? + b2.clone().unsqueeze::<2>();
-        let grads = (y.clone() * tensor(7, [TOKENS, MODEL], &d)).sum().backward();
+        let h = mlp(
+            coll::copy_to_group(x.clone(), &group),
+            w1.clone(),
+            b1.clone(),
+        );
+        let y =
+            coll::reduce_from_group(h.matmul(w2.clone()), &group)? + b2.clone().unsqueeze::<2>();
+        let grads = (y.clone() * tensor(7, [TOKENS, MODEL], &d))
+            .sum()
+            .backward();
         Ok::<_, CollectiveError>(Grads {
             out: vec_of(&y),
             x: vec_of(&x.grad(&grads).unwrap()),
@@ -119,15 +143,27 @@ fn sequence_parallel(tp: usize, hidden: usize) -> Vec<Grads> {
         let me = group.index();
         let cols = chunk_range(hidden, tp, me);
         let rows = chunk_range(TOKENS, tp, me);
-        let x = tensor(6, [TOKENS, MODEL], &d).narrow(0, rows.start, rows.len()).require_grad();
+        let x = tensor(6, [TOKENS, MODEL], &d)
+            .narrow(0, rows.start, rows.len())
+            .require_grad();
         let nw = w.norm.clone().require_grad();
-        let w1 = w.w1.clone().narrow(1, cols.start, cols.len()).require_grad();
-        let b1 = w.b1.clone().narrow(0, cols.start, cols.len()).require_grad();
-        let w2 = w.w2.clone().narrow(0, cols.start, cols.len()).require_grad();
+        let w1 =
+            w.w1.clone()
+                .narrow(1, cols.start, cols.len())
+                .require_grad();
+        let b1 =
+            w.b1.clone()
+                .narrow(0, cols.start, cols.len())
+                .require_grad();
+        let w2 =
+            w.w2.clone()
+                .narrow(0, cols.start, cols.len())
+                .require_grad();
         let b2 = w.b2.clone().require_grad();
         let normed = coll::all_gather(norm(x.clone(), nw.clone()), &group, 0)?;
         let h = mlp(normed, w1.clone(), b1.clone());
-        let y = coll::reduce_scatter(h.matmul(w2.clone()), &group, 0)? + b2.clone().unsqueeze::<2>();
+        let y =
+            coll::reduce_scatter(h.matmul(w2.clone()), &group, 0)? + b2.clone().unsqueeze::<2>();
         let c = tensor(7, [TOKENS, MODEL], &d).narrow(0, rows.start, rows.len());
         let grads = (y.clone() * c).sum().backward();
         // Replicated parameters of the sequence-parallel region hold partial gradients.
@@ -149,7 +185,9 @@ fn sequence_parallel(tp: usize, hidden: usize) -> Vec<Grads> {
 
 /// Columns `range` of a row-major [rows, cols] matrix.
 fn columns(m: &[f32], cols: usize, range: std::ops::Range<usize>) -> Vec<f32> {
-    m.chunks(cols).flat_map(|row| row[range.clone()].to_vec()).collect()
+    m.chunks(cols)
+        .flat_map(|row| row[range.clone()].to_vec())
+        .collect()
 }
 
 fn rows(m: &[f32], cols: usize, range: std::ops::Range<usize>) -> Vec<f32> {
@@ -167,7 +205,12 @@ fn megatron_mlp_matches_single_device() {
             let ctx = |what: &str| format!("tp={tp} rank {me}: {what}");
             assert_close(&got.out, &want.out, TOL, &ctx("output"));
             assert_close(&got.x, &want.x, TOL, &ctx("input grad"));
-            assert_close(&got.w1, &columns(&want.w1, hidden, cols.clone()), TOL, &ctx("w1 grad"));
+            assert_close(
+                &got.w1,
+                &columns(&want.w1, hidden, cols.clone()),
+                TOL,
+                &ctx("w1 grad"),
+            );
             assert_close(&got.b1, &want.b1[cols.clone()], TOL, &ctx("b1 grad"));
             assert_close(&got.w2, &rows(&want.w2, MODEL, cols), TOL, &ctx("w2 grad"));
             assert_close(&got.b2, &want.b2, TOL, &ctx("b2 grad"));
@@ -183,9 +226,19 @@ fn sequence_parallel_mlp_matches_single_device() {
             let cols = chunk_range(hidden, tp, me);
             let toks = chunk_range(TOKENS, tp, me);
             let ctx = |what: &str| format!("sp tp={tp} rank {me}: {what}");
-            assert_close(&got.out, &rows(&want.out, MODEL, toks.clone()), TOL, &ctx("output"));
+            assert_close(
+                &got.out,
+                &rows(&want.out, MODEL, toks.clone()),
+                TOL,
+                &ctx("output"),
+            );
             assert_close(&got.x, &rows(&want.x, MODEL, toks), TOL, &ctx("input grad"));
-            assert_close(&got.w1, &columns(&want.w1, hidden, cols.clone()), TOL, &ctx("w1 grad"));
+            assert_close(
+                &got.w1,
+                &columns(&want.w1, hidden, cols.clone()),
+                TOL,
+                &ctx("w1 grad"),
+            );
             assert_close(&got.b1, &want.b1[cols.clone()], TOL, &ctx("b1 grad"));
             assert_close(&got.w2, &rows(&want.w2, MODEL, cols), TOL, &ctx("w2 grad"));
             assert_close(&got.b2, &want.b2, TOL, &ctx("b2 grad"));

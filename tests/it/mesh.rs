@@ -17,7 +17,10 @@ fn coordinates_are_row_major_with_the_last_dim_fastest() {
     }
     assert_eq!(shape.group_ranks(4, &["tp"]).unwrap(), vec![3, 4, 5]);
     assert_eq!(shape.group_ranks(4, &["dp"]).unwrap(), vec![1, 4]);
-    assert_eq!(shape.group_ranks(4, &["tp", "dp"]).unwrap(), vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(
+        shape.group_ranks(4, &["tp", "dp"]).unwrap(),
+        vec![0, 1, 2, 3, 4, 5]
+    );
 }
 
 #[test]
@@ -28,15 +31,27 @@ fn invalid_meshes_name_the_problem() {
     assert!(err(&[("tp", 2), ("tp", 2)]).contains("\"tp\" is used twice"));
     assert!(err(&[("t p", 2)]).contains("non-empty identifiers"));
     let shape = MeshShape::new(&[("dp", 2), ("tp", 2)]).unwrap();
-    assert!(matches!(shape.axis("ep"), Err(MeshError::UnknownDim { .. })));
-    assert!(shape.coords(4).unwrap_err().to_string().contains("rank 4 is outside"));
+    assert!(matches!(
+        shape.axis("ep"),
+        Err(MeshError::UnknownDim { .. })
+    ));
+    assert!(
+        shape
+            .coords(4)
+            .unwrap_err()
+            .to_string()
+            .contains("rank 4 is outside")
+    );
 
     let msgs = launch(3, |ctx| {
         let shape = MeshShape::new(&[("dp_shard", 2), ("tp", 2)]).unwrap();
         Ok::<_, MeshError>(DeviceMesh::new(&ctx, shape).unwrap_err().to_string())
     })
     .unwrap();
-    assert_eq!(msgs[0], "mesh [dp_shard=2 x tp=2] has 4 ranks but the world has 3");
+    assert_eq!(
+        msgs[0],
+        "mesh [dp_shard=2 x tp=2] has 4 ranks but the world has 3"
+    );
 }
 
 #[test]
@@ -46,13 +61,29 @@ fn groups_flattened_dims_and_submeshes() {
         let mut mesh = DeviceMesh::new(&ctx, shape)?;
         let tp = mesh.group("tp")?.ranks().to_vec();
         let dp_shard = mesh.group("dp_shard")?.ranks().to_vec();
-        let dp = mesh.flatten(&["dp_replicate", "dp_shard"], "dp")?.ranks().to_vec();
+        let dp = mesh
+            .flatten(&["dp_replicate", "dp_shard"], "dp")?
+            .ranks()
+            .to_vec();
         let dup = mesh.flatten(&["tp"], "dp").unwrap_err().to_string();
         let sub = mesh.submesh(&["dp_shard", "tp"])?;
         let sub_ranks = sub.shape().to_string();
-        let coords = (mesh.coord("dp_replicate")?, mesh.coord("dp_shard")?, mesh.coord("tp")?);
+        let coords = (
+            mesh.coord("dp_replicate")?,
+            mesh.coord("dp_shard")?,
+            mesh.coord("tp")?,
+        );
         let missing = mesh.group("ep").unwrap_err().to_string();
-        Ok::<_, MeshError>((tp, dp_shard, dp, dup, sub_ranks, sub.group("tp")?.ranks().to_vec(), coords, missing))
+        Ok::<_, MeshError>((
+            tp,
+            dp_shard,
+            dp,
+            dup,
+            sub_ranks,
+            sub.group("tp")?.ranks().to_vec(),
+            coords,
+            missing,
+        ))
     })
     .unwrap();
     let (tp, dp_shard, dp, dup, sub, sub_tp, coords, missing) = &out[5];
@@ -75,7 +106,8 @@ fn concurrent_groups_do_not_interfere() {
         let me = ctx.rank() as f32;
         let mut results = Vec::new();
         for step in 0..20 {
-            let pending = dp.all_reduce_async(TensorData::new(vec![me + step as f32], [1]), ReduceOp::Sum);
+            let pending =
+                dp.all_reduce_async(TensorData::new(vec![me + step as f32], [1]), ReduceOp::Sum);
             let t = tp.all_gather(TensorData::new(vec![me], [1]), 0)?;
             let d = pending.wait_data()?;
             results.push((to_vec(&d)[0], to_vec(&t)));
@@ -103,7 +135,8 @@ fn parallel_launches_are_independent() {
             std::thread::spawn(move || {
                 launch(3, |ctx| {
                     let world = ctx.world()?;
-                    let v = world.all_reduce(TensorData::new(vec![k as f32], [1]), ReduceOp::Sum)?;
+                    let v =
+                        world.all_reduce(TensorData::new(vec![k as f32], [1]), ReduceOp::Sum)?;
                     Ok::<_, burn_parallel::dist::CollectiveError>(to_vec(&v)[0])
                 })
                 .unwrap()

@@ -15,7 +15,9 @@ fn train_step(device: Device, recompute: bool) -> Vec<(u64, u64, Vec<f32>)> {
         let group = ctx.world()?;
         let me = group.index();
         let rows = chunk_range(5, 3, me);
-        let shard = tensor(1, [5, 4], &device).narrow(0, rows.start, rows.len()).require_grad();
+        let shard = tensor(1, [5, 4], &device)
+            .narrow(0, rows.start, rows.len())
+            .require_grad();
         let x = tensor(10 + me as u64, [2, 5], &device);
         let gathered = if recompute {
             coll::all_gather_recompute(shard.clone(), &group, 0)?
@@ -42,7 +44,11 @@ fn recompute_gather_runs_twice_under_checkpointing_and_once_without() {
     let checkpointed = train_step(ndarray_ad().gradient_checkpointing(), true);
     for rank in 0..3 {
         assert_eq!((plain[rank].0, plain[rank].1), (1, 1));
-        assert_eq!((kept[rank].0, kept[rank].1), (1, 1), "no checkpointing: kept");
+        assert_eq!(
+            (kept[rank].0, kept[rank].1),
+            (1, 1),
+            "no checkpointing: kept"
+        );
         assert_eq!(
             (checkpointed[rank].0, checkpointed[rank].1),
             (2, 1),

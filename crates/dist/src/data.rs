@@ -235,7 +235,11 @@ fn reduce_run<S: Stored>(sources: &[&[u8]], dst: &mut [u8], op: ReduceOp) {
         let end = (begin + BLOCK).min(n);
         let bytes = begin * S::BYTES..end * S::BYTES;
         acc.clear();
-        acc.extend(sources[0][bytes.clone()].chunks_exact(S::BYTES).map(S::load));
+        acc.extend(
+            sources[0][bytes.clone()]
+                .chunks_exact(S::BYTES)
+                .map(S::load),
+        );
         for src in &sources[1..] {
             let values = src[bytes.clone()].chunks_exact(S::BYTES).map(S::load);
             match op {

@@ -79,7 +79,11 @@ impl ProcessGroup {
     }
 
     /// As `all_gather`, also returning each rank's size along `dim`.
-    pub fn all_gather_sized(&self, data: TensorData, dim: usize) -> Result<(TensorData, Vec<usize>)> {
+    pub fn all_gather_sized(
+        &self,
+        data: TensorData,
+        dim: usize,
+    ) -> Result<(TensorData, Vec<usize>)> {
         self.run_sized(Collective::AllGather { data, dim })
     }
 

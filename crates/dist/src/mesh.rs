@@ -17,11 +17,7 @@ pub struct MeshShape {
 
 impl fmt::Display for MeshShape {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let parts: Vec<String> = self
-            .dims
-            .iter()
-            .map(|(n, s)| format!("{n}={s}"))
-            .collect();
+        let parts: Vec<String> = self.dims.iter().map(|(n, s)| format!("{n}={s}")).collect();
         write!(f, "[{}]", parts.join(" x "))
     }
 }
@@ -38,8 +34,8 @@ impl MeshShape {
             return Err(MeshError::Empty);
         }
         for (i, (name, size)) in shape.dims.iter().enumerate() {
-            let valid = !name.is_empty()
-                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            let valid =
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
             if !valid {
                 return Err(MeshError::BadName { name: name.clone() });
             }
@@ -277,8 +273,7 @@ impl DeviceMesh {
             .collect::<Result<Vec<_>, _>>()?;
         axes.sort_unstable();
         axes.dedup();
-        let dims: Vec<(String, usize)> =
-            axes.iter().map(|a| self.shape.dims[*a].clone()).collect();
+        let dims: Vec<(String, usize)> = axes.iter().map(|a| self.shape.dims[*a].clone()).collect();
         let shape = MeshShape::new(&dims)?;
         let ranks: Vec<usize> = self
             .shape

@@ -1,1 +1,13 @@
-//! Placeholder: filled in by its own issue.
+//! burn-parallel-fsdp: FSDP2-style fully sharded data parallelism for Burn modules.
+//!
+//! Status: the first slice. [`fully_shard`] shards every float parameter of any
+//! `#[derive(Module)]` type on dim 0 over a process group (pad-to-ceil chunks, empty shards
+//! allowed) through Burn 0.22's parameter reparameterization: the stored parameter is the
+//! rank's shard (what optimizers update), and `param.val()` all-gathers it differentiably, so
+//! stock modules (`nn::Linear`, ...) run unchanged and gradients land on the shards summed
+//! over the group (a reduce-scatter). Gathers are per parameter here; coalesced per-unit
+//! gathers, prefetch, mixed precision, offload and HSDP are the rest of the FSDP2 issue.
+
+mod shard;
+
+pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};

@@ -117,7 +117,11 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         match op.recompute {
             None => {
                 let (primitive, guard) = x.into_parts();
-                match HostBackward.prepare::<C>([guard]).compute_bound().stateful() {
+                match HostBackward
+                    .prepare::<C>([guard])
+                    .compute_bound()
+                    .stateful()
+                {
                     OpsKind::Tracked(prep) => {
                         prep.finish(backward, B::host_collective(primitive, inner))
                     }

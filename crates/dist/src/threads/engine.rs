@@ -5,7 +5,8 @@ use std::sync::Arc;
 use burn::tensor::TensorData;
 
 use crate::collective::{
-    Collective, CollectiveHandle, CollectiveOutput, CollectiveResult, Communicator, GroupInfo, OpKind,
+    Collective, CollectiveHandle, CollectiveOutput, CollectiveResult, Communicator, GroupInfo,
+    OpKind,
 };
 use crate::engine::{Engine, group_info};
 use crate::error::CollectiveError;

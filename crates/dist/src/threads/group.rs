@@ -134,22 +134,30 @@ impl Member<'_> {
 
     /// Waits until every member has deposited in slot `seq`.
     pub fn wait_deposits(&self, seq: u64, kind: OpKind) -> Result<Deposits, CollectiveError> {
-        self.wait(kind, seq, |state| {
-            let slot = &state.slots[&seq];
-            if let Some(e) = &slot.error {
-                return Err(Some(e.clone()));
-            }
-            if slot.arrived == slot.calls.len() {
-                return Ok(slot.calls.iter().map(|c| c.clone().unwrap()).collect());
-            }
-            Err(None)
-        }, |state| missing(&state.slots[&seq].calls))
+        self.wait(
+            kind,
+            seq,
+            |state| {
+                let slot = &state.slots[&seq];
+                if let Some(e) = &slot.error {
+                    return Err(Some(e.clone()));
+                }
+                if slot.arrived == slot.calls.len() {
+                    return Ok(slot.calls.iter().map(|c| c.clone().unwrap()).collect());
+                }
+                Err(None)
+            },
+            |state| missing(&state.slots[&seq].calls),
+        )
     }
 
     /// Publishes this member's partial result (first phase of a two-phase op).
     pub fn publish_partial(&self, seq: u64, partial: Vec<u8>) {
         let mut state = lock(&self.group.state);
-        let slot = state.slots.get_mut(&seq).expect("slot alive until released");
+        let slot = state
+            .slots
+            .get_mut(&seq)
+            .expect("slot alive until released");
         slot.partials[self.info.index] = Some(Arc::new(partial));
         if slot.partials.iter().all(Option::is_some) {
             self.group.cv.notify_all();
@@ -162,13 +170,18 @@ impl Member<'_> {
         seq: u64,
         kind: OpKind,
     ) -> Result<Vec<Arc<Vec<u8>>>, CollectiveError> {
-        self.wait(kind, seq, |state| {
-            let slot = &state.slots[&seq];
-            if slot.partials.iter().all(Option::is_some) {
-                return Ok(slot.partials.iter().map(|p| p.clone().unwrap()).collect());
-            }
-            Err(None)
-        }, |state| missing(&state.slots[&seq].partials))
+        self.wait(
+            kind,
+            seq,
+            |state| {
+                let slot = &state.slots[&seq];
+                if slot.partials.iter().all(Option::is_some) {
+                    return Ok(slot.partials.iter().map(|p| p.clone().unwrap()).collect());
+                }
+                Err(None)
+            },
+            |state| missing(&state.slots[&seq].partials),
+        )
     }
 
     /// This member is done with slot `seq`; the last one frees it.
@@ -195,12 +208,15 @@ impl Member<'_> {
 
     pub fn take(&self, src: usize) -> Result<TensorData, CollectiveError> {
         let key = (src, self.info.index);
-        self.wait(OpKind::Recv, 0, |state| {
-            match state.mailboxes.get_mut(&key).and_then(VecDeque::pop_front) {
+        self.wait(
+            OpKind::Recv,
+            0,
+            |state| match state.mailboxes.get_mut(&key).and_then(VecDeque::pop_front) {
                 Some(d) => Ok(d),
                 None => Err(None),
-            }
-        }, |_| vec![src])
+            },
+            |_| vec![src],
+        )
     }
 
     /// Waits until `ready` yields a value, giving up on a slot error, a failed world, a

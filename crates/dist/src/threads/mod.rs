@@ -121,7 +121,10 @@ impl Launcher {
         if !failures.is_empty() {
             return Err(LaunchError { failures });
         }
-        Ok(results.into_iter().map(|r| r.expect("no failure")).collect())
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("no failure"))
+            .collect())
     }
 }
 

@@ -29,7 +29,9 @@ impl World {
             failure: Mutex::new(None),
             failed: AtomicBool::new(false),
             exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
-            rank_stats: (0..size).map(|_| Mutex::new(CommStats::default())).collect(),
+            rank_stats: (0..size)
+                .map(|_| Mutex::new(CommStats::default()))
+                .collect(),
         }
     }
 

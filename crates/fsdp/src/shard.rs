@@ -1,0 +1,105 @@
+//! Per-parameter sharding through Burn's `Reparameterization`.
+
+use burn::module::{Module, Param, Reparameterization, Reparameterizer};
+use burn::tensor::{Tensor, TensorData};
+use burn_parallel_dist::ProcessGroup;
+use burn_parallel_dist::chunk::chunk_range;
+use burn_parallel_dist::collectives::{all_gather, all_gather_recompute};
+
+/// How [`fully_shard`] shards and gathers.
+#[derive(Debug, Clone)]
+pub struct FsdpConfig {
+    /// The group the parameters are sharded over (FSDP2's shard mesh dimension).
+    pub group: ProcessGroup,
+    /// Drop gathered weights after forward and gather again in backward. Takes effect on a
+    /// device with gradient checkpointing (`Device::autodiff().gradient_checkpointing()`);
+    /// otherwise the gathered weights are kept until backward.
+    pub reshard_after_forward: bool,
+}
+
+impl FsdpConfig {
+    pub fn new(group: ProcessGroup) -> Self {
+        Self {
+            group,
+            reshard_after_forward: true,
+        }
+    }
+}
+
+/// The reparameterization FSDP attaches to each sharded parameter: its effective value is the
+/// all-gather of the shards along dim 0.
+#[derive(Module, Debug)]
+pub struct ShardGather {
+    #[module(skip)]
+    group: Option<ProcessGroup>,
+    #[module(skip)]
+    recompute: bool,
+}
+
+impl Reparameterization for ShardGather {
+    const NAME: &'static str = "fsdp_shard";
+
+    fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        let group = self.group.as_ref().expect("set by fully_shard");
+        let gathered = if self.recompute {
+            all_gather_recompute(base, group, 0)
+        } else {
+            all_gather(base, group, 0)
+        };
+        // `Param::val` cannot return an error; the launcher reports the panic as this rank's
+        // failure and releases the others.
+        gathered.unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"))
+    }
+}
+
+struct Sharder<'a> {
+    config: &'a FsdpConfig,
+}
+
+impl Reparameterizer for Sharder<'_> {
+    type Reparam = ShardGather;
+
+    fn reparameterize<const D: usize>(
+        &mut self,
+        _path: &str,
+        param: Param<Tensor<D>>,
+    ) -> (Param<Tensor<D>>, Option<ShardGather>) {
+        let group = &self.config.group;
+        let shard = param.map(|full| {
+            let rows = chunk_range(full.dims()[0], group.size(), group.index());
+            let trainable = full.is_require_grad();
+            // A fresh leaf: the shard, not a view into the full tensor, is what is trained.
+            let shard = if rows.is_empty() {
+                // Burn cannot narrow to zero rows; an empty shard is built directly.
+                let mut shape = full.dims();
+                shape[0] = 0;
+                let data = TensorData::new(Vec::<f32>::new(), shape).convert_dtype(full.dtype());
+                Tensor::<D>::from_data(data, &full.device())
+            } else {
+                full.narrow(0, rows.start, rows.len()).detach()
+            };
+            if trainable {
+                shard.require_grad()
+            } else {
+                shard
+            }
+        });
+        let gather = ShardGather {
+            group: Some(group.clone()),
+            recompute: self.config.reshard_after_forward,
+        };
+        (shard, Some(gather))
+    }
+}
+
+/// Shards every float parameter of `module` on dim 0 over `config.group`. Every rank calls
+/// it with the same (replicated) module; each keeps its own chunk. Parameter ids are kept.
+pub fn fully_shard<M: Module>(module: M, config: &FsdpConfig) -> M {
+    module.apply_reparameterization(Sharder { config })
+}
+
+/// The full (gathered) module, with plain parameters: collective, so every rank of the group
+/// calls it.
+pub fn gather_full<M: Module>(module: M) -> M {
+    module.materialize()
+}
