@@ -1,13 +1,15 @@
-//! FSDP's first slice: per-parameter sharding of stock Burn modules, trained with SGD on 1-4
-//! ranks (dims the world size does not divide, empty shards at 4 ranks), against
-//! single-device training on the same global batches.
+//! FSDP's first slice: per-parameter sharding of stock Burn modules, trained with SGD and
+//! AdamW on 1-4 ranks (dims the world size does not divide, empty shards at 4 ranks), HSDP
+//! 2x2, global-norm clipping and frozen parameters, against single-device training on the same
+//! global batches: losses, gradient norms and gathered final weights.
 
-use burn::module::Module;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Linear, LinearConfig};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::{ReduceOp, launch};
-use burn_parallel::fsdp::{FsdpConfig, fully_shard, gather_full};
+use burn_parallel::dist::{DeviceMesh, MeshShape, OpKind, ReduceOp, launch};
+use burn_parallel::fsdp::{FsdpConfig, clip_grad_norm, fully_shard, gather_full};
 
 use crate::common::{assert_close, ndarray_ad, values, vec_of};
 
@@ -67,16 +69,27 @@ fn loss(model: &Mlp, step: usize, rows: std::ops::Range<usize>, device: &Device)
     (model.forward(x) - y).powi_scalar(2).sum() / (BATCH * OUT) as f32
 }
 
+/// What a training run uses besides the model.
+#[derive(Clone, Copy, Debug)]
+struct Opts {
+    adamw: bool,
+    clip: Option<f32>,
+    freeze_first_layer: bool,
+}
+
+const PLAIN: Opts = Opts {
+    adamw: false,
+    clip: None,
+    freeze_first_layer: false,
+};
+
 /// Plain SGD on every parameter: `p -= lr * g`.
-fn sgd(model: Mlp, grads: &burn::tensor::Gradients) -> Mlp {
+fn sgd(model: Mlp, grads: &Gradients) -> Mlp {
     struct Step<'a> {
-        grads: &'a burn::tensor::Gradients,
+        grads: &'a Gradients,
     }
-    impl burn::module::ModuleMapper for Step<'_> {
-        fn map_float<const D: usize>(
-            &mut self,
-            p: burn::module::Param<Tensor<D>>,
-        ) -> burn::module::Param<Tensor<D>> {
+    impl ModuleMapper for Step<'_> {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let grad = p.base().grad(self.grads);
             p.map(|t| match grad {
                 Some(g) => Tensor::from_inner(t.inner() - g * LR).require_grad(),
@@ -97,58 +110,222 @@ fn flat(model: &Mlp) -> Vec<f32> {
     .concat()
 }
 
-fn single_device() -> (Vec<f32>, Vec<f32>) {
+/// Losses, final weights and gradient norms (when clipping) of a run.
+type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+fn prepare(model: Mlp, opts: Opts) -> Mlp {
+    if opts.freeze_first_layer {
+        Mlp {
+            a: model.a.no_grad(),
+            b: model.b,
+        }
+    } else {
+        model
+    }
+}
+
+fn single_device(opts: Opts) -> Run {
     let device = ndarray_ad();
-    let mut model = Mlp::new(&device);
-    let mut losses = Vec::new();
+    let mut model = prepare(Mlp::new(&device), opts);
+    let mut optim = AdamWConfig::new().init();
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
     for step in 0..STEPS {
         let l = loss(&model, step, 0..BATCH, &device);
         losses.push(vec_of(&l)[0]);
-        let grads = l.backward();
-        model = sgd(model, &grads);
+        let mut grads = l.backward();
+        if let Some(max) = opts.clip {
+            norms.push(clip_single(&model, &mut grads, max));
+        }
+        model = if opts.adamw {
+            let g = GradientsParams::from_grads(grads, &model);
+            optim.step(LR as f64, model, g)
+        } else {
+            sgd(model, &grads)
+        };
     }
-    (losses, flat(&model))
+    (losses, flat(&model), norms)
 }
 
-fn sharded(world: usize) -> Vec<(Vec<f32>, Vec<f32>, Vec<usize>)> {
+/// PyTorch's clip_grad_norm_ on one device, written out.
+fn clip_single(model: &Mlp, grads: &mut Gradients, max: f32) -> f32 {
+    let params = [model.a.weight.val(), model.b.weight.val()];
+    let biases = [
+        model.a.bias.as_ref().unwrap().val(),
+        model.b.bias.as_ref().unwrap().val(),
+    ];
+    let mut total = 0.0f32;
+    for p in &params {
+        if let Some(g) = p.grad(grads) {
+            total += g.clone().mul(g).sum().into_scalar::<f32>();
+        }
+    }
+    for p in &biases {
+        if let Some(g) = p.grad(grads) {
+            total += g.clone().mul(g).sum().into_scalar::<f32>();
+        }
+    }
+    let norm = total.sqrt();
+    let coef = max / (norm + 1e-6);
+    if coef < 1.0 {
+        for p in &params {
+            if let Some(g) = p.grad(grads) {
+                p.grad_replace(grads, g * coef);
+            }
+        }
+        for p in &biases {
+            if let Some(g) = p.grad(grads) {
+                p.grad_replace(grads, g * coef);
+            }
+        }
+    }
+    norm
+}
+
+/// FSDP over `shard` ranks, HSDP when `replicas` > 1; every rank is a data-parallel rank.
+fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 3])> {
+    let world = replicas * shard;
     launch(world, |ctx| {
         let device = ndarray_ad();
-        let group = ctx.world()?;
-        let mut model = fully_shard(Mlp::new(&device), &FsdpConfig::new(group.clone()));
+        let mesh = DeviceMesh::new(
+            &ctx,
+            MeshShape::new(&[("dp_replicate", replicas), ("dp_shard", shard)])?,
+        )?;
+        let config = if replicas > 1 {
+            FsdpConfig::hybrid(
+                mesh.group("dp_shard")?.clone(),
+                mesh.group("dp_replicate")?.clone(),
+            )
+        } else {
+            FsdpConfig::new(mesh.group("dp_shard")?.clone())
+        };
+        let world_group = ctx.world()?;
+        let mut model = fully_shard(prepare(Mlp::new(&device), opts), &config);
         let shard_rows = model.b.weight.base().dims()[0];
-        let rows = chunk_range(BATCH, world, group.index());
-        let mut losses = Vec::new();
+        let rows = chunk_range(BATCH, world, ctx.rank());
+        let mut optim = AdamWConfig::new().init();
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for step in 0..STEPS {
             let l = loss(&model, step, rows.clone(), &device);
-            let global = group.all_reduce(l.to_data(), ReduceOp::Sum)?;
+            let global = world_group.all_reduce(l.to_data(), ReduceOp::Sum)?;
             losses.push(global.try_into_vec::<f32>().unwrap()[0]);
-            let grads = l.backward();
-            model = sgd(model, &grads);
+            let mut grads = l.backward();
+            if let Some(max) = opts.clip {
+                norms.push(clip_grad_norm(&model, &mut grads, max, &config)?);
+            }
+            model = if opts.adamw {
+                let g = GradientsParams::from_grads(grads, &model);
+                optim.step(LR as f64, model, g)
+            } else {
+                sgd(model, &grads)
+            };
         }
         let full = gather_full(model);
-        Ok::<_, burn_parallel::dist::CollectiveError>((losses, flat(&full), vec![shard_rows]))
+        let stats = mesh.group("dp_shard")?.stats();
+        let replica_stats = mesh.group("dp_replicate")?.stats();
+        let counts = [
+            stats.calls(OpKind::AllGather),
+            stats.calls(OpKind::ReduceScatter),
+            replica_stats.calls(OpKind::AllReduce),
+        ];
+        Ok::<_, Box<dyn std::error::Error>>(((losses, flat(&full), norms), shard_rows, counts))
     })
     .unwrap()
 }
 
+fn check(replicas: usize, shard: usize, opts: Opts) {
+    let (want_losses, want_weights, want_norms) = single_device(opts);
+    for (rank, ((losses, weights, norms), shard_rows, counts)) in
+        sharded(replicas, shard, opts).iter().enumerate()
+    {
+        let ctx = format!("{replicas}x{shard} ranks, rank {rank}, {opts:?}");
+        assert_close(losses, &want_losses, 1e-5, &format!("{ctx}: losses"));
+        assert_close(
+            weights,
+            &want_weights,
+            1e-5,
+            &format!("{ctx}: final weights"),
+        );
+        assert_close(norms, &want_norms, 1e-5, &format!("{ctx}: gradient norms"));
+        let shard_index = rank % shard;
+        assert_eq!(
+            *shard_rows,
+            chunk_range(HIDDEN, shard, shard_index).len(),
+            "{ctx}: shard"
+        );
+        // Per step: one gather per parameter in forward, one reduce-scatter per trainable
+        // parameter in backward (and under HSDP one all-reduce across replicas); plus the
+        // final gather of the full model. Frozen parameters are gathered, never reduced.
+        let steps = STEPS as u64;
+        let trainable = if opts.freeze_first_layer { 2 } else { 4 };
+        let replica_reduces = if replicas > 1 { trainable * steps } else { 0 };
+        assert_eq!(
+            *counts,
+            [4 * steps + 4, trainable * steps, replica_reduces],
+            "{ctx}: [all_gather, reduce_scatter, replica all_reduce] calls"
+        );
+    }
+}
+
 #[test]
 fn fully_sharded_sgd_matches_single_device_on_1_to_4_ranks() {
-    let (want_losses, want_weights) = single_device();
     for world in 1..=4 {
-        for (rank, (losses, weights, shard_rows)) in sharded(world).iter().enumerate() {
-            let ctx = format!("{world} ranks, rank {rank}");
-            assert_close(losses, &want_losses, 1e-5, &format!("{ctx}: losses"));
-            assert_close(
-                weights,
-                &want_weights,
-                1e-5,
-                &format!("{ctx}: final weights"),
-            );
-            assert_eq!(
-                shard_rows[0],
-                chunk_range(HIDDEN, world, rank).len(),
-                "{ctx}: shard"
-            );
-        }
+        check(1, world, PLAIN);
     }
+}
+
+#[test]
+fn fully_sharded_adamw_matches_single_device() {
+    check(
+        1,
+        3,
+        Opts {
+            adamw: true,
+            ..PLAIN
+        },
+    );
+}
+
+#[test]
+fn hsdp_2x2_matches_single_device() {
+    check(2, 2, PLAIN);
+    check(
+        2,
+        2,
+        Opts {
+            adamw: true,
+            ..PLAIN
+        },
+    );
+}
+
+#[test]
+fn global_norm_clipping_matches_single_device() {
+    check(
+        1,
+        3,
+        Opts {
+            clip: Some(0.05),
+            ..PLAIN
+        },
+    );
+    check(
+        2,
+        2,
+        Opts {
+            clip: Some(0.05),
+            ..PLAIN
+        },
+    );
+}
+
+#[test]
+fn frozen_parameters_are_gathered_but_not_reduced() {
+    check(
+        1,
+        3,
+        Opts {
+            freeze_first_layer: true,
+            ..PLAIN
+        },
+    );
 }

@@ -5,9 +5,15 @@
 //! allowed) through Burn 0.22's parameter reparameterization: the stored parameter is the
 //! rank's shard (what optimizers update), and `param.val()` all-gathers it differentiably, so
 //! stock modules (`nn::Linear`, ...) run unchanged and gradients land on the shards summed
-//! over the group (a reduce-scatter). Gathers are per parameter here; coalesced per-unit
-//! gathers, prefetch, mixed precision, offload and HSDP are the rest of the FSDP2 issue.
+//! over the group (a reduce-scatter). HSDP (reduce-scatter within the shard group, then
+//! all-reduce across replicas) and global-norm gradient clipping work on top of it.
+//!
+//! Not done yet (the rest of the FSDP2 issue): gathers are per parameter, not coalesced per
+//! unit; no prefetch, mixed-precision or offload policy; no deferred gradient sync; no sharded
+//! state-dict loading or memory accounting.
 
+mod clip;
 mod shard;
 
+pub use clip::clip_grad_norm;
 pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};

@@ -4,13 +4,16 @@ use burn::module::{Module, Param, Reparameterization, Reparameterizer};
 use burn::tensor::{Tensor, TensorData};
 use burn_parallel_dist::ProcessGroup;
 use burn_parallel_dist::chunk::chunk_range;
-use burn_parallel_dist::collectives::{all_gather, all_gather_recompute};
+use burn_parallel_dist::collectives::{all_gather, all_gather_recompute, copy_to_group};
 
 /// How [`fully_shard`] shards and gathers.
 #[derive(Debug, Clone)]
 pub struct FsdpConfig {
     /// The group the parameters are sharded over (FSDP2's shard mesh dimension).
     pub group: ProcessGroup,
+    /// HSDP: the group of replicas of this shard (`dp_replicate`). Gradients are
+    /// reduce-scattered within `group`, then all-reduced across replicas.
+    pub replicate_group: Option<ProcessGroup>,
     /// Drop gathered weights after forward and gather again in backward. Takes effect on a
     /// device with gradient checkpointing (`Device::autodiff().gradient_checkpointing()`);
     /// otherwise the gathered weights are kept until backward.
@@ -21,8 +24,22 @@ impl FsdpConfig {
     pub fn new(group: ProcessGroup) -> Self {
         Self {
             group,
+            replicate_group: None,
             reshard_after_forward: true,
         }
+    }
+
+    /// HSDP over `replicate` x `group`.
+    pub fn hybrid(group: ProcessGroup, replicate: ProcessGroup) -> Self {
+        Self {
+            replicate_group: Some(replicate),
+            ..Self::new(group)
+        }
+    }
+
+    pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.reshard_after_forward = reshard;
+        self
     }
 }
 
@@ -33,6 +50,8 @@ pub struct ShardGather {
     #[module(skip)]
     group: Option<ProcessGroup>,
     #[module(skip)]
+    replicate_group: Option<ProcessGroup>,
+    #[module(skip)]
     recompute: bool,
 }
 
@@ -41,6 +60,12 @@ impl Reparameterization for ShardGather {
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
         let group = self.group.as_ref().expect("set by fully_shard");
+        // HSDP: identity forward; backward all-reduces the reduce-scattered gradient across
+        // replicas, after the shard group's reduce-scatter below.
+        let base = match &self.replicate_group {
+            Some(replicas) => copy_to_group(base, replicas),
+            None => base,
+        };
         let gathered = if self.recompute {
             all_gather_recompute(base, group, 0)
         } else {
@@ -86,6 +111,7 @@ impl Reparameterizer for Sharder<'_> {
         });
         let gather = ShardGather {
             group: Some(group.clone()),
+            replicate_group: self.config.replicate_group.clone(),
             recompute: self.config.reshard_after_forward,
         };
         (shard, Some(gather))
