@@ -79,11 +79,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     })?;
 
     println!("step  single-device loss  {WORLD}-rank sharded loss");
-    for step in 0..STEPS {
-        println!(
-            "{step:>4}  {:>18.6}  {:>20.6}",
-            single[step], ranks[0].0[step]
-        );
+    for (step, (one, sharded)) in single.iter().zip(&ranks[0].0).enumerate() {
+        println!("{step:>4}  {one:>18.6}  {sharded:>20.6}");
     }
     let worst = (0..STEPS)
         .map(|s| ((single[s] - ranks[0].0[s]) / single[s]).abs())

@@ -185,7 +185,7 @@ fn finite_differences(case: &FdCase) {
         _ => case.world,
     };
     for r in 0..ranks {
-        for i in 0..n {
+        for (i, _) in analytic[r].iter().enumerate().take(n) {
             let (plus, _) = run(case, Some((r, i, eps)));
             let (minus, _) = run(case, Some((r, i, -eps)));
             let fd = ((plus - minus) / (2.0 * eps as f64)) as f32;
@@ -286,14 +286,14 @@ fn all_to_all_v_gradient_is_the_inverse_exchange() {
     // Row k of rank r's input goes to rank j at a known row; its gradient is c_j's row there.
     for r in 0..world {
         let mut expected = Vec::new();
-        for j in 0..world {
+        for (j, count) in send[r].iter().enumerate() {
             let c = vec_of(&tensor(
                 70 + j as u64,
-                [(0..world).map(|s| send[s][j]).sum(), 2],
+                [send.iter().map(|row| row[j]).sum(), 2],
                 &device,
             ));
-            let row0: usize = (0..r).map(|s| send[s][j]).sum();
-            for k in 0..send[r][j] {
+            let row0: usize = send[..r].iter().map(|row| row[j]).sum();
+            for k in 0..*count {
                 expected.extend_from_slice(&c[(row0 + k) * 2..(row0 + k) * 2 + 2]);
             }
         }

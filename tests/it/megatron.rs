@@ -20,6 +20,19 @@ struct Weights {
     norm: Tensor<1>,
 }
 
+impl Weights {
+    /// This rank's trainable leaves: w1 and b1 by columns, w2 by rows, b2 replicated.
+    fn shard(&self, cols: std::ops::Range<usize>) -> (Tensor<2>, Tensor<1>, Tensor<2>, Tensor<1>) {
+        let (start, len) = (cols.start, cols.len());
+        (
+            self.w1.clone().narrow(1, start, len).require_grad(),
+            self.b1.clone().narrow(0, start, len).require_grad(),
+            self.w2.clone().narrow(0, start, len).require_grad(),
+            self.b2.clone().require_grad(),
+        )
+    }
+}
+
 fn weights(hidden: usize) -> Weights {
     let d = ndarray_ad();
     Weights {
@@ -95,19 +108,7 @@ fn tensor_parallel(tp: usize, hidden: usize) -> Vec<Grads> {
         let group = ctx.world()?;
         let cols = chunk_range(hidden, tp, group.index());
         let x = tensor(6, [TOKENS, MODEL], &d).require_grad();
-        let w1 =
-            w.w1.clone()
-                .narrow(1, cols.start, cols.len())
-                .require_grad();
-        let b1 =
-            w.b1.clone()
-                .narrow(0, cols.start, cols.len())
-                .require_grad();
-        let w2 =
-            w.w2.clone()
-                .narrow(0, cols.start, cols.len())
-                .require_grad();
-        let b2 = w.b2.clone().require_grad();
+        let (w1, b1, w2, b2) = w.shard(cols.clone());
         let h = mlp(
             coll::copy_to_group(x.clone(), &group),
             w1.clone(),
@@ -147,19 +148,7 @@ fn sequence_parallel(tp: usize, hidden: usize) -> Vec<Grads> {
             .narrow(0, rows.start, rows.len())
             .require_grad();
         let nw = w.norm.clone().require_grad();
-        let w1 =
-            w.w1.clone()
-                .narrow(1, cols.start, cols.len())
-                .require_grad();
-        let b1 =
-            w.b1.clone()
-                .narrow(0, cols.start, cols.len())
-                .require_grad();
-        let w2 =
-            w.w2.clone()
-                .narrow(0, cols.start, cols.len())
-                .require_grad();
-        let b2 = w.b2.clone().require_grad();
+        let (w1, b1, w2, b2) = w.shard(cols.clone());
         let normed = coll::all_gather(norm(x.clone(), nw.clone()), &group, 0)?;
         let h = mlp(normed, w1.clone(), b1.clone());
         let y =

@@ -129,11 +129,9 @@ impl CallBytes {
                 ..
             } => {
                 let len = data.shape()[*split_dim];
-                if len == 0 {
-                    0
-                } else {
-                    bytes(data) / len * send_sizes[info.index]
-                }
+                bytes(data)
+                    .checked_div(len)
+                    .map_or(0, |per_index| per_index * send_sizes[info.index])
             }
             _ => 0,
         };

@@ -10,10 +10,13 @@ use crate::stats::CommStats;
 
 use super::group::GroupShared;
 
+/// A group is identified by its label and its members in order.
+type GroupKey = (String, Vec<usize>);
+
 pub(crate) struct World {
     pub size: usize,
     pub timeout: Duration,
-    groups: Mutex<HashMap<(String, Vec<usize>), Arc<GroupShared>>>,
+    groups: Mutex<HashMap<GroupKey, Arc<GroupShared>>>,
     failure: Mutex<Option<(usize, String)>>,
     failed: AtomicBool,
     exited: Vec<AtomicBool>,
