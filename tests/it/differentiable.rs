@@ -375,7 +375,7 @@ fn prefetched_gather_matches_blocking() {
         let group = ctx.world()?;
         let me = group.index();
         let shard = tensor(5 + me as u64, [2, 3], &device).require_grad();
-        let pending = coll::start_all_gather(shard.clone(), &group, 0, false)?;
+        let pending = coll::start_all_gather(shard.clone(), &group, 0, Default::default())?;
         let other = coll::all_gather(shard.clone(), &group, 0)?; // overlaps the pending one
         let gathered = pending.finish()?;
         let loss = (gathered.clone() * 2.0).sum() + other.sum();

@@ -6,12 +6,14 @@
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{Device, Gradients, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Gradients, Tensor, TensorData};
 use burn_parallel::dist::chunk::chunk_range;
 use burn_parallel::dist::{DeviceMesh, MeshShape, OpKind, ReduceOp, launch};
-use burn_parallel::fsdp::{FsdpConfig, clip_grad_norm, fully_shard, gather_full};
+use burn_parallel::fsdp::{
+    FsdpConfig, MixedPrecisionPolicy, clip_grad_norm, fully_shard, gather_full,
+};
 
-use crate::common::{assert_close, ndarray_ad, values, vec_of};
+use crate::common::{assert_close, flex_ad, ndarray_ad, values, vec_of};
 
 const IN: usize = 5;
 const HIDDEN: usize = 3; // 3 rows of layer 2 over 4 ranks: 1, 1, 1, 0
@@ -63,10 +65,17 @@ fn tensor1(seed: u64, n: usize, device: &Device) -> Tensor<1> {
 
 /// Mean squared error of `rows` of the global batch of `step`, divided by the global batch so
 /// that summing over ranks gives the global mean.
-fn loss(model: &Mlp, step: usize, rows: std::ops::Range<usize>, device: &Device) -> Tensor<1> {
+fn loss(
+    model: &Mlp,
+    step: usize,
+    rows: std::ops::Range<usize>,
+    device: &Device,
+    policy: &MixedPrecisionPolicy,
+) -> Tensor<1> {
     let x = tensor2(100 + step as u64, [BATCH, IN], device).narrow(0, rows.start, rows.len());
     let y = tensor2(200 + step as u64, [BATCH, OUT], device).narrow(0, rows.start, rows.len());
-    (model.forward(x) - y).powi_scalar(2).sum() / (BATCH * OUT) as f32
+    let pred = policy.cast_output(model.forward(policy.cast_input(x)));
+    (pred - y).powi_scalar(2).sum() / (BATCH * OUT) as f32
 }
 
 /// What a training run uses besides the model.
@@ -75,13 +84,37 @@ struct Opts {
     adamw: bool,
     clip: Option<f32>,
     freeze_first_layer: bool,
+    /// bf16 compute and f32 reduction on flex (the only CPU backend with bf16).
+    bf16: bool,
 }
 
 const PLAIN: Opts = Opts {
     adamw: false,
     clip: None,
     freeze_first_layer: false,
+    bf16: false,
 };
+
+impl Opts {
+    fn device(&self) -> Device {
+        if self.bf16 { flex_ad() } else { ndarray_ad() }
+    }
+
+    fn policy(&self) -> MixedPrecisionPolicy {
+        if self.bf16 {
+            MixedPrecisionPolicy {
+                output_dtype: Some(FloatDType::F32),
+                ..MixedPrecisionPolicy::bf16()
+            }
+        } else {
+            MixedPrecisionPolicy::default()
+        }
+    }
+
+    fn tolerance(&self) -> f32 {
+        if self.bf16 { 2e-2 } else { 1e-5 }
+    }
+}
 
 /// Plain SGD on every parameter: `p -= lr * g`.
 fn sgd(model: Mlp, grads: &Gradients) -> Mlp {
@@ -124,13 +157,15 @@ fn prepare(model: Mlp, opts: Opts) -> Mlp {
     }
 }
 
+/// Always f32: the reference for mixed precision too.
 fn single_device(opts: Opts) -> Run {
-    let device = ndarray_ad();
+    let device = opts.device();
+    let f32_policy = MixedPrecisionPolicy::default();
     let mut model = prepare(Mlp::new(&device), opts);
     let mut optim = AdamWConfig::new().init();
     let (mut losses, mut norms) = (Vec::new(), Vec::new());
     for step in 0..STEPS {
-        let l = loss(&model, step, 0..BATCH, &device);
+        let l = loss(&model, step, 0..BATCH, &device, &f32_policy);
         losses.push(vec_of(&l)[0]);
         let mut grads = l.backward();
         if let Some(max) = opts.clip {
@@ -182,10 +217,10 @@ fn clip_single(model: &Mlp, grads: &mut Gradients, max: f32) -> f32 {
 }
 
 /// FSDP over `shard` ranks, HSDP when `replicas` > 1; every rank is a data-parallel rank.
-fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 3])> {
+fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 4])> {
     let world = replicas * shard;
     launch(world, |ctx| {
-        let device = ndarray_ad();
+        let device = opts.device();
         let mesh = DeviceMesh::new(
             &ctx,
             MeshShape::new(&[("dp_replicate", replicas), ("dp_shard", shard)])?,
@@ -197,15 +232,16 @@ fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 
             )
         } else {
             FsdpConfig::new(mesh.group("dp_shard")?.clone())
-        };
+        }
+        .mixed_precision(opts.policy());
         let world_group = ctx.world()?;
-        let mut model = fully_shard(prepare(Mlp::new(&device), opts), &config);
+        let mut model = fully_shard(prepare(Mlp::new(&device), opts), &config)?;
         let shard_rows = model.b.weight.base().dims()[0];
         let rows = chunk_range(BATCH, world, ctx.rank());
         let mut optim = AdamWConfig::new().init();
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for step in 0..STEPS {
-            let l = loss(&model, step, rows.clone(), &device);
+            let l = loss(&model, step, rows.clone(), &device, &config.mixed_precision);
             let global = world_group.all_reduce(l.to_data(), ReduceOp::Sum)?;
             losses.push(global.try_into_vec::<f32>().unwrap()[0]);
             let mut grads = l.backward();
@@ -219,13 +255,17 @@ fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 
                 sgd(model, &grads)
             };
         }
+        // Shards (and so the optimizer's state) stay f32 whatever the compute dtype.
+        assert_eq!(model.a.weight.base().dtype(), DType::F32);
         let full = gather_full(model);
+        assert_eq!(full.b.weight.val().dtype(), DType::F32, "full state in f32");
         let stats = mesh.group("dp_shard")?.stats();
         let replica_stats = mesh.group("dp_replicate")?.stats();
         let counts = [
             stats.calls(OpKind::AllGather),
             stats.calls(OpKind::ReduceScatter),
             replica_stats.calls(OpKind::AllReduce),
+            stats.op(OpKind::AllGather).bytes_received,
         ];
         Ok::<_, Box<dyn std::error::Error>>(((losses, flat(&full), norms), shard_rows, counts))
     })
@@ -238,14 +278,15 @@ fn check(replicas: usize, shard: usize, opts: Opts) {
         sharded(replicas, shard, opts).iter().enumerate()
     {
         let ctx = format!("{replicas}x{shard} ranks, rank {rank}, {opts:?}");
-        assert_close(losses, &want_losses, 1e-5, &format!("{ctx}: losses"));
+        let tol = opts.tolerance();
+        assert_close(losses, &want_losses, tol, &format!("{ctx}: losses"));
         assert_close(
             weights,
             &want_weights,
-            1e-5,
+            tol,
             &format!("{ctx}: final weights"),
         );
-        assert_close(norms, &want_norms, 1e-5, &format!("{ctx}: gradient norms"));
+        assert_close(norms, &want_norms, tol, &format!("{ctx}: gradient norms"));
         let shard_index = rank % shard;
         assert_eq!(
             *shard_rows,
@@ -259,9 +300,22 @@ fn check(replicas: usize, shard: usize, opts: Opts) {
         let trainable = if opts.freeze_first_layer { 2 } else { 4 };
         let replica_reduces = if replicas > 1 { trainable * steps } else { 0 };
         assert_eq!(
-            *counts,
+            counts[..3],
             [4 * steps + 4, trainable * steps, replica_reduces],
             "{ctx}: [all_gather, reduce_scatter, replica all_reduce] calls"
+        );
+        // Each gather receives the other ranks' rows: in the compute dtype during training,
+        // in f32 for the final full state.
+        let elem = if opts.bf16 { 2 } else { 4 };
+        let shapes = [(IN, HIDDEN), (HIDDEN, 1), (HIDDEN, OUT), (OUT, 1)];
+        let per_round: usize = shapes
+            .iter()
+            .map(|(rows, row)| (rows - chunk_range(*rows, shard, shard_index).len()) * row)
+            .sum();
+        assert_eq!(
+            counts[3],
+            (per_round * elem) as u64 * steps + (per_round * 4) as u64,
+            "{ctx}: bytes gathered"
         );
     }
 }
@@ -327,5 +381,63 @@ fn frozen_parameters_are_gathered_but_not_reduced() {
             freeze_first_layer: true,
             ..PLAIN
         },
+    );
+}
+
+#[test]
+fn bf16_compute_with_f32_reduce_on_flex_matches_f32_within_bf16_tolerance() {
+    check(
+        1,
+        2,
+        Opts {
+            bf16: true,
+            ..PLAIN
+        },
+    );
+    check(
+        1,
+        3,
+        Opts {
+            bf16: true,
+            ..PLAIN
+        },
+    );
+    check(
+        2,
+        2,
+        Opts {
+            bf16: true,
+            ..PLAIN
+        },
+    );
+    // AdamW normalises each update, so bf16 noise on near-zero gradients flips whole steps:
+    // no elementwise comparison; `sharded` asserts the shards (and so AdamW's state) stay f32.
+    let runs = sharded(
+        1,
+        3,
+        Opts {
+            bf16: true,
+            adamw: true,
+            ..PLAIN
+        },
+    );
+    assert!(
+        runs.iter()
+            .all(|((losses, _, _), _, _)| losses.iter().all(|l| l.is_finite()))
+    );
+}
+
+#[test]
+fn a_dtype_the_device_cannot_run_is_rejected() {
+    let msgs = launch(2, |ctx| {
+        let config = FsdpConfig::new(ctx.world()?).mixed_precision(MixedPrecisionPolicy::bf16());
+        let err = fully_shard(Mlp::new(&ndarray_ad()), &config).unwrap_err();
+        Ok::<_, burn_parallel::dist::CollectiveError>(err.to_string())
+    })
+    .unwrap();
+    assert!(
+        msgs[0].starts_with("mixed-precision param_dtype BF16 is not supported on device"),
+        "{}",
+        msgs[0]
     );
 }

@@ -6,14 +6,20 @@
 //! rank's shard (what optimizers update), and `param.val()` all-gathers it differentiably, so
 //! stock modules (`nn::Linear`, ...) run unchanged and gradients land on the shards summed
 //! over the group (a reduce-scatter). HSDP (reduce-scatter within the shard group, then
-//! all-reduce across replicas) and global-norm gradient clipping work on top of it.
+//! all-reduce across replicas), global-norm gradient clipping and the mixed-precision policy
+//! (gather and compute in `param_dtype`, reduce gradients in `reduce_dtype`, shards and
+//! optimizer state stay f32) work on top of it.
 //!
 //! Not done yet (the rest of the FSDP2 issue): gathers are per parameter, not coalesced per
-//! unit; no prefetch, mixed-precision or offload policy; no deferred gradient sync; no sharded
+//! unit; no prefetch or offload policy; no deferred gradient sync; no sharded
 //! state-dict loading or memory accounting.
 
 mod clip;
+mod error;
+mod policy;
 mod shard;
 
 pub use clip::clip_grad_norm;
+pub use error::FsdpError;
+pub use policy::MixedPrecisionPolicy;
 pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};

@@ -1,10 +1,13 @@
 //! Per-parameter sharding through Burn's `Reparameterization`.
 
 use burn::module::{Module, Param, Reparameterization, Reparameterizer};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_parallel_dist::ProcessGroup;
 use burn_parallel_dist::chunk::chunk_range;
-use burn_parallel_dist::collectives::{all_gather, all_gather_recompute, copy_to_group};
+use burn_parallel_dist::collectives::{GatherOptions, all_gather_with, copy_to_group};
+
+use crate::error::FsdpError;
+use crate::policy::MixedPrecisionPolicy;
 
 /// How [`fully_shard`] shards and gathers.
 #[derive(Debug, Clone)]
@@ -18,6 +21,7 @@ pub struct FsdpConfig {
     /// device with gradient checkpointing (`Device::autodiff().gradient_checkpointing()`);
     /// otherwise the gathered weights are kept until backward.
     pub reshard_after_forward: bool,
+    pub mixed_precision: MixedPrecisionPolicy,
 }
 
 impl FsdpConfig {
@@ -26,7 +30,13 @@ impl FsdpConfig {
             group,
             replicate_group: None,
             reshard_after_forward: true,
+            mixed_precision: MixedPrecisionPolicy::default(),
         }
+    }
+
+    pub fn mixed_precision(mut self, policy: MixedPrecisionPolicy) -> Self {
+        self.mixed_precision = policy;
+        self
     }
 
     /// HSDP over `replicate` x `group`.
@@ -52,7 +62,7 @@ pub struct ShardGather {
     #[module(skip)]
     replicate_group: Option<ProcessGroup>,
     #[module(skip)]
-    recompute: bool,
+    options: GatherOptions,
 }
 
 impl Reparameterization for ShardGather {
@@ -66,11 +76,15 @@ impl Reparameterization for ShardGather {
             Some(replicas) => copy_to_group(base, replicas),
             None => base,
         };
-        let gathered = if self.recompute {
-            all_gather_recompute(base, group, 0)
+        let options = if GATHER_IN_SHARD_DTYPE.get() {
+            GatherOptions {
+                compute_dtype: None,
+                ..self.options
+            }
         } else {
-            all_gather(base, group, 0)
+            self.options
         };
+        let gathered = all_gather_with(base, group, 0, options);
         // `Param::val` cannot return an error; the launcher reports the panic as this rank's
         // failure and releases the others.
         gathered.unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"))
@@ -79,9 +93,10 @@ impl Reparameterization for ShardGather {
 
 struct Sharder<'a> {
     config: &'a FsdpConfig,
+    error: Option<FsdpError>,
 }
 
-impl Reparameterizer for Sharder<'_> {
+impl Reparameterizer for &mut Sharder<'_> {
     type Reparam = ShardGather;
 
     fn reparameterize<const D: usize>(
@@ -90,6 +105,12 @@ impl Reparameterizer for Sharder<'_> {
         param: Param<Tensor<D>>,
     ) -> (Param<Tensor<D>>, Option<ShardGather>) {
         let group = &self.config.group;
+        let policy = self.config.mixed_precision;
+        if self.error.is_none()
+            && let Err(e) = policy.check(&param.lazy_device())
+        {
+            self.error = Some(e);
+        }
         let shard = param.map(|full| {
             let rows = chunk_range(full.dims()[0], group.size(), group.index());
             let trainable = full.is_require_grad();
@@ -112,7 +133,11 @@ impl Reparameterizer for Sharder<'_> {
         let gather = ShardGather {
             group: Some(group.clone()),
             replicate_group: self.config.replicate_group.clone(),
-            recompute: self.config.reshard_after_forward,
+            options: GatherOptions {
+                recompute: self.config.reshard_after_forward,
+                compute_dtype: policy.param_dtype.map(DType::from),
+                reduce_dtype: policy.reduce_dtype.map(DType::from),
+            },
         };
         (shard, Some(gather))
     }
@@ -120,12 +145,30 @@ impl Reparameterizer for Sharder<'_> {
 
 /// Shards every float parameter of `module` on dim 0 over `config.group`. Every rank calls
 /// it with the same (replicated) module; each keeps its own chunk. Parameter ids are kept.
-pub fn fully_shard<M: Module>(module: M, config: &FsdpConfig) -> M {
-    module.apply_reparameterization(Sharder { config })
+/// Fails, before any communication, on a mixed-precision dtype the device cannot run.
+pub fn fully_shard<M: Module>(module: M, config: &FsdpConfig) -> Result<M, FsdpError> {
+    let mut sharder = Sharder {
+        config,
+        error: None,
+    };
+    let sharded = module.apply_reparameterization(&mut sharder);
+    match sharder.error {
+        Some(e) => Err(e),
+        None => Ok(sharded),
+    }
 }
 
-/// The full (gathered) module, with plain parameters: collective, so every rank of the group
-/// calls it.
+thread_local! {
+    /// Set while `gather_full` materializes, so that a full state keeps the shards' dtype
+    /// (f32) instead of the mixed-precision compute dtype. A rank is one thread (or process).
+    static GATHER_IN_SHARD_DTYPE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The full (gathered) module, with plain parameters in the shards' dtype: collective, so every
+/// rank of the group calls it.
 pub fn gather_full<M: Module>(module: M) -> M {
-    module.materialize()
+    GATHER_IN_SHARD_DTYPE.set(true);
+    let full = module.materialize();
+    GATHER_IN_SHARD_DTYPE.set(false);
+    full
 }

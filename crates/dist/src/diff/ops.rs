@@ -19,7 +19,7 @@
 //! and create the tracked tensors on each rank.
 
 use burn::backend::Dispatch;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::chunk::{chunk_range, chunk_sizes, offsets};
 use crate::collective::{CollectiveHandle, OpKind};
@@ -72,9 +72,7 @@ pub fn all_gather<const D: usize>(
     group: &ProcessGroup,
     dim: usize,
 ) -> Result<Tensor<D>> {
-    check_dim::<D>(OpKind::AllGather, group, dim)?;
-    let (gathered, sizes) = group.all_gather_sized(x.to_data(), dim)?;
-    Ok(attach(x, gather_op(group, dim, gathered, sizes, false)))
+    all_gather_with(x, group, dim, GatherOptions::default())
 }
 
 /// As [`all_gather`], but under gradient checkpointing the gathered tensor is not kept for
@@ -85,9 +83,47 @@ pub fn all_gather_recompute<const D: usize>(
     group: &ProcessGroup,
     dim: usize,
 ) -> Result<Tensor<D>> {
+    let options = GatherOptions {
+        recompute: true,
+        ..GatherOptions::default()
+    };
+    all_gather_with(x, group, dim, options)
+}
+
+/// How [`all_gather_with`] gathers: FSDP's parameter all-gather with its mixed-precision policy.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GatherOptions {
+    /// Drop the result after forward and gather again in backward (under checkpointing).
+    pub recompute: bool,
+    /// Gather (and so compute) in this dtype; the input keeps its own (FSDP2's param_dtype).
+    pub compute_dtype: Option<DType>,
+    /// Reduce-scatter the gradient in this dtype (FSDP2's reduce_dtype). The gradient reaching
+    /// the input is in the input's dtype, converted once after the reduction.
+    pub reduce_dtype: Option<DType>,
+}
+
+/// [`all_gather`] with options: recomputation and a mixed-precision policy.
+pub fn all_gather_with<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+    options: GatherOptions,
+) -> Result<Tensor<D>> {
     check_dim::<D>(OpKind::AllGather, group, dim)?;
-    let (gathered, sizes) = group.all_gather_sized(x.to_data(), dim)?;
-    Ok(attach(x, gather_op(group, dim, gathered, sizes, true)))
+    let input = to_compute(x.to_data(), options.compute_dtype);
+    let (gathered, sizes) = group.all_gather_sized(input, dim)?;
+    let dtype = x.dtype();
+    Ok(attach(
+        x,
+        gather_op(group, dim, gathered, sizes, dtype, options),
+    ))
+}
+
+fn to_compute(data: TensorData, dtype: Option<DType>) -> TensorData {
+    match dtype {
+        Some(d) if d != data.dtype() => data.convert_dtype(d),
+        _ => data,
+    }
 }
 
 fn gather_op(
@@ -95,22 +131,27 @@ fn gather_op(
     dim: usize,
     gathered: TensorData,
     sizes: Vec<usize>,
-    recompute: bool,
+    input_dtype: DType,
+    options: GatherOptions,
 ) -> HostCollective {
     let g = group.clone();
     let backward = HostFn::new(move |dy| {
-        in_backward(
+        let dy = to_compute(dy, options.reduce_dtype);
+        let reduced = in_backward(
             "reduce_scatter",
             g.reduce_scatter_sizes(dy, dim, &sizes, ReduceOp::Sum),
-        )
+        );
+        to_compute(reduced, Some(input_dtype))
     });
     let g = group.clone();
-    let regather =
-        HostFn::new(move |x| in_backward("all_gather (recompute)", g.all_gather(x, dim)));
+    let regather = HostFn::new(move |x| {
+        let x = to_compute(x, options.compute_dtype);
+        in_backward("all_gather (recompute)", g.all_gather(x, dim))
+    });
     HostCollective {
         output: Some(gathered),
         backward: Some(backward),
-        recompute: recompute.then_some(regather),
+        recompute: options.recompute.then_some(regather),
     }
 }
 
@@ -121,14 +162,15 @@ pub struct PendingAllGather<const D: usize> {
     x: Tensor<D>,
     group: ProcessGroup,
     dim: usize,
-    recompute: bool,
+    options: GatherOptions,
     handle: CollectiveHandle,
 }
 
 impl<const D: usize> PendingAllGather<D> {
     pub fn finish(self) -> Result<Tensor<D>> {
         let (gathered, sizes) = self.handle.wait_sized()?;
-        let op = gather_op(&self.group, self.dim, gathered, sizes, self.recompute);
+        let dtype = self.x.dtype();
+        let op = gather_op(&self.group, self.dim, gathered, sizes, dtype, self.options);
         Ok(attach(self.x, op))
     }
 
@@ -137,20 +179,20 @@ impl<const D: usize> PendingAllGather<D> {
     }
 }
 
-/// Starts [`all_gather`] (or, with `recompute`, [`all_gather_recompute`]) without waiting.
+/// Starts [`all_gather_with`] without waiting.
 pub fn start_all_gather<const D: usize>(
     x: Tensor<D>,
     group: &ProcessGroup,
     dim: usize,
-    recompute: bool,
+    options: GatherOptions,
 ) -> Result<PendingAllGather<D>> {
     check_dim::<D>(OpKind::AllGather, group, dim)?;
-    let handle = group.all_gather_async(x.to_data(), dim);
+    let handle = group.all_gather_async(to_compute(x.to_data(), options.compute_dtype), dim);
     Ok(PendingAllGather {
         x,
         group: group.clone(),
         dim,
-        recompute,
+        options,
         handle,
     })
 }

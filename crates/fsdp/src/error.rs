@@ -1,0 +1,12 @@
+//! What sharding a module can fail with.
+
+/// Errors of `fully_shard`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FsdpError {
+    #[error("mixed-precision {role} {dtype} is not supported on device {device}")]
+    UnsupportedDtype {
+        role: &'static str,
+        dtype: String,
+        device: String,
+    },
+}
