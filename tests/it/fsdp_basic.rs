@@ -86,6 +86,8 @@ struct Opts {
     freeze_first_layer: bool,
     /// bf16 compute and f32 reduction on flex (the only CPU backend with bf16).
     bf16: bool,
+    /// Gradient checkpointing on the device, with reshard_after_forward as given.
+    checkpointing: Option<bool>,
 }
 
 const PLAIN: Opts = Opts {
@@ -93,11 +95,16 @@ const PLAIN: Opts = Opts {
     clip: None,
     freeze_first_layer: false,
     bf16: false,
+    checkpointing: None,
 };
 
 impl Opts {
     fn device(&self) -> Device {
-        if self.bf16 { flex_ad() } else { ndarray_ad() }
+        let device = if self.bf16 { flex_ad() } else { ndarray_ad() };
+        match self.checkpointing {
+            Some(_) => device.gradient_checkpointing(),
+            None => device,
+        }
     }
 
     fn policy(&self) -> MixedPrecisionPolicy {
@@ -125,7 +132,11 @@ fn sgd(model: Mlp, grads: &Gradients) -> Mlp {
         fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let grad = p.base().grad(self.grads);
             p.map(|t| match grad {
-                Some(g) => Tensor::from_inner(t.inner() - g * LR).require_grad(),
+                // Rebuilt on the parameter's device, which carries its checkpointing strategy.
+                Some(g) => {
+                    let device = t.device();
+                    Tensor::from_data((t.inner() - g * LR).into_data(), &device).require_grad()
+                }
                 None => t,
             })
         }
@@ -233,7 +244,8 @@ fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 
         } else {
             FsdpConfig::new(mesh.group("dp_shard")?.clone())
         }
-        .mixed_precision(opts.policy());
+        .mixed_precision(opts.policy())
+        .reshard_after_forward(opts.checkpointing.unwrap_or(true));
         let world_group = ctx.world()?;
         let mut model = fully_shard(prepare(Mlp::new(&device), opts), &config)?;
         let shard_rows = model.b.weight.base().dims()[0];
@@ -298,23 +310,39 @@ fn check(replicas: usize, shard: usize, opts: Opts) {
         // final gather of the full model. Frozen parameters are gathered, never reduced.
         let steps = STEPS as u64;
         let trainable = if opts.freeze_first_layer { 2 } else { 4 };
+        // Resharding under checkpointing gathers again in backward each parameter that backward
+        // needs, and no other: b's weight (for the hidden activation's gradient) and a's bias
+        // (Burn recomputes the cheap add feeding tanh); a's weight is not needed because the
+        // input takes no gradient, and b's bias feeds no recomputation.
+        let regathers = if opts.checkpointing == Some(true) {
+            2 * steps
+        } else {
+            0
+        };
         let replica_reduces = if replicas > 1 { trainable * steps } else { 0 };
         assert_eq!(
             counts[..3],
-            [4 * steps + 4, trainable * steps, replica_reduces],
+            [
+                4 * steps + regathers + 4,
+                trainable * steps,
+                replica_reduces
+            ],
             "{ctx}: [all_gather, reduce_scatter, replica all_reduce] calls"
         );
         // Each gather receives the other ranks' rows: in the compute dtype during training,
         // in f32 for the final full state.
         let elem = if opts.bf16 { 2 } else { 4 };
         let shapes = [(IN, HIDDEN), (HIDDEN, 1), (HIDDEN, OUT), (OUT, 1)];
-        let per_round: usize = shapes
-            .iter()
-            .map(|(rows, row)| (rows - chunk_range(*rows, shard, shard_index).len()) * row)
-            .sum();
+        let received = |(rows, row): &(usize, usize)| {
+            (rows - chunk_range(*rows, shard, shard_index).len()) * row
+        };
+        let per_round: usize = shapes.iter().map(received).sum();
+        let regathered_per_round = received(&shapes[1]) + received(&shapes[2]);
         assert_eq!(
             counts[3],
-            (per_round * elem) as u64 * steps + (per_round * 4) as u64,
+            (per_round * elem) as u64 * steps
+                + (per_round * 4) as u64
+                + regathers / 2 * (regathered_per_round * elem) as u64,
             "{ctx}: bytes gathered"
         );
     }
@@ -439,5 +467,34 @@ fn a_dtype_the_device_cannot_run_is_rejected() {
         msgs[0].starts_with("mixed-precision param_dtype BF16 is not supported on device"),
         "{}",
         msgs[0]
+    );
+}
+
+#[test]
+fn reshard_after_forward_gathers_again_in_backward_under_checkpointing() {
+    check(
+        1,
+        3,
+        Opts {
+            checkpointing: Some(true),
+            ..PLAIN
+        },
+    );
+    check(
+        1,
+        3,
+        Opts {
+            checkpointing: Some(false),
+            ..PLAIN
+        },
+    );
+    check(
+        2,
+        2,
+        Opts {
+            checkpointing: Some(true),
+            adamw: true,
+            ..PLAIN
+        },
     );
 }
