@@ -88,6 +88,8 @@ struct Opts {
     bf16: bool,
     /// Gradient checkpointing on the device, with reshard_after_forward as given.
     checkpointing: Option<bool>,
+    /// Micro-batches per step: all but the last run backward with gradient sync off.
+    micro_batches: usize,
 }
 
 const PLAIN: Opts = Opts {
@@ -96,6 +98,7 @@ const PLAIN: Opts = Opts {
     freeze_first_layer: false,
     bf16: false,
     checkpointing: None,
+    micro_batches: 1,
 };
 
 impl Opts {
@@ -253,10 +256,21 @@ fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 
         let mut optim = AdamWConfig::new().init();
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for step in 0..STEPS {
-            let l = loss(&model, step, rows.clone(), &device, &config.mixed_precision);
-            let global = world_group.all_reduce(l.to_data(), ReduceOp::Sum)?;
-            losses.push(global.try_into_vec::<f32>().unwrap()[0]);
-            let mut grads = l.backward();
+            let mut step_loss = 0.0;
+            let mut grads = None;
+            for micro in 0..opts.micro_batches {
+                let last = micro + 1 == opts.micro_batches;
+                config.set_requires_gradient_sync(last);
+                let part = chunk_range(rows.len(), opts.micro_batches, micro);
+                let part = rows.start + part.start..rows.start + part.end;
+                let l = loss(&model, step, part, &device, &config.mixed_precision);
+                let global = world_group.all_reduce(l.to_data(), ReduceOp::Sum)?;
+                step_loss += global.try_into_vec::<f32>().unwrap()[0];
+                // Only the sync step's gradients hold the reduced sum of every micro-step.
+                grads = Some(l.backward());
+            }
+            losses.push(step_loss);
+            let mut grads = grads.expect("at least one micro-batch");
             if let Some(max) = opts.clip {
                 norms.push(clip_grad_norm(&model, &mut grads, max, &config)?);
             }
@@ -323,7 +337,7 @@ fn check(replicas: usize, shard: usize, opts: Opts) {
         assert_eq!(
             counts[..3],
             [
-                4 * steps + regathers + 4,
+                4 * steps * opts.micro_batches as u64 + regathers + 4,
                 trainable * steps,
                 replica_reduces
             ],
@@ -340,7 +354,7 @@ fn check(replicas: usize, shard: usize, opts: Opts) {
         let regathered_per_round = received(&shapes[1]) + received(&shapes[2]);
         assert_eq!(
             counts[3],
-            (per_round * elem) as u64 * steps
+            (per_round * elem) as u64 * steps * opts.micro_batches as u64
                 + (per_round * 4) as u64
                 + regathers / 2 * (regathered_per_round * elem) as u64,
             "{ctx}: bytes gathered"
@@ -493,6 +507,27 @@ fn reshard_after_forward_gathers_again_in_backward_under_checkpointing() {
         2,
         Opts {
             checkpointing: Some(true),
+            adamw: true,
+            ..PLAIN
+        },
+    );
+}
+
+#[test]
+fn gradient_accumulation_without_sync_matches_one_big_batch() {
+    check(
+        1,
+        3,
+        Opts {
+            micro_batches: 2,
+            ..PLAIN
+        },
+    );
+    check(
+        2,
+        2,
+        Opts {
+            micro_batches: 3,
             adamw: true,
             ..PLAIN
         },

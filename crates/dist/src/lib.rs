@@ -24,7 +24,7 @@ pub mod threads;
 pub use collective::{
     Collective, CollectiveHandle, CollectiveOutput, Communicator, GroupInfo, OpKind,
 };
-pub use data::ReduceOp;
+pub use data::{ReduceOp, sum as sum_data};
 pub use engine::{Engine, RankContext};
 pub use error::{CollectiveError, LaunchError, MeshError, RankFailure};
 pub use group::ProcessGroup;

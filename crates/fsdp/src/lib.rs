@@ -8,14 +8,16 @@
 //! over the group (a reduce-scatter). HSDP (reduce-scatter within the shard group, then
 //! all-reduce across replicas), global-norm gradient clipping and the mixed-precision policy
 //! (gather and compute in `param_dtype`, reduce gradients in `reduce_dtype`, shards and
-//! optimizer state stay f32) work on top of it.
+//! optimizer state stay f32) and deferred gradient sync for accumulation
+//! (`FsdpConfig::set_requires_gradient_sync`) work on top of it.
 //!
 //! Not done yet (the rest of the FSDP2 issue): gathers are per parameter, not coalesced per
-//! unit; no prefetch or offload policy; no deferred gradient sync; no sharded
+//! unit; no prefetch or offload policy; no sharded
 //! state-dict loading or memory accounting.
 
 mod clip;
 mod error;
+mod gather;
 mod policy;
 mod shard;
 

@@ -1,12 +1,16 @@
 //! Per-parameter sharding through Burn's `Reparameterization`.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use burn::module::{Module, Param, Reparameterization, Reparameterizer};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_parallel_dist::ProcessGroup;
 use burn_parallel_dist::chunk::chunk_range;
-use burn_parallel_dist::collectives::{GatherOptions, all_gather_with, copy_to_group};
+use burn_parallel_dist::collectives::GatherOptions;
 
 use crate::error::FsdpError;
+use crate::gather::{Accumulator, GatherPlan, gather_param};
 use crate::policy::MixedPrecisionPolicy;
 
 /// How [`fully_shard`] shards and gathers.
@@ -22,6 +26,8 @@ pub struct FsdpConfig {
     /// otherwise the gathered weights are kept until backward.
     pub reshard_after_forward: bool,
     pub mixed_precision: MixedPrecisionPolicy,
+    /// Shared by every parameter sharded with this config (and its clones).
+    sync: Arc<AtomicBool>,
 }
 
 impl FsdpConfig {
@@ -31,7 +37,16 @@ impl FsdpConfig {
             replicate_group: None,
             reshard_after_forward: true,
             mixed_precision: MixedPrecisionPolicy::default(),
+            sync: Arc::new(AtomicBool::new(true)),
         }
+    }
+
+    /// FSDP2's `set_requires_gradient_sync`: with `false`, backward adds each parameter's
+    /// full gradient to a local accumulator and communicates nothing (the shards get zeros);
+    /// the next backward with `true` reduce-scatters the accumulated sum once. Under HSDP it
+    /// also skips the replica all-reduce.
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.sync.store(sync, Ordering::SeqCst);
     }
 
     pub fn mixed_precision(mut self, policy: MixedPrecisionPolicy) -> Self {
@@ -58,36 +73,28 @@ impl FsdpConfig {
 #[derive(Module, Debug)]
 pub struct ShardGather {
     #[module(skip)]
-    group: Option<ProcessGroup>,
+    plan: Option<GatherPlan>,
     #[module(skip)]
-    replicate_group: Option<ProcessGroup>,
-    #[module(skip)]
-    options: GatherOptions,
+    accumulator: Accumulator,
 }
 
 impl Reparameterization for ShardGather {
     const NAME: &'static str = "fsdp_shard";
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
-        let group = self.group.as_ref().expect("set by fully_shard");
-        // HSDP: identity forward; backward all-reduces the reduce-scattered gradient across
-        // replicas, after the shard group's reduce-scatter below.
-        let base = match &self.replicate_group {
-            Some(replicas) => copy_to_group(base, replicas),
-            None => base,
-        };
+        let plan = self.plan.as_ref().expect("set by fully_shard");
         let options = if GATHER_IN_SHARD_DTYPE.get() {
             GatherOptions {
                 compute_dtype: None,
-                ..self.options
+                ..plan.options
             }
         } else {
-            self.options
+            plan.options
         };
-        let gathered = all_gather_with(base, group, 0, options);
         // `Param::val` cannot return an error; the launcher reports the panic as this rank's
         // failure and releases the others.
-        gathered.unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"))
+        gather_param(base, plan, options, &self.accumulator)
+            .unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"))
     }
 }
 
@@ -131,13 +138,17 @@ impl Reparameterizer for &mut Sharder<'_> {
             }
         });
         let gather = ShardGather {
-            group: Some(group.clone()),
-            replicate_group: self.config.replicate_group.clone(),
-            options: GatherOptions {
-                recompute: self.config.reshard_after_forward,
-                compute_dtype: policy.param_dtype.map(DType::from),
-                reduce_dtype: policy.reduce_dtype.map(DType::from),
-            },
+            plan: Some(GatherPlan {
+                group: group.clone(),
+                replicate_group: self.config.replicate_group.clone(),
+                options: GatherOptions {
+                    recompute: self.config.reshard_after_forward,
+                    compute_dtype: policy.param_dtype.map(DType::from),
+                    reduce_dtype: policy.reduce_dtype.map(DType::from),
+                },
+                sync: self.config.sync.clone(),
+            }),
+            accumulator: Accumulator::default(),
         };
         (shard, Some(gather))
     }

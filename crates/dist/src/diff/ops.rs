@@ -31,7 +31,10 @@ use super::extension::{CollectiveBackend, HostCollective, HostFn};
 
 type Result<T> = std::result::Result<T, CollectiveError>;
 
-fn attach<const D: usize>(x: Tensor<D>, op: HostCollective) -> Tensor<D> {
+/// Places a host collective that already ran forward in the autodiff graph of `x`: the
+/// building block of every op here, public so that strategies (FSDP's parameter gather) can
+/// define their own backward.
+pub fn attach<const D: usize>(x: Tensor<D>, op: HostCollective) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as CollectiveBackend>::host_collective(
         x.into_dispatch(),
         op,
@@ -51,6 +54,11 @@ fn in_backward<T>(op: &str, result: Result<T>) -> T {
         };
         panic!("{op} in backward failed: {e}{hint}")
     })
+}
+
+/// Checks that `dim` exists in a `D`-d tensor, for a gather on `group`.
+pub fn check_gather_dim<const D: usize>(group: &ProcessGroup, dim: usize) -> Result<()> {
+    check_dim::<D>(OpKind::AllGather, group, dim)
 }
 
 fn check_dim<const D: usize>(op: OpKind, group: &ProcessGroup, dim: usize) -> Result<()> {
@@ -110,7 +118,7 @@ pub fn all_gather_with<const D: usize>(
     options: GatherOptions,
 ) -> Result<Tensor<D>> {
     check_dim::<D>(OpKind::AllGather, group, dim)?;
-    let input = to_compute(x.to_data(), options.compute_dtype);
+    let input = to_dtype(x.to_data(), options.compute_dtype);
     let (gathered, sizes) = group.all_gather_sized(input, dim)?;
     let dtype = x.dtype();
     Ok(attach(
@@ -119,7 +127,8 @@ pub fn all_gather_with<const D: usize>(
     ))
 }
 
-fn to_compute(data: TensorData, dtype: Option<DType>) -> TensorData {
+/// `data` in `dtype` (unchanged when `None` or already there).
+pub fn to_dtype(data: TensorData, dtype: Option<DType>) -> TensorData {
     match dtype {
         Some(d) if d != data.dtype() => data.convert_dtype(d),
         _ => data,
@@ -136,16 +145,16 @@ fn gather_op(
 ) -> HostCollective {
     let g = group.clone();
     let backward = HostFn::new(move |dy| {
-        let dy = to_compute(dy, options.reduce_dtype);
+        let dy = to_dtype(dy, options.reduce_dtype);
         let reduced = in_backward(
             "reduce_scatter",
             g.reduce_scatter_sizes(dy, dim, &sizes, ReduceOp::Sum),
         );
-        to_compute(reduced, Some(input_dtype))
+        to_dtype(reduced, Some(input_dtype))
     });
     let g = group.clone();
     let regather = HostFn::new(move |x| {
-        let x = to_compute(x, options.compute_dtype);
+        let x = to_dtype(x, options.compute_dtype);
         in_backward("all_gather (recompute)", g.all_gather(x, dim))
     });
     HostCollective {
@@ -187,7 +196,7 @@ pub fn start_all_gather<const D: usize>(
     options: GatherOptions,
 ) -> Result<PendingAllGather<D>> {
     check_dim::<D>(OpKind::AllGather, group, dim)?;
-    let handle = group.all_gather_async(to_compute(x.to_data(), options.compute_dtype), dim);
+    let handle = group.all_gather_async(to_dtype(x.to_data(), options.compute_dtype), dim);
     Ok(PendingAllGather {
         x,
         group: group.clone(),
