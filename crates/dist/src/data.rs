@@ -269,6 +269,14 @@ fn reduce_run<S: Stored>(sources: &[&[u8]], dst: &mut [u8], op: ReduceOp) {
     }
 }
 
+/// Elementwise sum, in order, of tensors of one shape and dtype (host-side accumulation, e.g.
+/// of unsynchronised gradients).
+pub fn sum(parts: &[&TensorData]) -> TensorData {
+    let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+    let out = reduce_bytes(&bytes, parts[0].dtype(), ReduceOp::Sum);
+    TensorData::from_bytes_vec(out, parts[0].shape().to_vec(), parts[0].dtype())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,12 +318,4 @@ mod tests {
         let min = reduce_slice(&[&a, &b], 0, 0, 2, ReduceOp::Min);
         assert_eq!(min, a);
     }
-}
-
-/// Elementwise sum, in order, of tensors of one shape and dtype (host-side accumulation, e.g.
-/// of unsynchronised gradients).
-pub fn sum(parts: &[&TensorData]) -> TensorData {
-    let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-    let out = reduce_bytes(&bytes, parts[0].dtype(), ReduceOp::Sum);
-    TensorData::from_bytes_vec(out, parts[0].shape().to_vec(), parts[0].dtype())
 }
