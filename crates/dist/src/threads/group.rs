@@ -188,11 +188,16 @@ impl Member<'_> {
     pub fn release(&self, seq: u64) {
         let mut state = lock(&self.group.state);
         let n = self.n();
-        if let Some(slot) = state.slots.get_mut(&seq) {
-            slot.released += 1;
-            if slot.released == n {
-                state.slots.remove(&seq);
+        let done = match state.slots.get_mut(&seq) {
+            Some(slot) => {
+                slot.released += 1;
+                slot.released == n
             }
+            None => false,
+        };
+        if done && let Some(slot) = state.slots.remove(&seq) {
+            drop(state);
+            free_off_the_critical_path(slot);
         }
     }
 
@@ -278,6 +283,40 @@ impl Member<'_> {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+}
+
+/// Inputs at least this large are freed on a helper thread.
+const FREE_ASYNC_BYTES: usize = 1 << 20;
+
+/// Frees a finished slot's inputs. Returning large allocations to the OS costs about as much as
+/// faulting them in on some machines; the last rank to release would otherwise pay it inside
+/// the collective. Small slots are freed in place.
+fn free_off_the_critical_path(slot: Slot) {
+    let bytes: usize = slot
+        .calls
+        .iter()
+        .flatten()
+        .map(|call| call_bytes(call))
+        .sum();
+    if bytes >= FREE_ASYNC_BYTES {
+        let spawned = std::thread::Builder::new()
+            .name("collective-free".into())
+            .spawn(move || drop(slot));
+        // If no thread can be spawned the closure (and the slot) is dropped here instead.
+        drop(spawned);
+    }
+}
+
+fn call_bytes(call: &Collective) -> usize {
+    match call {
+        Collective::AllReduce { data, .. }
+        | Collective::AllGather { data, .. }
+        | Collective::ReduceScatter { data, .. }
+        | Collective::AllToAll { data, .. }
+        | Collective::Send { data, .. } => data.as_bytes().len(),
+        Collective::Broadcast { data, .. } => data.as_ref().map_or(0, |d| d.as_bytes().len()),
+        Collective::Recv { .. } | Collective::Barrier => 0,
     }
 }
 

@@ -1,0 +1,141 @@
+//! What a module must provide to be wrapped in `Tp`: how its weights shard for a style and
+//! which of its parameters stay replicated with partial gradients.
+
+use burn::module::{Module, ModuleVisitor};
+use burn::nn::{Embedding, Linear};
+use burn_parallel_dist::ProcessGroup;
+
+use crate::error::TpError;
+use crate::shard::{ShardSpec, narrow_param};
+use crate::style::{Layout, ParallelStyle};
+
+/// A module that can be sharded by a [`ParallelStyle`]. Implement it for a user module to
+/// wrap it in [`Tp`](crate::Tp) and run it with [`Tp::forward_with`](crate::Tp::forward_with).
+pub trait TpLayer: Module + Sized {
+    /// A short name for errors ("Linear", "Embedding", ...).
+    const KIND: &'static str;
+
+    /// This rank's shard of the module for `style` over `group`, and the shard of the split
+    /// dim (None when the style shards nothing). Unsupported styles are errors naming `path`.
+    fn shard(
+        self,
+        style: &ParallelStyle,
+        group: &ProcessGroup,
+        path: &str,
+    ) -> Result<(Self, Option<ShardSpec>), TpError>;
+
+    /// Visits the parameters that stay replicated but see only this rank's tokens under
+    /// `style` (their gradients are partial sums). Default: every parameter of a
+    /// sequence-parallel module.
+    fn visit_partial_grad_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {
+        if matches!(style, ParallelStyle::Sequence { .. }) {
+            self.visit(visitor);
+        }
+    }
+}
+
+pub(crate) fn unsupported(
+    path: &str,
+    module: &'static str,
+    style: &ParallelStyle,
+    reason: &str,
+) -> TpError {
+    TpError::UnsupportedStyle {
+        path: path.to_string(),
+        module,
+        style: style.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+impl TpLayer for Linear {
+    const KIND: &'static str = "Linear";
+
+    fn shard(
+        mut self,
+        style: &ParallelStyle,
+        group: &ProcessGroup,
+        path: &str,
+    ) -> Result<(Self, Option<ShardSpec>), TpError> {
+        // Burn's Linear weight is [d_in, d_out]: colwise splits dim 1, rowwise dim 0.
+        let [d_in, d_out] = self.weight.shape().dims();
+        match style {
+            ParallelStyle::Colwise { .. } => {
+                let spec = ShardSpec::new(d_out, group, path, "d_output")?;
+                self.weight = narrow_param(self.weight, 1, spec.range.clone());
+                self.bias = self.bias.map(|b| narrow_param(b, 0, spec.range.clone()));
+                Ok((self, Some(spec)))
+            }
+            ParallelStyle::Rowwise { .. } => {
+                let spec = ShardSpec::new(d_in, group, path, "d_input")?;
+                self.weight = narrow_param(self.weight, 0, spec.range.clone());
+                Ok((self, Some(spec)))
+            }
+            ParallelStyle::Sequence { .. } => Ok((self, None)),
+        }
+    }
+
+    fn visit_partial_grad_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {
+        match style {
+            ParallelStyle::Sequence { .. } => self.visit(visitor),
+            // The bias is added on this rank's tokens only, after the reduce-scatter.
+            ParallelStyle::Rowwise {
+                output: Layout::SequenceSharded { .. },
+                ..
+            } => {
+                if let Some(bias) = &self.bias {
+                    visitor.visit_float(bias);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+impl TpLayer for Embedding {
+    const KIND: &'static str = "Embedding";
+
+    fn shard(
+        mut self,
+        style: &ParallelStyle,
+        group: &ProcessGroup,
+        path: &str,
+    ) -> Result<(Self, Option<ShardSpec>), TpError> {
+        // The table is [vocab, d_model]: rowwise splits the vocab, colwise the features.
+        let [vocab, d_model] = self.weight.shape().dims();
+        match style {
+            ParallelStyle::Rowwise { input, .. } => {
+                if *input != Layout::Replicated {
+                    return Err(unsupported(
+                        path,
+                        Self::KIND,
+                        style,
+                        "token ids must be replicated",
+                    ));
+                }
+                let spec = ShardSpec::new(vocab, group, path, "vocab")?;
+                self.weight = narrow_param(self.weight, 0, spec.range.clone());
+                Ok((self, Some(spec)))
+            }
+            ParallelStyle::Colwise { input, .. } => {
+                if *input != Layout::Replicated {
+                    return Err(unsupported(
+                        path,
+                        Self::KIND,
+                        style,
+                        "token ids must be replicated",
+                    ));
+                }
+                let spec = ShardSpec::new(d_model, group, path, "d_model")?;
+                self.weight = narrow_param(self.weight, 1, spec.range.clone());
+                Ok((self, Some(spec)))
+            }
+            ParallelStyle::Sequence { .. } => Err(unsupported(
+                path,
+                Self::KIND,
+                style,
+                "an embedding takes ids, not a sequence-sharded activation; use vocab_parallel_sp",
+            )),
+        }
+    }
+}

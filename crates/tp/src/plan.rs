@@ -1,0 +1,321 @@
+//! Tensor-parallel plans: module-path patterns mapped to styles, applied by walking a
+//! model's `Tp` fields by path, with a report of what matched nothing and what no entry
+//! covered.
+
+use burn::tensor::{DType, Gradients};
+use burn_parallel_dist::ProcessGroup;
+
+use crate::error::TpError;
+use crate::grads::GradAllReduce;
+use crate::layer::TpLayer;
+use crate::pattern::path_matches;
+use crate::style::ParallelStyle;
+use crate::tp::Tp;
+
+/// Ordered `pattern -> style` entries; the first entry matching a path wins.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TpPlan {
+    entries: Vec<(String, ParallelStyle)>,
+}
+
+impl TpPlan {
+    pub const NAMED: [&'static str; 2] = ["llama", "llama-sp"];
+
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn with(mut self, pattern: impl Into<String>, style: ParallelStyle) -> Self {
+        self.entries.push((pattern.into(), style));
+        self
+    }
+
+    pub fn entries(&self) -> &[(String, ParallelStyle)] {
+        &self.entries
+    }
+
+    /// A named plan: `llama` (q/k/v/gate/up colwise, o/down rowwise, vocab-parallel
+    /// `embed_tokens`, colwise `lm_head` for `loss_parallel`) or `llama-sp` (the same with
+    /// sequence parallelism on dim 1 of `[batch, seq, hidden]`, norms included).
+    pub fn named(name: &str) -> Result<Self, TpError> {
+        match name {
+            "llama" => Ok(Self::llama(false)),
+            "llama-sp" => Ok(Self::llama(true)),
+            _ => Err(TpError::UnknownPlan {
+                name: name.to_string(),
+                known: Self::NAMED.join(", "),
+            }),
+        }
+    }
+
+    /// The Llama plan; `sequence_parallel` shards activations on the sequence dim (1)
+    /// between the tp regions.
+    pub fn llama(sequence_parallel: bool) -> Self {
+        use ParallelStyle as S;
+        const SEQ: usize = 1;
+        let (col, row, embed, head) = if sequence_parallel {
+            (
+                S::colwise_sp(SEQ),
+                S::rowwise_sp(SEQ),
+                S::vocab_parallel_sp(SEQ),
+                S::colwise_sp(SEQ),
+            )
+        } else {
+            (
+                S::colwise(),
+                S::rowwise(),
+                S::vocab_parallel(),
+                S::colwise(),
+            )
+        };
+        let mut plan = Self::new().with("embed_tokens", embed);
+        for p in ["q_proj", "k_proj", "v_proj"] {
+            plan = plan.with(format!("layers.*.self_attn.{p}"), col);
+        }
+        plan = plan.with("layers.*.self_attn.o_proj", row);
+        for p in ["gate_proj", "up_proj"] {
+            plan = plan.with(format!("layers.*.mlp.{p}"), col);
+        }
+        plan = plan.with("layers.*.mlp.down_proj", row);
+        if sequence_parallel {
+            for p in [
+                "layers.*.input_layernorm",
+                "layers.*.post_attention_layernorm",
+                "norm",
+            ] {
+                plan = plan.with(p, S::sequence_parallel(SEQ));
+            }
+        }
+        plan.with("lm_head", head)
+    }
+}
+
+/// What applying a plan did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TpReport {
+    /// Each module path that got a style.
+    pub applied: Vec<(String, ParallelStyle)>,
+    /// Plan patterns that matched no `Tp` module (or only modules an earlier entry took).
+    pub unmatched_entries: Vec<String>,
+    /// `Tp` modules that no entry covered (left replicated).
+    pub uncovered_modules: Vec<String>,
+}
+
+impl TpReport {
+    pub fn is_complete(&self) -> bool {
+        self.unmatched_entries.is_empty() && self.uncovered_modules.is_empty()
+    }
+
+    /// An error listing the plan entries that matched nothing (a typo or a model mismatch);
+    /// uncovered modules are allowed (they stay replicated).
+    pub fn check_entries(&self) -> Result<(), TpError> {
+        if self.unmatched_entries.is_empty() {
+            Ok(())
+        } else {
+            Err(TpError::UnmatchedEntries(self.unmatched_entries.join(", ")))
+        }
+    }
+}
+
+/// State of a plan being applied: the plan, the group, which entries matched, the report.
+#[derive(Debug)]
+pub struct TpApplier<'a> {
+    plan: &'a TpPlan,
+    group: ProcessGroup,
+    reduce_dtype: Option<DType>,
+    hits: Vec<usize>,
+    report: TpReport,
+}
+
+impl<'a> TpApplier<'a> {
+    pub fn new(plan: &'a TpPlan, group: &ProcessGroup) -> Self {
+        Self {
+            plan,
+            group: group.clone(),
+            reduce_dtype: None,
+            hits: vec![0; plan.entries.len()],
+            report: TpReport::default(),
+        }
+    }
+
+    /// Gradients of replicated params in the sequence-parallel region are all-reduced in
+    /// `dtype` (mixed precision's reduce dtype).
+    pub fn with_reduce_dtype(mut self, dtype: DType) -> Self {
+        self.reduce_dtype = Some(dtype);
+        self
+    }
+
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// The style the plan gives `path`, recording the hit (or the miss).
+    pub fn style_for(&mut self, path: &str) -> Option<ParallelStyle> {
+        let found = self
+            .plan
+            .entries
+            .iter()
+            .position(|(pattern, _)| path_matches(pattern, path));
+        match found {
+            Some(i) => {
+                self.hits[i] += 1;
+                let style = self.plan.entries[i].1;
+                self.report.applied.push((path.to_string(), style));
+                Some(style)
+            }
+            None => {
+                self.report.uncovered_modules.push(path.to_string());
+                None
+            }
+        }
+    }
+
+    pub fn finish(mut self) -> TpReport {
+        self.report.unmatched_entries = self
+            .plan
+            .entries
+            .iter()
+            .zip(&self.hits)
+            .filter(|(_, hits)| **hits == 0)
+            .map(|((pattern, _), _)| pattern.clone())
+            .collect();
+        self.report
+    }
+}
+
+/// `parent.name`, or `name` at the root.
+pub fn child_path(parent: &str, name: &str) -> String {
+    if parent.is_empty() {
+        name.to_string()
+    } else {
+        format!("{parent}.{name}")
+    }
+}
+
+/// A module tree whose `Tp` fields a plan can reach by path. Implemented for `Tp<M>`,
+/// `Vec`, `Option`; a user struct implements it by calling each field with
+/// `child_path(path, "field")` (a derive comes later).
+pub trait TpModule: Sized {
+    fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError>;
+
+    /// All-reduces, over each module's tp group, the partial gradients of replicated
+    /// parameters in the sequence-parallel region. Call after backward on every rank.
+    fn sync_tp_grads(&self, grads: &mut Gradients) -> Result<(), TpError>;
+}
+
+impl<M: TpLayer> TpModule for Tp<M> {
+    fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError> {
+        match cx.style_for(path) {
+            Some(style) => {
+                let group = cx.group.clone();
+                self.parallelize_with(style, &group, path, cx.reduce_dtype)
+            }
+            None => Ok(self),
+        }
+    }
+
+    fn sync_tp_grads(&self, grads: &mut Gradients) -> Result<(), TpError> {
+        let Some(s) = self.sharding() else {
+            return Ok(());
+        };
+        if !s.style.sequence_sharded_output() {
+            return Ok(());
+        }
+        let mut visitor = GradAllReduce {
+            grads,
+            group: &s.group,
+            reduce_dtype: s.reduce_dtype,
+            path: &s.path,
+            error: None,
+        };
+        self.inner()
+            .visit_partial_grad_params(&s.style, &mut visitor);
+        visitor.error.map_or(Ok(()), Err)
+    }
+}
+
+impl<T: TpModule> TpModule for Vec<T> {
+    fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError> {
+        self.into_iter()
+            .enumerate()
+            .map(|(i, m)| m.apply_tp(&child_path(path, &i.to_string()), cx))
+            .collect()
+    }
+
+    fn sync_tp_grads(&self, grads: &mut Gradients) -> Result<(), TpError> {
+        self.iter().try_for_each(|m| m.sync_tp_grads(grads))
+    }
+}
+
+impl<T: TpModule> TpModule for Option<T> {
+    fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError> {
+        self.map(|m| m.apply_tp(path, cx)).transpose()
+    }
+
+    fn sync_tp_grads(&self, grads: &mut Gradients) -> Result<(), TpError> {
+        self.as_ref().map_or(Ok(()), |m| m.sync_tp_grads(grads))
+    }
+}
+
+/// Applies `plan` to `model` over the tp `group` (every rank calls it) and reports plan
+/// entries that matched nothing and `Tp` modules no entry covered.
+pub fn apply_plan<M: TpModule>(
+    model: M,
+    plan: &TpPlan,
+    group: &ProcessGroup,
+) -> Result<(M, TpReport), TpError> {
+    let mut cx = TpApplier::new(plan, group);
+    let model = model.apply_tp("", &mut cx)?;
+    Ok((model, cx.finish()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama_plans_name_the_llama_modules() {
+        let plan = TpPlan::named("llama").unwrap();
+        let style = |p: &str| plan.entries().iter().find(|(k, _)| k == p).map(|(_, s)| *s);
+        assert_eq!(
+            style("layers.*.self_attn.k_proj"),
+            Some(ParallelStyle::colwise())
+        );
+        assert_eq!(
+            style("layers.*.mlp.down_proj"),
+            Some(ParallelStyle::rowwise())
+        );
+        assert_eq!(style("embed_tokens"), Some(ParallelStyle::vocab_parallel()));
+        assert_eq!(style("lm_head"), Some(ParallelStyle::colwise()));
+        assert_eq!(style("norm"), None);
+
+        let sp = TpPlan::named("llama-sp").unwrap();
+        assert_eq!(sp.entries().len(), plan.entries().len() + 3);
+        let style = |p: &str| sp.entries().iter().find(|(k, _)| k == p).map(|(_, s)| *s);
+        assert_eq!(style("norm"), Some(ParallelStyle::sequence_parallel(1)));
+        assert_eq!(
+            style("layers.*.self_attn.o_proj"),
+            Some(ParallelStyle::rowwise_sp(1))
+        );
+        assert_eq!(
+            style("layers.*.self_attn.o_proj").unwrap().to_string(),
+            "Rowwise(Sharded(-1) -> Sharded(1))"
+        );
+    }
+
+    #[test]
+    fn unknown_plan_lists_the_known_ones() {
+        let msg = TpPlan::named("gpt").unwrap_err().to_string();
+        assert_eq!(msg, "unknown named tp plan `gpt` (known: llama, llama-sp)");
+    }
+
+    #[test]
+    fn unmatched_entries_are_an_error_on_request() {
+        let report = TpReport {
+            unmatched_entries: vec!["layers.*.attn.qkv".into()],
+            ..TpReport::default()
+        };
+        let msg = report.check_entries().unwrap_err().to_string();
+        assert!(msg.contains("layers.*.attn.qkv"), "{msg}");
+    }
+}

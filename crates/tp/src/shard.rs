@@ -1,0 +1,59 @@
+//! Slicing a parameter to this rank's shard (pad-to-ceil chunks) while keeping its ParamId.
+
+use std::ops::Range;
+
+use burn::module::Param;
+use burn::tensor::Tensor;
+use burn_parallel_dist::ProcessGroup;
+use burn_parallel_dist::chunk::chunk_range;
+
+use crate::error::TpError;
+
+/// Which slice of a sharded dim this rank holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSpec {
+    /// Size of the dim before sharding.
+    pub full: usize,
+    /// This rank's range of it.
+    pub range: Range<usize>,
+}
+
+impl ShardSpec {
+    /// This rank's chunk of `full`; an empty chunk is an error (Burn ops reject empty dims).
+    pub fn new(
+        full: usize,
+        group: &ProcessGroup,
+        path: &str,
+        what: &'static str,
+    ) -> Result<Self, TpError> {
+        let range = chunk_range(full, group.size(), group.index());
+        if range.is_empty() {
+            return Err(TpError::EmptyShard {
+                path: path.to_string(),
+                what,
+                size: full,
+                tp: group.size(),
+                rank: group.index(),
+            });
+        }
+        Ok(Self { full, range })
+    }
+}
+
+/// The slice `range` of `param` along `dim`, as a fresh leaf (same ParamId, same
+/// require-grad setting): the shard is what the optimizer updates.
+pub fn narrow_param<const D: usize>(
+    param: Param<Tensor<D>>,
+    dim: usize,
+    range: Range<usize>,
+) -> Param<Tensor<D>> {
+    param.map(|t| {
+        let require_grad = t.is_require_grad();
+        let shard = t.narrow(dim, range.start, range.len()).detach();
+        if require_grad {
+            shard.require_grad()
+        } else {
+            shard
+        }
+    })
+}

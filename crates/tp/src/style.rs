@@ -1,0 +1,159 @@
+//! Parallel styles (DTensor's ColwiseParallel / RowwiseParallel / SequenceParallel) and the
+//! activation layouts they expect and produce.
+
+use std::fmt;
+
+/// Layout of an activation over the tp group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Every rank holds the whole tensor.
+    Replicated,
+    /// Split on the last (feature) dim: the output of a colwise layer.
+    Sharded,
+    /// Split on a sequence dim (pad-to-ceil chunks): the sequence-parallel region.
+    SequenceSharded { dim: usize },
+}
+
+/// How a module takes part in tensor parallelism.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParallelStyle {
+    /// Weight split on the output features. Input: `Replicated` (backward all-reduces its
+    /// gradient) or `SequenceSharded` (all-gathered first). Output: `Sharded` or
+    /// `Replicated` (gathered).
+    Colwise { input: Layout, output: Layout },
+    /// Weight split on the input features (an Embedding: on the vocab, masked lookup).
+    /// Input: `Sharded` or `Replicated` (split here). Output: `Replicated` (all-reduce) or
+    /// `SequenceSharded` (reduce-scatter). A bias is added once, after the reduction.
+    Rowwise { input: Layout, output: Layout },
+    /// Norm-like module run on a sequence-sharded activation; its replicated parameters
+    /// get partial gradients, summed over the group by `sync_tp_grads`.
+    Sequence { dim: usize },
+}
+
+impl ParallelStyle {
+    pub fn colwise() -> Self {
+        Self::Colwise {
+            input: Layout::Replicated,
+            output: Layout::Sharded,
+        }
+    }
+
+    /// Colwise with the output gathered back to a replicated tensor.
+    pub fn colwise_gathered() -> Self {
+        Self::Colwise {
+            input: Layout::Replicated,
+            output: Layout::Replicated,
+        }
+    }
+
+    /// Colwise whose input is sequence-sharded on `dim` (sequence parallelism).
+    pub fn colwise_sp(dim: usize) -> Self {
+        Self::Colwise {
+            input: Layout::SequenceSharded { dim },
+            output: Layout::Sharded,
+        }
+    }
+
+    pub fn rowwise() -> Self {
+        Self::Rowwise {
+            input: Layout::Sharded,
+            output: Layout::Replicated,
+        }
+    }
+
+    /// Rowwise on a replicated input: each rank takes its slice of the features.
+    pub fn rowwise_from_replicated() -> Self {
+        Self::Rowwise {
+            input: Layout::Replicated,
+            output: Layout::Replicated,
+        }
+    }
+
+    /// Rowwise whose output is reduce-scattered on the sequence `dim`.
+    pub fn rowwise_sp(dim: usize) -> Self {
+        Self::Rowwise {
+            input: Layout::Sharded,
+            output: Layout::SequenceSharded { dim },
+        }
+    }
+
+    /// Vocab-parallel embedding: replicated ids, vocab-sharded table, all-reduced output.
+    pub fn vocab_parallel() -> Self {
+        Self::Rowwise {
+            input: Layout::Replicated,
+            output: Layout::Replicated,
+        }
+    }
+
+    /// Vocab-parallel embedding whose output is reduce-scattered on the sequence `dim`.
+    pub fn vocab_parallel_sp(dim: usize) -> Self {
+        Self::Rowwise {
+            input: Layout::Replicated,
+            output: Layout::SequenceSharded { dim },
+        }
+    }
+
+    pub fn sequence_parallel(dim: usize) -> Self {
+        Self::Sequence { dim }
+    }
+
+    /// Checks the layouts make sense for the style; returns why not.
+    pub(crate) fn check_layouts(&self) -> Result<(), String> {
+        match *self {
+            Self::Colwise { input, output } => {
+                if input == Layout::Sharded {
+                    return Err(
+                        "a colwise layer needs a replicated or sequence-sharded input".into(),
+                    );
+                }
+                if matches!(output, Layout::SequenceSharded { .. }) {
+                    return Err("a colwise layer's output is feature-sharded or replicated".into());
+                }
+            }
+            Self::Rowwise { input, output } => {
+                if matches!(input, Layout::SequenceSharded { .. }) {
+                    return Err(
+                        "a rowwise layer needs a feature-sharded or replicated input".into(),
+                    );
+                }
+                if output == Layout::Sharded {
+                    return Err("a rowwise layer's output is replicated or sequence-sharded".into());
+                }
+            }
+            Self::Sequence { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// Whether this style leaves replicated parameters with partial gradients (their
+    /// forward sees only this rank's tokens).
+    pub(crate) fn sequence_sharded_output(&self) -> bool {
+        matches!(
+            self,
+            Self::Rowwise {
+                output: Layout::SequenceSharded { .. },
+                ..
+            } | Self::Sequence { .. }
+        )
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Layout::Replicated => write!(f, "Replicated"),
+            Layout::Sharded => write!(f, "Sharded(-1)"),
+            Layout::SequenceSharded { dim } => write!(f, "Sharded({dim})"),
+        }
+    }
+}
+
+impl fmt::Display for ParallelStyle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Colwise { input, output } => write!(f, "Colwise({input} -> {output})"),
+            Self::Rowwise { input, output } => write!(f, "Rowwise({input} -> {output})"),
+            Self::Sequence { dim } => write!(f, "SequenceParallel(dim {dim})"),
+        }
+    }
+}

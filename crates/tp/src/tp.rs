@@ -1,0 +1,384 @@
+//! The `Tp<M>` decorator: exactly `M` until a style is assigned, then `M`'s shard with the
+//! style's collectives around its forward.
+
+use std::fmt;
+
+use burn::module::{
+    Content, Devices, DisplaySettings, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper,
+    ModuleVisitor,
+};
+use burn::nn::{Embedding, Linear};
+use burn::tensor::{DType, Device, Int, Tensor};
+use burn_parallel_dist::ProcessGroup;
+use burn_parallel_dist::collectives as coll;
+
+use crate::error::TpError;
+use crate::layer::{TpLayer, unsupported};
+use crate::shard::ShardSpec;
+use crate::style::{Layout, ParallelStyle};
+
+/// The style a `Tp` runs under, with its group and this rank's shard.
+#[derive(Debug, Clone)]
+pub struct Sharding {
+    pub style: ParallelStyle,
+    pub group: ProcessGroup,
+    /// Module path, for errors.
+    pub path: String,
+    /// The split dim's full size and this rank's range (None: nothing split).
+    pub spec: Option<ShardSpec>,
+    /// Dtype of the gradient all-reduce of replicated params (None: the gradient's own).
+    pub reduce_dtype: Option<DType>,
+}
+
+/// Tensor-parallel decorator. Its `Module` impl delegates to `M`, so params and the record
+/// layout are `M`'s (no extra path segment).
+#[derive(Debug, Clone)]
+pub struct Tp<M> {
+    inner: M,
+    sharding: Option<Sharding>,
+}
+
+impl<M> Tp<M> {
+    pub fn new(inner: M) -> Self {
+        Self {
+            inner,
+            sharding: None,
+        }
+    }
+
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
+    pub fn into_inner(self) -> M {
+        self.inner
+    }
+
+    pub fn sharding(&self) -> Option<&Sharding> {
+        self.sharding.as_ref()
+    }
+
+    pub fn style(&self) -> Option<ParallelStyle> {
+        self.sharding.as_ref().map(|s| s.style)
+    }
+}
+
+impl<M> From<M> for Tp<M> {
+    fn from(inner: M) -> Self {
+        Self::new(inner)
+    }
+}
+
+impl<M: TpLayer> Tp<M> {
+    /// Shards the module for `style` over `group` (every rank of the group calls it).
+    pub fn parallelize(
+        self,
+        style: ParallelStyle,
+        group: &ProcessGroup,
+        path: &str,
+    ) -> Result<Self, TpError> {
+        self.parallelize_with(style, group, path, None)
+    }
+
+    /// As [`parallelize`](Self::parallelize), with the dtype in which gradients of
+    /// replicated parameters are all-reduced.
+    pub fn parallelize_with(
+        self,
+        style: ParallelStyle,
+        group: &ProcessGroup,
+        path: &str,
+        reduce_dtype: Option<DType>,
+    ) -> Result<Self, TpError> {
+        if let Some(s) = &self.sharding {
+            return Err(TpError::AlreadySharded {
+                path: path.to_string(),
+                style: s.style.to_string(),
+            });
+        }
+        style
+            .check_layouts()
+            .map_err(|reason| unsupported(path, M::KIND, &style, &reason))?;
+        let (inner, spec) = self.inner.shard(&style, group, path)?;
+        Ok(Self {
+            inner,
+            sharding: Some(Sharding {
+                style,
+                group: group.clone(),
+                path: path.to_string(),
+                spec,
+                reduce_dtype,
+            }),
+        })
+    }
+
+    /// The style's input collective alone. Sibling layers that read the same input with the
+    /// same style (q/k/v, gate/up) share it: prepare once, then run each layer's
+    /// `forward_prepared`, so one collective serves all of them in forward and backward
+    /// (Megatron's single all-reduce, or all-gather under sequence parallelism).
+    pub fn prepare_input<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
+        match &self.sharding {
+            Some(s) => s.enter(x),
+            None => Ok(x),
+        }
+    }
+
+    /// Runs `f` on the (sharded) inner module with the style's collectives around it:
+    /// the input is brought to the layout the shard needs, the output to the style's
+    /// output layout. For a user module whose `f` has no replicated additive term.
+    pub fn forward_with<const D: usize, const E: usize>(
+        &self,
+        x: Tensor<D>,
+        f: impl FnOnce(&M, Tensor<D>) -> Tensor<E>,
+    ) -> Result<Tensor<E>, TpError> {
+        let Some(s) = &self.sharding else {
+            return Ok(f(&self.inner, x));
+        };
+        let x = s.enter(x)?;
+        s.leave(f(&self.inner, x))
+    }
+}
+
+impl Sharding {
+    fn err(&self) -> impl FnOnce(burn_parallel_dist::CollectiveError) -> TpError + '_ {
+        TpError::collective(&self.path)
+    }
+
+    /// The input collective of the style.
+    fn enter<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
+        let g = &self.group;
+        Ok(match self.style {
+            // Replicated input of a colwise layer: its gradient is summed over the group.
+            ParallelStyle::Colwise {
+                input: Layout::Replicated,
+                ..
+            } => coll::copy_to_group(x, g),
+            ParallelStyle::Colwise {
+                input: Layout::SequenceSharded { dim },
+                ..
+            } => coll::all_gather(x, g, dim).map_err(self.err())?,
+            ParallelStyle::Rowwise {
+                input: Layout::Replicated,
+                ..
+            } => coll::scatter_to_group(x, g, D - 1).map_err(self.err())?,
+            _ => x,
+        })
+    }
+
+    /// The output collective of the style.
+    fn leave<const E: usize>(&self, y: Tensor<E>) -> Result<Tensor<E>, TpError> {
+        let g = &self.group;
+        Ok(match self.style {
+            ParallelStyle::Colwise {
+                output: Layout::Replicated,
+                ..
+            } => coll::gather_from_group(y, g, E - 1).map_err(self.err())?,
+            ParallelStyle::Rowwise {
+                output: Layout::Replicated,
+                ..
+            } => coll::reduce_from_group(y, g).map_err(self.err())?,
+            ParallelStyle::Rowwise {
+                output: Layout::SequenceSharded { dim },
+                ..
+            } => coll::reduce_scatter(y, g, dim).map_err(self.err())?,
+            _ => y,
+        })
+    }
+}
+
+impl Tp<Linear> {
+    /// [`Linear::forward`] under the style; a rowwise bias is added once, after the
+    /// reduction.
+    pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
+        self.try_forward_prepared(self.prepare_input(x)?)
+    }
+
+    /// As [`try_forward`](Self::try_forward) on an input that already went through
+    /// [`prepare_input`](Self::prepare_input) (possibly a sibling's with the same style).
+    pub fn try_forward_prepared<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
+        match &self.sharding {
+            Some(s) if matches!(s.style, ParallelStyle::Rowwise { .. }) => {
+                let y = burn::tensor::module::linear(x, self.inner.weight.val(), None);
+                let y = s.leave(y)?;
+                Ok(match &self.inner.bias {
+                    Some(b) => y + b.val().unsqueeze::<D>(),
+                    None => y,
+                })
+            }
+            Some(s) => s.leave(self.inner.forward(x)),
+            None => Ok(self.inner.forward(x)),
+        }
+    }
+
+    /// As [`try_forward`](Self::try_forward); a failed collective panics (a rank failure the
+    /// launcher reports), as Burn's own forward methods do on bad input.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`try_forward_prepared`](Self::try_forward_prepared), panicking on a failed
+    /// collective.
+    pub fn forward_prepared<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.try_forward_prepared(x)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl Tp<Embedding> {
+    /// [`Embedding::forward`] under the style. Vocab-parallel (rowwise): ids outside this
+    /// rank's vocab range look up row 0 and are zeroed, then the partial embeddings are
+    /// summed over the group.
+    pub fn try_forward(&self, ids: Tensor<2, Int>) -> Result<Tensor<3>, TpError> {
+        let s = match &self.sharding {
+            Some(s) if matches!(s.style, ParallelStyle::Rowwise { .. }) => s,
+            // Colwise: ids carry no gradient, so only the output collective applies.
+            Some(s) => return s.leave(self.inner.forward(ids)),
+            None => return Ok(self.inner.forward(ids)),
+        };
+        let range = s
+            .spec
+            .as_ref()
+            .map(|spec| spec.range.clone())
+            .expect("a rowwise embedding has a vocab shard");
+        let (start, end) = (range.start as i64, range.end as i64);
+        let outside = ids
+            .clone()
+            .lower_elem(start)
+            .bool_or(ids.clone().greater_equal_elem(end));
+        let local = ids.sub_scalar(start).mask_fill(outside.clone(), 0);
+        let keep = outside.bool_not().float().unsqueeze_dim::<3>(2);
+        let partial = self.inner.forward(local) * keep;
+        s.leave(partial)
+    }
+
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+// Module delegates to the inner module: same params, same paths, same record.
+impl<M: Module> Module for Tp<M> {
+    fn collect_devices(&self, devices: Devices) -> Devices {
+        self.inner.collect_devices(devices)
+    }
+
+    fn fork(self, device: &Device) -> Self {
+        Self {
+            inner: self.inner.fork(device),
+            sharding: self.sharding,
+        }
+    }
+
+    fn to_device(self, device: &Device) -> Self {
+        Self {
+            inner: self.inner.to_device(device),
+            sharding: self.sharding,
+        }
+    }
+
+    fn train(self) -> Self {
+        Self {
+            inner: self.inner.train(),
+            sharding: self.sharding,
+        }
+    }
+
+    fn valid(&self) -> Self {
+        Self {
+            inner: self.inner.valid(),
+            sharding: self.sharding.clone(),
+        }
+    }
+
+    fn materialize(self) -> Self {
+        Self {
+            inner: self.inner.materialize(),
+            sharding: self.sharding,
+        }
+    }
+
+    fn num_params(&self) -> usize {
+        self.inner.num_params()
+    }
+
+    fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
+        self.inner.visit(visitor)
+    }
+
+    fn map<Mp: ModuleMapper>(self, mapper: &mut Mp) -> Self {
+        Self {
+            inner: self.inner.map(mapper),
+            sharding: self.sharding,
+        }
+    }
+}
+
+impl<M: ModuleDisplay> ModuleDisplayDefault for Tp<M> {
+    fn content(&self, content: Content) -> Option<Content> {
+        self.inner.content(content)
+    }
+
+    fn num_params(&self) -> usize {
+        ModuleDisplayDefault::num_params(&self.inner)
+    }
+}
+
+impl<M: ModuleDisplay> ModuleDisplay for Tp<M> {
+    fn format(&self, settings: DisplaySettings) -> String {
+        self.inner.format(settings)
+    }
+}
+
+impl<M: ModuleDisplay> fmt::Display for Tp<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.format(DisplaySettings::new()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::{Module, Param};
+    use burn::nn::Linear;
+    use burn::tensor::{Device, Tensor, TensorData};
+    use burn_parallel_dist::launch;
+
+    use super::Tp;
+    use crate::{ParallelStyle, TpError};
+
+    #[allow(deprecated)]
+    fn linear(d_in: usize, d_out: usize) -> Linear {
+        let d = Device::ndarray().autodiff();
+        let w: Vec<f32> = (0..d_in * d_out).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..d_out).map(|i| i as f32).collect();
+        Linear {
+            weight: Param::from_tensor(Tensor::from_data(TensorData::new(w, [d_in, d_out]), &d)),
+            bias: Some(Param::from_tensor(Tensor::from_data(
+                TensorData::new(b, [d_out]),
+                &d,
+            ))),
+        }
+    }
+
+    #[test]
+    fn sharding_keeps_param_ids_and_slices_uneven_dims() {
+        let shapes = launch(2, |ctx| {
+            let group = ctx.world()?;
+            let col = Tp::new(linear(3, 5));
+            let ids = (col.inner().weight.id, col.inner().bias.as_ref().unwrap().id);
+            let col = col.parallelize(ParallelStyle::colwise(), &group, "col")?;
+            assert_eq!(col.inner().weight.id, ids.0);
+            assert_eq!(col.inner().bias.as_ref().unwrap().id, ids.1);
+            assert!(col.inner().weight.val().is_require_grad());
+            let row = Tp::new(linear(5, 3)).parallelize(ParallelStyle::rowwise(), &group, "row")?;
+            let dims = |l: &Tp<Linear>| {
+                let [a, b] = l.inner().weight.shape().dims();
+                let c = l.inner().bias.as_ref().unwrap().shape().dims::<1>()[0];
+                (a, b, c)
+            };
+            Ok::<_, TpError>((dims(&col), dims(&row), col.num_params()))
+        })
+        .unwrap();
+        // 5 over 2 ranks: chunks of 3 and 2; a rowwise bias stays whole.
+        assert_eq!(shapes[0], ((3, 3, 3), (3, 3, 3), 12));
+        assert_eq!(shapes[1], ((3, 2, 2), (2, 3, 3), 8));
+    }
+}

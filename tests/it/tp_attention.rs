@@ -1,0 +1,244 @@
+//! Grouped-query attention with q/k/v colwise and o rowwise (the Llama plan's attention
+//! entries) against one device, at tp = 2 and 4; head counts that do not divide tp are
+//! rejected with the counts in the message.
+
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::Tensor;
+use burn::tensor::activation::softmax;
+use burn_parallel::dist::chunk::chunk_range;
+use burn_parallel::dist::{OpKind, launch};
+use burn_parallel_tp::{
+    ParallelStyle, Tp, TpApplier, TpError, TpModule, TpPlan, child_path, local_heads,
+};
+
+use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
+use crate::tp_common::{TOL, columns, grad, linear, rows, tensor_grad};
+
+const HEADS: usize = 8;
+const KV_HEADS: usize = 4;
+const HEAD_DIM: usize = 2;
+const MODEL: usize = HEADS * HEAD_DIM;
+const KV: usize = KV_HEADS * HEAD_DIM;
+const BATCH: usize = 2;
+const SEQ: usize = 3;
+
+#[derive(Module, Debug)]
+struct Attention {
+    q_proj: Tp<Linear>,
+    k_proj: Tp<Linear>,
+    v_proj: Tp<Linear>,
+    o_proj: Tp<Linear>,
+    /// Heads this rank runs (all of them until tp is applied).
+    #[module(skip)]
+    heads: usize,
+    #[module(skip)]
+    kv_heads: usize,
+}
+
+impl Attention {
+    fn new() -> Self {
+        Self {
+            q_proj: Tp::new(linear(21, MODEL, MODEL)),
+            k_proj: Tp::new(linear(22, MODEL, KV)),
+            v_proj: Tp::new(linear(23, MODEL, KV)),
+            o_proj: Tp::new(linear(24, MODEL, MODEL)),
+            heads: HEADS,
+            kv_heads: KV_HEADS,
+        }
+    }
+
+    fn split(x: Tensor<3>, heads: usize) -> Tensor<4> {
+        let [b, s, _] = x.dims();
+        x.reshape([b, s, heads, HEAD_DIM]).swap_dims(1, 2)
+    }
+
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, s, _] = x.dims();
+        let group = self.heads / self.kv_heads;
+        // q, k and v read the same input: one input collective serves the three.
+        let x = self.q_proj.prepare_input(x).unwrap();
+        let q = Self::split(self.q_proj.forward_prepared(x.clone()), self.heads);
+        // Each kv head serves `group` consecutive query heads.
+        let repeat = |t: Tensor<4>| {
+            t.unsqueeze_dim::<5>(2)
+                .repeat_dim(2, group)
+                .reshape([b, self.heads, s, HEAD_DIM])
+        };
+        let k = repeat(Self::split(
+            self.k_proj.forward_prepared(x.clone()),
+            self.kv_heads,
+        ));
+        let v = repeat(Self::split(self.v_proj.forward_prepared(x), self.kv_heads));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
+        let out = softmax(scores, 3).matmul(v).swap_dims(1, 2);
+        self.o_proj
+            .forward(out.reshape([b, s, self.heads * HEAD_DIM]))
+    }
+}
+
+impl TpModule for Attention {
+    fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError> {
+        let local = local_heads(self.heads, self.kv_heads, cx.group().size())?;
+        Ok(Self {
+            q_proj: self.q_proj.apply_tp(&child_path(path, "q_proj"), cx)?,
+            k_proj: self.k_proj.apply_tp(&child_path(path, "k_proj"), cx)?,
+            v_proj: self.v_proj.apply_tp(&child_path(path, "v_proj"), cx)?,
+            o_proj: self.o_proj.apply_tp(&child_path(path, "o_proj"), cx)?,
+            heads: local.heads,
+            kv_heads: local.kv_heads,
+        })
+    }
+
+    fn sync_tp_grads(&self, grads: &mut burn::tensor::Gradients) -> Result<(), TpError> {
+        for p in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
+            p.sync_tp_grads(grads)?;
+        }
+        Ok(())
+    }
+}
+
+fn plan() -> TpPlan {
+    TpPlan::new()
+        .with("self_attn.*_proj", ParallelStyle::colwise())
+        .with("self_attn.o_proj", ParallelStyle::rowwise())
+}
+
+/// The plan keys use the path "self_attn": o_proj must win over the `*_proj` pattern,
+/// so the rowwise entry comes first in the real plan.
+fn ordered_plan() -> TpPlan {
+    TpPlan::new()
+        .with("self_attn.o_proj", ParallelStyle::rowwise())
+        .with("self_attn.*_proj", ParallelStyle::colwise())
+}
+
+struct Run {
+    out: Vec<f32>,
+    x: Vec<f32>,
+    /// (weight, bias) grads of q, k, v, o.
+    params: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+fn run(a: &Attention) -> Run {
+    let d = ndarray_ad();
+    let x = tensor(30, [BATCH, SEQ, MODEL], &d).require_grad();
+    let y = a.forward(x.clone());
+    let grads = (y.clone() * tensor(31, [BATCH, SEQ, MODEL], &d))
+        .sum()
+        .backward();
+    let params = [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]
+        .iter()
+        .map(|p| {
+            let l = p.inner();
+            (
+                grad(&l.weight, &grads),
+                grad(l.bias.as_ref().unwrap(), &grads),
+            )
+        })
+        .collect();
+    Run {
+        out: vec_of(&y),
+        x: tensor_grad(&x, &grads),
+        params,
+    }
+}
+
+fn apply(
+    a: Attention,
+    plan: &TpPlan,
+    group: &burn_parallel::dist::ProcessGroup,
+) -> Result<Attention, TpError> {
+    let mut cx = TpApplier::new(plan, group);
+    let a = a.apply_tp("self_attn", &mut cx)?;
+    let report = cx.finish();
+    assert!(report.uncovered_modules.is_empty(), "{report:?}");
+    Ok(a)
+}
+
+#[test]
+fn tp_gqa_attention_matches_single_device() {
+    let want = run(&Attention::new());
+    for tp in [2, 4] {
+        let got = launch(tp, |ctx| {
+            let a = apply(Attention::new(), &ordered_plan(), &ctx.world()?)?;
+            assert_eq!((a.heads, a.kv_heads), (HEADS / tp, KV_HEADS / tp));
+            Ok::<_, TpError>(run(&a))
+        })
+        .unwrap();
+        for (me, got) in got.iter().enumerate() {
+            let ctx = |w: &str| format!("tp={tp} rank {me}: {w}");
+            assert_close(&got.out, &want.out, TOL, &ctx("output"));
+            assert_close(&got.x, &want.x, TOL, &ctx("input grad"));
+            for (i, width) in [MODEL, KV, KV].into_iter().enumerate() {
+                let cols = chunk_range(width, tp, me);
+                let (w, b) = (&want.params[i].0, &want.params[i].1);
+                assert_close(
+                    &got.params[i].0,
+                    &columns(w, width, cols.clone()),
+                    TOL,
+                    &ctx("qkv w"),
+                );
+                assert_close(&got.params[i].1, &b[cols], TOL, &ctx("qkv b"));
+            }
+            let cols = chunk_range(MODEL, tp, me);
+            assert_close(
+                &got.params[3].0,
+                &rows(&want.params[3].0, MODEL, cols),
+                TOL,
+                &ctx("o w"),
+            );
+            assert_close(&got.params[3].1, &want.params[3].1, TOL, &ctx("o b"));
+        }
+    }
+}
+
+#[test]
+fn tp_plan_first_matching_entry_wins() {
+    // With `*_proj` first, o_proj is colwise: the plan is applied as written.
+    launch(2, |ctx| {
+        let a = apply(Attention::new(), &plan(), &ctx.world()?)?;
+        assert_eq!(a.o_proj.style(), Some(ParallelStyle::colwise()));
+        Ok::<_, TpError>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn tp_heads_not_divisible_is_an_error() {
+    let err = launch(4, |ctx| {
+        let mut a = Attention::new();
+        a.heads = 6;
+        a.kv_heads = 3;
+        apply(a, &ordered_plan(), &ctx.world()?).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("num_heads = 6"), "{err}");
+    assert!(err.contains("num_kv_heads = 3"), "{err}");
+    assert!(err.contains("tp = 4"), "{err}");
+}
+
+/// Megatron attention: one all-reduce in forward (after o_proj) and one in backward (the
+/// shared q/k/v input gradient), each of the `[batch, seq, model]` activation.
+#[test]
+fn tp_attention_communication_matches_megatron() {
+    for tp in [2u64, 4] {
+        let stats = launch(tp as usize, |ctx| {
+            let group = ctx.world()?;
+            let a = apply(Attention::new(), &ordered_plan(), &group)?;
+            let before = group.stats();
+            run(&a);
+            Ok::<_, TpError>(group.stats().since(&before))
+        })
+        .unwrap();
+        let bytes = (BATCH * SEQ * MODEL * 4) as u64;
+        for s in &stats {
+            assert_eq!(s.total().calls, 2, "{:?}", s.summary());
+            assert_eq!(s.calls(OpKind::AllReduce), 2, "{:?}", s.summary());
+            assert_eq!(
+                s.op(OpKind::AllReduce).bytes_sent,
+                2 * (2 * (tp - 1) * bytes / tp)
+            );
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! Sequence parallelism: a user norm module (`SequenceParallel` on sequence-sharded
+//! activations), an all-gather on the sequence dim before the colwise layer and a
+//! reduce-scatter after the rowwise one; the partial gradients of the replicated norm
+//! weight and rowwise bias all-reduced by `sync_tp_grads` (optionally in bf16).
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::activation::gelu;
+use burn::tensor::{DType, Device, Gradients, Tensor};
+use burn_parallel::dist::chunk::chunk_range;
+use burn_parallel::dist::{OpKind, ProcessGroup, launch};
+use burn_parallel_tp::{
+    ParallelStyle, ShardSpec, Tp, TpApplier, TpError, TpLayer, TpModule, TpPlan, child_path,
+};
+
+use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
+use crate::tp_common::{TOL, columns, grad, linear, mid, rows, tensor_grad};
+
+const MODEL: usize = 4;
+const HIDDEN: usize = 7;
+const BATCH: usize = 2;
+
+/// A user norm: only the sequence-parallel style applies to it.
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    weight: Param<Tensor<1>>,
+}
+
+impl RmsNorm {
+    pub fn seeded(seed: u64, dim: usize) -> Self {
+        Self::seeded_on(&ndarray_ad(), seed, dim)
+    }
+
+    pub fn seeded_on(d: &Device, seed: u64, dim: usize) -> Self {
+        Self {
+            weight: Param::from_tensor(tensor(seed, [dim], d)),
+        }
+    }
+
+    pub fn weight(&self) -> &Param<Tensor<1>> {
+        &self.weight
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let rms = (x.clone() * x.clone())
+            .mean_dim(D - 1)
+            .add_scalar(1e-5)
+            .sqrt();
+        x / rms * self.weight.val().unsqueeze::<D>()
+    }
+}
+
+impl TpLayer for RmsNorm {
+    const KIND: &'static str = "RmsNorm";
+
+    fn shard(
+        self,
+        style: &ParallelStyle,
+        _group: &ProcessGroup,
+        path: &str,
+    ) -> Result<(Self, Option<ShardSpec>), TpError> {
+        match style {
+            ParallelStyle::Sequence { .. } => Ok((self, None)),
+            _ => Err(TpError::UnsupportedStyle {
+                path: path.to_string(),
+                module: Self::KIND,
+                style: style.to_string(),
+                reason: "a norm has nothing to shard".into(),
+            }),
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+struct Block {
+    norm: Tp<RmsNorm>,
+    up: Tp<Linear>,
+    down: Tp<Linear>,
+}
+
+impl Block {
+    fn new() -> Self {
+        Self {
+            norm: Tp::new(RmsNorm::seeded(60, MODEL)),
+            up: Tp::new(linear(61, MODEL, HIDDEN)),
+            down: Tp::new(linear(62, HIDDEN, MODEL)),
+        }
+    }
+
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let h = self.norm.forward_with(x, |n, x| n.forward(x)).unwrap();
+        self.down.forward(gelu(self.up.forward(h)))
+    }
+}
+
+impl TpModule for Block {
+    fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError> {
+        Ok(Self {
+            norm: self.norm.apply_tp(&child_path(path, "norm"), cx)?,
+            up: self.up.apply_tp(&child_path(path, "up"), cx)?,
+            down: self.down.apply_tp(&child_path(path, "down"), cx)?,
+        })
+    }
+
+    fn sync_tp_grads(&self, grads: &mut Gradients) -> Result<(), TpError> {
+        self.norm.sync_tp_grads(grads)?;
+        self.up.sync_tp_grads(grads)?;
+        self.down.sync_tp_grads(grads)
+    }
+}
+
+fn sp_plan() -> TpPlan {
+    TpPlan::new()
+        .with("norm", ParallelStyle::sequence_parallel(1))
+        .with("up", ParallelStyle::colwise_sp(1))
+        .with("down", ParallelStyle::rowwise_sp(1))
+}
+
+struct Run {
+    out: Vec<f32>,
+    x: Vec<f32>,
+    norm: Vec<f32>,
+    up_w: Vec<f32>,
+    up_b: Vec<f32>,
+    down_w: Vec<f32>,
+    down_b: Vec<f32>,
+}
+
+/// Forward and backward on the tokens `toks` of a `[BATCH, seq, MODEL]` input.
+fn run(b: &Block, seq: usize, toks: std::ops::Range<usize>) -> Run {
+    let d = ndarray_ad();
+    let x = tensor(63, [BATCH, seq, MODEL], &d)
+        .narrow(1, toks.start, toks.len())
+        .detach()
+        .require_grad();
+    let c = tensor(64, [BATCH, seq, MODEL], &d).narrow(1, toks.start, toks.len());
+    let y = b.forward(x.clone());
+    let mut grads = (y.clone() * c).sum().backward();
+    b.sync_tp_grads(&mut grads).unwrap();
+    Run {
+        out: vec_of(&y),
+        x: tensor_grad(&x, &grads),
+        norm: grad(&b.norm.inner().weight, &grads),
+        up_w: grad(&b.up.inner().weight, &grads),
+        up_b: grad(b.up.inner().bias.as_ref().unwrap(), &grads),
+        down_w: grad(&b.down.inner().weight, &grads),
+        down_b: grad(b.down.inner().bias.as_ref().unwrap(), &grads),
+    }
+}
+
+fn parallel(tp: usize, seq: usize, reduce: Option<DType>) -> Vec<Run> {
+    launch(tp, |ctx| {
+        let group = ctx.world()?;
+        let plan = sp_plan();
+        let mut cx = TpApplier::new(&plan, &group);
+        if let Some(dtype) = reduce {
+            cx = cx.with_reduce_dtype(dtype);
+        }
+        let b = Block::new().apply_tp("", &mut cx)?;
+        assert!(cx.finish().is_complete());
+        Ok::<_, TpError>(run(&b, seq, chunk_range(seq, tp, group.index())))
+    })
+    .unwrap()
+}
+
+fn check(tp: usize, reduce: Option<DType>, tol: f32) {
+    const SEQ: usize = 7;
+    let want = run(&Block::new(), SEQ, 0..SEQ);
+    for (me, got) in parallel(tp, SEQ, reduce).iter().enumerate() {
+        let toks = chunk_range(SEQ, tp, me);
+        let cols = chunk_range(HIDDEN, tp, me);
+        let ctx = |w: &str| format!("sp tp={tp} rank {me}: {w}");
+        assert_close(
+            &got.out,
+            &mid(&want.out, SEQ, MODEL, toks.clone()),
+            TOL,
+            &ctx("output"),
+        );
+        assert_close(
+            &got.x,
+            &mid(&want.x, SEQ, MODEL, toks),
+            TOL,
+            &ctx("input grad"),
+        );
+        assert_close(&got.norm, &want.norm, tol, &ctx("norm weight grad"));
+        assert_close(
+            &got.up_w,
+            &columns(&want.up_w, HIDDEN, cols.clone()),
+            TOL,
+            &ctx("up w"),
+        );
+        assert_close(&got.up_b, &want.up_b[cols.clone()], TOL, &ctx("up b"));
+        assert_close(
+            &got.down_w,
+            &rows(&want.down_w, MODEL, cols),
+            TOL,
+            &ctx("down w"),
+        );
+        assert_close(&got.down_b, &want.down_b, tol, &ctx("down b"));
+    }
+}
+
+#[test]
+fn tp_sequence_parallel_matches_single_device() {
+    for tp in [2, 4] {
+        check(tp, None, TOL);
+    }
+}
+
+#[test]
+fn tp_sequence_parallel_grad_reduce_in_bf16() {
+    // bf16 keeps 8 bits of mantissa: the reduced grads agree to ~1e-2.
+    check(2, Some(DType::BF16), 2e-2);
+}
+
+/// Megatron-SP moves the same bytes as TP: all-gather + reduce-scatter of the activation in
+/// forward and again in backward (each pair is one all-reduce's worth), plus the all-reduce
+/// of the two replicated grads (norm weight and down bias, `MODEL` floats each).
+#[test]
+fn tp_sequence_parallel_communication_matches_megatron() {
+    const SEQ: usize = 8;
+    for (tp, reduce) in [(2usize, None), (4, None), (2, Some(DType::BF16))] {
+        let stats = launch(tp, |ctx| {
+            let group = ctx.world()?;
+            let plan = sp_plan();
+            let mut cx = TpApplier::new(&plan, &group);
+            if let Some(dtype) = reduce {
+                cx = cx.with_reduce_dtype(dtype);
+            }
+            let b = Block::new().apply_tp("", &mut cx)?;
+            let before = group.stats();
+            run(&b, SEQ, chunk_range(SEQ, tp, group.index()));
+            Ok::<_, TpError>(group.stats().since(&before))
+        })
+        .unwrap();
+        let n = tp as u64;
+        let act = (BATCH * SEQ * MODEL * 4) as u64;
+        // The grad all-reduce runs in the reduce dtype: bf16 halves its bytes.
+        let grad = (MODEL * if reduce.is_some() { 2 } else { 4 }) as u64;
+        for s in &stats {
+            assert_eq!(s.calls(OpKind::AllGather), 2, "{:?}", s.summary());
+            assert_eq!(s.calls(OpKind::ReduceScatter), 2, "{:?}", s.summary());
+            assert_eq!(s.calls(OpKind::AllReduce), 2, "{:?}", s.summary());
+            let moved = s.op(OpKind::AllGather).bytes_sent + s.op(OpKind::ReduceScatter).bytes_sent;
+            assert_eq!(moved, 2 * (2 * (n - 1) * act / n), "{:?}", s.summary());
+            assert_eq!(
+                s.op(OpKind::AllReduce).bytes_sent,
+                2 * (2 * (n - 1) * grad / n)
+            );
+        }
+    }
+}
