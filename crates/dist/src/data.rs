@@ -7,6 +7,8 @@
 
 use burn::tensor::{DType, TensorData, bf16, f16};
 
+use crate::buffer::{into_tensor_data, output_buffer};
+
 /// The three-factor view of a shape along `dim`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DimView {
@@ -45,7 +47,7 @@ pub(crate) fn concat(parts: &[&TensorData], dim: usize) -> TensorData {
     let mut shape = shape_of(first);
     shape[dim] = parts.iter().map(|p| p.shape()[dim]).sum();
     let total: usize = shape.iter().product::<usize>() * eb;
-    let mut out = Vec::with_capacity(total);
+    let mut out = output_buffer(total);
     let views: Vec<DimView> = parts
         .iter()
         .map(|p| DimView::new(p.shape(), dim, eb))
@@ -57,7 +59,7 @@ pub(crate) fn concat(parts: &[&TensorData], dim: usize) -> TensorData {
             out.extend_from_slice(&part.as_bytes()[o * run..(o + 1) * run]);
         }
     }
-    TensorData::from_bytes_vec(out, shape, dtype)
+    into_tensor_data(out, shape, dtype)
 }
 
 /// The slice `start..start + len` of `data` along `dim`.
@@ -67,13 +69,13 @@ pub(crate) fn narrow(data: &TensorData, dim: usize, start: usize, len: usize) ->
     let mut shape = shape_of(data);
     shape[dim] = len;
     let run = view.len * view.row_bytes;
-    let mut out = Vec::with_capacity(view.outer * len * view.row_bytes);
+    let mut out = output_buffer(view.outer * len * view.row_bytes);
     let bytes = data.as_bytes();
     for o in 0..view.outer {
         let from = o * run + start * view.row_bytes;
         out.extend_from_slice(&bytes[from..from + len * view.row_bytes]);
     }
-    TensorData::from_bytes_vec(out, shape, dtype)
+    into_tensor_data(out, shape, dtype)
 }
 
 /// Elementwise reductions a collective can apply.
@@ -122,26 +124,27 @@ pub(crate) fn reduce_slice(
     shape[dim] = len;
     let run = view.len * view.row_bytes;
     let piece = len * view.row_bytes;
-    let mut out = vec![0u8; view.outer * piece];
+    let mut out = output_buffer(view.outer * piece);
     for o in 0..view.outer {
         let from = o * run + start * view.row_bytes;
         let sources: Vec<&[u8]> = inputs
             .iter()
             .map(|d| &d.as_bytes()[from..from + piece])
             .collect();
-        reduce_into(&sources, &mut out[o * piece..(o + 1) * piece], dtype, op);
+        reduce_into(&sources, &mut out, dtype, op);
     }
-    TensorData::from_bytes_vec(out, shape, dtype)
+    into_tensor_data(out, shape, dtype)
 }
 
 /// Reduces equally long byte runs of `dtype` elements, element by element in order.
 pub(crate) fn reduce_bytes(sources: &[&[u8]], dtype: DType, op: ReduceOp) -> Vec<u8> {
-    let mut out = vec![0u8; sources[0].len()];
+    let mut out = output_buffer(sources[0].len());
     reduce_into(sources, &mut out, dtype, op);
     out
 }
 
-fn reduce_into(sources: &[&[u8]], dst: &mut [u8], dtype: DType, op: ReduceOp) {
+/// Appends the reduction of `sources` to `dst`: written once, never zero-filled first.
+fn reduce_into(sources: &[&[u8]], dst: &mut Vec<u8>, dtype: DType, op: ReduceOp) {
     match dtype {
         DType::F64 => reduce_run::<F64>(sources, dst, op),
         DType::F32 => reduce_run::<F32>(sources, dst, op),
@@ -227,8 +230,9 @@ impl Stored for BF16 {
 /// Elements per block: the accumulator block stays in L1 while each rank's run streams by.
 const BLOCK: usize = 2048;
 
-fn reduce_run<S: Stored>(sources: &[&[u8]], dst: &mut [u8], op: ReduceOp) {
-    let n = dst.len() / S::BYTES;
+fn reduce_run<S: Stored>(sources: &[&[u8]], dst: &mut Vec<u8>, op: ReduceOp) {
+    let n = sources[0].len() / S::BYTES;
+    let mut encoded = [0u8; BLOCK * 8];
     let mut acc: Vec<S::Acc> = Vec::with_capacity(BLOCK.min(n));
     let mut begin = 0;
     while begin < n {
@@ -262,9 +266,11 @@ fn reduce_run<S: Stored>(sources: &[&[u8]], dst: &mut [u8], op: ReduceOp) {
             let count = S::count(sources.len());
             acc.iter_mut().for_each(|a| *a = *a / count);
         }
-        for (value, out) in acc.iter().zip(dst[bytes].chunks_exact_mut(S::BYTES)) {
+        let block = &mut encoded[..bytes.len()];
+        for (value, out) in acc.iter().zip(block.chunks_exact_mut(S::BYTES)) {
             S::store(*value, out);
         }
+        dst.extend_from_slice(block);
         begin = end;
     }
 }
@@ -274,7 +280,7 @@ fn reduce_run<S: Stored>(sources: &[&[u8]], dst: &mut [u8], op: ReduceOp) {
 pub fn sum(parts: &[&TensorData]) -> TensorData {
     let bytes: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
     let out = reduce_bytes(&bytes, parts[0].dtype(), ReduceOp::Sum);
-    TensorData::from_bytes_vec(out, parts[0].shape().to_vec(), parts[0].dtype())
+    into_tensor_data(out, parts[0].shape().to_vec(), parts[0].dtype())
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! - [`ProcessGroup`] runs collectives on `TensorData` (blocking or async).
 //! - [`collectives`] runs them on Burn tensors, differentiably.
 
+pub mod buffer;
 pub mod chunk;
 pub mod collective;
 pub mod collectives {

@@ -2,6 +2,7 @@
 
 use burn::tensor::TensorData;
 
+use crate::buffer::{into_tensor_data, output_buffer};
 use crate::chunk::{chunk_range, offsets};
 use crate::collective::{Collective, CollectiveOutput};
 use crate::data::{ReduceOp, concat, narrow, reduce_bytes, reduce_slice};
@@ -79,13 +80,9 @@ fn all_reduce(
         .collect();
     member.publish_partial(seq, reduce_bytes(&sources, first.dtype(), op));
     let partials = member.wait_partials(seq, crate::collective::OpKind::AllReduce)?;
-    let mut out = Vec::with_capacity(count * elem);
+    let mut out = output_buffer(count * elem);
     partials.iter().for_each(|p| out.extend_from_slice(p));
-    Ok(TensorData::from_bytes_vec(
-        out,
-        first.shape().to_vec(),
-        first.dtype(),
-    ))
+    Ok(into_tensor_data(out, first.shape().to_vec(), first.dtype()))
 }
 
 fn all_to_all(
