@@ -2,7 +2,8 @@
 
 #![allow(dead_code)]
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{DType, Device, Gradients, Tensor, TensorData};
 
 /// The default test backend.
 #[allow(deprecated)]
@@ -66,4 +67,28 @@ pub fn assert_close(a: &[f32], b: &[f32], tol: f32, what: &str) {
 /// The slice `start..start+len` along `dim` of `t`.
 pub fn slice_dim<const D: usize>(t: &Tensor<D>, dim: usize, start: usize, len: usize) -> Tensor<D> {
     t.clone().narrow(dim, start, len)
+}
+
+/// Plain SGD on every parameter of any module: `p -= lr * g`, on the stored value (the shard
+/// under FSDP).
+pub fn sgd<M: Module>(model: M, grads: &Gradients, lr: f32) -> M {
+    struct Step<'a> {
+        grads: &'a Gradients,
+        lr: f32,
+    }
+    impl ModuleMapper for Step<'_> {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let grad = p.base().grad(self.grads);
+            let lr = self.lr;
+            p.map(|t| match grad {
+                // Rebuilt on the parameter's device, which carries its checkpointing strategy.
+                Some(g) => {
+                    let device = t.device();
+                    Tensor::from_data((t.inner() - g * lr).into_data(), &device).require_grad()
+                }
+                None => t,
+            })
+        }
+    }
+    model.map(&mut Step { grads, lr })
 }

@@ -3,7 +3,7 @@
 //! 2x2, global-norm clipping and frozen parameters, against single-device training on the same
 //! global batches: losses, gradient norms and gathered final weights.
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Device, FloatDType, Gradients, Tensor, TensorData};
@@ -13,7 +13,7 @@ use burn_parallel::fsdp::{
     FsdpConfig, MixedPrecisionPolicy, clip_grad_norm, fully_shard, gather_full,
 };
 
-use crate::common::{assert_close, flex_ad, ndarray_ad, values, vec_of};
+use crate::common::{assert_close, flex_ad, ndarray_ad, sgd, values, vec_of};
 
 const IN: usize = 5;
 const HIDDEN: usize = 3; // 3 rows of layer 2 over 4 ranks: 1, 1, 1, 0
@@ -126,27 +126,6 @@ impl Opts {
     }
 }
 
-/// Plain SGD on every parameter: `p -= lr * g`.
-fn sgd(model: Mlp, grads: &Gradients) -> Mlp {
-    struct Step<'a> {
-        grads: &'a Gradients,
-    }
-    impl ModuleMapper for Step<'_> {
-        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let grad = p.base().grad(self.grads);
-            p.map(|t| match grad {
-                // Rebuilt on the parameter's device, which carries its checkpointing strategy.
-                Some(g) => {
-                    let device = t.device();
-                    Tensor::from_data((t.inner() - g * LR).into_data(), &device).require_grad()
-                }
-                None => t,
-            })
-        }
-    }
-    model.map(&mut Step { grads })
-}
-
 fn flat(model: &Mlp) -> Vec<f32> {
     [
         vec_of(&model.a.weight.val()),
@@ -189,7 +168,7 @@ fn single_device(opts: Opts) -> Run {
             let g = GradientsParams::from_grads(grads, &model);
             optim.step(LR as f64, model, g)
         } else {
-            sgd(model, &grads)
+            sgd(model, &grads, LR)
         };
     }
     (losses, flat(&model), norms)
@@ -278,7 +257,7 @@ fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 
                 let g = GradientsParams::from_grads(grads, &model);
                 optim.step(LR as f64, model, g)
             } else {
-                sgd(model, &grads)
+                sgd(model, &grads, LR)
             };
         }
         // Shards (and so the optimizer's state) stay f32 whatever the compute dtype.

@@ -7,6 +7,7 @@ mod collective_props;
 mod differentiable;
 mod failures;
 mod fsdp_basic;
+mod fsdp_tp;
 mod megatron;
 mod mesh;
 mod recompute;
