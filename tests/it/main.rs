@@ -15,5 +15,6 @@ mod tp_attention;
 mod tp_common;
 mod tp_llama;
 mod tp_mlp;
+mod tp_prepare;
 mod tp_sp;
 mod tp_vocab;
