@@ -103,39 +103,31 @@ impl TpLayer for Embedding {
     ) -> Result<(Self, Option<ShardSpec>), TpError> {
         // The table is [vocab, d_model]: rowwise splits the vocab, colwise the features.
         let [vocab, d_model] = self.weight.shape().dims();
-        match style {
-            ParallelStyle::Rowwise { input, .. } => {
-                if *input != Layout::Replicated {
-                    return Err(unsupported(
-                        path,
-                        Self::KIND,
-                        style,
-                        "token ids must be replicated",
-                    ));
-                }
-                let spec = ShardSpec::new(vocab, group, path, "vocab")?;
-                self.weight = narrow_param(self.weight, 0, spec.range.clone());
-                Ok((self, Some(spec)))
+        // Rowwise splits the vocab (dim 0), colwise the features (dim 1).
+        let (dim, size, what) = match style {
+            ParallelStyle::Rowwise { input, .. } | ParallelStyle::Colwise { input, .. }
+                if *input != Layout::Replicated =>
+            {
+                return Err(unsupported(
+                    path,
+                    Self::KIND,
+                    style,
+                    "token ids must be replicated",
+                ));
             }
-            ParallelStyle::Colwise { input, .. } => {
-                if *input != Layout::Replicated {
-                    return Err(unsupported(
-                        path,
-                        Self::KIND,
-                        style,
-                        "token ids must be replicated",
-                    ));
-                }
-                let spec = ShardSpec::new(d_model, group, path, "d_model")?;
-                self.weight = narrow_param(self.weight, 1, spec.range.clone());
-                Ok((self, Some(spec)))
+            ParallelStyle::Rowwise { .. } => (0, vocab, "vocab"),
+            ParallelStyle::Colwise { .. } => (1, d_model, "d_model"),
+            ParallelStyle::Sequence { .. } => {
+                return Err(unsupported(
+                    path,
+                    Self::KIND,
+                    style,
+                    "an embedding takes ids, not a sequence-sharded activation; use vocab_parallel_sp",
+                ));
             }
-            ParallelStyle::Sequence { .. } => Err(unsupported(
-                path,
-                Self::KIND,
-                style,
-                "an embedding takes ids, not a sequence-sharded activation; use vocab_parallel_sp",
-            )),
-        }
+        };
+        let spec = ShardSpec::new(size, group, path, what)?;
+        self.weight = narrow_param(self.weight, dim, spec.range.clone());
+        Ok((self, Some(spec)))
     }
 }
