@@ -12,8 +12,11 @@
 //! (`FsdpConfig::set_requires_gradient_sync`) work on top of it.
 //!
 //! Not done yet (the rest of the FSDP2 issue): gathers are per parameter, not coalesced per
-//! unit; no prefetch or offload policy; no sharded
-//! state-dict loading or memory accounting.
+//! unit (so no unit-level prefetch); no offload policy; no memory accounting; loading a full
+//! state builds the full module on each rank before sharding it (peak: the whole model).
+//!
+//! Every rank builds its own module (an autodiff tensor shared between rank threads joins
+//! their graphs); build it from the same seeds or record on each rank, then shard it.
 
 mod clip;
 mod error;
