@@ -103,7 +103,6 @@ impl TpLayer for Embedding {
     ) -> Result<(Self, Option<ShardSpec>), TpError> {
         // The table is [vocab, d_model]: rowwise splits the vocab, colwise the features.
         let [vocab, d_model] = self.weight.shape().dims();
-        // Rowwise splits the vocab (dim 0), colwise the features (dim 1).
         let (dim, size, what) = match style {
             ParallelStyle::Rowwise { input, .. } | ParallelStyle::Colwise { input, .. }
                 if *input != Layout::Replicated =>
