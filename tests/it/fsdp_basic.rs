@@ -10,7 +10,7 @@ use burn::tensor::{DType, Device, FloatDType, Gradients, Tensor, TensorData};
 use burn_parallel::dist::chunk::chunk_range;
 use burn_parallel::dist::{DeviceMesh, MeshShape, OpKind, ReduceOp, launch};
 use burn_parallel::fsdp::{
-    FsdpConfig, MixedPrecisionPolicy, clip_grad_norm, fully_shard, gather_full,
+    FsdpConfig, MixedPrecisionPolicy, clip_grad_norm, fully_shard, gather_full, with_gathered_unit,
 };
 
 use crate::common::{assert_close, flex_ad, ndarray_ad, sgd, values, vec_of};
@@ -90,6 +90,8 @@ struct Opts {
     checkpointing: Option<bool>,
     /// Micro-batches per step: all but the last run backward with gradient sync off.
     micro_batches: usize,
+    /// Gather the whole model as one FSDP unit (one all-gather) before each forward.
+    unit: bool,
 }
 
 const PLAIN: Opts = Opts {
@@ -99,6 +101,7 @@ const PLAIN: Opts = Opts {
     bf16: false,
     checkpointing: None,
     micro_batches: 1,
+    unit: false,
 };
 
 impl Opts {
@@ -242,7 +245,13 @@ fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 
                 config.set_requires_gradient_sync(last);
                 let part = chunk_range(rows.len(), opts.micro_batches, micro);
                 let part = rows.start + part.start..rows.start + part.end;
-                let l = loss(&model, step, part, &device, &config.mixed_precision);
+                let l = if opts.unit {
+                    with_gathered_unit(&model, || {
+                        loss(&model, step, part.clone(), &device, &config.mixed_precision)
+                    })?
+                } else {
+                    loss(&model, step, part, &device, &config.mixed_precision)
+                };
                 let global = world_group.all_reduce(l.to_data(), ReduceOp::Sum)?;
                 step_loss += global.try_into_vec::<f32>().unwrap()[0];
                 // Only the sync step's gradients hold the reduced sum of every micro-step.
@@ -312,12 +321,19 @@ fn check(replicas: usize, shard: usize, opts: Opts) {
         } else {
             0
         };
-        let replica_reduces = if replicas > 1 { trainable * steps } else { 0 };
+        // A unit gathers all four parameters with one collective and reduces them with one.
+        let (gathers_per_forward, reduces_per_step) =
+            if opts.unit { (1, 1) } else { (4, trainable) };
+        let replica_reduces = if replicas > 1 {
+            reduces_per_step * steps
+        } else {
+            0
+        };
         assert_eq!(
             counts[..3],
             [
-                4 * steps * opts.micro_batches as u64 + regathers + 4,
-                trainable * steps,
+                gathers_per_forward * steps * opts.micro_batches as u64 + regathers + 4,
+                reduces_per_step * steps,
                 replica_reduces
             ],
             "{ctx}: [all_gather, reduce_scatter, replica all_reduce] calls"
@@ -331,9 +347,15 @@ fn check(replicas: usize, shard: usize, opts: Opts) {
         };
         let per_round: usize = shapes.iter().map(received).sum();
         let regathered_per_round = received(&shapes[1]) + received(&shapes[2]);
+        // A unit gathers every rank's padded chunks: (ranks - 1) x the padded unit length.
+        let unit_round: usize = shapes
+            .iter()
+            .map(|(rows, row)| rows.div_ceil(shard) * row * (shard - 1))
+            .sum();
+        let forward_round = if opts.unit { unit_round } else { per_round };
         assert_eq!(
             counts[3],
-            (per_round * elem) as u64 * steps * opts.micro_batches as u64
+            (forward_round * elem) as u64 * steps * opts.micro_batches as u64
                 + (per_round * 4) as u64
                 + regathers / 2 * (regathered_per_round * elem) as u64,
             "{ctx}: bytes gathered"
@@ -508,6 +530,55 @@ fn gradient_accumulation_without_sync_matches_one_big_batch() {
         Opts {
             micro_batches: 3,
             adamw: true,
+            ..PLAIN
+        },
+    );
+}
+
+#[test]
+fn one_unit_gathers_and_reduces_with_one_collective_each() {
+    for world in 1..=4 {
+        check(
+            1,
+            world,
+            Opts {
+                unit: true,
+                ..PLAIN
+            },
+        );
+    }
+    check(
+        1,
+        3,
+        Opts {
+            unit: true,
+            adamw: true,
+            ..PLAIN
+        },
+    );
+    check(
+        2,
+        2,
+        Opts {
+            unit: true,
+            ..PLAIN
+        },
+    );
+    check(
+        1,
+        3,
+        Opts {
+            unit: true,
+            micro_batches: 2,
+            ..PLAIN
+        },
+    );
+    check(
+        1,
+        2,
+        Opts {
+            unit: true,
+            bf16: true,
             ..PLAIN
         },
     );

@@ -9,4 +9,8 @@ pub enum FsdpError {
         dtype: String,
         device: String,
     },
+    #[error("a unit mixes parameters sharded over group {first} and group {other}")]
+    MixedGroups { first: String, other: String },
+    #[error(transparent)]
+    Collective(#[from] burn_parallel_dist::CollectiveError),
 }

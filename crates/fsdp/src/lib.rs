@@ -11,9 +11,13 @@
 //! optimizer state stay f32) and deferred gradient sync for accumulation
 //! (`FsdpConfig::set_requires_gradient_sync`) work on top of it.
 //!
-//! Not done yet (the rest of the FSDP2 issue): gathers are per parameter, not coalesced per
-//! unit (so no unit-level prefetch); no offload policy; no memory accounting; loading a full
-//! state builds the full module on each rank before sharding it (peak: the whole model).
+//! FSDP units: [`with_gathered_unit`] runs a closure (the unit's forward) with every parameter
+//! of a module gathered by ONE all-gather and reduced by ONE reduce-scatter; parameters outside
+//! any running unit are gathered one by one.
+//!
+//! Not done yet (the rest of the FSDP2 issue): unit prefetch; offload policy; memory
+//! accounting; loading a full state builds the full module on each rank before sharding it
+//! (peak: the whole model).
 //!
 //! Every rank builds its own module (an autodiff tensor shared between rank threads joins
 //! their graphs); build it from the same seeds or record on each rank, then shard it.
@@ -23,8 +27,10 @@ mod error;
 mod gather;
 mod policy;
 mod shard;
+mod unit;
 
 pub use clip::clip_grad_norm;
 pub use error::FsdpError;
 pub use policy::MixedPrecisionPolicy;
 pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};
+pub use unit::with_gathered_unit;

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::module::{Module, Param, Reparameterization, Reparameterizer};
+use burn::module::{Module, Param, ParamId, Reparameterization, Reparameterizer};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_parallel_dist::ProcessGroup;
 use burn_parallel_dist::chunk::chunk_range;
@@ -12,6 +12,7 @@ use burn_parallel_dist::collectives::GatherOptions;
 use crate::error::FsdpError;
 use crate::gather::{Accumulator, GatherPlan, gather_param};
 use crate::policy::MixedPrecisionPolicy;
+use crate::unit::{COLLECTING, Collected, SERVED};
 
 /// How [`fully_shard`] shards and gathers.
 #[derive(Debug, Clone)]
@@ -76,6 +77,23 @@ pub struct ShardGather {
     plan: Option<GatherPlan>,
     #[module(skip)]
     accumulator: Accumulator,
+    /// The parameter's id and full size along dim 0, for coalesced unit gathers.
+    #[module(skip)]
+    id: Option<ParamId>,
+    #[module(skip)]
+    full_rows: usize,
+}
+
+/// The gather options in force: the shard dtype while `gather_full` materializes.
+pub(crate) fn effective_options(options: GatherOptions) -> GatherOptions {
+    if GATHER_IN_SHARD_DTYPE.get() {
+        GatherOptions {
+            compute_dtype: None,
+            ..options
+        }
+    } else {
+        options
+    }
 }
 
 impl Reparameterization for ShardGather {
@@ -83,18 +101,44 @@ impl Reparameterization for ShardGather {
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
         let plan = self.plan.as_ref().expect("set by fully_shard");
-        let options = if GATHER_IN_SHARD_DTYPE.get() {
-            GatherOptions {
-                compute_dtype: None,
-                ..plan.options
+        let id = self.id.expect("set by fully_shard");
+        let collecting = COLLECTING.with(|c| match c.borrow_mut().as_mut() {
+            Some(collected) => {
+                let dims = base.dims();
+                collected.push(Collected {
+                    id,
+                    shard: base.clone().reshape([dims.iter().product::<usize>()]),
+                    full_rows: self.full_rows,
+                    row_len: dims[1..].iter().product(),
+                    plan: plan.clone(),
+                    accumulator: self.accumulator.clone(),
+                });
+                true
             }
-        } else {
-            plan.options
-        };
+            None => false,
+        });
+        if collecting {
+            return base;
+        }
+        let served = SERVED.with(|s| {
+            s.borrow().get(&id).map(|flat| {
+                let mut shape = base.dims();
+                shape[0] = self.full_rows;
+                flat.clone().reshape(shape)
+            })
+        });
+        if let Some(value) = served {
+            return value;
+        }
         // `Param::val` cannot return an error; the launcher reports the panic as this rank's
         // failure and releases the others.
-        gather_param(base, plan, options, &self.accumulator)
-            .unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"))
+        gather_param(
+            base,
+            plan,
+            effective_options(plan.options),
+            &self.accumulator,
+        )
+        .unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"))
     }
 }
 
@@ -113,6 +157,7 @@ impl Reparameterizer for &mut Sharder<'_> {
     ) -> (Param<Tensor<D>>, Option<ShardGather>) {
         let group = &self.config.group;
         let policy = self.config.mixed_precision;
+        let (id, full_rows) = (param.id, param.lazy_shape()[0]);
         if self.error.is_none()
             && let Err(e) = policy.check(&param.lazy_device())
         {
@@ -149,6 +194,8 @@ impl Reparameterizer for &mut Sharder<'_> {
                 sync: self.config.sync.clone(),
             }),
             accumulator: Accumulator::default(),
+            id: Some(id),
+            full_rows,
         };
         (shard, Some(gather))
     }
