@@ -8,6 +8,7 @@ mod differentiable;
 mod failures;
 mod fsdp_basic;
 mod fsdp_tp;
+mod fsdp_units;
 mod megatron;
 mod mesh;
 mod recompute;

@@ -15,7 +15,12 @@
 //! of a module gathered by ONE all-gather and reduced by ONE reduce-scatter; parameters outside
 //! any running unit are gathered one by one.
 //!
-//! Not done yet (the rest of the FSDP2 issue): unit prefetch; offload policy; memory
+//! [`forward_units`] runs a sequence of units (a decoder's layers) with forward prefetch: the
+//! next unit's gather is in flight while the current one computes. Burn's backward has no
+//! hooks, so there is no backward prefetch: each unit's reduce-scatter runs when autodiff
+//! reaches it.
+//!
+//! Not done yet (the rest of the FSDP2 issue): offload policy; memory
 //! accounting; loading a full state builds the full module on each rank before sharding it
 //! (peak: the whole model).
 //!
@@ -33,4 +38,4 @@ pub use clip::clip_grad_norm;
 pub use error::FsdpError;
 pub use policy::MixedPrecisionPolicy;
 pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};
-pub use unit::with_gathered_unit;
+pub use unit::{forward_units, with_gathered_unit};

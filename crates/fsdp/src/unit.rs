@@ -17,7 +17,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use burn_parallel_dist::chunk::padded_chunk;
 
 use crate::error::FsdpError;
-use crate::gather::{Accumulator, GatherPlan, gather_param};
+use crate::gather::{Accumulator, GatherPlan, PendingGather, start_gather};
 
 /// One sharded parameter as the collecting pass saw it.
 pub(crate) struct Collected {
@@ -75,15 +75,20 @@ fn zeros(n: usize, dtype: DType, device: &burn::tensor::Device) -> Tensor<1> {
     Tensor::from_data(data, device)
 }
 
-/// Runs `f` (typically the unit's forward) with every parameter of `unit` (a module sharded by
-/// `fully_shard`) gathered by ONE all-gather; their gradients are reduce-scattered by ONE
-/// reduce-scatter (plus, under HSDP, one all-reduce across replicas). Units nest and follow
-/// each other: parameters outside every running unit are gathered one by one. Collective:
-/// every rank of the shard group runs the same units in the same order.
-pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Result<R, FsdpError> {
+/// A unit whose gather is in flight.
+struct PendingUnit {
+    gather: PendingGather<1>,
+    world: usize,
+    offset: usize,
+    /// (id, start, padded length, full length) of each parameter in the buffer.
+    params: Vec<(ParamId, usize, usize, usize)>,
+}
+
+/// Collects `unit`'s shards and starts their one gather; `None` when it has nothing to gather.
+fn start_unit<M: Module>(unit: &M) -> Result<Option<PendingUnit>, FsdpError> {
     let collected = collect(unit);
     let Some(first) = collected.first() else {
-        return Ok(f());
+        return Ok(None);
     };
     let plan = first.plan.clone();
     if let Some(other) = collected
@@ -101,21 +106,20 @@ pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Resu
 
     // Each parameter's padded chunk, concatenated: every rank contributes the same length.
     let mut pieces = Vec::new();
-    let mut layout = Vec::new();
+    let mut params = Vec::new();
     let mut offset = 0;
     for c in &collected {
         let padded = padded_chunk(c.full_rows, world) * c.row_len;
         let own = c.shard.dims()[0];
-        // Empty shards too: they keep the buffer tracked on a rank that holds no rows.
         pieces.push(c.shard.clone());
         if padded > own {
             pieces.push(zeros(padded - own, dtype, &device));
         }
-        layout.push((offset, padded));
+        params.push((c.id, offset, padded, c.full_rows * c.row_len));
         offset += padded;
     }
     if offset == 0 {
-        return Ok(f());
+        return Ok(None);
     }
     let mut local = Tensor::cat(pieces, 0);
     if !local.is_tracked() {
@@ -132,24 +136,81 @@ pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Resu
         }
     }
     let options = crate::shard::effective_options(plan.options);
-    let gathered = gather_param(local, &plan, options, &first.accumulator)?;
-    let by_rank = gathered.reshape([world, offset]);
-    let mut ids = Vec::new();
-    SERVED.with(|s| {
-        let mut served = s.borrow_mut();
-        for (c, (start, padded)) in collected.iter().zip(&layout) {
-            if *padded == 0 {
-                continue;
+    let gather = start_gather(local, &plan, options, &first.accumulator)?;
+    Ok(Some(PendingUnit {
+        gather,
+        world,
+        offset,
+        params,
+    }))
+}
+
+impl PendingUnit {
+    /// Waits for the gather and serves the unit's parameters until the guard drops.
+    fn serve(self) -> Result<ServeGuard, FsdpError> {
+        let by_rank = self.gather.finish()?.reshape([self.world, self.offset]);
+        let mut ids = Vec::new();
+        SERVED.with(|s| {
+            let mut served = s.borrow_mut();
+            for (id, start, padded, len) in self.params {
+                if padded == 0 {
+                    continue;
+                }
+                let rows = by_rank
+                    .clone()
+                    .narrow(1, start, padded)
+                    .reshape([self.world * padded]);
+                // Padding sits after the last rows, so the first `len` values are the parameter.
+                served.insert(id, rows.narrow(0, 0, len));
+                ids.push(id);
             }
-            let rows = by_rank
-                .clone()
-                .narrow(1, *start, *padded)
-                .reshape([world * padded]);
-            // Padding sits after the last rows, so the first full_rows rows are the parameter.
-            served.insert(c.id, rows.narrow(0, 0, c.full_rows * c.row_len));
-            ids.push(c.id);
-        }
-    });
-    let _guard = ServeGuard(ids);
+        });
+        Ok(ServeGuard(ids))
+    }
+}
+
+/// Runs `f` (typically the unit's forward) with every parameter of `unit` (a module sharded by
+/// `fully_shard`) gathered by ONE all-gather; their gradients are reduce-scattered by ONE
+/// reduce-scatter (plus, under HSDP, one all-reduce across replicas). Units nest and follow
+/// each other: parameters outside every running unit are gathered one by one. Collective:
+/// every rank of the shard group runs the same units in the same order.
+pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Result<R, FsdpError> {
+    let _guard = match start_unit(unit)? {
+        Some(pending) => Some(pending.serve()?),
+        None => None,
+    };
     Ok(f())
+}
+
+/// Runs `units` in order as FSDP units (a decoder's layers), threading `input` through
+/// `f(unit, x)`. With `prefetch`, the next unit's all-gather is started before the current
+/// unit computes (FSDP2's forward prefetch, depth 1), so communication overlaps compute.
+pub fn forward_units<U: Module, T>(
+    units: &[U],
+    input: T,
+    prefetch: bool,
+    mut f: impl FnMut(&U, T) -> T,
+) -> Result<T, FsdpError> {
+    let mut x = input;
+    let mut next = match units.first() {
+        Some(unit) if prefetch => start_unit(unit)?,
+        _ => None,
+    };
+    for (i, unit) in units.iter().enumerate() {
+        let current = if prefetch {
+            let current = next.take();
+            if let Some(following) = units.get(i + 1) {
+                next = start_unit(following)?;
+            }
+            current
+        } else {
+            start_unit(unit)?
+        };
+        let _guard = match current {
+            Some(pending) => Some(pending.serve()?),
+            None => None,
+        };
+        x = f(unit, x);
+    }
+    Ok(x)
 }

@@ -1,0 +1,142 @@
+//! FSDP units over a stack of layers: one all-gather and one reduce-scatter per layer per step,
+//! with and without forward prefetch, on 1-4 ranks (uneven and empty shards), against
+//! single-device training.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel::dist::chunk::chunk_range;
+use burn_parallel::dist::{OpKind, ReduceOp, launch};
+use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard, gather_full};
+
+use crate::common::{assert_close, ndarray_ad, sgd, values, vec_of};
+
+const DIMS: [usize; 4] = [5, 4, 3, 2];
+const BATCH: usize = 8;
+const STEPS: usize = 3;
+const LR: f32 = 0.1;
+
+#[derive(Module, Debug)]
+struct Stack {
+    layers: Vec<Linear>,
+}
+
+fn stack(device: &Device) -> Stack {
+    let layers = DIMS
+        .windows(2)
+        .enumerate()
+        .map(|(i, d)| {
+            let mut l: Linear = LinearConfig::new(d[0], d[1]).init(device);
+            let seed = 10 * i as u64;
+            let w = TensorData::new(values(seed, d[0] * d[1]), [d[0], d[1]]);
+            let b = TensorData::new(values(seed + 1, d[1]), [d[1]]);
+            l.weight = l
+                .weight
+                .map(|_| Tensor::from_data(w, device).require_grad());
+            l.bias = l
+                .bias
+                .map(|p| p.map(|_| Tensor::from_data(b, device).require_grad()));
+            l
+        })
+        .collect();
+    Stack { layers }
+}
+
+fn layer(l: &Linear, x: Tensor<2>) -> Tensor<2> {
+    l.forward(x).tanh()
+}
+
+fn batch(step: usize, rows: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let data = |seed, cols| {
+        let t = Tensor::<2>::from_data(
+            TensorData::new(values(seed, BATCH * cols), [BATCH, cols]),
+            device,
+        );
+        t.narrow(0, rows.start, rows.len())
+    };
+    (
+        data(100 + step as u64, DIMS[0]),
+        data(200 + step as u64, DIMS[3]),
+    )
+}
+
+fn flat(model: &Stack) -> Vec<f32> {
+    model
+        .layers
+        .iter()
+        .flat_map(|l| {
+            [
+                vec_of(&l.weight.val()),
+                vec_of(&l.bias.as_ref().unwrap().val()),
+            ]
+            .concat()
+        })
+        .collect()
+}
+
+fn single_device() -> (Vec<f32>, Vec<f32>) {
+    let device = ndarray_ad();
+    let mut model = stack(&device);
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (x, y) = batch(step, 0..BATCH, &device);
+        let out = model.layers.iter().fold(x, |x, l| layer(l, x));
+        let l = (out - y).powi_scalar(2).sum() / BATCH as f32;
+        losses.push(vec_of(&l)[0]);
+        model = sgd(model, &l.backward(), LR);
+    }
+    (losses, flat(&model))
+}
+
+/// Per rank: (losses, final weights, all_gather calls, reduce_scatter calls).
+fn sharded(world: usize, prefetch: bool) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> {
+    launch(world, |ctx| {
+        let device = ndarray_ad();
+        let group = ctx.world()?;
+        let mut model = fully_shard(stack(&device), &FsdpConfig::new(group.clone()))?;
+        let rows = chunk_range(BATCH, world, group.index());
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let (x, y) = batch(step, rows.clone(), &device);
+            let out = forward_units(&model.layers, x, prefetch, layer)?;
+            let l = (out - y).powi_scalar(2).sum() / BATCH as f32;
+            let global = group.all_reduce(l.to_data(), ReduceOp::Sum)?;
+            losses.push(global.try_to_vec::<f32>()?[0]);
+            model = sgd(model, &l.backward(), LR);
+        }
+        let stats = group.stats();
+        let counts = (
+            stats.calls(OpKind::AllGather),
+            stats.calls(OpKind::ReduceScatter),
+        );
+        let full = gather_full(model);
+        Ok::<_, Box<dyn std::error::Error>>((losses, flat(&full), counts.0, counts.1))
+    })
+    .unwrap()
+}
+
+#[test]
+fn layers_as_units_with_and_without_prefetch_match_single_device() {
+    let (want_losses, want_weights) = single_device();
+    let units = (DIMS.len() - 1) as u64;
+    for world in 1..=4 {
+        let plain = sharded(world, false);
+        let prefetched = sharded(world, true);
+        for (rank, (run, pre)) in plain.iter().zip(&prefetched).enumerate() {
+            let ctx = format!("{world} ranks, rank {rank}");
+            assert_close(&run.0, &want_losses, 1e-5, &format!("{ctx}: losses"));
+            assert_close(&run.1, &want_weights, 1e-5, &format!("{ctx}: weights"));
+            assert_eq!(run.0, pre.0, "{ctx}: prefetch changes nothing but timing");
+            assert_eq!(run.1, pre.1, "{ctx}: prefetch changes nothing but timing");
+            // One gather per unit per step, one reduce-scatter per unit per step (counted
+            // before the final per-parameter gather of the full state).
+            for (what, counts) in [("plain", run), ("prefetch", pre)] {
+                assert_eq!(
+                    (counts.2, counts.3),
+                    (units * STEPS as u64, units * STEPS as u64),
+                    "{ctx} {what}"
+                );
+            }
+        }
+    }
+}
