@@ -140,3 +140,32 @@ fn layers_as_units_with_and_without_prefetch_match_single_device() {
         }
     }
 }
+
+#[test]
+fn a_unit_mixing_shard_groups_is_an_error() {
+    let msgs = launch(4, |ctx| {
+        let device = ndarray_ad();
+        let mesh = burn_parallel::dist::DeviceMesh::new(
+            &ctx,
+            burn_parallel::dist::MeshShape::new(&[("a", 2), ("b", 2)])?,
+        )?;
+        let mut model = stack(&device);
+        let second = model.layers.split_off(1);
+        let first = fully_shard(model, &FsdpConfig::new(mesh.group("a")?.clone()))?;
+        let second = fully_shard(
+            Stack { layers: second },
+            &FsdpConfig::new(mesh.group("b")?.clone()),
+        )?;
+        let mixed = Stack {
+            layers: [first.layers, second.layers].concat(),
+        };
+        let err = burn_parallel::fsdp::with_gathered_unit(&mixed, || ()).unwrap_err();
+        Ok::<_, Box<dyn std::error::Error>>(err.to_string())
+    })
+    .unwrap();
+    assert!(
+        msgs[0].starts_with("a unit mixes parameters sharded over group a[0, 2] and group b[0, 1]"),
+        "{}",
+        msgs[0]
+    );
+}
