@@ -18,7 +18,7 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::dist::launch;
-use burn_parallel::fsdp::{FsdpConfig, fully_shard};
+use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard};
 use burn_parallel::tp::{ParallelStyle, Tp};
 
 const TOKENS: usize = 512;
@@ -107,15 +107,13 @@ impl Mlp {
         Self { layers }
     }
 
-    fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(x);
-            if i + 1 < self.layers.len() {
-                x = x.tanh();
-            }
-        }
-        x
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.layers.iter().fold(x, |x, l| layer_forward(l, x))
     }
+}
+
+fn layer_forward(layer: &Linear, x: Tensor<2>) -> Tensor<2> {
+    layer.forward(x).tanh()
 }
 
 /// Bytes of the parameters this rank stores (shards under FSDP).
@@ -131,9 +129,11 @@ fn param_bytes(model: &Mlp) -> usize {
     count.0
 }
 
-/// (median step time, model-state bytes per rank: parameters + gradients) of an FSDP SGD
-/// step on `world` ranks, each with `TOKENS / world` rows; `world == 0` is single device.
-fn fsdp_step(world: usize) -> (Duration, usize) {
+/// (median step time, model-state bytes per rank: parameters + gradients) of an FSDP
+/// forward+backward on `world` ranks, each with `TOKENS / world` rows; `world == 0` is single
+/// device. With `units`, each layer is an FSDP unit (one gather each) with forward prefetch;
+/// otherwise every parameter is gathered by itself.
+fn fsdp_step(world: usize, units: bool) -> (Duration, usize) {
     let ranks = world.max(1);
     let out = launch(ranks, |ctx| {
         let group = ctx.world()?;
@@ -151,7 +151,12 @@ fn fsdp_step(world: usize) -> (Duration, usize) {
             group.barrier()?;
             let x = data(5 + ctx.rank() as u64, [rows, MODEL], &device);
             let started = Instant::now();
-            let loss = model.forward(x).powi_scalar(2).mean();
+            let out = if units {
+                forward_units(&model.layers, x, true, layer_forward)?
+            } else {
+                model.forward(x)
+            };
+            let loss = out.powi_scalar(2).mean();
             let grads = loss.backward();
             std::hint::black_box(grads);
             times.push(started.elapsed());
@@ -178,20 +183,27 @@ fn main() {
     println!(
         "FSDP 4-layer MLP ({MODEL}-{HIDDEN}-{HIDDEN}-{HIDDEN}-{MODEL}), forward+backward of a {TOKENS}-row global batch"
     );
-    let (single, single_bytes) = fsdp_step(0);
+    let (single, single_bytes) = fsdp_step(0, false);
     println!(
         "  single device: {:>8.1} ms   {:>10} model-state bytes",
         ms(single),
         single_bytes
     );
-    for world in [1, 2, 4] {
-        let (t, bytes) = fsdp_step(world);
-        println!(
-            "  fsdp {world} rank(s): {:>6.1} ms (ratio {:.2})   {:>10} bytes per rank (ratio {:.3})",
-            ms(t),
-            ms(t) / ms(single),
-            bytes,
-            bytes as f64 / single_bytes as f64
-        );
+    for units in [false, true] {
+        let mode = if units {
+            "layer units + prefetch"
+        } else {
+            "per-parameter gathers"
+        };
+        for world in [1, 2, 4] {
+            let (t, bytes) = fsdp_step(world, units);
+            println!(
+                "  fsdp {world} rank(s), {mode}: {:>6.1} ms (ratio {:.2})   {:>10} bytes per rank (ratio {:.3})",
+                ms(t),
+                ms(t) / ms(single),
+                bytes,
+                bytes as f64 / single_bytes as f64
+            );
+        }
     }
 }
