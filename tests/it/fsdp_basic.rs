@@ -537,49 +537,35 @@ fn gradient_accumulation_without_sync_matches_one_big_batch() {
 
 #[test]
 fn one_unit_gathers_and_reduces_with_one_collective_each() {
-    for world in 1..=4 {
-        check(
+    let unit = Opts {
+        unit: true,
+        ..PLAIN
+    };
+    let cases = [
+        (1, 1, unit),
+        (1, 2, unit),
+        (1, 3, unit),
+        (1, 4, unit),
+        (
             1,
-            world,
+            3,
             Opts {
-                unit: true,
-                ..PLAIN
+                adamw: true,
+                ..unit
             },
-        );
+        ),
+        (2, 2, unit),
+        (
+            1,
+            3,
+            Opts {
+                micro_batches: 2,
+                ..unit
+            },
+        ),
+        (1, 2, Opts { bf16: true, ..unit }),
+    ];
+    for (replicas, shard, opts) in cases {
+        check(replicas, shard, opts);
     }
-    check(
-        1,
-        3,
-        Opts {
-            unit: true,
-            adamw: true,
-            ..PLAIN
-        },
-    );
-    check(
-        2,
-        2,
-        Opts {
-            unit: true,
-            ..PLAIN
-        },
-    );
-    check(
-        1,
-        3,
-        Opts {
-            unit: true,
-            micro_batches: 2,
-            ..PLAIN
-        },
-    );
-    check(
-        1,
-        2,
-        Opts {
-            unit: true,
-            bf16: true,
-            ..PLAIN
-        },
-    );
 }

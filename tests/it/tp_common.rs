@@ -8,7 +8,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Gradients, Int, Tensor, TensorData};
 
-use crate::common::{ndarray_ad, tensor, values, vec_of};
+use crate::common::{assert_close, ndarray_ad, tensor, values, vec_of};
 
 pub const TOL: f32 = 1e-5;
 
@@ -107,4 +107,42 @@ pub fn param_paths<M: Module>(m: &M) -> Vec<String> {
     };
     m.visit(&mut v);
     v.out
+}
+
+/// Gradients of a colwise `up` / rowwise `down` pair of linear layers.
+pub struct MlpGrads {
+    pub up_w: Vec<f32>,
+    pub up_b: Vec<f32>,
+    pub down_w: Vec<f32>,
+    pub down_b: Vec<f32>,
+}
+
+impl MlpGrads {
+    pub fn of(up: &Linear, down: &Linear, grads: &Gradients) -> Self {
+        Self {
+            up_w: grad(&up.weight, grads),
+            up_b: grad(up.bias.as_ref().unwrap(), grads),
+            down_w: grad(&down.weight, grads),
+            down_b: grad(down.bias.as_ref().unwrap(), grads),
+        }
+    }
+
+    /// Asserts that this rank's shard gradients are the slices `cols` (of `hidden`) of the
+    /// single-device ones; the replicated `down` bias within `down_b_tol`.
+    pub fn assert_shard_of(
+        &self,
+        full: &MlpGrads,
+        hidden: usize,
+        model: usize,
+        cols: Range<usize>,
+        down_b_tol: f32,
+        ctx: impl Fn(&str) -> String,
+    ) {
+        let up_w = columns(&full.up_w, hidden, cols.clone());
+        assert_close(&self.up_w, &up_w, TOL, &ctx("up w"));
+        assert_close(&self.up_b, &full.up_b[cols.clone()], TOL, &ctx("up b"));
+        let down_w = rows(&full.down_w, model, cols);
+        assert_close(&self.down_w, &down_w, TOL, &ctx("down w"));
+        assert_close(&self.down_b, &full.down_b, down_b_tol, &ctx("down b"));
+    }
 }

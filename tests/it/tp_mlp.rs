@@ -13,7 +13,7 @@ use burn_parallel_tp::{
 };
 
 use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
-use crate::tp_common::{TOL, columns, grad, linear, param_paths, rows, tensor_grad};
+use crate::tp_common::{MlpGrads, TOL, linear, param_paths, tensor_grad};
 
 pub const MODEL: usize = 4;
 
@@ -65,10 +65,7 @@ pub fn mlp_plan() -> TpPlan {
 struct Run {
     out: Vec<f32>,
     x: Vec<f32>,
-    up_w: Vec<f32>,
-    up_b: Vec<f32>,
-    down_w: Vec<f32>,
-    down_b: Vec<f32>,
+    params: MlpGrads,
 }
 
 fn run(m: &Mlp, tokens: usize) -> Run {
@@ -81,10 +78,7 @@ fn run(m: &Mlp, tokens: usize) -> Run {
     Run {
         out: vec_of(&y),
         x: tensor_grad(&x, &grads),
-        up_w: grad(&m.up.inner().weight, &grads),
-        up_b: grad(m.up.inner().bias.as_ref().unwrap(), &grads),
-        down_w: grad(&m.down.inner().weight, &grads),
-        down_b: grad(m.down.inner().bias.as_ref().unwrap(), &grads),
+        params: MlpGrads::of(m.up.inner(), m.down.inner(), &grads),
     }
 }
 
@@ -105,20 +99,8 @@ fn tp_mlp_matches_single_device() {
             let ctx = |w: &str| format!("tp={tp} hidden={hidden} rank {me}: {w}");
             assert_close(&got.out, &want.out, TOL, &ctx("output"));
             assert_close(&got.x, &want.x, TOL, &ctx("input grad"));
-            assert_close(
-                &got.up_w,
-                &columns(&want.up_w, hidden, cols.clone()),
-                TOL,
-                &ctx("up w"),
-            );
-            assert_close(&got.up_b, &want.up_b[cols.clone()], TOL, &ctx("up b"));
-            assert_close(
-                &got.down_w,
-                &rows(&want.down_w, MODEL, cols),
-                TOL,
-                &ctx("down w"),
-            );
-            assert_close(&got.down_b, &want.down_b, TOL, &ctx("down b"));
+            got.params
+                .assert_shard_of(&want.params, hidden, MODEL, cols, TOL, ctx);
         }
     }
 }
@@ -176,12 +158,8 @@ fn tp_colwise_gathered_and_rowwise_from_replicated() {
             assert_close(&got.out, &want.out, TOL, &ctx("output"));
             assert_close(&got.x, &want.x, TOL, &ctx("input grad"));
             let cols = chunk_range(7, tp, me);
-            assert_close(
-                &got.down_w,
-                &rows(&want.down_w, MODEL, cols),
-                TOL,
-                &ctx("down w"),
-            );
+            got.params
+                .assert_shard_of(&want.params, 7, MODEL, cols, TOL, ctx);
         }
     }
 }

@@ -14,7 +14,7 @@ use burn_parallel_tp::{
 };
 
 use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
-use crate::tp_common::{TOL, columns, grad, linear, mid, rows, tensor_grad};
+use crate::tp_common::{MlpGrads, TOL, grad, linear, mid, tensor_grad};
 
 const MODEL: usize = 4;
 const HIDDEN: usize = 7;
@@ -120,10 +120,7 @@ struct Run {
     out: Vec<f32>,
     x: Vec<f32>,
     norm: Vec<f32>,
-    up_w: Vec<f32>,
-    up_b: Vec<f32>,
-    down_w: Vec<f32>,
-    down_b: Vec<f32>,
+    params: MlpGrads,
 }
 
 /// Forward and backward on the tokens `toks` of a `[BATCH, seq, MODEL]` input.
@@ -141,10 +138,7 @@ fn run(b: &Block, seq: usize, toks: std::ops::Range<usize>) -> Run {
         out: vec_of(&y),
         x: tensor_grad(&x, &grads),
         norm: grad(&b.norm.inner().weight, &grads),
-        up_w: grad(&b.up.inner().weight, &grads),
-        up_b: grad(b.up.inner().bias.as_ref().unwrap(), &grads),
-        down_w: grad(&b.down.inner().weight, &grads),
-        down_b: grad(b.down.inner().bias.as_ref().unwrap(), &grads),
+        params: MlpGrads::of(b.up.inner(), b.down.inner(), &grads),
     }
 }
 
@@ -183,20 +177,8 @@ fn check(tp: usize, reduce: Option<DType>, tol: f32) {
             &ctx("input grad"),
         );
         assert_close(&got.norm, &want.norm, tol, &ctx("norm weight grad"));
-        assert_close(
-            &got.up_w,
-            &columns(&want.up_w, HIDDEN, cols.clone()),
-            TOL,
-            &ctx("up w"),
-        );
-        assert_close(&got.up_b, &want.up_b[cols.clone()], TOL, &ctx("up b"));
-        assert_close(
-            &got.down_w,
-            &rows(&want.down_w, MODEL, cols),
-            TOL,
-            &ctx("down w"),
-        );
-        assert_close(&got.down_b, &want.down_b, tol, &ctx("down b"));
+        got.params
+            .assert_shard_of(&want.params, HIDDEN, MODEL, cols, tol, ctx);
     }
 }
 
