@@ -142,16 +142,22 @@ fn run(b: &Block, seq: usize, toks: std::ops::Range<usize>) -> Run {
     }
 }
 
+/// The block under the sequence-parallel plan on this rank, with the gradient reduce dtype.
+fn sp_block(group: &ProcessGroup, reduce: Option<DType>) -> Result<Block, TpError> {
+    let plan = sp_plan();
+    let mut cx = TpApplier::new(&plan, group);
+    if let Some(dtype) = reduce {
+        cx = cx.with_reduce_dtype(dtype);
+    }
+    let b = Block::new().apply_tp("", &mut cx)?;
+    assert!(cx.finish().is_complete());
+    Ok(b)
+}
+
 fn parallel(tp: usize, seq: usize, reduce: Option<DType>) -> Vec<Run> {
     launch(tp, |ctx| {
         let group = ctx.world()?;
-        let plan = sp_plan();
-        let mut cx = TpApplier::new(&plan, &group);
-        if let Some(dtype) = reduce {
-            cx = cx.with_reduce_dtype(dtype);
-        }
-        let b = Block::new().apply_tp("", &mut cx)?;
-        assert!(cx.finish().is_complete());
+        let b = sp_block(&group, reduce)?;
         Ok::<_, TpError>(run(&b, seq, chunk_range(seq, tp, group.index())))
     })
     .unwrap()
@@ -204,12 +210,7 @@ fn tp_sequence_parallel_communication_matches_megatron() {
     for (tp, reduce) in [(2usize, None), (4, None), (2, Some(DType::BF16))] {
         let stats = launch(tp, |ctx| {
             let group = ctx.world()?;
-            let plan = sp_plan();
-            let mut cx = TpApplier::new(&plan, &group);
-            if let Some(dtype) = reduce {
-                cx = cx.with_reduce_dtype(dtype);
-            }
-            let b = Block::new().apply_tp("", &mut cx)?;
+            let b = sp_block(&group, reduce)?;
             let before = group.stats();
             run(&b, SEQ, chunk_range(SEQ, tp, group.index()));
             Ok::<_, TpError>(group.stats().since(&before))
