@@ -96,6 +96,12 @@ impl TpModule for Attention {
         }
         Ok(())
     }
+
+    fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
+        for p in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
+            p.visit_tp_sharded(visitor);
+        }
+    }
 }
 
 fn plan() -> TpPlan {

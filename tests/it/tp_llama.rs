@@ -163,6 +163,12 @@ impl TpModule for SelfAttn {
             .iter()
             .try_for_each(|p| p.sync_tp_grads(grads))
     }
+
+    fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+            .iter()
+            .for_each(|p| p.visit_tp_sharded(visitor));
+    }
 }
 
 impl TpModule for SwiGlu {
@@ -182,6 +188,12 @@ impl TpModule for SwiGlu {
         [&self.gate_proj, &self.up_proj, &self.down_proj]
             .iter()
             .try_for_each(|p| p.sync_tp_grads(grads))
+    }
+
+    fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .iter()
+            .for_each(|p| p.visit_tp_sharded(visitor));
     }
 }
 
@@ -207,6 +219,13 @@ impl TpModule for Layer {
         self.post_attention_layernorm.sync_tp_grads(grads)?;
         self.mlp.sync_tp_grads(grads)
     }
+
+    fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
+        self.input_layernorm.visit_tp_sharded(visitor);
+        self.self_attn.visit_tp_sharded(visitor);
+        self.post_attention_layernorm.visit_tp_sharded(visitor);
+        self.mlp.visit_tp_sharded(visitor);
+    }
 }
 
 impl TpModule for Llama {
@@ -226,6 +245,13 @@ impl TpModule for Llama {
         self.layers.sync_tp_grads(grads)?;
         self.norm.sync_tp_grads(grads)?;
         self.lm_head.sync_tp_grads(grads)
+    }
+
+    fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
+        self.embed_tokens.visit_tp_sharded(visitor);
+        self.layers.visit_tp_sharded(visitor);
+        self.norm.visit_tp_sharded(visitor);
+        self.lm_head.visit_tp_sharded(visitor);
     }
 }
 

@@ -54,6 +54,11 @@ impl TpModule for Mlp {
         self.up.sync_tp_grads(grads)?;
         self.down.sync_tp_grads(grads)
     }
+
+    fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
+        self.up.visit_tp_sharded(visitor);
+        self.down.visit_tp_sharded(visitor);
+    }
 }
 
 pub fn mlp_plan() -> TpPlan {

@@ -107,6 +107,12 @@ impl TpModule for Block {
         self.up.sync_tp_grads(grads)?;
         self.down.sync_tp_grads(grads)
     }
+
+    fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
+        self.norm.visit_tp_sharded(visitor);
+        self.up.visit_tp_sharded(visitor);
+        self.down.visit_tp_sharded(visitor);
+    }
 }
 
 fn sp_plan() -> TpPlan {

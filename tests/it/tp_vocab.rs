@@ -57,6 +57,11 @@ impl TpModule for Lm {
         self.embed_tokens.sync_tp_grads(grads)?;
         self.lm_head.sync_tp_grads(grads)
     }
+
+    fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
+        self.embed_tokens.visit_tp_sharded(visitor);
+        self.lm_head.visit_tp_sharded(visitor);
+    }
 }
 
 fn targets() -> Tensor<1, Int> {

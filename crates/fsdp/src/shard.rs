@@ -155,6 +155,11 @@ impl Reparameterizer for &mut Sharder<'_> {
         _path: &str,
         param: Param<Tensor<D>>,
     ) -> (Param<Tensor<D>>, Option<ShardGather>) {
+        // FSDP2 shards inner units first and the root last: the root keeps only what no
+        // unit took (Burn does not nest reparameterizations).
+        if param.reparameterization::<ShardGather>().is_some() {
+            return (param, None);
+        }
         let group = &self.config.group;
         let policy = self.config.mixed_precision;
         let (id, full_rows) = (param.id, param.lazy_shape()[0]);
@@ -203,6 +208,8 @@ impl Reparameterizer for &mut Sharder<'_> {
 
 /// Shards every float parameter of `module` on dim 0 over `config.group`. Every rank calls
 /// it with the same (replicated) module; each keeps its own chunk. Parameter ids are kept.
+/// Parameters already sharded (by an earlier call on a submodule, FSDP2's inner units) keep
+/// their own config.
 /// Fails, before any communication, on a mixed-precision dtype the device cannot run.
 pub fn fully_shard<M: Module>(module: M, config: &FsdpConfig) -> Result<M, FsdpError> {
     let mut sharder = Sharder {

@@ -32,6 +32,15 @@ pub trait TpLayer: Module + Sized {
             self.visit(visitor);
         }
     }
+
+    /// Visits the parameters `shard` split across the group (each rank holds different
+    /// elements), as opposed to replicated ones, so a global norm counts each element once.
+    /// Default: every parameter, unless the style is sequence parallel (which splits none).
+    fn visit_sharded_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {
+        if !matches!(style, ParallelStyle::Sequence { .. }) {
+            self.visit(visitor);
+        }
+    }
 }
 
 pub(crate) fn unsupported(
@@ -88,6 +97,15 @@ impl TpLayer for Linear {
                 }
             }
             _ => {}
+        }
+    }
+
+    fn visit_sharded_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {
+        match style {
+            ParallelStyle::Colwise { .. } => self.visit(visitor),
+            // The rowwise bias is added once, after the reduction: replicated.
+            ParallelStyle::Rowwise { .. } => visitor.visit_float(&self.weight),
+            ParallelStyle::Sequence { .. } => {}
         }
     }
 }

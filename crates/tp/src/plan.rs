@@ -2,6 +2,7 @@
 //! model's `Tp` fields by path, with a report of what matched nothing and what no entry
 //! covered.
 
+use burn::module::ModuleVisitor;
 use burn::tensor::{DType, Gradients};
 use burn_parallel_dist::ProcessGroup;
 
@@ -201,6 +202,10 @@ pub trait TpModule: Sized {
     /// All-reduces, over each module's tp group, the partial gradients of replicated
     /// parameters in the sequence-parallel region. Call after backward on every rank.
     fn sync_tp_grads(&self, grads: &mut Gradients) -> Result<(), TpError>;
+
+    /// Visits the parameters split across their tp group (each rank holds different
+    /// elements); every other parameter is replicated over tp.
+    fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V);
 }
 
 impl<M: TpLayer> TpModule for Tp<M> {
@@ -232,6 +237,14 @@ impl<M: TpLayer> TpModule for Tp<M> {
             .visit_partial_grad_params(&s.style, &mut visitor);
         visitor.error.map_or(Ok(()), Err)
     }
+
+    fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
+        if let Some(s) = self.sharding()
+            && s.spec.is_some()
+        {
+            self.inner().visit_sharded_params(&s.style, visitor);
+        }
+    }
 }
 
 impl<T: TpModule> TpModule for Vec<T> {
@@ -245,6 +258,10 @@ impl<T: TpModule> TpModule for Vec<T> {
     fn sync_tp_grads(&self, grads: &mut Gradients) -> Result<(), TpError> {
         self.iter().try_for_each(|m| m.sync_tp_grads(grads))
     }
+
+    fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
+        self.iter().for_each(|m| m.visit_tp_sharded(visitor));
+    }
 }
 
 impl<T: TpModule> TpModule for Option<T> {
@@ -254,6 +271,12 @@ impl<T: TpModule> TpModule for Option<T> {
 
     fn sync_tp_grads(&self, grads: &mut Gradients) -> Result<(), TpError> {
         self.as_ref().map_or(Ok(()), |m| m.sync_tp_grads(grads))
+    }
+
+    fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
+        if let Some(m) = self {
+            m.visit_tp_sharded(visitor);
+        }
     }
 }
 

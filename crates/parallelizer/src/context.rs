@@ -1,0 +1,137 @@
+//! `MeshContext`: one rank's view of the job: its config, mesh, groups and device.
+
+use std::cell::Cell;
+
+use burn::tensor::Device;
+use burn_parallel_dist::{DeviceMesh, MeshShape, ProcessGroup, RankContext};
+
+use crate::config::{DistributedConfig, MeshSizes, Strategy};
+use crate::error::ParallelError;
+
+/// The name of the flattened data-parallel dimension (dp_replicate x dp_shard): the group over
+/// which the batch is split and losses are averaged.
+pub const DP: &str = "dp";
+
+/// One rank's parallel context. Build it on every rank from the same config; the config is
+/// validated against the world before any communication.
+#[derive(Debug, Clone)]
+pub struct MeshContext {
+    config: DistributedConfig,
+    sizes: MeshSizes,
+    mesh: DeviceMesh,
+    device: Device,
+}
+
+impl MeshContext {
+    /// A `dp_replicate x dp_shard x tp` mesh (names from `config.mesh_names`) over the ranks
+    /// of `rank`, computing on `device`.
+    pub fn new(
+        rank: &RankContext,
+        config: DistributedConfig,
+        device: Device,
+    ) -> Result<Self, ParallelError> {
+        let sizes = config.validate(rank.world_size())?;
+        let names = &config.mesh_names;
+        let shape = MeshShape::new(&[
+            (names.dp_replicate.as_str(), sizes.dp_replicate),
+            (names.dp_shard.as_str(), sizes.dp_shard),
+            (names.tp.as_str(), sizes.tp),
+        ])?;
+        let mut mesh = DeviceMesh::new(rank, shape)?;
+        mesh.flatten(&[&names.dp_replicate, &names.dp_shard], DP)?;
+        Ok(Self {
+            config,
+            sizes,
+            mesh,
+            device,
+        })
+    }
+
+    pub fn config(&self) -> &DistributedConfig {
+        &self.config
+    }
+
+    pub fn sizes(&self) -> MeshSizes {
+        self.sizes
+    }
+
+    pub fn strategy(&self) -> Strategy {
+        self.config.strategy
+    }
+
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn rank(&self) -> usize {
+        self.mesh.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.mesh.shape().size()
+    }
+
+    fn group(&self, name: &str) -> &ProcessGroup {
+        self.mesh
+            .group(name)
+            .expect("MeshContext::new created every dimension")
+    }
+
+    /// The group parameters are sharded over (FSDP2's shard dimension).
+    pub fn dp_shard_group(&self) -> &ProcessGroup {
+        self.group(&self.config.mesh_names.dp_shard)
+    }
+
+    /// The group of replicas (HSDP), size 1 otherwise.
+    pub fn dp_replicate_group(&self) -> &ProcessGroup {
+        self.group(&self.config.mesh_names.dp_replicate)
+    }
+
+    /// Every data-parallel rank: replicas x shards. DDP all-reduces over it.
+    pub fn dp_group(&self) -> &ProcessGroup {
+        self.group(DP)
+    }
+
+    pub fn tp_group(&self) -> &ProcessGroup {
+        self.group(&self.config.mesh_names.tp)
+    }
+
+    /// This rank's index among the data-parallel ranks (which rows of the batch it takes).
+    pub fn dp_rank(&self) -> usize {
+        self.dp_group().index()
+    }
+
+    pub fn dp_size(&self) -> usize {
+        self.sizes.dp_replicate * self.sizes.dp_shard
+    }
+}
+
+thread_local! {
+    /// Whether `forward_units` prefetches on this rank (a rank is one thread or one process);
+    /// set by `parallelize_model` from `enable_fsdp2_prefetch`.
+    static PREFETCH: Cell<bool> = const { Cell::new(true) };
+}
+
+pub(crate) fn set_prefetch(on: bool) {
+    PREFETCH.set(on);
+}
+
+/// Runs `units` (a decoder's layers, each an FSDP unit) in order, threading `input` through
+/// `f`, with the prefetch setting `parallelize_model` chose for this rank. Without FSDP it is a
+/// plain loop.
+pub fn forward_units<U: burn::module::Module, T>(
+    units: &[U],
+    input: T,
+    f: impl FnMut(&U, T) -> T,
+) -> Result<T, ParallelError> {
+    Ok(burn_parallel_fsdp::forward_units(
+        units,
+        input,
+        PREFETCH.get(),
+        f,
+    )?)
+}

@@ -1,0 +1,25 @@
+use burn_parallel_dist::{CollectiveError, MeshError};
+use burn_parallel_fsdp::FsdpError;
+use burn_parallel_tp::TpError;
+
+/// Why a model could not be parallelized or trained.
+#[derive(Debug, thiserror::Error)]
+pub enum ParallelError {
+    /// The configuration contradicts itself or the world; raised before any communication.
+    #[error("invalid distributed config: {0}")]
+    Config(String),
+    /// A strategy or option that exists in the reference systems but not here yet.
+    #[error("{0} is not yet supported")]
+    NotSupported(String),
+    #[error("tensor parallel: {0}")]
+    Tp(#[from] TpError),
+    #[error("fsdp: {0}")]
+    Fsdp(#[from] FsdpError),
+    #[error("mesh: {0}")]
+    Mesh(#[from] MeshError),
+    #[error("collective: {0}")]
+    Collective(#[from] CollectiveError),
+    /// A config file that could not be read or parsed.
+    #[error("config file {path}: {message}")]
+    ConfigFile { path: String, message: String },
+}

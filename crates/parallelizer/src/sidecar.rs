@@ -1,0 +1,226 @@
+//! The sidecar: NeMo AutoModel's `ModelParallelizer` hooks as a trait with default methods.
+//! A model overrides any hook by naming its own sidecar type in `#[parallelize(sidecar = T)]`;
+//! every hook it does not override falls back to the default flow below.
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::Tensor;
+use burn_parallel_fsdp::{FsdpConfig, fully_shard};
+use burn_parallel_tp::{TpApplier, TpModule, TpPlan, local_heads};
+
+use crate::config::Strategy;
+use crate::context::{MeshContext, set_prefetch};
+use crate::ddp;
+use crate::describe::{ModelDescription, Parallelize, UnitMap};
+use crate::error::ParallelError;
+
+/// The parallelizer hooks, narrowest first: `fully_shard_module` (the FSDP primitive),
+/// `apply_fsdp_sharding` (unit boundaries), `fully_shard_untied_input_output_embeddings`,
+/// `validate_tp_mesh`, `apply_tp`, `use_full_layer_activation_checkpointing`, `apply` (the
+/// whole dense flow) and `parallelize` (the dispatch).
+pub trait ModelParallelizer {
+    /// Dispatches on the strategy: DDP, or the dense flow (FSDP2, HSDP, TP, FSDP2 + TP,
+    /// unsharded FSDP2 on one rank).
+    fn parallelize<M: Parallelize>(&self, model: M, ctx: &MeshContext) -> Result<M, ParallelError>
+    where
+        Self: Sized,
+    {
+        set_prefetch(ctx.config().enable_fsdp2_prefetch);
+        match ctx.strategy() {
+            Strategy::Ddp => ddp::replicate(model, ctx),
+            Strategy::Fsdp2 | Strategy::Hsdp => self.apply(model, ctx),
+            Strategy::MegatronFsdp => Err(ParallelError::NotSupported(
+                "strategy megatron_fsdp".into(),
+            )),
+        }
+    }
+
+    /// The dense flow: tensor parallelism, activation checkpointing, then FSDP sharding.
+    fn apply<M: Parallelize>(&self, model: M, ctx: &MeshContext) -> Result<M, ParallelError>
+    where
+        Self: Sized,
+    {
+        let mut description = ModelDescription::default();
+        model.describe("", &mut description);
+        let model = if ctx.sizes().tp > 1 {
+            self.validate_tp_mesh(&description, ctx)?;
+            self.apply_tp(model, &description, ctx)?
+        } else {
+            model
+        };
+        let model = if ctx.config().activation_checkpointing {
+            self.use_full_layer_activation_checkpointing(model, ctx)?
+        } else {
+            model
+        };
+        self.apply_fsdp_sharding(model, &description, ctx)
+    }
+
+    /// Attention heads and kv heads must divide by the tp size.
+    fn validate_tp_mesh(
+        &self,
+        description: &ModelDescription,
+        ctx: &MeshContext,
+    ) -> Result<(), ParallelError> {
+        let tp = ctx.sizes().tp;
+        for h in &description.heads {
+            let heads = h.heads.unwrap_or(0);
+            let kv_heads = h.kv_heads.unwrap_or(heads);
+            if heads > 0 {
+                local_heads(heads, kv_heads, tp).map_err(|e| {
+                    ParallelError::Config(format!("attention at {:?}: {e}", h.path))
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the TP plan: the config's `tp_shard_plan` when given, else the one the model
+    /// declares. Plan entries that match no module are errors.
+    fn apply_tp<M: TpModule>(
+        &self,
+        model: M,
+        description: &ModelDescription,
+        ctx: &MeshContext,
+    ) -> Result<M, ParallelError> {
+        let plan = match ctx.config().tp_plan_override()? {
+            Some(plan) => plan,
+            None => sequence_parallel_variant(description, ctx)?,
+        };
+        if plan.entries().is_empty() {
+            return Err(ParallelError::Config(format!(
+                "tp_size is {} but the model declares no TP plan (no #[tp(..)] fields or plan name) and the config gives no tp_shard_plan",
+                ctx.sizes().tp
+            )));
+        }
+        let mut applier = TpApplier::new(&plan, ctx.tp_group());
+        if let Some(dtype) = ctx.config().mp_policy.reduce_dtype {
+            applier = applier.with_reduce_dtype(burn::tensor::FloatDType::from(dtype).into());
+        }
+        let model = model.apply_tp("", &mut applier)?;
+        applier.finish().check_entries()?;
+        Ok(model)
+    }
+
+    /// Full-layer activation checkpointing. Burn 0.22 selects checkpointing per device (its
+    /// balanced strategy recomputes memory-bound activations, and the gathered FSDP weights, in
+    /// backward): the parameters move to the checkpointing variant of their device.
+    fn use_full_layer_activation_checkpointing<M: Module>(
+        &self,
+        model: M,
+        _ctx: &MeshContext,
+    ) -> Result<M, ParallelError> {
+        Ok(model.map(&mut ToCheckpointing))
+    }
+
+    /// Unit boundaries: every declared unit is fully sharded on its own (innermost first),
+    /// then the untied embeddings, then the root takes what remains. Resharding after forward
+    /// follows `reshard_after_forward`, or NeMo's default: every unit but the last reshards,
+    /// the root never does.
+    fn apply_fsdp_sharding<M: Parallelize>(
+        &self,
+        model: M,
+        description: &ModelDescription,
+        ctx: &MeshContext,
+    ) -> Result<M, ParallelError>
+    where
+        Self: Sized,
+    {
+        let base = fsdp_config(ctx);
+        let explicit = ctx.config().reshard_after_forward;
+        let last = description.units.last().cloned();
+        let mut sharder = UnitSharder {
+            sidecar: self,
+            base: &base,
+            reshard: |path: &str| explicit.unwrap_or(Some(path) != last.as_deref()),
+        };
+        let model = model.map_units("", &mut sharder)?;
+        let model = self.fully_shard_untied_input_output_embeddings(model, description, ctx)?;
+        let root = base.clone().reshard_after_forward(explicit.unwrap_or(false));
+        self.fully_shard_module(model, &root)
+    }
+
+    /// NeMo gives large untied, trainable embedding and LM-head tables their own units. Here
+    /// a model declares such tables as `#[fsdp(unit)]` fields; the default adds nothing.
+    fn fully_shard_untied_input_output_embeddings<M: Parallelize>(
+        &self,
+        model: M,
+        _description: &ModelDescription,
+        _ctx: &MeshContext,
+    ) -> Result<M, ParallelError> {
+        Ok(model)
+    }
+
+    /// The FSDP primitive: shards every not-yet-sharded float parameter of `module`.
+    fn fully_shard_module<N: Module>(
+        &self,
+        module: N,
+        config: &FsdpConfig,
+    ) -> Result<N, ParallelError> {
+        Ok(fully_shard(module, config)?)
+    }
+}
+
+/// The shared default sidecar.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultParallelizer;
+
+impl ModelParallelizer for DefaultParallelizer {}
+
+/// The FSDP config of a context: FSDP2 over dp_shard, or HSDP with the replicas.
+pub fn fsdp_config(ctx: &MeshContext) -> FsdpConfig {
+    let shard = ctx.dp_shard_group().clone();
+    let config = if ctx.sizes().dp_replicate > 1 {
+        FsdpConfig::hybrid(shard, ctx.dp_replicate_group().clone())
+    } else {
+        FsdpConfig::new(shard)
+    };
+    config.mixed_precision(ctx.config().mp_policy.policy())
+}
+
+/// The model's declared plan, switched to its sequence-parallel variant when asked.
+fn sequence_parallel_variant(
+    description: &ModelDescription,
+    ctx: &MeshContext,
+) -> Result<TpPlan, ParallelError> {
+    let mut description = description.clone();
+    if ctx.config().sequence_parallel {
+        for (_, name) in &mut description.named_plans {
+            if !name.ends_with("-sp") {
+                name.push_str("-sp");
+            }
+        }
+    }
+    description.tp_plan()
+}
+
+struct UnitSharder<'a, S, R> {
+    sidecar: &'a S,
+    base: &'a FsdpConfig,
+    reshard: R,
+}
+
+impl<S: ModelParallelizer, R: Fn(&str) -> bool> UnitMap for UnitSharder<'_, S, R> {
+    fn unit<N: Module>(&mut self, path: &str, module: N) -> Result<N, ParallelError> {
+        let config = self.base.clone().reshard_after_forward((self.reshard)(path));
+        self.sidecar.fully_shard_module(module, &config)
+    }
+}
+
+/// Rebuilds each parameter on the gradient-checkpointing variant of its device, keeping ids
+/// and trainability.
+struct ToCheckpointing;
+
+impl ModuleMapper for ToCheckpointing {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|t| {
+            let trainable = t.is_require_grad();
+            let device = t.device().gradient_checkpointing();
+            let moved = Tensor::<D>::from_data(t.into_data(), &device);
+            if trainable {
+                moved.require_grad()
+            } else {
+                moved
+            }
+        })
+    }
+}

@@ -1,0 +1,157 @@
+//! The training step users call instead of hand-wiring backward, gradient synchronisation,
+//! global-norm clipping and the optimizer step for whichever strategy the context runs.
+
+use std::collections::HashSet;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{DType, Gradients, Tensor, TensorData};
+use burn_parallel_dist::ReduceOp;
+use burn_parallel_tp::TpModule;
+
+use crate::config::Strategy;
+use crate::context::MeshContext;
+use crate::ddp;
+use crate::error::ParallelError;
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// The loss averaged over the data-parallel ranks: the global loss when each rank's loss
+    /// is its share of the global mean (see [`train_step`]).
+    pub loss: f32,
+    /// The global L2 norm of the gradients before clipping, every element counted once.
+    pub grad_norm: f32,
+}
+
+/// Backward of `loss`, then: the tp gradient sync of replicated sequence-parallel parameters,
+/// DDP's bucketed all-reduce (FSDP reduces inside backward), clipping by the global norm when
+/// `max_grad_norm` is set, and the optimizer step on this rank's parameters (shards under
+/// FSDP). Collective: every rank calls it.
+///
+/// Data-parallel gradients are averaged, so each rank's `loss` should be the mean over its own
+/// rows; with rows split unevenly, scale it by `rows_here * dp / rows_total` to keep the global
+/// mean exact.
+pub fn train_step<M: Module + TpModule>(
+    model: M,
+    loss: Tensor<1>,
+    optimizer: &mut ModuleOptimizer,
+    lr: f64,
+    max_grad_norm: Option<f32>,
+    ctx: &MeshContext,
+) -> Result<(M, StepReport), ParallelError> {
+    let local_loss = scalar(loss.clone().detach().into_data());
+    let mut grads = loss.backward();
+    model.sync_tp_grads(&mut grads)?;
+    if ctx.strategy() == Strategy::Ddp {
+        let bucket = (ctx.config().ddp_bucket_cap_mb * 1024.0 * 1024.0) as usize;
+        ddp::all_reduce_gradients(&model, &mut grads, ctx.dp_group(), bucket)?;
+    }
+    let grad_norm = global_grad_norm(&model, &grads, ctx)?;
+    if let Some(max) = max_grad_norm {
+        let coef = max / (grad_norm + 1e-6);
+        if coef < 1.0 {
+            model.visit(&mut ScaleGrads {
+                grads: &mut grads,
+                factor: coef,
+            });
+        }
+    }
+    let loss = scalar(
+        ctx.dp_group()
+            .all_reduce(TensorData::new(vec![local_loss], [1]), ReduceOp::Avg)?,
+    );
+    let grads = GradientsParams::from_grads(grads, &model);
+    let model = optimizer.step(lr, model, grads);
+    Ok((model, StepReport { loss, grad_norm }))
+}
+
+fn scalar(data: TensorData) -> f32 {
+    data.convert_dtype(DType::F32)
+        .try_into_vec::<f32>()
+        .expect("an f32 scalar")[0]
+}
+
+/// The global gradient norm: FSDP shards hold disjoint elements (summed over the shard group),
+/// HSDP and DDP replicas identical ones (counted once), tp-sharded parameters disjoint elements
+/// (summed over tp) and tp-replicated ones identical elements (counted once).
+pub fn global_grad_norm<M: Module + TpModule>(
+    model: &M,
+    grads: &Gradients,
+    ctx: &MeshContext,
+) -> Result<f32, ParallelError> {
+    let mut tp_sharded = CollectIds(HashSet::new());
+    model.visit_tp_sharded(&mut tp_sharded);
+    let mut sums = SumSquares {
+        grads,
+        tp_sharded: &tp_sharded.0,
+        sharded: 0.0,
+        replicated: 0.0,
+    };
+    model.visit(&mut sums);
+    let tp = ctx.sizes().tp as f64;
+    let mut total = sums.sharded + sums.replicated / tp;
+    let mut reduce_over = Vec::new();
+    if ctx.strategy() != Strategy::Ddp {
+        reduce_over.push(ctx.dp_shard_group());
+    }
+    if ctx.sizes().tp > 1 {
+        reduce_over.push(ctx.tp_group());
+    }
+    for group in reduce_over {
+        if group.size() > 1 {
+            let summed =
+                group.all_reduce(TensorData::new(vec![total], [1]), ReduceOp::Sum)?;
+            total = summed.try_into_vec::<f64>().expect("an f64 sum")[0];
+        }
+    }
+    Ok(total.sqrt() as f32)
+}
+
+struct CollectIds(HashSet<ParamId>);
+
+impl ModuleVisitor for CollectIds {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.0.insert(param.id);
+    }
+}
+
+struct SumSquares<'a> {
+    grads: &'a Gradients,
+    tp_sharded: &'a HashSet<ParamId>,
+    sharded: f64,
+    replicated: f64,
+}
+
+impl ModuleVisitor for SumSquares<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(grad) = param.val().grad(self.grads) else {
+            return;
+        };
+        let values = grad
+            .into_data()
+            .convert_dtype(DType::F64)
+            .try_into_vec::<f64>()
+            .expect("an f64 gradient");
+        let sum: f64 = values.iter().map(|v| v * v).sum();
+        if self.tp_sharded.contains(&param.id) {
+            self.sharded += sum;
+        } else {
+            self.replicated += sum;
+        }
+    }
+}
+
+struct ScaleGrads<'a> {
+    grads: &'a mut Gradients,
+    factor: f32,
+}
+
+impl ModuleVisitor for ScaleGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        if let Some(g) = value.grad(self.grads) {
+            value.grad_replace(self.grads, g * self.factor);
+        }
+    }
+}
