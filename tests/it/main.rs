@@ -11,6 +11,7 @@ mod fsdp_tp;
 mod fsdp_units;
 mod megatron;
 mod mesh;
+mod parallelize_macro;
 mod recompute;
 mod tp_attention;
 mod tp_common;

@@ -1,0 +1,312 @@
+//! The generated `impl Parallelize` and `impl TpModule`.
+
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::{DeriveInput, Type, WherePredicate, parse_quote};
+
+use crate::args::StructArgs;
+use crate::field::{FieldSpec, HeadRole, Shape};
+use crate::paths;
+
+pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> TokenStream {
+    let p = paths::private();
+    let name = &input.ident;
+    let (impl_generics, ty_generics, _) = input.generics.split_for_impl();
+    let (tp_bounds, par_bounds) = bounds(input, specs, &p);
+    let tp_where = where_clause(input, &tp_bounds);
+    let par_where = where_clause(input, &par_bounds);
+
+    let sidecar = match &args.sidecar {
+        Some(t) => quote!(#t),
+        None => quote!(#p::DefaultParallelizer),
+    };
+    let describe = describe_body(args, specs, &p);
+    let map_units = map_units_body(specs, &p);
+    let apply_tp = apply_tp_body(specs, &p);
+    let tp_fields: Vec<_> = specs
+        .iter()
+        .filter(|s| s.in_tp())
+        .map(|s| &s.ident)
+        .collect();
+
+    quote! {
+        #[automatically_derived]
+        impl #impl_generics #p::TpModule for #name #ty_generics #tp_where {
+            #[allow(unused_variables)]
+            fn apply_tp(
+                self,
+                path: &str,
+                cx: &mut #p::TpApplier<'_>,
+            ) -> ::core::result::Result<Self, #p::TpError> {
+                #apply_tp
+            }
+
+            #[allow(unused_variables)]
+            fn sync_tp_grads(
+                &self,
+                grads: &mut #p::Gradients,
+            ) -> ::core::result::Result<(), #p::TpError> {
+                #( #p::TpModule::sync_tp_grads(&self.#tp_fields, grads)?; )*
+                ::core::result::Result::Ok(())
+            }
+
+            #[allow(unused_variables)]
+            fn visit_tp_sharded<__V: #p::ModuleVisitor>(&self, visitor: &mut __V) {
+                #( #p::TpModule::visit_tp_sharded(&self.#tp_fields, visitor); )*
+            }
+        }
+
+        #[automatically_derived]
+        impl #impl_generics #p::Parallelize for #name #ty_generics #par_where {
+            type Sidecar = #sidecar;
+
+            #[allow(unused_variables)]
+            fn describe(&self, path: &str, out: &mut #p::ModelDescription) {
+                #describe
+            }
+
+            #[allow(unused_variables)]
+            fn map_units<__F: #p::UnitMap>(
+                self,
+                path: &str,
+                f: &mut __F,
+            ) -> ::core::result::Result<Self, #p::ParallelError> {
+                #map_units
+            }
+        }
+    }
+}
+
+/// Bounds per field type for generic structs: `Tp` fields `TpModule`, nested fields
+/// `Parallelize` (on the element type of a `Vec`/`Option`, which the blanket impls lift),
+/// unit fields `Module`; the `Parallelize` impl also needs `Self: Module`.
+fn bounds(
+    input: &DeriveInput,
+    specs: &[FieldSpec],
+    p: &TokenStream,
+) -> (Vec<WherePredicate>, Vec<WherePredicate>) {
+    if input.generics.params.is_empty() {
+        return (Vec::new(), Vec::new());
+    }
+    let mut tp = Vec::new();
+    let mut par = Vec::new();
+    for s in specs {
+        let inner = element_type(s);
+        if s.is_tp {
+            tp.push(parse_quote!(#inner: #p::TpModule));
+        }
+        if s.nested {
+            tp.push(parse_quote!(#inner: #p::Parallelize));
+        }
+        if s.unit {
+            par.push(parse_quote!(#inner: #p::Module));
+        }
+    }
+    let name = &input.ident;
+    let (_, ty_generics, _) = input.generics.split_for_impl();
+    par.push(parse_quote!(#name #ty_generics: #p::Module));
+    par.extend(tp.iter().cloned());
+    (tp, par)
+}
+
+fn element_type(s: &FieldSpec) -> &Type {
+    if s.shape == Shape::One {
+        return &s.ty;
+    }
+    if let Type::Path(tp) = &s.ty
+        && let Some(last) = tp.path.segments.last()
+        && let syn::PathArguments::AngleBracketed(a) = &last.arguments
+        && let Some(syn::GenericArgument::Type(t)) = a.args.first()
+    {
+        return t;
+    }
+    &s.ty
+}
+
+fn where_clause(input: &DeriveInput, extra: &[WherePredicate]) -> TokenStream {
+    let own = input
+        .generics
+        .where_clause
+        .iter()
+        .flat_map(|w| w.predicates.iter());
+    let all: Vec<_> = own.chain(extra.iter()).collect();
+    if all.is_empty() {
+        quote!()
+    } else {
+        quote!(where #(#all,)*)
+    }
+}
+
+fn describe_body(args: &StructArgs, specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
+    let mut body = Vec::new();
+    if let Some(plan) = &args.plan {
+        body.push(quote!(out.add_named_plan(path, #plan);));
+    }
+    for s in specs {
+        let ident = &s.ident;
+        let key = ident.to_string();
+        let field = quote!(self.#ident);
+        let mut parts = Vec::new();
+        // Units and checkpoints, with nested content after each (forward order).
+        let per_element = |e: TokenStream, at: TokenStream| {
+            let unit = s.unit.then(|| quote!(out.add_unit(#at);));
+            let ckpt = s.checkpoint.then(|| quote!(out.add_checkpoint(#at);));
+            let nested = s
+                .nested
+                .then(|| quote!(#p::Parallelize::describe(#e, #at, out);));
+            quote!(#unit #ckpt #nested)
+        };
+        if s.unit || s.checkpoint {
+            parts.push(match s.shape {
+                Shape::One => per_element(quote!(&#field), quote!(&__p)),
+                Shape::Vec => {
+                    let inner = per_element(quote!(__e), quote!(&__pi));
+                    quote! {
+                        for (__i, __e) in #field.iter().enumerate() {
+                            let __pi = #p::child_path(&__p, &__i.to_string());
+                            #inner
+                        }
+                    }
+                }
+                Shape::Option => {
+                    let inner = per_element(quote!(__e), quote!(&__p));
+                    quote!(if let ::core::option::Option::Some(__e) = &#field { #inner })
+                }
+            });
+        } else if s.nested {
+            parts.push(quote!(#p::Parallelize::describe(&#field, &__p, out);));
+        }
+        if let Some(style) = &s.style {
+            let ctor = style.constructor(p);
+            parts.push(match s.shape {
+                Shape::One => quote!(out.add_tp(&__p, #ctor);),
+                Shape::Vec => quote!(out.add_tp(&#p::child_path(&__p, "*"), #ctor);),
+                Shape::Option => quote!(if #field.is_some() { out.add_tp(&__p, #ctor); }),
+            });
+        }
+        if !parts.is_empty() {
+            body.push(quote! {{
+                let __p = #p::child_path(path, #key);
+                #(#parts)*
+            }});
+        }
+    }
+    let head = |role| {
+        specs
+            .iter()
+            .find(|s| s.heads == Some(role))
+            .map(|s| &s.ident)
+    };
+    if let Some(heads) = head(HeadRole::Heads) {
+        let kv = match head(HeadRole::KvHeads) {
+            Some(kv) => quote!(::core::option::Option::Some(self.#kv)),
+            None => quote!(::core::option::Option::None),
+        };
+        body.push(quote!(out.add_heads(path, ::core::option::Option::Some(self.#heads), #kv);));
+    }
+    quote!(#(#body)*)
+}
+
+fn map_units_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
+    let fields = specs.iter().map(|s| {
+        let ident = &s.ident;
+        let key = ident.to_string();
+        let field = quote!(self.#ident);
+        let value = if s.unit {
+            match (s.shape, s.nested) {
+                (Shape::One, nested) => {
+                    let inner = if nested {
+                        quote!(#p::Parallelize::map_units(#field, &__p, f)?)
+                    } else {
+                        quote!(#field)
+                    };
+                    quote!(#p::UnitMap::unit(f, &__p, #inner)?)
+                }
+                (Shape::Vec, false) => quote!(#p::map_unit_vec(&__p, #field, f)?),
+                (Shape::Option, false) => quote!(#p::map_unit_option(&__p, #field, f)?),
+                // Each element's inner units, then the element itself.
+                (Shape::Vec, true) => quote! {
+                    #field
+                        .into_iter()
+                        .enumerate()
+                        .map(|(__i, __e)| {
+                            let __pi = #p::child_path(&__p, &__i.to_string());
+                            let __e = #p::Parallelize::map_units(__e, &__pi, f)?;
+                            #p::UnitMap::unit(f, &__pi, __e)
+                        })
+                        .collect::<::core::result::Result<_, #p::ParallelError>>()?
+                },
+                (Shape::Option, true) => quote! {
+                    match #field {
+                        ::core::option::Option::Some(__e) => {
+                            let __e = #p::Parallelize::map_units(__e, &__p, f)?;
+                            ::core::option::Option::Some(#p::UnitMap::unit(f, &__p, __e)?)
+                        }
+                        ::core::option::Option::None => ::core::option::Option::None,
+                    }
+                },
+            }
+        } else if s.nested {
+            quote!(#p::Parallelize::map_units(#field, &__p, f)?)
+        } else {
+            return quote!(#ident: #field);
+        };
+        quote!(#ident: {
+            let __p = #p::child_path(path, #key);
+            #value
+        })
+    });
+    quote!(::core::result::Result::Ok(Self { #(#fields,)* }))
+}
+
+fn apply_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
+    let fields = specs.iter().map(|s| {
+        let ident = &s.ident;
+        let key = ident.to_string();
+        if s.in_tp() {
+            quote!(#ident: #p::TpModule::apply_tp(self.#ident, &#p::child_path(path, #key), cx)?)
+        } else {
+            quote!(#ident: self.#ident)
+        }
+    });
+    let rebuilt = quote!(Self { #(#fields,)* });
+    let head = |role| {
+        specs
+            .iter()
+            .find(|s| s.heads == Some(role))
+            .map(|s| &s.ident)
+    };
+    let tp_fields: Vec<_> = specs.iter().filter(|s| s.is_tp).collect();
+    let Some(heads) = head(HeadRole::Heads) else {
+        return quote!(::core::result::Result::Ok(#rebuilt));
+    };
+    if tp_fields.is_empty() {
+        return quote!(::core::result::Result::Ok(#rebuilt));
+    }
+    // Head counts turn local only when this struct's own Tp fields were actually split.
+    let styled = tp_fields.iter().map(|s| {
+        let ident = &s.ident;
+        match s.shape {
+            Shape::One => quote!(__out.#ident.style().is_some()),
+            Shape::Vec => quote!(__out.#ident.iter().any(|__t| __t.style().is_some())),
+            Shape::Option => {
+                quote!(__out.#ident.as_ref().is_some_and(|__t| __t.style().is_some()))
+            }
+        }
+    });
+    let (kv_read, kv_write) = match head(HeadRole::KvHeads) {
+        Some(kv) => (quote!(__out.#kv), quote!(__out.#kv = __local.kv_heads;)),
+        None => (quote!(__out.#heads), quote!()),
+    };
+    let span = heads.span();
+    let local = quote_spanned!(span=> #p::local_heads(__out.#heads, #kv_read, cx.group().size())?);
+    quote! {
+        let mut __out = #rebuilt;
+        if #(#styled)||* {
+            let __local = #local;
+            __out.#heads = __local.heads;
+            #kv_write
+        }
+        ::core::result::Result::Ok(__out)
+    }
+}
