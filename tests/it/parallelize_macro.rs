@@ -4,7 +4,7 @@
 //! structs, `Vec` and `Option` fields, a named plan and a custom sidecar.
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::Linear;
+use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Tensor};
 use burn_parallel::dist::launch;
 use burn_parallel::parallelize;
@@ -15,7 +15,7 @@ use burn_parallel::parallelizer::{
 use burn_parallel::tp::{ParallelStyle, Tp, TpApplier, TpError, TpModule, TpPlan, TpReport};
 
 use crate::common::ndarray;
-use crate::tp_common::linear_on;
+use crate::tp_common::{embedding_on, linear_on};
 
 const MODEL: usize = 4;
 
@@ -78,7 +78,7 @@ impl ModelParallelizer for TinySidecar {}
 #[derive(Module, Debug)]
 pub struct Model {
     #[tp(vocab_parallel)]
-    embed: Tp<Linear>,
+    embed: Tp<Embedding>,
     #[nested]
     stack: Stack<Block>,
     #[fsdp(unit)]
@@ -114,7 +114,7 @@ fn block(d: &Device, seed: u64) -> Block {
 
 fn model(d: &Device, with_options: bool) -> Model {
     Model {
-        embed: Tp::new(lin(d, 1)),
+        embed: Tp::new(embedding_on(d, 1, MODEL, MODEL)),
         stack: Stack {
             blocks: vec![block(d, 10), block(d, 20)],
             heads_out: vec![Tp::new(lin(d, 30)), Tp::new(lin(d, 31))],
@@ -351,8 +351,8 @@ fn apply_tp_reaches_every_tp_field_through_nested_vec_and_option_fields() {
     );
     assert!(report.unmatched_entries.is_empty(), "{report:?}");
     // Split weights and biases: colwise-like styles split both, rowwise ones the weight only.
-    // Per block: q 2 + o 1 + up 2 + down 1; embed 2, heads_out 2 x 2, head 2.
-    assert_eq!(sharded_params, 3 * 6 + 2 + 4 + 2);
+    // Per block: q 2 + o 1 + up 2 + down 1; embed 1, heads_out 2 x 2, head 2.
+    assert_eq!(sharded_params, 3 * 6 + 1 + 4 + 2);
 }
 
 fn attn_heads(m: &Model) -> [(usize, usize); 3] {
