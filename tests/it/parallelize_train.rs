@@ -1,0 +1,386 @@
+//! One `#[parallelize]` model trained through `parallelize_model` + `train_step` under every
+//! strategy (unsharded, ddp, fsdp2, hsdp, tp, fsdp2+tp) on 1-4 ranks, against plain
+//! single-device training on the same data: the same losses and gradient norms every step,
+//! and the same updated weights (the reference's final weights, parallelized the same way,
+//! equal each rank's own). Sizes do not divide by the world: 5 rows over 2-4 data-parallel
+//! ranks, a vocabulary of 37 and an MLP width of 14 over tp 2 and shard groups of 3 and 4.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::nn::{Embedding, Linear};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::dist::launch;
+use burn_parallel::fsdp::gather_full;
+use burn_parallel::parallelize;
+use burn_parallel::parallelizer::{
+    DistributedConfig, MeshContext, MixedPrecisionConfig, Strategy, forward_units,
+    parallelize_model, train_step,
+};
+use burn_parallel::tp::{Tp, loss_parallel};
+
+use crate::common::{assert_close, ndarray_ad, to_vec};
+use crate::tp_common::{embedding_on, ids_on, linear_on};
+use crate::tp_sp::RmsNorm;
+
+const VOCAB: usize = 37;
+const MODEL: usize = 12;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 3;
+const INTER: usize = 14;
+const LAYERS: usize = 2;
+const BATCH: usize = 5;
+const SEQ: usize = 6;
+const STEPS: usize = 3;
+const LR: f64 = 0.05;
+
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct Attention {
+    #[tp(colwise)]
+    q_proj: Tp<Linear>,
+    #[tp(colwise)]
+    k_proj: Tp<Linear>,
+    #[tp(colwise)]
+    v_proj: Tp<Linear>,
+    #[tp(rowwise)]
+    o_proj: Tp<Linear>,
+    #[module(skip)]
+    #[tp(heads)]
+    heads: usize,
+    #[module(skip)]
+    #[tp(kv_heads)]
+    kv_heads: usize,
+}
+
+#[derive(Module, Debug)]
+#[parallelize]
+pub struct Mlp {
+    #[tp(colwise)]
+    gate_proj: Tp<Linear>,
+    #[tp(colwise)]
+    up_proj: Tp<Linear>,
+    #[tp(rowwise)]
+    down_proj: Tp<Linear>,
+}
+
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct Block {
+    input_layernorm: RmsNorm,
+    #[nested]
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    #[nested]
+    mlp: Mlp,
+}
+
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct TinyLm {
+    #[tp(vocab_parallel)]
+    embed_tokens: Tp<Embedding>,
+    #[nested]
+    #[fsdp(unit)]
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    #[tp(colwise)]
+    lm_head: Tp<Linear>,
+}
+
+impl TinyLm {
+    pub fn new(d: &Device) -> Self {
+        let block = |i: u64| {
+            let s = 100 * (i + 1);
+            Block {
+                input_layernorm: RmsNorm::seeded_on(d, s, MODEL),
+                self_attn: Attention {
+                    q_proj: Tp::new(linear_on(d, s + 1, MODEL, HEADS * HEAD_DIM)),
+                    k_proj: Tp::new(linear_on(d, s + 2, MODEL, KV_HEADS * HEAD_DIM)),
+                    v_proj: Tp::new(linear_on(d, s + 3, MODEL, KV_HEADS * HEAD_DIM)),
+                    o_proj: Tp::new(linear_on(d, s + 4, HEADS * HEAD_DIM, MODEL)),
+                    heads: HEADS,
+                    kv_heads: KV_HEADS,
+                },
+                post_attention_layernorm: RmsNorm::seeded_on(d, s + 5, MODEL),
+                mlp: Mlp {
+                    gate_proj: Tp::new(linear_on(d, s + 6, MODEL, INTER)),
+                    up_proj: Tp::new(linear_on(d, s + 7, MODEL, INTER)),
+                    down_proj: Tp::new(linear_on(d, s + 8, INTER, MODEL)),
+                },
+            }
+        };
+        Self {
+            embed_tokens: Tp::new(embedding_on(d, 1, VOCAB, MODEL)),
+            layers: (0..LAYERS as u64).map(block).collect(),
+            norm: RmsNorm::seeded_on(d, 2, MODEL),
+            lm_head: Tp::new(linear_on(d, 3, MODEL, VOCAB)),
+        }
+    }
+
+    /// `[tokens, vocab or this rank's vocab chunk]` logits.
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<2> {
+        let x = self.embed_tokens.forward(ids);
+        let x = forward_units(&self.layers, x, |layer, x| layer.forward(x)).unwrap();
+        let logits = self.lm_head.forward(self.norm.forward(x));
+        let [b, s, v] = logits.dims();
+        logits.reshape([b * s, v])
+    }
+}
+
+impl Block {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x));
+        x.clone() + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    }
+}
+
+impl Attention {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = self.q_proj.prepare_input(x).unwrap();
+        let [b, s, _] = x.dims();
+        let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, HEAD_DIM]).swap_dims(1, 2);
+        let group = self.heads / self.kv_heads;
+        let repeat = |t: Tensor<4>| {
+            t.unsqueeze_dim::<5>(2)
+                .repeat_dim(2, group)
+                .reshape([b, self.heads, s, HEAD_DIM])
+        };
+        let q = split(self.q_proj.forward_prepared(x.clone()), self.heads);
+        let k = repeat(split(self.k_proj.forward_prepared(x.clone()), self.kv_heads));
+        let v = repeat(split(self.v_proj.forward_prepared(x), self.kv_heads));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
+        let mask = Tensor::<2, burn::tensor::Bool>::tril_mask([s, s], 0, &scores.device());
+        let scores = scores.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY);
+        let out = softmax(scores, 3)
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, s, self.heads * HEAD_DIM]);
+        self.o_proj.forward(out)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = self.gate_proj.prepare_input(x).unwrap();
+        let h = silu(self.gate_proj.forward_prepared(x.clone())) * self.up_proj.forward_prepared(x);
+        self.down_proj.forward(h)
+    }
+}
+
+/// The ids and targets of step `step`: rows `rows` of a `[BATCH, SEQ + 1]` token batch.
+fn batch(d: &Device, step: usize, rows: std::ops::Range<usize>) -> (Tensor<2, Int>, Tensor<1, Int>) {
+    let all = ids_on(d, 7000 + step as u64, [BATCH, SEQ + 1], VOCAB);
+    let n = rows.len();
+    let part = all.slice([rows, 0..SEQ + 1]);
+    let ids = part.clone().slice([0..n, 0..SEQ]);
+    let targets = part.slice([0..n, 1..SEQ + 1]).reshape([n * SEQ]);
+    (ids, targets)
+}
+
+/// This data-parallel rank's rows of the global batch.
+fn rows_of(dp_rank: usize, dp: usize) -> std::ops::Range<usize> {
+    dp_rank * BATCH / dp..(dp_rank + 1) * BATCH / dp
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Opt {
+    Sgd,
+    AdamW,
+}
+
+fn optimizer(opt: Opt) -> ModuleOptimizer {
+    match opt {
+        Opt::Sgd => SgdConfig::new().init(),
+        Opt::AdamW => AdamWConfig::new().with_weight_decay(0.1).init(),
+    }
+}
+
+/// Values of every float parameter, in visit order.
+struct Values(Vec<Vec<f32>>);
+
+impl ModuleVisitor for Values {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.0.push(to_vec(&param.val().into_data()));
+    }
+}
+
+fn values_of<M: Module>(m: &M) -> Vec<Vec<f32>> {
+    let mut v = Values(Vec::new());
+    m.visit(&mut v);
+    v.0
+}
+
+/// Replaces every float parameter's values, in visit order.
+struct Load<'a>(std::slice::Iter<'a, Vec<f32>>);
+
+impl ModuleMapper for Load<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let values = self.0.next().expect("one value per parameter").clone();
+        param.map(|t| {
+            let shape = t.shape();
+            Tensor::from_data(TensorData::new(values, shape), &t.device()).require_grad()
+        })
+    }
+}
+
+struct Reference {
+    losses: Vec<f32>,
+    norms: Vec<f32>,
+    weights: Vec<Vec<f32>>,
+}
+
+/// Plain single-device training: cross-entropy over the whole batch, global-norm clipping.
+fn reference(opt: Opt, clip: Option<f32>) -> Reference {
+    let d = ndarray_ad();
+    let mut model = TinyLm::new(&d);
+    let mut optim = optimizer(opt);
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for step in 0..STEPS {
+        let (ids, targets) = batch(&d, step, 0..BATCH);
+        let logits = model.forward(ids);
+        let loss = -log_softmax(logits, 1)
+            .gather(1, targets.unsqueeze_dim::<2>(1))
+            .mean();
+        losses.push(to_vec(&loss.to_data())[0]);
+        let mut grads = loss.backward();
+        let grad_values = {
+            let mut all = Vec::new();
+            let mut g = GradValues(&grads, &mut all);
+            model.visit(&mut g);
+            all
+        };
+        let norm = grad_values.iter().map(|v| v * v).sum::<f32>().sqrt();
+        norms.push(norm);
+        if let Some(max) = clip {
+            let coef = max / (norm + 1e-6);
+            if coef < 1.0 {
+                model.visit(&mut Scale(&mut grads, coef));
+            }
+        }
+        let grads = GradientsParams::from_grads(grads, &model);
+        model = optim.step(LR, model, grads);
+    }
+    Reference {
+        losses,
+        norms,
+        weights: values_of(&model),
+    }
+}
+
+struct GradValues<'a>(&'a burn::tensor::Gradients, &'a mut Vec<f32>);
+
+impl ModuleVisitor for GradValues<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(g) = param.val().grad(self.0) {
+            self.1.extend(to_vec(&g.into_data()));
+        }
+    }
+}
+
+pub struct Scale<'a>(&'a mut burn::tensor::Gradients, f32);
+
+impl ModuleVisitor for Scale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let v = param.val();
+        if let Some(g) = v.grad(self.0) {
+            v.grad_replace(self.0, g * self.1);
+        }
+    }
+}
+
+struct RankRun {
+    losses: Vec<f32>,
+    norms: Vec<f32>,
+    /// This rank's final weights, and the reference's final weights parallelized the same way.
+    weights: Vec<Vec<f32>>,
+    expected: Vec<Vec<f32>>,
+}
+
+fn config(strategy: Strategy, tp: usize, dp_replicate: usize) -> DistributedConfig {
+    DistributedConfig {
+        strategy,
+        tp_size: tp,
+        dp_replicate_size: dp_replicate,
+        mp_policy: MixedPrecisionConfig::full_precision(),
+        ..DistributedConfig::default()
+    }
+}
+
+fn run(world: usize, cfg: DistributedConfig, opt: Opt, clip: Option<f32>, reference: &Reference) -> Vec<RankRun> {
+    launch(world, |rank| {
+        let d = ndarray_ad();
+        let ctx = MeshContext::new(&rank, cfg.clone(), d.clone())?;
+        let mut model = parallelize_model(TinyLm::new(&d), &ctx)?;
+        let mut optim = optimizer(opt);
+        let rows = rows_of(ctx.dp_rank(), ctx.dp_size());
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for step in 0..STEPS {
+            let (ids, targets) = batch(&d, step, rows.clone());
+            let logits = model.forward(ids);
+            let local = loss_parallel(logits, targets, ctx.tp_group(), VOCAB)?;
+            // Each rank's share of the global mean over tokens.
+            let weight = (rows.len() * ctx.dp_size()) as f64 / BATCH as f64;
+            let (next, report) = train_step(model, local * weight, &mut optim, LR, clip, &ctx)?;
+            model = next;
+            losses.push(report.loss);
+            norms.push(report.grad_norm);
+        }
+        let expected = TinyLm::new(&d).map(&mut Load(reference.weights.iter()));
+        let expected = parallelize_model(expected, &ctx)?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(RankRun {
+            losses,
+            norms,
+            weights: values_of(&gather_full(model)),
+            expected: values_of(&gather_full(expected)),
+        })
+    })
+    .unwrap()
+}
+
+fn check(name: &str, world: usize, cfg: DistributedConfig, opt: Opt, clip: Option<f32>) {
+    let reference = reference(opt, clip);
+    for (rank, r) in run(world, cfg, opt, clip, &reference).iter().enumerate() {
+        let what = format!("{name} on {world} ranks, rank {rank}, {opt:?}");
+        assert_close(&r.losses, &reference.losses, 1e-5, &format!("{what}: losses"));
+        assert_close(&r.norms, &reference.norms, 1e-5, &format!("{what}: grad norms"));
+        assert_eq!(r.weights.len(), r.expected.len());
+        for (i, (w, e)) in r.weights.iter().zip(&r.expected).enumerate() {
+            assert_close(w, e, 1e-5, &format!("{what}: parameter {i}"));
+        }
+    }
+}
+
+#[test]
+fn unsharded_fsdp2_on_one_rank_matches_one_device() {
+    check("unsharded", 1, config(Strategy::Fsdp2, 1, 1), Opt::AdamW, None);
+}
+
+#[test]
+fn ddp_matches_one_device() {
+    check("ddp", 3, config(Strategy::Ddp, 1, 1), Opt::AdamW, Some(0.5));
+    check("ddp", 2, config(Strategy::Ddp, 1, 1), Opt::Sgd, None);
+}
+
+#[test]
+fn fsdp2_matches_one_device() {
+    check("fsdp2", 3, config(Strategy::Fsdp2, 1, 1), Opt::AdamW, Some(0.5));
+    check("fsdp2", 4, config(Strategy::Fsdp2, 1, 1), Opt::Sgd, None);
+}
+
+#[test]
+fn hsdp_matches_one_device() {
+    check("hsdp", 4, config(Strategy::Hsdp, 1, 2), Opt::AdamW, Some(0.5));
+}
+
+#[test]
+fn tp_matches_one_device() {
+    check("tp", 2, config(Strategy::Fsdp2, 2, 1), Opt::AdamW, Some(0.5));
+}
+
+#[test]
+fn fsdp2_with_tp_matches_one_device() {
+    check("fsdp2+tp", 4, config(Strategy::Fsdp2, 2, 1), Opt::AdamW, None);
+    check("fsdp2+tp", 4, config(Strategy::Fsdp2, 2, 1), Opt::Sgd, Some(0.5));
+}
