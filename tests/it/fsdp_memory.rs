@@ -15,7 +15,7 @@ use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard};
 use crate::common::{ndarray_ad, values};
 
 const DIMS: [usize; 4] = [4, 5, 7, 3];
-pub(crate) const BATCH: usize = 6;
+pub(crate) const BATCH: usize = 8;
 const STEPS: usize = 2;
 const F32: usize = 4;
 

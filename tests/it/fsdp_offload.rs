@@ -83,7 +83,7 @@ fn sharded(world: usize, offload: bool) -> Vec<(Vec<f32>, Vec<f32>, Vec<(String,
             let weight = model.layers[0].weight.id;
             let grad_device = grads.get::<2>(weight).map(|g| g.device());
             checks.push((
-                format!("step {step}: gradient shard"),
+                format!("step {step}: gradient shard ({grad_device:?}, offload {offload})"),
                 grad_device.as_ref() == Some(stored_on),
             ));
             model = optim.step(LR, model, grads);
