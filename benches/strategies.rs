@@ -1,23 +1,28 @@
 //! Step time of the parallel strategies against one device, in the same run, on ndarray:
 //! - TP: forward+backward of an MLP block (colwise then rowwise) at tp 2 vs the same block
 //!   on one rank.
-//! - FSDP: an SGD step of a 4-layer MLP on 1, 2 and 4 ranks vs single-device training on the
-//!   same global batch, with each rank's model-state bytes (parameters + gradients) against
-//!   the single-device figure.
+//! - FSDP: a training step (forward, backward, AdamW) of a 4-layer MLP on 1, 2 and 4 ranks vs
+//!   single-device training on the same global batch, with each rank's peak model-state bytes
+//!   (parameters + gathered weights + gradients + AdamW state, from `fsdp::memory`) against
+//!   the single-device peak.
 //!
 //! Run: cargo bench --bench strategies
 //!
 //! Ranks are threads sharing this machine's cores (ndarray computes each rank on one thread),
 //! so a ratio below 1 is the work spread over cores; above 1 is the strategy's overhead.
-//! Model-state bytes are the parameters and gradients a rank stores (shards under FSDP),
-//! counted from the module, not a measured peak.
+//! Model-state bytes follow `fsdp::memory`'s accounting (what FSDP gathers and reduces, and the
+//! parameters and optimizer state the loop reports), not the allocator; activations are not
+//! counted. Without gradient checkpointing Burn keeps every gathered unit until backward;
+//! reshard-after-forward (on a checkpointing device) frees each after its forward.
 
 use std::time::{Duration, Instant};
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
+use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::dist::launch;
+use burn_parallel::fsdp::memory::{self, ADAMW_MOMENTS};
 use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard};
 use burn_parallel::tp::{ParallelStyle, Tp};
 
@@ -116,52 +121,71 @@ fn layer_forward(layer: &Linear, x: Tensor<2>) -> Tensor<2> {
     layer.forward(x).tanh()
 }
 
-/// Bytes of the parameters this rank stores (shards under FSDP).
-fn param_bytes(model: &Mlp) -> usize {
-    struct Count(usize);
-    impl burn::module::ModuleVisitor for Count {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.0 += p.val().shape().num_elements() * 4;
-        }
-    }
-    let mut count = Count(0);
-    model.visit(&mut count);
-    count.0
+/// How FSDP runs the layers.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Every parameter gathered by itself.
+    PerParam,
+    /// Each layer one unit (one gather), with forward prefetch.
+    Units,
+    /// Units with prefetch, resharded after forward (on a gradient-checkpointing device).
+    UnitsReshard,
 }
 
-/// (median step time, model-state bytes per rank: parameters + gradients) of an FSDP
-/// forward+backward on `world` ranks, each with `TOKENS / world` rows; `world == 0` is single
-/// device. With `units`, each layer is an FSDP unit (one gather each) with forward prefetch;
-/// otherwise every parameter is gathered by itself.
-fn fsdp_step(world: usize, units: bool) -> (Duration, usize) {
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::PerParam => "per-parameter gathers",
+            Mode::Units => "layer units + prefetch",
+            Mode::UnitsReshard => "units + prefetch + reshard",
+        }
+    }
+}
+
+/// (median step time, peak model-state bytes of rank 0) of a training step (forward,
+/// backward, AdamW) on `world` ranks, each with `TOKENS / world` rows; `world == 0` is single
+/// device.
+fn fsdp_step(world: usize, mode: Mode) -> (Duration, usize) {
     let ranks = world.max(1);
     let out = launch(ranks, |ctx| {
         let group = ctx.world()?;
-        let device = device();
+        let device = if mode == Mode::UnitsReshard {
+            device().gradient_checkpointing()
+        } else {
+            device()
+        };
+        memory::reset();
         let model = Mlp::new(&device);
-        let model = if world == 0 {
+        let mut model = if world == 0 {
             model
         } else {
             fully_shard(model, &FsdpConfig::new(group.clone()))?
         };
-        let state = 2 * param_bytes(&model);
+        memory::set_params(memory::param_bytes(&model));
+        let mut optim = AdamWConfig::new().init();
         let rows = TOKENS / ranks;
         let mut times = Vec::new();
         for _ in 0..REPEATS {
             group.barrier()?;
             let x = data(5 + ctx.rank() as u64, [rows, MODEL], &device);
             let started = Instant::now();
-            let out = if units {
+            let out = if world > 0 && mode != Mode::PerParam {
                 forward_units(&model.layers, x, true, layer_forward)?
             } else {
                 model.forward(x)
             };
             let loss = out.powi_scalar(2).mean();
-            let grads = loss.backward();
-            std::hint::black_box(grads);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            if world == 0 {
+                // FSDP counts the gradients its reduce-scatters hand out; one device reports them.
+                memory::set_grads(memory::grad_bytes(&model, &grads));
+            }
+            model = optim.step(1e-3, model, grads);
+            memory::set_optimizer(memory::optimizer_state_bytes(&model, ADAMW_MOMENTS));
+            memory::release_grads();
             times.push(started.elapsed());
         }
-        Ok::<_, Box<dyn std::error::Error>>((median(times), state))
+        Ok::<_, Box<dyn std::error::Error>>((median(times), memory::peak_model_state_bytes()))
     })
     .expect("fsdp launch");
     out[0]
@@ -181,24 +205,20 @@ fn main() {
     );
 
     println!(
-        "FSDP 4-layer MLP ({MODEL}-{HIDDEN}-{HIDDEN}-{HIDDEN}-{MODEL}), forward+backward of a {TOKENS}-row global batch"
+        "FSDP 4-layer MLP ({MODEL}-{HIDDEN}-{HIDDEN}-{HIDDEN}-{MODEL}), training step (AdamW) on a {TOKENS}-row global batch"
     );
-    let (single, single_bytes) = fsdp_step(0, false);
+    let (single, single_bytes) = fsdp_step(0, Mode::PerParam);
     println!(
-        "  single device: {:>8.1} ms   {:>10} model-state bytes",
+        "  single device: {:>8.1} ms   {:>10} peak model-state bytes",
         ms(single),
         single_bytes
     );
-    for units in [false, true] {
-        let mode = if units {
-            "layer units + prefetch"
-        } else {
-            "per-parameter gathers"
-        };
+    for mode in [Mode::PerParam, Mode::Units, Mode::UnitsReshard] {
         for world in [1, 2, 4] {
-            let (t, bytes) = fsdp_step(world, units);
+            let (t, bytes) = fsdp_step(world, mode);
             println!(
-                "  fsdp {world} rank(s), {mode}: {:>6.1} ms (ratio {:.2})   {:>10} bytes per rank (ratio {:.3})",
+                "  fsdp {world} rank(s), {:<27} {:>6.1} ms (ratio {:.2})   {:>10} peak bytes per rank (ratio {:.3})",
+                format!("{}:", mode.name()),
                 ms(t),
                 ms(t) / ms(single),
                 bytes,

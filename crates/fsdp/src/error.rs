@@ -11,6 +11,8 @@ pub enum FsdpError {
     },
     #[error("a unit mixes parameters sharded over group {first} and group {other}")]
     MixedGroups { first: String, other: String },
+    #[error("loading {path}: {message}")]
+    Load { path: String, message: String },
     #[error(transparent)]
     Collective(#[from] burn_parallel_dist::CollectiveError),
 }

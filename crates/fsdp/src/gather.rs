@@ -7,12 +7,14 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, GradientCheckpointingStrategy, Tensor, TensorData};
 use burn_parallel_dist::CollectiveHandle;
 use burn_parallel_dist::collectives::{
     GatherOptions, HostCollective, HostFn, attach, check_gather_dim, to_dtype,
 };
 use burn_parallel_dist::{CollectiveError, ProcessGroup, ReduceOp, sum_data};
+
+use crate::memory::{self, Hold, MemoryKind, data_bytes};
 
 /// The groups and switches shared by every parameter sharded with one config.
 #[derive(Debug, Clone)]
@@ -22,6 +24,8 @@ pub(crate) struct GatherPlan {
     pub options: GatherOptions,
     /// FSDP2's `set_requires_gradient_sync`.
     pub sync: Arc<AtomicBool>,
+    /// Under an offload policy, the device that gathers and computes (shards live on the host).
+    pub compute: Option<Device>,
 }
 
 /// This parameter's unsynchronised gradient, summed over micro-steps (full, unsharded).
@@ -39,15 +43,27 @@ pub(crate) struct PendingGather<const D: usize> {
     options: GatherOptions,
     accumulator: Accumulator,
     handle: CollectiveHandle,
+    /// The gathered buffer's bytes, counted from the moment the gather is issued.
+    gathered: Arc<Hold>,
 }
 
+/// Starts the all-gather of `shard` (its dim 0) whose result holds `gathered_elems` elements.
+/// Under an offload policy the shard is first copied to the compute device (differentiably:
+/// backward copies its gradient back to the host).
 pub(crate) fn start_gather<const D: usize>(
     shard: Tensor<D>,
     plan: &GatherPlan,
     options: GatherOptions,
     accumulator: &Accumulator,
+    gathered_elems: usize,
 ) -> Result<PendingGather<D>, CollectiveError> {
     check_gather_dim::<D>(&plan.group, 0)?;
+    let shard = match &plan.compute {
+        Some(device) => shard.to_device(device),
+        None => shard,
+    };
+    let dtype = options.compute_dtype.unwrap_or(shard.dtype());
+    let gathered = Hold::new(MemoryKind::Gathered, gathered_elems * dtype.size());
     let input = to_dtype(shard.to_data(), options.compute_dtype);
     let handle = plan.group.all_gather_async(input, 0);
     Ok(PendingGather {
@@ -56,47 +72,84 @@ pub(crate) fn start_gather<const D: usize>(
         options,
         accumulator: accumulator.clone(),
         handle,
+        gathered,
     })
 }
 
+/// Gathers one parameter; its gathered bytes are released as [`memory`] documents.
 pub(crate) fn gather_param<const D: usize>(
     shard: Tensor<D>,
     plan: &GatherPlan,
     options: GatherOptions,
     accumulator: &Accumulator,
+    gathered_elems: usize,
 ) -> Result<Tensor<D>, CollectiveError> {
-    start_gather(shard, plan, options, accumulator)?.finish()
+    // Dropping the forward hold at once: a resharded per-parameter gather lives for one op.
+    let (value, _forward_hold) =
+        start_gather(shard, plan, options, accumulator, gathered_elems)?.finish()?;
+    Ok(value)
+}
+
+/// Whether the gathered weights are dropped after forward: resharding asked for, on a device
+/// that checkpoints (otherwise Burn keeps every saved tensor until backward).
+fn reshards<const D: usize>(shard: &Tensor<D>, options: &GatherOptions) -> bool {
+    options.recompute
+        && shard.gradient_checkpointing_strategy() == Some(GradientCheckpointingStrategy::Balanced)
 }
 
 impl<const D: usize> PendingGather<D> {
-    /// Waits for the gather and places it in the autodiff graph.
-    pub(crate) fn finish(self) -> Result<Tensor<D>, CollectiveError> {
+    /// Waits for the gather and places it in the autodiff graph. Also returns the hold on the
+    /// gathered bytes that ends with the forward (the caller drops it when the unit's forward
+    /// ends) when the weights are resharded after forward; otherwise the backward's
+    /// reduce-scatter releases them.
+    pub(crate) fn finish(self) -> Result<(Tensor<D>, Option<Arc<Hold>>), CollectiveError> {
         let Self {
             shard,
             plan,
             options,
             accumulator,
             handle,
+            gathered: forward_hold,
         } = self;
         let (gathered, sizes) = handle.wait_sized()?;
         let shard_dtype = shard.dtype();
         let shard_shape = shard.dims().to_vec();
+        let resharding = reshards(&shard, &options);
+        // The bytes backward holds: the forward's buffer when it is kept, the re-gathered one
+        // when resharding.
+        let (forward_hold, backward_hold) = if resharding {
+            (Some(forward_hold), Hold::new(MemoryKind::Gathered, 0))
+        } else {
+            (None, forward_hold)
+        };
+        let counters = memory::counters();
         let (group, replicas, sync, acc) = (
             plan.group.clone(),
             plan.replicate_group.clone(),
             plan.sync.clone(),
             accumulator.clone(),
         );
+        let held = backward_hold.clone();
         let backward = HostFn::new(move |dy| {
             let dy = to_dtype(dy, options.reduce_dtype);
             let mut pending = acc.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(old) = pending.as_ref() {
+                counters.sub(MemoryKind::Grads, data_bytes(old));
+            }
             if !sync.load(Ordering::SeqCst) {
-                *pending = Some(match pending.take() {
+                let sum = match pending.take() {
                     Some(sum) => sum_data(&[&sum, &dy]),
                     None => dy,
-                });
-                let zeros = TensorData::zeros::<f32, _>(shard_shape.clone());
-                return to_dtype(zeros, Some(shard_dtype));
+                };
+                counters.add(MemoryKind::Grads, data_bytes(&sum));
+                *pending = Some(sum);
+                held.release();
+                let zeros = to_dtype(
+                    TensorData::zeros::<f32, _>(shard_shape.clone()),
+                    Some(shard_dtype),
+                );
+                counters.add_grad_shard(data_bytes(&zeros));
+                return zeros;
             }
             let total = match pending.take() {
                 Some(sum) => sum_data(&[&sum, &dy]),
@@ -105,28 +158,34 @@ impl<const D: usize> PendingGather<D> {
             let reduced = group
                 .reduce_scatter_sizes(total, 0, &sizes, ReduceOp::Sum)
                 .unwrap_or_else(|e| panic_in_backward("reduce_scatter", e));
+            held.release();
             let reduced = match &replicas {
                 Some(r) => r
                     .all_reduce(reduced, ReduceOp::Sum)
                     .unwrap_or_else(|e| panic_in_backward("replica all_reduce", e)),
                 None => reduced,
             };
-            to_dtype(reduced, Some(shard_dtype))
+            let grad = to_dtype(reduced, Some(shard_dtype));
+            counters.add_grad_shard(data_bytes(&grad));
+            grad
         });
         let group = plan.group.clone();
         let regather = HostFn::new(move |x| {
             let x = to_dtype(x, options.compute_dtype);
-            group
+            let full = group
                 .all_gather(x, 0)
-                .unwrap_or_else(|e| panic_in_backward("all_gather (recompute)", e))
+                .unwrap_or_else(|e| panic_in_backward("all_gather (recompute)", e));
+            backward_hold.add(data_bytes(&full));
+            full
         });
-        Ok(attach(
+        let value = attach(
             shard,
             HostCollective {
                 output: Some(gathered),
                 backward: Some(backward),
                 recompute: options.recompute.then_some(regather),
             },
-        ))
+        );
+        Ok((value, forward_hold))
     }
 }

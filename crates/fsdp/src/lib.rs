@@ -1,6 +1,6 @@
 //! burn-parallel-fsdp: FSDP2-style fully sharded data parallelism for Burn modules.
 //!
-//! Status: the first slice. [`fully_shard`] shards every float parameter of any
+//! [`fully_shard`] shards every float parameter of any
 //! `#[derive(Module)]` type on dim 0 over a process group (pad-to-ceil chunks, empty shards
 //! allowed) through Burn 0.22's parameter reparameterization: the stored parameter is the
 //! rank's shard (what optimizers update), and `param.val()` all-gathers it differentiably, so
@@ -20,9 +20,28 @@
 //! hooks, so there is no backward prefetch: each unit's reduce-scatter runs when autodiff
 //! reaches it.
 //!
-//! Not done yet (the rest of the FSDP2 issue): offload policy; memory
-//! accounting; loading a full state builds the full module on each rank before sharding it
-//! (peak: the whole model).
+//! Memory accounting ([`memory`]): per-rank live and peak bytes of parameters, gathered
+//! weights, gradients and optimizer state; FSDP records what it gathers and the gradient
+//! shards its reduce-scatters hand out, the training loop reports parameters and optimizer
+//! state (the module documents exactly what is counted when).
+//!
+//! State: [`fully_shard_from`] shards a lazily initialized module by asking a source for each
+//! rank's rows of one parameter at a time (no rank materializes a full parameter);
+//! [`full_state_dict`] / [`for_each_full_param`] gather the full state one parameter at a time,
+//! keyed by module path, on every rank or on the first rank of the shard group.
+//!
+//! Offload ([`OffloadPolicy`]): shards, their gradients and the optimizer step live on a host
+//! device; each gather copies the shard to the compute device first and backward copies the
+//! reduced gradient back (Burn 0.22's differentiable cross-device transfer, also across
+//! backends).
+//!
+//! Not done: backward prefetch (Burn 0.22's backward has no hooks, so a unit's re-gather
+//! cannot be issued before autodiff reaches it). Burn runs backward steps by graph depth and a
+//! unit's gather sits next to the leaves, so every unit's reduce-scatter runs at the end of
+//! backward and each unit's unsharded gradient lives until then (the backward peak holds every
+//! unit, not the two forward prefetch holds); a sharded (per-rank) checkpoint format and
+//! loading at another world size; loading into an already-sharded module (build it lazily and
+//! use [`fully_shard_from`] instead).
 //!
 //! Every rank builds its own module (an autodiff tensor shared between rank threads joins
 //! their graphs); build it from the same seeds or record on each rank, then shard it.
@@ -30,12 +49,20 @@
 mod clip;
 mod error;
 mod gather;
+mod load;
+pub mod memory;
+mod offload;
 mod policy;
 mod shard;
 mod unit;
 
 pub use clip::clip_grad_norm;
 pub use error::FsdpError;
+pub use load::{
+    RowRequest, StateDictRanks, for_each_full_param, full_state_dict, fully_shard_from,
+};
+pub use memory::{MemoryKind, MemoryReport, ModelStateBytes, peak_model_state_bytes};
+pub use offload::OffloadPolicy;
 pub use policy::MixedPrecisionPolicy;
 pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};
 pub use unit::{forward_units, with_gathered_unit};

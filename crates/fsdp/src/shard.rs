@@ -11,6 +11,8 @@ use burn_parallel_dist::collectives::GatherOptions;
 
 use crate::error::FsdpError;
 use crate::gather::{Accumulator, GatherPlan, gather_param};
+use crate::load::{RowRequest, Source};
+use crate::offload::OffloadPolicy;
 use crate::policy::MixedPrecisionPolicy;
 use crate::unit::{COLLECTING, Collected, SERVED};
 
@@ -27,6 +29,8 @@ pub struct FsdpConfig {
     /// otherwise the gathered weights are kept until backward.
     pub reshard_after_forward: bool,
     pub mixed_precision: MixedPrecisionPolicy,
+    /// Shards, gradients and optimizer step on a host device (`None`: on the compute device).
+    pub offload: Option<OffloadPolicy>,
     /// Shared by every parameter sharded with this config (and its clones).
     sync: Arc<AtomicBool>,
 }
@@ -38,6 +42,7 @@ impl FsdpConfig {
             replicate_group: None,
             reshard_after_forward: true,
             mixed_precision: MixedPrecisionPolicy::default(),
+            offload: None,
             sync: Arc::new(AtomicBool::new(true)),
         }
     }
@@ -65,6 +70,12 @@ impl FsdpConfig {
 
     pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
         self.reshard_after_forward = reshard;
+        self
+    }
+
+    /// Keeps shards, their gradients and the optimizer step on `policy.host`.
+    pub fn offload(mut self, policy: OffloadPolicy) -> Self {
+        self.offload = Some(policy);
         self
     }
 }
@@ -132,11 +143,13 @@ impl Reparameterization for ShardGather {
         }
         // `Param::val` cannot return an error; the launcher reports the panic as this rank's
         // failure and releases the others.
+        let gathered_elems = self.full_rows * base.dims()[1..].iter().product::<usize>();
         gather_param(
             base,
             plan,
             effective_options(plan.options),
             &self.accumulator,
+            gathered_elems,
         )
         .unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"))
     }
@@ -144,31 +157,16 @@ impl Reparameterization for ShardGather {
 
 struct Sharder<'a> {
     config: &'a FsdpConfig,
+    /// Where a sharded load takes each shard's rows from (`None`: from the module itself).
+    source: Option<Source<'a>>,
     error: Option<FsdpError>,
 }
 
-impl Reparameterizer for &mut Sharder<'_> {
-    type Reparam = ShardGather;
-
-    fn reparameterize<const D: usize>(
-        &mut self,
-        _path: &str,
-        param: Param<Tensor<D>>,
-    ) -> (Param<Tensor<D>>, Option<ShardGather>) {
-        // FSDP2 shards inner units first and the root last: the root keeps only what no
-        // unit took (Burn does not nest reparameterizations).
-        if param.reparameterization::<ShardGather>().is_some() {
-            return (param, None);
-        }
+impl Sharder<'_> {
+    /// This rank's rows of a full parameter, as a fresh leaf.
+    fn slice<const D: usize>(&self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let group = &self.config.group;
-        let policy = self.config.mixed_precision;
-        let (id, full_rows) = (param.id, param.lazy_shape()[0]);
-        if self.error.is_none()
-            && let Err(e) = policy.check(&param.lazy_device())
-        {
-            self.error = Some(e);
-        }
-        let shard = param.map(|full| {
+        param.map(|full| {
             let rows = chunk_range(full.dims()[0], group.size(), group.index());
             let trainable = full.is_require_grad();
             // A fresh leaf: the shard, not a view into the full tensor, is what is trained.
@@ -186,7 +184,90 @@ impl Reparameterizer for &mut Sharder<'_> {
             } else {
                 shard
             }
-        });
+        })
+    }
+
+    /// This rank's rows read from the source; the (lazy) full parameter is never initialized.
+    fn load<const D: usize>(
+        &mut self,
+        path: &str,
+        param: Param<Tensor<D>>,
+    ) -> Result<Param<Tensor<D>>, FsdpError> {
+        let group = &self.config.group;
+        let shape = param.lazy_shape().to_vec();
+        let rows = chunk_range(shape[0], group.size(), group.index());
+        let mut want = shape.clone();
+        want[0] = rows.len();
+        let source = self.source.as_mut().expect("a sharded load has a source");
+        let request = RowRequest {
+            path,
+            id: param.id,
+            shape: &shape,
+            rows,
+        };
+        let data = source(&request).map_err(|message| FsdpError::Load {
+            path: path.to_string(),
+            message,
+        })?;
+        if data.shape().to_vec() != want || !data.dtype().is_float() {
+            return Err(FsdpError::Load {
+                path: path.to_string(),
+                message: format!(
+                    "the source returned {:?} {:?} for rows {:?} of {shape:?}; expected float {want:?}",
+                    data.dtype(),
+                    data.shape().to_vec(),
+                    request.rows,
+                ),
+            });
+        }
+        let shard = Tensor::<D>::from_data(data, &param.lazy_device());
+        let id = param.id;
+        // Takes the parameter's device and gradient setting without running its initializer.
+        Ok(param.transform_for_load(shard, id))
+    }
+}
+
+impl Reparameterizer for &mut Sharder<'_> {
+    type Reparam = ShardGather;
+
+    fn reparameterize<const D: usize>(
+        &mut self,
+        path: &str,
+        param: Param<Tensor<D>>,
+    ) -> (Param<Tensor<D>>, Option<ShardGather>) {
+        // FSDP2 shards inner units first and the root last: the root keeps only what no
+        // unit took (Burn does not nest reparameterizations).
+        if param.reparameterization::<ShardGather>().is_some() {
+            return (param, None);
+        }
+        let group = &self.config.group;
+        let policy = self.config.mixed_precision;
+        let (id, full_rows) = (param.id, param.lazy_shape()[0]);
+        let compute = param.lazy_device();
+        if self.error.is_none()
+            && let Err(e) = policy.check(&compute)
+        {
+            self.error = Some(e);
+        }
+        let shard = if self.source.is_some() {
+            if self.error.is_some() {
+                // Ask the source for nothing more once a load failed.
+                return (param, None);
+            }
+            match self.load(path, param.clone()) {
+                Ok(shard) => shard,
+                Err(e) => {
+                    self.error = Some(e);
+                    return (param, None);
+                }
+            }
+        } else {
+            self.slice(param)
+        };
+        let shard = match &self.config.offload {
+            Some(offload) => shard.map(|s| offload.place(s)),
+            None => shard,
+        };
         let gather = ShardGather {
             plan: Some(GatherPlan {
                 group: group.clone(),
@@ -197,6 +278,7 @@ impl Reparameterizer for &mut Sharder<'_> {
                     reduce_dtype: policy.reduce_dtype.map(DType::from),
                 },
                 sync: self.config.sync.clone(),
+                compute: self.config.offload.as_ref().map(|_| compute),
             }),
             accumulator: Accumulator::default(),
             id: Some(id),
@@ -212,8 +294,17 @@ impl Reparameterizer for &mut Sharder<'_> {
 /// their own config.
 /// Fails, before any communication, on a mixed-precision dtype the device cannot run.
 pub fn fully_shard<M: Module>(module: M, config: &FsdpConfig) -> Result<M, FsdpError> {
+    shard_module(module, config, None)
+}
+
+pub(crate) fn shard_module<'a, M: Module>(
+    module: M,
+    config: &'a FsdpConfig,
+    source: Option<Source<'a>>,
+) -> Result<M, FsdpError> {
     let mut sharder = Sharder {
         config,
+        source,
         error: None,
     };
     let sharded = module.apply_reparameterization(&mut sharder);

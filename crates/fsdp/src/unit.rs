@@ -16,8 +16,11 @@ use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_parallel_dist::chunk::padded_chunk;
 
+use std::sync::Arc;
+
 use crate::error::FsdpError;
 use crate::gather::{Accumulator, GatherPlan, PendingGather, start_gather};
+use crate::memory::Hold;
 
 /// One sharded parameter as the collecting pass saw it.
 pub(crate) struct Collected {
@@ -38,14 +41,18 @@ thread_local! {
     pub(crate) static SERVED: RefCell<HashMap<ParamId, Tensor<1>>> = RefCell::new(HashMap::new());
 }
 
-/// Stops serving a unit's parameters when its scope ends, even by panic.
-struct ServeGuard(Vec<ParamId>);
+/// Stops serving a unit's parameters when its scope ends, even by panic; when resharding
+/// after forward, that is also when its gathered bytes are released.
+struct ServeGuard {
+    ids: Vec<ParamId>,
+    _gathered: Option<Arc<Hold>>,
+}
 
 impl Drop for ServeGuard {
     fn drop(&mut self) {
         SERVED.with(|s| {
             let mut served = s.borrow_mut();
-            self.0.iter().for_each(|id| {
+            self.ids.iter().for_each(|id| {
                 served.remove(id);
             });
         });
@@ -61,7 +68,7 @@ impl Drop for CollectGuard {
     }
 }
 
-fn collect<M: Module>(unit: &M) -> Vec<Collected> {
+pub(crate) fn collect<M: Module>(unit: &M) -> Vec<Collected> {
     let _guard = CollectGuard;
     COLLECTING.with(|c| *c.borrow_mut() = Some(Vec::new()));
     drop(unit.clone().materialize());
@@ -136,7 +143,7 @@ fn start_unit<M: Module>(unit: &M) -> Result<Option<PendingUnit>, FsdpError> {
         }
     }
     let options = crate::shard::effective_options(plan.options);
-    let gather = start_gather(local, &plan, options, &first.accumulator)?;
+    let gather = start_gather(local, &plan, options, &first.accumulator, world * offset)?;
     Ok(Some(PendingUnit {
         gather,
         world,
@@ -148,7 +155,8 @@ fn start_unit<M: Module>(unit: &M) -> Result<Option<PendingUnit>, FsdpError> {
 impl PendingUnit {
     /// Waits for the gather and serves the unit's parameters until the guard drops.
     fn serve(self) -> Result<ServeGuard, FsdpError> {
-        let by_rank = self.gather.finish()?.reshape([self.world, self.offset]);
+        let (gathered, forward_hold) = self.gather.finish()?;
+        let by_rank = gathered.reshape([self.world, self.offset]);
         let mut ids = Vec::new();
         SERVED.with(|s| {
             let mut served = s.borrow_mut();
@@ -165,7 +173,10 @@ impl PendingUnit {
                 ids.push(id);
             }
         });
-        Ok(ServeGuard(ids))
+        Ok(ServeGuard {
+            ids,
+            _gathered: forward_hold,
+        })
     }
 }
 

@@ -1,0 +1,175 @@
+//! Full state in and out of a sharded module, one parameter at a time.
+//!
+//! Loading: [`fully_shard_from`] shards a module whose parameters are not initialized yet
+//! (Burn's lazy `Param`s, as `LinearConfig::init` and friends create them) by asking a source
+//! for this rank's rows of each parameter, so no rank ever holds a full parameter, let alone
+//! the full model: a safetensors reader can read just those rows from a memory map.
+//!
+//! Export: [`for_each_full_param`] gathers one parameter at a time (on every rank of the shard
+//! group, or on its first rank only) and hands it over with its module path;
+//! [`full_state_dict`] collects them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::{Tensor, TensorData};
+
+use crate::error::FsdpError;
+use crate::shard::{FsdpConfig, shard_module};
+use crate::unit::collect;
+
+/// What a sharded load asks its source for: rows `rows` (along dim 0) of the full parameter at
+/// `path` (Burn's module path, e.g. `layers.0.weight`), whose full shape is `shape`. `rows` is
+/// empty on a rank that holds no rows of a small parameter: return a `[0, ...]` tensor of the
+/// parameter's dtype.
+#[derive(Debug, Clone)]
+pub struct RowRequest<'a> {
+    pub path: &'a str,
+    pub id: ParamId,
+    pub shape: &'a [usize],
+    pub rows: Range<usize>,
+}
+
+pub(crate) type Source<'a> = &'a mut dyn FnMut(&RowRequest) -> Result<TensorData, String>;
+
+/// As [`fully_shard`](crate::fully_shard), but each rank's shard of every parameter comes from
+/// `source` (its rows of the full tensor), called once per parameter, in module order, and
+/// never for more than this rank's rows of one parameter. The parameters of `module` should be
+/// uninitialized (lazy): they are replaced without running their initializers, keeping their
+/// ids, devices and gradient settings. An error of the source, or data of the wrong shape,
+/// stops the load and is returned naming the parameter. Collective only in that every rank
+/// must build the same module; no communication happens.
+pub fn fully_shard_from<M: Module, E: std::fmt::Display>(
+    module: M,
+    config: &FsdpConfig,
+    mut source: impl FnMut(&RowRequest) -> Result<TensorData, E>,
+) -> Result<M, FsdpError> {
+    let mut source = |request: &RowRequest| source(request).map_err(|e| e.to_string());
+    shard_module(module, config, Some(&mut source))
+}
+
+/// Which ranks receive the gathered full state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateDictRanks {
+    /// Every rank of the shard group.
+    All,
+    /// The first rank of the shard group (under HSDP, of each replica's group); the others
+    /// only send their shards.
+    First,
+}
+
+/// A stored parameter, flattened (visitors are generic over the rank), with its shape.
+struct Stored {
+    path: String,
+    id: ParamId,
+    flat: Tensor<1>,
+    shape: Vec<usize>,
+}
+
+impl Stored {
+    fn data(&self) -> TensorData {
+        let data = self.flat.to_data();
+        let dtype = data.dtype();
+        TensorData::from_bytes(data.into_bytes(), self.shape.clone(), dtype)
+    }
+}
+
+/// Module paths, ids and stored values (not copies) of a module's float parameters, in
+/// module order.
+fn stored_params<M: Module>(module: &M) -> Vec<Stored> {
+    #[derive(Default)]
+    struct Paths {
+        stack: Vec<String>,
+        params: Vec<Stored>,
+    }
+    impl ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let base = param.base();
+            let shape = base.dims().to_vec();
+            self.params.push(Stored {
+                path: self.stack.join("."),
+                id: param.id,
+                flat: base.reshape([shape.iter().product::<usize>()]),
+                shape,
+            });
+        }
+    }
+    let mut paths = Paths::default();
+    module.visit(&mut paths);
+    paths.params
+}
+
+/// Concatenates row blocks (same dtype and trailing dims) along dim 0.
+fn concat_rows(parts: Vec<TensorData>) -> TensorData {
+    let dtype = parts[0].dtype();
+    let mut shape = parts[0].shape().to_vec();
+    shape[0] = parts.iter().map(|p| p.shape()[0]).sum();
+    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.as_bytes().len()).sum());
+    for part in &parts {
+        bytes.extend_from_slice(part.as_bytes());
+    }
+    TensorData::from_bytes_vec(bytes, shape, dtype)
+}
+
+/// Calls `f(path, full tensor)` for each float parameter of a sharded `module`, in module
+/// order, gathering one parameter at a time in the shards' dtype (so a rank holds at most one
+/// full parameter besides its shards, plus what `f` keeps). Parameters that are not sharded are
+/// handed over as stored. Collective over each parameter's shard group: every rank calls it.
+/// With [`StateDictRanks::First`], `f` runs only on the first rank of the shard group.
+pub fn for_each_full_param<M: Module>(
+    module: &M,
+    ranks: StateDictRanks,
+    mut f: impl FnMut(&str, TensorData),
+) -> Result<(), FsdpError> {
+    let sharded: HashMap<ParamId, _> = collect(module)
+        .into_iter()
+        .map(|c| (c.id, (c.plan, c.full_rows)))
+        .collect();
+    for param in stored_params(module) {
+        let (path, stored) = (&param.path, param.data());
+        let Some((plan, full_rows)) = sharded.get(&param.id) else {
+            f(path, stored);
+            continue;
+        };
+        let group = &plan.group;
+        let full = match ranks {
+            StateDictRanks::All => Some(group.all_gather(stored, 0)?),
+            StateDictRanks::First if group.index() == 0 => {
+                let mut parts = vec![stored];
+                for src in 1..group.size() {
+                    parts.push(group.recv(src)?);
+                }
+                Some(concat_rows(parts))
+            }
+            StateDictRanks::First => {
+                group.send(stored, 0)?;
+                None
+            }
+        };
+        if let Some(full) = full {
+            debug_assert_eq!(full.shape()[0], *full_rows);
+            f(path, full);
+        }
+    }
+    Ok(())
+}
+
+/// The full (gathered) state of a sharded module, keyed by module path, in the shards' dtype.
+/// Empty on the ranks that [`StateDictRanks::First`] leaves out.
+pub fn full_state_dict<M: Module>(
+    module: &M,
+    ranks: StateDictRanks,
+) -> Result<BTreeMap<String, TensorData>, FsdpError> {
+    let mut state = BTreeMap::new();
+    for_each_full_param(module, ranks, |path, data| {
+        state.insert(path.to_string(), data);
+    })?;
+    Ok(state)
+}
