@@ -110,7 +110,7 @@ fn device_buffers(comm: &NcclComm, args: &Args, report: &mut Report) -> Res<()> 
     let full: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
     let d_full = stream.clone_htod(&full)?;
     let mut d_out = stream.alloc_zeros::<f32>(n)?;
-    let mut d_chunk = stream.alloc_zeros::<f32>(chunk)?;
+    let d_chunk = stream.alloc_zeros::<f32>(chunk)?;
     let own: Vec<f32> = (0..chunk).map(|i| value(r, r * chunk + i)).collect();
     let d_own = stream.clone_htod(&own)?;
     let f32t = NcclDataType::Float32;
@@ -257,7 +257,8 @@ fn engine_path(ctx: &RankContext, report: &mut Report) -> Res<()> {
 }
 
 fn host_values(data: &TensorData) -> Res<Vec<f32>> {
-    data.to_vec::<f32>().map_err(|e| format!("{e:?}").into())
+    data.try_to_vec::<f32>()
+        .map_err(|e| format!("{e:?}").into())
 }
 
 fn rank_main(ctx: RankContext, comm: &NcclComm, args: &Args) -> Res<Report> {

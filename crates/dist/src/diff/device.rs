@@ -319,7 +319,8 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("dim 5 is out of range"), "{e}");
-            let e = all_reduce(x.require_grad(), &group, ReduceOp::Max)
+            let tracked = Tensor::<2>::ones([2, 3], &Device::ndarray().autodiff()).require_grad();
+            let e = all_reduce(tracked, &group, ReduceOp::Max)
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("not a CUDA device"), "{e}");
