@@ -314,6 +314,12 @@ pub trait Communicator: Send + Sync + fmt::Debug {
 
     /// This rank's counters for this group.
     fn stats(&self) -> CommStats;
+
+    /// The engine's own type, for engine-specific paths (the NCCL device collectives need the
+    /// group's NCCL communicator). `None` when the engine offers none.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// A collective in flight. Dropping it without waiting still lets the call complete.

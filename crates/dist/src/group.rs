@@ -43,6 +43,11 @@ impl ProcessGroup {
         self.comm.info()
     }
 
+    /// The engine's communicator behind this group.
+    pub(crate) fn communicator(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
     /// Number of ranks in the group.
     pub fn size(&self) -> usize {
         self.info().size()

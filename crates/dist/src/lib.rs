@@ -19,6 +19,7 @@ pub mod engine;
 pub mod error;
 pub mod group;
 pub mod mesh;
+pub mod nccl;
 pub mod stats;
 pub mod threads;
 

@@ -22,6 +22,8 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Flex, NdArray, TensorMetadata, backend_extension};
 use burn::tensor::{TensorData, try_read_sync};
 
+use super::device::{DeviceCollective, adjoint_of};
+
 /// A host-side function of tensor data, run inside backward (or a recomputation). It cannot
 /// return an error through Burn's backward pass, so a failing collective panics with its
 /// message; the launcher turns that into a failure of the rank.
@@ -56,7 +58,13 @@ pub struct HostCollective {
     pub recompute: Option<HostFn>,
 }
 
-#[backend_extension(Autodiff, NdArray, Flex)]
+#[backend_extension(
+    Autodiff,
+    NdArray,
+    Flex,
+    Cube: cfg(feature = "cuda"),
+    LibTorch: cfg(feature = "tch")
+)]
 pub trait CollectiveBackend: Backend {
     /// Places a host collective's result in the graph.
     fn host_collective(x: FloatTensor<Self>, op: HostCollective) -> FloatTensor<Self> {
@@ -65,10 +73,33 @@ pub trait CollectiveBackend: Backend {
             None => x,
         }
     }
+
+    /// Runs a collective on the tensor's device buffer (NCCL on CUDA). The entry points in
+    /// [`super::device`] check the device and the group first, so a backend without device
+    /// collectives never receives this call.
+    fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
+        let _ = x;
+        panic!("{}", op.unsupported_here())
+    }
 }
 
 impl CollectiveBackend for NdArray {}
 impl CollectiveBackend for Flex {}
+
+/// LibTorch: host collectives only for now. Device collectives would need the tensor's CUDA
+/// pointer and libtorch's current stream (`tch` exposes the pointer, not the stream); the
+/// default body reports them as unsupported, and the entry points refuse LibTorch devices.
+#[cfg(feature = "tch")]
+impl CollectiveBackend for burn::backend::LibTorch {}
+
+/// Burn's CUDA backend: device collectives through NCCL (see `crate::nccl::cube`).
+#[cfg(feature = "cuda")]
+impl CollectiveBackend for burn_cubecl::CubeBackend {
+    fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
+        crate::nccl::cube::run(x, &op)
+            .unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.op.kind(), op.group))
+    }
+}
 
 fn run_host<B: Backend>(x: FloatTensor<B>, f: &HostFn) -> FloatTensor<B> {
     let device = x.device();
@@ -107,7 +138,35 @@ impl<B: Backend> RetroForward for RetroHost<B> {
     }
 }
 
+#[derive(Debug)]
+struct DeviceBackward;
+
+impl<B: CollectiveBackend> Backward<B, 1> for DeviceBackward {
+    type State = Option<DeviceCollective>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let state = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| match state {
+            Some(op) => B::device_collective(grad, op),
+            None => grad,
+        });
+    }
+}
+
 impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff<B, C> {
+    fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
+        let backward = adjoint_of(&op);
+        let (primitive, guard) = x.into_parts();
+        match DeviceBackward
+            .prepare::<C>([guard])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(backward, B::device_collective(primitive, op)),
+            OpsKind::UnTracked(prep) => prep.finish(B::device_collective(primitive, op)),
+        }
+    }
+
     fn host_collective(x: FloatTensor<Self>, op: HostCollective) -> FloatTensor<Self> {
         let backward = op.backward.clone();
         let inner = HostCollective {

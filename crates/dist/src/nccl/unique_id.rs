@@ -1,0 +1,219 @@
+//! Handing NCCL's 128-byte unique id from rank 0 to the other processes.
+//!
+//! Rank 0 creates the id (`ncclGetUniqueId`); every rank needs the same bytes before it can
+//! join the communicator. A launcher passes it in the environment as 256 lowercase hex digits
+//! (`BURN_PARALLEL_NCCL_ID`), next to the rank and world size (`RANK`, `WORLD_SIZE`, as
+//! `torchrun` names them, and `LOCAL_RANK` for the GPU). MPI can broadcast the same bytes.
+
+use std::fmt::Write;
+
+/// Bytes in an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
+pub const ID_BYTES: usize = 128;
+
+/// The environment variable that carries the hex-encoded id.
+pub const ID_ENV: &str = "BURN_PARALLEL_NCCL_ID";
+
+/// A unique id as plain bytes (NCCL declares it as `char[128]`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct UniqueIdBytes(pub [u8; ID_BYTES]);
+
+impl std::fmt::Debug for UniqueIdBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "UniqueIdBytes({}...)", &encode(self)[..16])
+    }
+}
+
+/// Why an id or the launcher's environment could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    #[error(
+        "{var} is not set: rank 0 creates the NCCL unique id and the launcher must pass it to every rank as {ID_BYTES} hex-encoded bytes"
+    )]
+    Missing { var: String },
+    #[error("{var} must hold {expected} hex digits (a {ID_BYTES}-byte NCCL unique id), got {got}")]
+    BadLength {
+        var: String,
+        expected: usize,
+        got: usize,
+    },
+    #[error("{var} holds {found:?} at position {position}, which is not a hex digit")]
+    BadDigit {
+        var: String,
+        position: usize,
+        found: char,
+    },
+    #[error("{var}={value:?} is not a non-negative integer")]
+    BadNumber { var: String, value: String },
+    #[error("RANK={rank} is outside WORLD_SIZE={world_size}")]
+    RankOutOfRange { rank: usize, world_size: usize },
+}
+
+/// The id as 256 lowercase hex digits.
+pub fn encode(id: &UniqueIdBytes) -> String {
+    let mut s = String::with_capacity(2 * ID_BYTES);
+    for b in id.0 {
+        write!(s, "{b:02x}").expect("writing to a String");
+    }
+    s
+}
+
+/// The id from [`encode`]'s hex digits (either case); `var` names the source in errors.
+pub fn decode(hex: &str, var: &str) -> Result<UniqueIdBytes, IdError> {
+    let hex = hex.trim();
+    if hex.len() != 2 * ID_BYTES {
+        return Err(IdError::BadLength {
+            var: var.into(),
+            expected: 2 * ID_BYTES,
+            got: hex.len(),
+        });
+    }
+    let mut out = [0u8; ID_BYTES];
+    let digits: Vec<char> = hex.chars().collect();
+    for (i, pair) in digits.chunks(2).enumerate() {
+        let mut byte = 0u8;
+        for (j, c) in pair.iter().enumerate() {
+            let v = c.to_digit(16).ok_or_else(|| IdError::BadDigit {
+                var: var.into(),
+                position: 2 * i + j,
+                found: *c,
+            })?;
+            byte = byte * 16 + v as u8;
+        }
+        out[i] = byte;
+    }
+    Ok(UniqueIdBytes(out))
+}
+
+/// One process's place in a launch, as the launcher's environment describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    /// The GPU of this process on its node (`LOCAL_RANK`, else `rank`).
+    pub local_rank: usize,
+    pub id: UniqueIdBytes,
+}
+
+/// Reads [`LaunchEnv`] through `get` (the process environment in [`LaunchEnv::from_env`]).
+pub fn launch_env(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, IdError> {
+    let number = |var: &str| -> Result<Option<usize>, IdError> {
+        get(var)
+            .map(|v| {
+                v.trim().parse::<usize>().map_err(|_| IdError::BadNumber {
+                    var: var.into(),
+                    value: v.clone(),
+                })
+            })
+            .transpose()
+    };
+    let required = |var: &str| number(var)?.ok_or(IdError::Missing { var: var.into() });
+    let rank = required("RANK")?;
+    let world_size = required("WORLD_SIZE")?;
+    if rank >= world_size {
+        return Err(IdError::RankOutOfRange { rank, world_size });
+    }
+    let local_rank = number("LOCAL_RANK")?.unwrap_or(rank);
+    let hex = get(ID_ENV).ok_or(IdError::Missing { var: ID_ENV.into() })?;
+    let id = decode(&hex, ID_ENV)?;
+    Ok(LaunchEnv {
+        rank,
+        world_size,
+        local_rank,
+        id,
+    })
+}
+
+impl LaunchEnv {
+    pub fn from_env() -> Result<Self, IdError> {
+        launch_env(|var| std::env::var(var).ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn sample() -> UniqueIdBytes {
+        let mut b = [0u8; ID_BYTES];
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = (i * 37 + 11) as u8;
+        }
+        UniqueIdBytes(b)
+    }
+
+    #[test]
+    fn ids_round_trip_through_hex() {
+        let id = sample();
+        let hex = encode(&id);
+        assert_eq!(hex.len(), 256);
+        assert!(hex.starts_with("0b30"));
+        assert_eq!(decode(&hex, "X").unwrap(), id);
+        assert_eq!(decode(&hex.to_uppercase(), "X").unwrap(), id);
+        assert_eq!(decode(&format!(" {hex}\n"), "X").unwrap(), id);
+    }
+
+    #[test]
+    fn bad_ids_name_the_problem() {
+        let e = decode("abc", ID_ENV).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "BURN_PARALLEL_NCCL_ID must hold 256 hex digits (a 128-byte NCCL unique id), got 3"
+        );
+        let mut hex = encode(&sample());
+        hex.replace_range(10..11, "z");
+        let e = decode(&hex, ID_ENV).unwrap_err();
+        assert_eq!(
+            e,
+            IdError::BadDigit {
+                var: ID_ENV.into(),
+                position: 10,
+                found: 'z'
+            }
+        );
+    }
+
+    #[test]
+    fn launch_environment_is_read_and_checked() {
+        let hex = encode(&sample());
+        let env = |pairs: &[(&str, &str)]| {
+            let map: HashMap<String, String> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            launch_env(move |k| map.get(k).cloned())
+        };
+        let ok = env(&[("RANK", "3"), ("WORLD_SIZE", "8"), (ID_ENV, &hex)]).unwrap();
+        assert_eq!((ok.rank, ok.world_size, ok.local_rank), (3, 8, 3));
+        assert_eq!(ok.id, sample());
+        let local = env(&[
+            ("RANK", "9"),
+            ("WORLD_SIZE", "16"),
+            ("LOCAL_RANK", "1"),
+            (ID_ENV, &hex),
+        ])
+        .unwrap();
+        assert_eq!(local.local_rank, 1);
+        let missing = env(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err();
+        assert!(
+            missing
+                .to_string()
+                .starts_with("BURN_PARALLEL_NCCL_ID is not set")
+        );
+        assert_eq!(
+            env(&[("RANK", "2"), ("WORLD_SIZE", "2"), (ID_ENV, &hex)]).unwrap_err(),
+            IdError::RankOutOfRange {
+                rank: 2,
+                world_size: 2
+            }
+        );
+        assert_eq!(
+            env(&[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err(),
+            IdError::BadNumber {
+                var: "RANK".into(),
+                value: "x".into()
+            }
+        );
+    }
+}
