@@ -19,3 +19,6 @@ mod tp_mlp;
 mod tp_prepare;
 mod tp_sp;
 mod tp_vocab;
+mod llama_hf;
+mod llama_inputs;
+mod llama_train;
