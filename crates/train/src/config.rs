@@ -168,10 +168,9 @@ impl TrainConfig {
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad(format!("--lr {} must be a non-negative number", self.lr));
         }
-        if self.param_dtype == Precision::Bf16 || self.reduce_dtype == Precision::Bf16 {
-            if self.backend == Backend::Ndarray {
-                return bad("bf16 needs --backend flex (ndarray has no bf16)".into());
-            }
+        let bf16 = self.param_dtype == Precision::Bf16 || self.reduce_dtype == Precision::Bf16;
+        if bf16 && self.backend == Backend::Ndarray {
+            return bad("bf16 needs --backend flex (ndarray has no bf16)".into());
         }
         Ok(())
     }
