@@ -138,11 +138,20 @@ fn print_summary(args: &Args, s: &TrainSummary) {
         losses[losses.len() - 1],
         losses.len()
     );
-    println!("throughput {:.0} tokens/s (steps after the first)", s.tokens_per_s());
+    println!(
+        "throughput {:.0} tokens/s (steps after the first)",
+        s.tokens_per_s()
+    );
     let states: Vec<String> = s.model_state_bytes.iter().map(|b| mib(*b)).collect();
-    println!("model state per rank (params + grads + optimizer): {}", states.join(", "));
+    println!(
+        "model state per rank (params + grads + optimizer): {}",
+        states.join(", ")
+    );
     let comm: Vec<String> = s.comm_bytes_per_step.iter().map(|b| mib(*b)).collect();
-    println!("communication per rank per step (sent + received): {}", comm.join(", "));
+    println!(
+        "communication per rank per step (sent + received): {}",
+        comm.join(", ")
+    );
     if let Some(dir) = &args.save {
         println!("saved to {}", dir.display());
     }
@@ -153,7 +162,10 @@ fn main() -> ExitCode {
     let cfg = args.config();
     let result = if args.json {
         train(&cfg, &|r: &StepReport| {
-            println!("{}", serde_json::to_string(r).expect("a step report serializes"));
+            println!(
+                "{}",
+                serde_json::to_string(r).expect("a step report serializes")
+            );
         })
     } else {
         let bar = ProgressBar::new(cfg.steps as u64);

@@ -4,6 +4,6 @@
 
 pub use burn_parallel_dist as dist;
 pub use burn_parallel_fsdp as fsdp;
-pub use burn_parallel_tp as tp;
 pub use burn_parallel_models as models;
+pub use burn_parallel_tp as tp;
 pub use burn_parallel_train as train;

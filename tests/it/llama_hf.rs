@@ -5,14 +5,18 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::models::checkpoint::{HfCheckpoint, SaveDtype, hf_tensors, load_llama, save_llama};
-use burn_parallel::models::{Llama, LlamaConfig};
 use burn_parallel::models::ParamKind;
+use burn_parallel::models::checkpoint::{
+    HfCheckpoint, SaveDtype, hf_tensors, load_llama, save_llama,
+};
+use burn_parallel::models::{Llama, LlamaConfig};
 
 use crate::common::{assert_close, ndarray, to_vec, vec_of};
 
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llama")
+        .join(name)
 }
 
 /// A fresh empty directory under the system temp dir.
@@ -49,7 +53,8 @@ fn expected(name: &str) -> Expected {
 
 fn logits_of(model: &Llama, e: &Expected) -> Vec<f32> {
     let d = ndarray();
-    let ids = Tensor::<2, Int>::from_data(TensorData::new(e.ids.clone(), [e.shape[0], e.shape[1]]), &d);
+    let ids =
+        Tensor::<2, Int>::from_data(TensorData::new(e.ids.clone(), [e.shape[0], e.shape[1]]), &d);
     let logits = model.forward(ids);
     assert_eq!(logits.dims(), e.shape);
     vec_of(&logits)
@@ -61,7 +66,12 @@ fn llama_logits_match_transformers() {
         let model = load_llama(fixture(name), &ndarray()).unwrap();
         assert_eq!(model.lm_head.is_none(), name == "tied");
         let e = expected(name);
-        assert_close(&logits_of(&model, &e), &e.logits, 1e-4, &format!("{name} logits"));
+        assert_close(
+            &logits_of(&model, &e),
+            &e.logits,
+            1e-4,
+            &format!("{name} logits"),
+        );
     }
 }
 
@@ -70,21 +80,40 @@ fn llama_checkpoint_round_trips_exactly() {
     for (name, dtype) in [("untied", SaveDtype::F32), ("tied", SaveDtype::BF16)] {
         let src = fixture(name);
         let config = LlamaConfig::load(&src).unwrap();
-        assert_eq!(SaveDtype::from_config_dtype(config.dtype.as_deref()), dtype, "{name}");
+        assert_eq!(
+            SaveDtype::from_config_dtype(config.dtype.as_deref()),
+            dtype,
+            "{name}"
+        );
         let model = load_llama(&src, &ndarray()).unwrap();
         let out = temp_dir(&format!("roundtrip-{name}"));
         save_llama(&config, &hf_tensors(&model).unwrap(), &out, dtype).unwrap();
 
-        let (a, b) = (HfCheckpoint::open(&src).unwrap(), HfCheckpoint::open(&out).unwrap());
+        let (a, b) = (
+            HfCheckpoint::open(&src).unwrap(),
+            HfCheckpoint::open(&out).unwrap(),
+        );
         assert_eq!(a.names(), b.names(), "{name}: tensor names");
         for t in a.names() {
-            assert_eq!(a.info(t).unwrap(), b.info(t).unwrap(), "{name}: {t} dtype and shape");
-            assert_eq!(to_vec(&a.read(t).unwrap()), to_vec(&b.read(t).unwrap()), "{name}: {t}");
+            assert_eq!(
+                a.info(t).unwrap(),
+                b.info(t).unwrap(),
+                "{name}: {t} dtype and shape"
+            );
+            assert_eq!(
+                to_vec(&a.read(t).unwrap()),
+                to_vec(&b.read(t).unwrap()),
+                "{name}: {t}"
+            );
         }
         // The saved model loads back and computes the same logits.
         let e = expected(name);
         let again = load_llama(&out, &ndarray()).unwrap();
-        assert_eq!(logits_of(&again, &e), logits_of(&model, &e), "{name}: reloaded logits");
+        assert_eq!(
+            logits_of(&again, &e),
+            logits_of(&model, &e),
+            "{name}: reloaded logits"
+        );
         std::fs::remove_dir_all(out).unwrap();
     }
 }
@@ -144,12 +173,17 @@ fn llama_rank_row_reads_equal_the_full_load_sliced() {
 
 #[test]
 fn llama_checkpoint_errors_name_the_problem() {
-    let msg = HfCheckpoint::open(temp_dir("empty-ckpt")).unwrap_err().to_string();
+    let msg = HfCheckpoint::open(temp_dir("empty-ckpt"))
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("no model.safetensors"), "{msg}");
     let ckpt = HfCheckpoint::open(fixture("untied")).unwrap();
     let msg = ckpt.read("model.nope.weight").unwrap_err().to_string();
     assert!(msg.contains("model.nope.weight"), "{msg}");
-    let msg = ckpt.read_rows("model.norm.weight", 3..99).unwrap_err().to_string();
+    let msg = ckpt
+        .read_rows("model.norm.weight", 3..99)
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("outside"), "{msg}");
     // A config that does not match the weights.
     let dir = temp_dir("mismatch");

@@ -22,7 +22,11 @@ fn llama_bad_inputs_are_named_errors() {
         checkpoint: Some(dir.join("nope")),
         ..base.clone()
     };
-    assert!(error_of(&missing).contains("nope"), "{}", error_of(&missing));
+    assert!(
+        error_of(&missing).contains("nope"),
+        "{}",
+        error_of(&missing)
+    );
 
     let not_llama = dir.join("gpt2");
     std::fs::create_dir_all(&not_llama).unwrap();
@@ -38,14 +42,20 @@ fn llama_bad_inputs_are_named_errors() {
     assert!(msg.contains("not a Llama") && msg.contains("gpt2"), "{msg}");
 
     let tokens = dir.join("tokens.bin");
-    let ids: Vec<u8> = [5u16, 9, 300, 2].iter().flat_map(|t| t.to_le_bytes()).collect();
+    let ids: Vec<u8> = [5u16, 9, 300, 2]
+        .iter()
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
     std::fs::write(&tokens, ids).unwrap();
     let msg = error_of(&TrainConfig {
         data: Some(tokens.clone()),
         seq_len: 2,
         ..base.clone()
     });
-    assert!(msg.contains("token 300") && msg.contains("vocabulary of 67"), "{msg}");
+    assert!(
+        msg.contains("token 300") && msg.contains("vocabulary of 67"),
+        "{msg}"
+    );
     let msg = error_of(&TrainConfig {
         data: Some(tokens),
         seq_len: 8,
@@ -54,14 +64,44 @@ fn llama_bad_inputs_are_named_errors() {
     assert!(msg.contains("too few"), "{msg}");
 
     for (cfg, want) in [
-        (TrainConfig { strategy: Strategy::Single, ..base.clone() }, "runs on 1 rank"),
-        (TrainConfig { strategy: Strategy::Tp, world_size: 3, ..base.clone() }, "num_heads"),
         (
-            TrainConfig { strategy: Strategy::Hsdp, world_size: 3, dp_replicate: Some(2), ..base.clone() },
+            TrainConfig {
+                strategy: Strategy::Single,
+                ..base.clone()
+            },
+            "runs on 1 rank",
+        ),
+        (
+            TrainConfig {
+                strategy: Strategy::Tp,
+                world_size: 3,
+                ..base.clone()
+            },
+            "num_heads",
+        ),
+        (
+            TrainConfig {
+                strategy: Strategy::Hsdp,
+                world_size: 3,
+                dp_replicate: Some(2),
+                ..base.clone()
+            },
             "does not divide",
         ),
-        (TrainConfig { world_size: 6, ..base.clone() }, "no rows"),
-        (TrainConfig { tp: Some(2), ..base.clone() }, "--tp applies"),
+        (
+            TrainConfig {
+                world_size: 6,
+                ..base.clone()
+            },
+            "no rows",
+        ),
+        (
+            TrainConfig {
+                tp: Some(2),
+                ..base.clone()
+            },
+            "--tp applies",
+        ),
     ] {
         let msg = error_of(&cfg);
         assert!(msg.contains(want), "{want}: {msg}");
@@ -86,7 +126,10 @@ fn llama_checkpoint_trained_under_fsdp_saves_like_single() {
     let original = HfCheckpoint::open(fixture("untied")).unwrap();
     assert_eq!(single.names(), original.names());
     for t in single.names() {
-        let (a, b) = (to_vec(&fsdp.read(t).unwrap()), to_vec(&single.read(t).unwrap()));
+        let (a, b) = (
+            to_vec(&fsdp.read(t).unwrap()),
+            to_vec(&single.read(t).unwrap()),
+        );
         assert_close(&a, &b, 1e-5, t);
         assert_ne!(b, to_vec(&original.read(t).unwrap()), "{t} was trained");
     }

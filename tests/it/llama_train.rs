@@ -50,9 +50,16 @@ pub fn run(cfg: &TrainConfig) -> TrainSummary {
 fn assert_curves(got: &TrainSummary, want: &TrainSummary, tol: f32, what: &str) {
     assert_eq!(got.steps.len(), want.steps.len(), "{what}");
     for (g, w) in got.steps.iter().zip(&want.steps) {
-        for (name, a, b) in [("loss", g.loss, w.loss), ("grad norm", g.grad_norm, w.grad_norm)] {
+        for (name, a, b) in [
+            ("loss", g.loss, w.loss),
+            ("grad norm", g.grad_norm, w.grad_norm),
+        ] {
             let rel = (a - b).abs() / b.abs().max(1e-6);
-            assert!(rel <= tol, "{what}: step {} {name} {a} vs single {b} (relative {rel})", g.step);
+            assert!(
+                rel <= tol,
+                "{what}: step {} {name} {a} vs single {b} (relative {rel})",
+                g.step
+            );
         }
     }
 }
@@ -123,7 +130,13 @@ fn llama_bf16_on_flex_is_close_to_f32() {
         let what = format!("bf16 {strategy} on {world}");
         for (g, w) in got.steps.iter().zip(&want.steps) {
             let rel = (g.loss - w.loss).abs() / w.loss;
-            assert!(rel <= 1e-2, "{what}: step {} loss {} vs f32 {}", g.step, g.loss, w.loss);
+            assert!(
+                rel <= 1e-2,
+                "{what}: step {} loss {} vs f32 {}",
+                g.step,
+                g.loss,
+                w.loss
+            );
         }
     }
 }
@@ -163,5 +176,8 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
     // FSDP on 2 ranks holds about half the state of one rank.
     let single = small_model().num_params() as u64 * 8;
     let peak = *s.model_state_bytes.iter().max().unwrap();
-    assert!(peak < single * 6 / 10 && peak >= single / 2, "{peak} vs {single}");
+    assert!(
+        peak < single * 6 / 10 && peak >= single / 2,
+        "{peak} vs {single}"
+    );
 }

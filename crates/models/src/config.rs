@@ -146,7 +146,9 @@ impl LlamaConfig {
         }
         let head_dim = usize_of("head_dim")?.unwrap_or(hidden_size / heads);
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(bad(format!("head_dim = {head_dim} must be even and positive")));
+            return Err(bad(format!(
+                "head_dim = {head_dim} must be even and positive"
+            )));
         }
 
         // transformers 5.x moves rope_theta and the scaling into `rope_parameters`.
@@ -166,7 +168,8 @@ impl LlamaConfig {
                     .and_then(Value::as_str)
                     .unwrap_or("default");
                 let factor = || {
-                    f64_of("factor", p).ok_or_else(|| bad(format!("rope type {kind} needs `factor`")))
+                    f64_of("factor", p)
+                        .ok_or_else(|| bad(format!("rope type {kind} needs `factor`")))
                 };
                 match kind {
                     "default" => None,
@@ -265,8 +268,14 @@ impl LlamaConfig {
         let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let attn = h * q + 2 * h * kv + q * h
-            + if self.attention_bias { q + 2 * kv + h } else { 0 };
+        let attn = h * q
+            + 2 * h * kv
+            + q * h
+            + if self.attention_bias {
+                q + 2 * kv + h
+            } else {
+                0
+            };
         let mlp = 3 * h * i + if self.mlp_bias { 2 * i + h } else { 0 };
         let layer = attn + mlp + 2 * h;
         let head = if self.tie_word_embeddings { 0 } else { h * v };
@@ -286,7 +295,10 @@ mod tests {
     #[test]
     fn reads_transformers_4_and_5_rope_theta() {
         let c = LlamaConfig::from_json(V4).unwrap();
-        assert_eq!((c.rope_theta, c.head_dim, c.num_key_value_heads), (5e5, 4, 2));
+        assert_eq!(
+            (c.rope_theta, c.head_dim, c.num_key_value_heads),
+            (5e5, 4, 2)
+        );
         assert!(c.tie_word_embeddings && c.rope_scaling.is_none());
         let v5 = V4.replace(
             r#""rope_theta":500000.0"#,
@@ -300,10 +312,15 @@ mod tests {
 
     #[test]
     fn rejects_other_architectures() {
-        let msg = LlamaConfig::from_json(&V4.replace(r#""model_type":"llama""#, r#""model_type":"mistral""#))
-            .unwrap_err()
-            .to_string();
-        assert!(msg.contains("mistral") && msg.contains("not a Llama"), "{msg}");
+        let msg = LlamaConfig::from_json(
+            &V4.replace(r#""model_type":"llama""#, r#""model_type":"mistral""#),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains("mistral") && msg.contains("not a Llama"),
+            "{msg}"
+        );
         let msg = LlamaConfig::from_json(&V4.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
             .unwrap_err()
             .to_string();

@@ -72,7 +72,11 @@ impl TokenData {
                 seq_len + 1
             )));
         }
-        if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| **t as usize >= vocab) {
+        if let Some((i, t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= vocab)
+        {
             return Err(bad(format!(
                 "token {t} at position {i} is outside the vocabulary of {vocab}"
             )));
@@ -157,11 +161,20 @@ mod tests {
 
     #[test]
     fn bad_data_is_named() {
-        let msg = TokenData::new(vec![1, 2, 300], 256, 1, "f.bin").unwrap_err().to_string();
-        assert!(msg.contains("token 300 at position 2") && msg.contains("f.bin"), "{msg}");
-        let msg = TokenData::new(vec![1, 2], 256, 4, "f.bin").unwrap_err().to_string();
+        let msg = TokenData::new(vec![1, 2, 300], 256, 1, "f.bin")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("token 300 at position 2") && msg.contains("f.bin"),
+            "{msg}"
+        );
+        let msg = TokenData::new(vec![1, 2], 256, 4, "f.bin")
+            .unwrap_err()
+            .to_string();
         assert!(msg.contains("too few"), "{msg}");
-        let msg = TokenData::load("/nonexistent/x.bin", 256, 4).unwrap_err().to_string();
+        let msg = TokenData::load("/nonexistent/x.bin", 256, 4)
+            .unwrap_err()
+            .to_string();
         assert!(msg.contains("/nonexistent/x.bin"), "{msg}");
     }
 }

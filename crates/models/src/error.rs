@@ -11,7 +11,9 @@ pub enum ModelError {
     },
     #[error("{path} is not a valid Llama config.json: {reason}")]
     BadConfig { path: PathBuf, reason: String },
-    #[error("{what} is not a Llama model ({found}); only LlamaForCausalLM checkpoints are supported")]
+    #[error(
+        "{what} is not a Llama model ({found}); only LlamaForCausalLM checkpoints are supported"
+    )]
     NotLlama { what: &'static str, found: String },
     #[error("unsupported Llama config: {0}")]
     Unsupported(String),

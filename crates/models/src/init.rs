@@ -106,6 +106,9 @@ mod tests {
         assert_ne!(a, seeded_normal(8, 20_001, 0.02));
         let mean = a.iter().map(|x| *x as f64).sum::<f64>() / a.len() as f64;
         let var = a.iter().map(|x| (*x as f64 - mean).powi(2)).sum::<f64>() / a.len() as f64;
-        assert!(mean.abs() < 1e-3 && (var.sqrt() - 0.02).abs() < 1e-3, "{mean} {var}");
+        assert!(
+            mean.abs() < 1e-3 && (var.sqrt() - 0.02).abs() < 1e-3,
+            "{mean} {var}"
+        );
     }
 }

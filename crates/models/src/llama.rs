@@ -71,8 +71,8 @@ impl Rope {
                     if wavelen > low_wavelen {
                         *f /= factor;
                     } else if wavelen >= high_wavelen {
-                        let smooth =
-                            (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         *f = (1.0 - smooth) * *f / factor + smooth * *f;
                     }
                 }
@@ -138,8 +138,16 @@ impl Attention {
         let [b, s, _] = x.dims();
         let hd = self.head_dim;
         let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, hd]).swap_dims(1, 2);
-        let q = Rope::apply(split(self.q_proj.forward_prepared(x.clone()), self.heads), cos, sin);
-        let k = Rope::apply(split(self.k_proj.forward_prepared(x.clone()), self.kv_heads), cos, sin);
+        let q = Rope::apply(
+            split(self.q_proj.forward_prepared(x.clone()), self.heads),
+            cos,
+            sin,
+        );
+        let k = Rope::apply(
+            split(self.k_proj.forward_prepared(x.clone()), self.kv_heads),
+            cos,
+            sin,
+        );
         let v = split(self.v_proj.forward_prepared(x), self.kv_heads);
         let groups = self.heads / self.kv_heads;
         let repeat = |t: Tensor<4>| {
@@ -153,7 +161,9 @@ impl Attention {
         };
         let (k, v) = (repeat(k), repeat(v));
         let dtype = q.dtype();
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(1.0 / (hd as f64).sqrt());
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (hd as f64).sqrt());
         // Softmax in f32 with the causal mask, as transformers' eager attention.
         let scores = scores.cast(FloatDType::F32) + causal_mask(s, &cos.device());
         let probs = softmax(scores, 3).cast(dtype);
@@ -168,7 +178,13 @@ impl Attention {
 /// `[1, 1, s, s]`: 0 on and below the diagonal, -inf above.
 fn causal_mask(s: usize, device: &Device) -> Tensor<4> {
     let v: Vec<f32> = (0..s * s)
-        .map(|i| if i % s > i / s { f32::NEG_INFINITY } else { 0.0 })
+        .map(|i| {
+            if i % s > i / s {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
         .collect();
     Tensor::from_data(TensorData::new(v, [1, 1, s, s]), device)
 }
@@ -207,7 +223,10 @@ fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
 
 impl DecoderLayer {
     pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
-        let h = x.clone() + self.self_attn.forward(norm(&self.input_layernorm, x), cos, sin);
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(norm(&self.input_layernorm, x), cos, sin);
         h.clone() + self.mlp.forward(norm(&self.post_attention_layernorm, h))
     }
 }
@@ -283,7 +302,13 @@ fn rms_norm(
     device: &Device,
 ) -> Result<Tp<RmsNorm>, ModelError> {
     Ok(Tp::new(RmsNorm {
-        weight: param(source, &format!("{name}.weight"), [c.hidden_size], ParamKind::Norm, device)?,
+        weight: param(
+            source,
+            &format!("{name}.weight"),
+            [c.hidden_size],
+            ParamKind::Norm,
+            device,
+        )?,
         eps: c.rms_norm_eps,
     }))
 }
@@ -337,9 +362,30 @@ impl Llama {
                     device,
                 )?,
                 mlp: Mlp {
-                    gate_proj: linear(s, &format!("{p}.mlp.gate_proj"), h, c.intermediate_size, mb, device)?,
-                    up_proj: linear(s, &format!("{p}.mlp.up_proj"), h, c.intermediate_size, mb, device)?,
-                    down_proj: linear(s, &format!("{p}.mlp.down_proj"), c.intermediate_size, h, mb, device)?,
+                    gate_proj: linear(
+                        s,
+                        &format!("{p}.mlp.gate_proj"),
+                        h,
+                        c.intermediate_size,
+                        mb,
+                        device,
+                    )?,
+                    up_proj: linear(
+                        s,
+                        &format!("{p}.mlp.up_proj"),
+                        h,
+                        c.intermediate_size,
+                        mb,
+                        device,
+                    )?,
+                    down_proj: linear(
+                        s,
+                        &format!("{p}.mlp.down_proj"),
+                        c.intermediate_size,
+                        h,
+                        mb,
+                        device,
+                    )?,
                 },
             });
         }

@@ -44,7 +44,9 @@ impl Llama {
             .entries()
             .iter()
             .filter(|(pattern, _)| pattern != "lm_head")
-            .fold(TpPlan::new(), |p, (pattern, style)| p.with(pattern.clone(), *style)))
+            .fold(TpPlan::new(), |p, (pattern, style)| {
+                p.with(pattern.clone(), *style)
+            }))
     }
 }
 
@@ -74,9 +76,13 @@ impl TpModule for Attention {
 impl TpModule for Mlp {
     fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError> {
         Ok(Self {
-            gate_proj: self.gate_proj.apply_tp(&child_path(path, "gate_proj"), cx)?,
+            gate_proj: self
+                .gate_proj
+                .apply_tp(&child_path(path, "gate_proj"), cx)?,
             up_proj: self.up_proj.apply_tp(&child_path(path, "up_proj"), cx)?,
-            down_proj: self.down_proj.apply_tp(&child_path(path, "down_proj"), cx)?,
+            down_proj: self
+                .down_proj
+                .apply_tp(&child_path(path, "down_proj"), cx)?,
         })
     }
 
@@ -93,7 +99,9 @@ impl TpModule for DecoderLayer {
             input_layernorm: self
                 .input_layernorm
                 .apply_tp(&child_path(path, "input_layernorm"), cx)?,
-            self_attn: self.self_attn.apply_tp(&child_path(path, "self_attn"), cx)?,
+            self_attn: self
+                .self_attn
+                .apply_tp(&child_path(path, "self_attn"), cx)?,
             post_attention_layernorm: self
                 .post_attention_layernorm
                 .apply_tp(&child_path(path, "post_attention_layernorm"), cx)?,

@@ -43,10 +43,7 @@ impl Optimizer for Sgd {
                 })
             }
         }
-        model.map(&mut Step {
-            grads,
-            lr: self.lr,
-        })
+        model.map(&mut Step { grads, lr: self.lr })
     }
 
     fn states_per_param(&self) -> usize {
@@ -86,10 +83,7 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step<M: Module>(&mut self, model: M, grads: &Gradients) -> M {
         self.step += 1;
-        let mut mapper = AdamWStep {
-            opt: self,
-            grads,
-        };
+        let mut mapper = AdamWStep { opt: self, grads };
         model.map(&mut mapper)
     }
 

@@ -47,36 +47,73 @@ impl Layout {
             return bad("--dp-replicate applies to hsdp only".into());
         }
         let layout = match s {
-            Strategy::Single if w != 1 => return bad(format!("runs on 1 rank, not --world-size {w}")),
-            Strategy::Single => Self { replicate: 1, shard: 1, tp: 1 },
-            Strategy::Ddp => Self { replicate: w, shard: 1, tp: 1 },
-            Strategy::Fsdp2 => Self { replicate: 1, shard: w, tp: 1 },
+            Strategy::Single if w != 1 => {
+                return bad(format!("runs on 1 rank, not --world-size {w}"));
+            }
+            Strategy::Single => Self {
+                replicate: 1,
+                shard: 1,
+                tp: 1,
+            },
+            Strategy::Ddp => Self {
+                replicate: w,
+                shard: 1,
+                tp: 1,
+            },
+            Strategy::Fsdp2 => Self {
+                replicate: 1,
+                shard: w,
+                tp: 1,
+            },
             Strategy::Hsdp => {
                 let r = cfg.dp_replicate.unwrap_or(2);
                 if r == 0 || !w.is_multiple_of(r) {
-                    return bad(format!("--dp-replicate {r} does not divide --world-size {w}"));
+                    return bad(format!(
+                        "--dp-replicate {r} does not divide --world-size {w}"
+                    ));
                 }
-                Self { replicate: r, shard: w / r, tp: 1 }
+                Self {
+                    replicate: r,
+                    shard: w / r,
+                    tp: 1,
+                }
             }
             Strategy::Tp => {
                 let t = cfg.tp.unwrap_or(w);
                 if t != w {
-                    return bad(format!("--tp {t} must equal --world-size {w} (use fsdp2_tp to combine)"));
+                    return bad(format!(
+                        "--tp {t} must equal --world-size {w} (use fsdp2_tp to combine)"
+                    ));
                 }
-                Self { replicate: 1, shard: 1, tp: t }
+                Self {
+                    replicate: 1,
+                    shard: 1,
+                    tp: t,
+                }
             }
             Strategy::Fsdp2Tp => {
                 let t = cfg.tp.unwrap_or(2);
                 if t == 0 || !w.is_multiple_of(t) {
                     return bad(format!("--tp {t} does not divide --world-size {w}"));
                 }
-                Self { replicate: 1, shard: w / t, tp: t }
+                Self {
+                    replicate: 1,
+                    shard: w / t,
+                    tp: t,
+                }
             }
         };
         if layout.tp > 1 {
-            local_heads(model.num_attention_heads, model.num_key_value_heads, layout.tp)?;
+            local_heads(
+                model.num_attention_heads,
+                model.num_key_value_heads,
+                layout.tp,
+            )?;
             if model.vocab_size < layout.tp || model.intermediate_size < layout.tp {
-                return bad(format!("tp = {} leaves a rank an empty vocab or MLP shard", layout.tp));
+                return bad(format!(
+                    "tp = {} leaves a rank an empty vocab or MLP shard",
+                    layout.tp
+                ));
             }
         }
         if cfg.global_batch < layout.dp() {

@@ -41,14 +41,26 @@ fn tp_sharded(model: &Llama) -> HashSet<ParamId> {
     for layer in &model.layers {
         let a = &layer.self_attn;
         let m = &layer.mlp;
-        for l in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj] {
+        for l in [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+        ] {
             linear(l);
         }
     }
     if let Some(head) = &model.lm_head {
         linear(head);
     }
-    if model.embed_tokens.sharding().is_some_and(|s| s.spec.is_some()) {
+    if model
+        .embed_tokens
+        .sharding()
+        .is_some_and(|s| s.spec.is_some())
+    {
         ids.insert(model.embed_tokens.inner().weight.id);
     }
     ids

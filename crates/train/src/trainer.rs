@@ -53,10 +53,7 @@ impl TrainSummary {
         } else {
             &self.steps[..]
         };
-        let tokens: f64 = timed
-            .iter()
-            .map(|s| s.tokens_per_s * s.step_time_s)
-            .sum();
+        let tokens: f64 = timed.iter().map(|s| s.tokens_per_s * s.step_time_s).sum();
         let time: f64 = timed.iter().map(|s| s.step_time_s).sum();
         tokens / time.max(1e-12)
     }
@@ -114,7 +111,11 @@ pub fn train(
 
 type RankResult = (Vec<StepReport>, u64, u64);
 
-fn build_model(cfg: &TrainConfig, model_cfg: &LlamaConfig, device: &burn::tensor::Device) -> Result<Llama, TrainError> {
+fn build_model(
+    cfg: &TrainConfig,
+    model_cfg: &LlamaConfig,
+    device: &burn::tensor::Device,
+) -> Result<Llama, TrainError> {
     match &cfg.checkpoint {
         Some(dir) => Ok(load_llama(dir, device)?),
         None => Ok(Llama::seeded(model_cfg, cfg.seed, device)),
@@ -144,16 +145,17 @@ fn run_rank(
     let model = build_model(cfg, model_cfg, &device)?;
     let mut model = parallelize(model, cfg, layout, &mesh)?;
 
-    let mut optimizer: Box<dyn FnMut(Llama, &burn::tensor::Gradients) -> Llama> = match cfg.optimizer {
-        OptimizerKind::Sgd => {
-            let mut o = Sgd { lr: cfg.lr };
-            Box::new(move |m, g| o.step(m, g))
-        }
-        OptimizerKind::AdamW => {
-            let mut o = AdamW::new(cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay);
-            Box::new(move |m, g| o.step(m, g))
-        }
-    };
+    let mut optimizer: Box<dyn FnMut(Llama, &burn::tensor::Gradients) -> Llama> =
+        match cfg.optimizer {
+            OptimizerKind::Sgd => {
+                let mut o = Sgd { lr: cfg.lr };
+                Box::new(move |m, g| o.step(m, g))
+            }
+            OptimizerKind::AdamW => {
+                let mut o = AdamW::new(cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay);
+                Box::new(move |m, g| o.step(m, g))
+            }
+        };
     let states = match cfg.optimizer {
         OptimizerKind::Sgd => 0,
         OptimizerKind::AdamW => 2,
@@ -179,7 +181,8 @@ fn run_rank(
         let logits = logits.reshape([b * t, local_vocab]);
         // This rank's tokens' share of the global mean.
         let loss = if layout.tp > 1 {
-            loss_parallel(logits, targets, &tp_group, vocab)?.mul_scalar(b as f32 * t as f32 / global_tokens)
+            loss_parallel(logits, targets, &tp_group, vocab)?
+                .mul_scalar(b as f32 * t as f32 / global_tokens)
         } else {
             log_softmax(logits, 1)
                 .gather(1, targets.unsqueeze_dim::<2>(1))
@@ -222,7 +225,13 @@ fn run_rank(
 
 /// Gathers the trained model (FSDP shards, then tp shards: collective) and writes it from
 /// rank 0 in the checkpoint's dtype.
-fn save(model: Llama, fsdp: bool, model_cfg: &LlamaConfig, dir: &Path, is_root: bool) -> Result<(), TrainError> {
+fn save(
+    model: Llama,
+    fsdp: bool,
+    model_cfg: &LlamaConfig,
+    dir: &Path,
+    is_root: bool,
+) -> Result<(), TrainError> {
     let full = if fsdp { gather_full(model) } else { model };
     let tensors = hf_tensors(&full)?;
     if is_root {
@@ -236,7 +245,10 @@ fn save(model: Llama, fsdp: bool, model_cfg: &LlamaConfig, dir: &Path, is_root: 
 fn max_over_world(ctx: &burn_parallel_dist::RankContext, value: u64) -> Result<u64, TrainError> {
     let world = ctx.world()?;
     let all = world.all_gather(
-        TensorData::new(vec![(value >> 24) as f32, (value & 0xFF_FFFF) as f32], [1, 2]),
+        TensorData::new(
+            vec![(value >> 24) as f32, (value & 0xFF_FFFF) as f32],
+            [1, 2],
+        ),
         0,
     )?;
     let v = all.as_slice::<f32>().expect("f32 values");

@@ -33,7 +33,10 @@ impl std::fmt::Debug for HfCheckpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HfCheckpoint")
             .field("dir", &self.dir)
-            .field("files", &self.files.iter().map(|m| &m.path).collect::<Vec<_>>())
+            .field(
+                "files",
+                &self.files.iter().map(|m| &m.path).collect::<Vec<_>>(),
+            )
             .field("tensors", &self.by_name.len())
             .finish()
     }
@@ -53,7 +56,8 @@ impl HfCheckpoint {
                 path: index.clone(),
                 reason,
             };
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -236,7 +240,12 @@ fn element_size(dtype: Dtype) -> Option<usize> {
     }
 }
 
-fn to_f32(bytes: &[u8], dtype: Dtype, file: &MappedFile, name: &str) -> Result<Vec<f32>, ModelError> {
+fn to_f32(
+    bytes: &[u8],
+    dtype: Dtype,
+    file: &MappedFile,
+    name: &str,
+) -> Result<Vec<f32>, ModelError> {
     Ok(match dtype {
         Dtype::F32 => bytes
             .chunks_exact(4)

@@ -76,7 +76,9 @@ fn push_linear(
     })?;
     out.push((format!("{name}.weight"), transpose(w)));
     if let Some(b) = &inner.bias {
-        let b = full(b, l, |s| matches!(s, ParallelStyle::Colwise { .. }).then_some(0))?;
+        let b = full(b, l, |s| {
+            matches!(s, ParallelStyle::Colwise { .. }).then_some(0)
+        })?;
         out.push((format!("{name}.bias"), b));
     }
     Ok(())
@@ -87,7 +89,10 @@ fn push_norm(
     name: &str,
     n: &Tp<RmsNorm>,
 ) -> Result<(), ModelError> {
-    out.push((format!("{name}.weight"), full(&n.inner().weight, n, |_| None)?));
+    out.push((
+        format!("{name}.weight"),
+        full(&n.inner().weight, n, |_| None)?,
+    ));
     Ok(())
 }
 
@@ -105,7 +110,11 @@ pub fn hf_tensors(model: &Llama) -> Result<Vec<(String, TensorData)>, ModelError
     out.push(("model.embed_tokens.weight".into(), table));
     for (i, l) in model.layers.iter().enumerate() {
         let p = format!("model.layers.{i}");
-        push_norm(&mut out, &format!("{p}.input_layernorm"), &l.input_layernorm)?;
+        push_norm(
+            &mut out,
+            &format!("{p}.input_layernorm"),
+            &l.input_layernorm,
+        )?;
         let a = &l.self_attn;
         for (n, lin) in [
             ("q_proj", &a.q_proj),
