@@ -117,7 +117,7 @@ fn llama_bf16_on_flex_is_close_to_f32() {
     for (strategy, world, tp) in [
         (Strategy::Single, 1, None),
         (Strategy::Fsdp2, 3, None),
-        (Strategy::Fsdp2Tp, 4, Some(2)),
+        (Strategy::Hsdp, 4, None),
     ] {
         let cfg = TrainConfig {
             strategy,

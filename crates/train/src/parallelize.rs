@@ -103,6 +103,10 @@ impl Layout {
                 }
             }
         };
+        if layout.tp > 1 && (cfg.param_dtype == Precision::Bf16) {
+            // Tp<Embedding>'s vocab mask is f32 and Burn rejects mixed-dtype ops.
+            return bad("bf16 compute with tensor parallelism is not supported yet (the vocab-parallel embedding mixes bf16 and f32); use --param-dtype f32".into());
+        }
         if layout.tp > 1 {
             local_heads(
                 model.num_attention_heads,
