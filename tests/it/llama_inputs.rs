@@ -2,7 +2,9 @@
 //! saved under FSDP equals the one saved by a single device.
 
 use burn_parallel::models::checkpoint::HfCheckpoint;
-use burn_parallel::train::{OptimizerKind, Strategy, TrainConfig, TrainError, train};
+use burn_parallel::train::{
+    Backend, OptimizerKind, Precision, Strategy, TrainConfig, TrainError, train,
+};
 
 use crate::common::{assert_close, to_vec};
 use crate::llama_hf::{fixture, temp_dir};
@@ -101,6 +103,23 @@ fn llama_bad_inputs_are_named_errors() {
                 ..base.clone()
             },
             "--tp applies",
+        ),
+        (
+            TrainConfig {
+                strategy: Strategy::Fsdp2Tp,
+                world_size: 4,
+                backend: Backend::Flex,
+                param_dtype: Precision::Bf16,
+                ..base.clone()
+            },
+            "not supported yet",
+        ),
+        (
+            TrainConfig {
+                param_dtype: Precision::Bf16,
+                ..base.clone()
+            },
+            "needs --backend flex",
         ),
     ] {
         let msg = error_of(&cfg);
