@@ -111,6 +111,9 @@ pub fn train(
 
 type RankResult = (Vec<StepReport>, u64, u64);
 
+/// One optimizer step on the whole model.
+type StepFn = Box<dyn FnMut(Llama, &burn::tensor::Gradients) -> Llama>;
+
 fn build_model(
     cfg: &TrainConfig,
     model_cfg: &LlamaConfig,
@@ -145,17 +148,16 @@ fn run_rank(
     let model = build_model(cfg, model_cfg, &device)?;
     let mut model = parallelize(model, cfg, layout, &mesh)?;
 
-    let mut optimizer: Box<dyn FnMut(Llama, &burn::tensor::Gradients) -> Llama> =
-        match cfg.optimizer {
-            OptimizerKind::Sgd => {
-                let mut o = Sgd { lr: cfg.lr };
-                Box::new(move |m, g| o.step(m, g))
-            }
-            OptimizerKind::AdamW => {
-                let mut o = AdamW::new(cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay);
-                Box::new(move |m, g| o.step(m, g))
-            }
-        };
+    let mut optimizer: StepFn = match cfg.optimizer {
+        OptimizerKind::Sgd => {
+            let mut o = Sgd { lr: cfg.lr };
+            Box::new(move |m, g| o.step(m, g))
+        }
+        OptimizerKind::AdamW => {
+            let mut o = AdamW::new(cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay);
+            Box::new(move |m, g| o.step(m, g))
+        }
+    };
     let states = match cfg.optimizer {
         OptimizerKind::Sgd => 0,
         OptimizerKind::AdamW => 2,
