@@ -5,8 +5,10 @@
 
 pub use burn_parallel_dist as dist;
 pub use burn_parallel_fsdp as fsdp;
+pub use burn_parallel_models as models;
 pub use burn_parallel_parallelizer as parallelizer;
 pub use burn_parallel_tp as tp;
+pub use burn_parallel_train as train;
 
 pub use burn_parallel_macros::parallelize;
 

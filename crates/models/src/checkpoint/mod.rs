@@ -1,0 +1,11 @@
+//! Hugging Face checkpoints: `config.json` with `model.safetensors` or sharded
+//! `model-0000x-of-0000y.safetensors` plus `model.safetensors.index.json`. Files are
+//! memory-mapped; a tensor (or a range of its rows or columns) is converted to f32 only when
+//! read, so a rank that reads its own slices holds its shard plus one tensor at most.
+//! Hugging Face Linear weights are `[out, in]`, Burn's `[in, out]`: loading transposes.
+
+mod reader;
+mod writer;
+
+pub use reader::{CheckpointSource, HfCheckpoint, load_llama};
+pub use writer::{SaveDtype, hf_tensors, save_llama};

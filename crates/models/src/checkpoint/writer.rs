@@ -1,0 +1,202 @@
+//! Writing a Llama back in the Hugging Face layout (`config.json` + `model.safetensors`) so
+//! that transformers loads it.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use burn::module::Param;
+use burn::nn::Linear;
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_parallel_tp::{ParallelStyle, Tp, TpLayer};
+use safetensors::tensor::{Dtype, TensorView};
+
+use super::reader::transpose;
+use crate::error::ModelError;
+use crate::llama::{Llama, RmsNorm};
+
+/// The dtype tensors are written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveDtype {
+    F32,
+    BF16,
+    F16,
+}
+
+impl SaveDtype {
+    /// The config's `torch_dtype` (the checkpoint's original dtype), f32 when absent.
+    pub fn from_config_dtype(dtype: Option<&str>) -> Self {
+        match dtype {
+            Some("bfloat16") => Self::BF16,
+            Some("float16") => Self::F16,
+            _ => Self::F32,
+        }
+    }
+
+    fn torch_name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::BF16 => "bfloat16",
+            Self::F16 => "float16",
+        }
+    }
+}
+
+/// The full value of a parameter of a (possibly tp-sharded) module: tp shards are
+/// all-gathered over the module's tp group along `dim` (collective over that group).
+fn full<const D: usize, M: TpLayer>(
+    p: &Param<Tensor<D>>,
+    module: &Tp<M>,
+    dim: impl Fn(&ParallelStyle) -> Option<usize>,
+) -> Result<TensorData, ModelError> {
+    let data = p.val().into_data().convert_dtype(DType::F32);
+    match module.sharding() {
+        Some(s) if s.spec.is_some() => match dim(&s.style) {
+            Some(d) => s.group.all_gather(data, d).map_err(|e| {
+                ModelError::Tp(burn_parallel_tp::TpError::Collective {
+                    path: s.path.clone(),
+                    source: Box::new(e),
+                })
+            }),
+            None => Ok(data),
+        },
+        _ => Ok(data),
+    }
+}
+
+fn push_linear(
+    out: &mut Vec<(String, TensorData)>,
+    name: &str,
+    l: &Tp<Linear>,
+) -> Result<(), ModelError> {
+    let inner = l.inner();
+    let w = full(&inner.weight, l, |s| match s {
+        ParallelStyle::Colwise { .. } => Some(1),
+        ParallelStyle::Rowwise { .. } => Some(0),
+        ParallelStyle::Sequence { .. } => None,
+    })?;
+    out.push((format!("{name}.weight"), transpose(w)));
+    if let Some(b) = &inner.bias {
+        let b = full(b, l, |s| {
+            matches!(s, ParallelStyle::Colwise { .. }).then_some(0)
+        })?;
+        out.push((format!("{name}.bias"), b));
+    }
+    Ok(())
+}
+
+fn push_norm(
+    out: &mut Vec<(String, TensorData)>,
+    name: &str,
+    n: &Tp<RmsNorm>,
+) -> Result<(), ModelError> {
+    out.push((
+        format!("{name}.weight"),
+        full(&n.inner().weight, n, |_| None)?,
+    ));
+    Ok(())
+}
+
+/// Every parameter under its Hugging Face name and layout (`[out, in]` Linear weights), f32.
+/// Tensor-parallel shards are gathered (collective over each tp group); an FSDP-sharded model
+/// must be gathered first (`burn_parallel_fsdp::gather_full`).
+pub fn hf_tensors(model: &Llama) -> Result<Vec<(String, TensorData)>, ModelError> {
+    let mut out = Vec::new();
+    let e = &model.embed_tokens;
+    let table = full(&e.inner().weight, e, |s| match s {
+        ParallelStyle::Rowwise { .. } => Some(0),
+        ParallelStyle::Colwise { .. } => Some(1),
+        ParallelStyle::Sequence { .. } => None,
+    })?;
+    out.push(("model.embed_tokens.weight".into(), table));
+    for (i, l) in model.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        push_norm(
+            &mut out,
+            &format!("{p}.input_layernorm"),
+            &l.input_layernorm,
+        )?;
+        let a = &l.self_attn;
+        for (n, lin) in [
+            ("q_proj", &a.q_proj),
+            ("k_proj", &a.k_proj),
+            ("v_proj", &a.v_proj),
+            ("o_proj", &a.o_proj),
+        ] {
+            push_linear(&mut out, &format!("{p}.self_attn.{n}"), lin)?;
+        }
+        push_norm(
+            &mut out,
+            &format!("{p}.post_attention_layernorm"),
+            &l.post_attention_layernorm,
+        )?;
+        for (n, lin) in [
+            ("gate_proj", &l.mlp.gate_proj),
+            ("up_proj", &l.mlp.up_proj),
+            ("down_proj", &l.mlp.down_proj),
+        ] {
+            push_linear(&mut out, &format!("{p}.mlp.{n}"), lin)?;
+        }
+    }
+    push_norm(&mut out, "model.norm", &model.norm)?;
+    if let Some(head) = &model.lm_head {
+        push_linear(&mut out, "lm_head", head)?;
+    }
+    Ok(out)
+}
+
+fn encode(data: &TensorData, dtype: SaveDtype) -> Vec<u8> {
+    let v = data.try_to_vec::<f32>().expect("f32 data");
+    match dtype {
+        SaveDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        SaveDtype::BF16 => v
+            .iter()
+            .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+            .collect(),
+        SaveDtype::F16 => v
+            .iter()
+            .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Writes `dir/config.json` and `dir/model.safetensors` (one file) from `hf_tensors`' output.
+pub fn save_llama(
+    config: &crate::LlamaConfig,
+    tensors: &[(String, TensorData)],
+    dir: impl AsRef<Path>,
+    dtype: SaveDtype,
+) -> Result<(), ModelError> {
+    let dir = dir.as_ref();
+    std::fs::create_dir_all(dir).map_err(ModelError::io(dir))?;
+    let mut json = config.to_hf_json();
+    json["torch_dtype"] = dtype.torch_name().into();
+    let config_path = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&json).expect("a JSON value");
+    std::fs::write(&config_path, text).map_err(ModelError::io(&config_path))?;
+
+    let st_dtype = match dtype {
+        SaveDtype::F32 => Dtype::F32,
+        SaveDtype::BF16 => Dtype::BF16,
+        SaveDtype::F16 => Dtype::F16,
+    };
+    let encoded: Vec<(&str, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.shape().to_vec(), encode(d, dtype)))
+        .collect();
+    let path = dir.join("model.safetensors");
+    let bad = |reason: String| ModelError::Checkpoint {
+        path: path.clone(),
+        reason,
+    };
+    let views = encoded
+        .iter()
+        .map(|(n, shape, bytes)| {
+            TensorView::new(st_dtype, shape.clone(), bytes)
+                .map(|v| (*n, v))
+                .map_err(|e| bad(e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    // transformers expects the PyTorch format marker.
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(metadata), &path).map_err(|e| bad(e.to_string()))
+}

@@ -1,0 +1,333 @@
+//! `config.json` of a Hugging Face Llama, as transformers 4.x and 5.x write it.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::ModelError;
+
+/// The architecture of a Llama. Field names are Hugging Face's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub initializer_range: f64,
+    /// The dtype the checkpoint was saved in (`torch_dtype` / `dtype`), if given.
+    pub dtype: Option<String>,
+}
+
+/// Rotary-embedding frequency scaling (`rope_scaling` / `rope_parameters`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1's band-wise scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+impl LlamaConfig {
+    /// A small model for examples and tests: sizes that 2, 3 and 4 ranks do not all divide.
+    pub fn tiny() -> Self {
+        Self {
+            vocab_size: 256,
+            hidden_size: 64,
+            intermediate_size: 172,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 16,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            max_position_embeddings: 2048,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            mlp_bias: false,
+            initializer_range: 0.02,
+            dtype: None,
+        }
+    }
+
+    /// Reads `dir/config.json` (or the file itself).
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, ModelError> {
+        let path = path.as_ref();
+        let file = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
+        let text = std::fs::read_to_string(&file).map_err(ModelError::io(&file))?;
+        Self::from_json(&text).map_err(|e| match e {
+            ModelError::BadConfig { reason, .. } => ModelError::BadConfig { path: file, reason },
+            other => other,
+        })
+    }
+
+    /// Parses the text of a `config.json`. Rejects other architectures and settings this
+    /// implementation does not compute (an activation other than SiLU, unknown rope types).
+    pub fn from_json(text: &str) -> Result<Self, ModelError> {
+        let bad = |reason: String| ModelError::BadConfig {
+            path: "config.json".into(),
+            reason,
+        };
+        let v: Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let o = v
+            .as_object()
+            .ok_or_else(|| bad("not a JSON object".into()))?;
+        match o.get("model_type").and_then(Value::as_str) {
+            Some("llama") => {}
+            Some(other) => {
+                return Err(ModelError::NotLlama {
+                    what: "model_type",
+                    found: other.to_string(),
+                });
+            }
+            None => return Err(bad("no `model_type`".into())),
+        }
+        if let Some(archs) = o.get("architectures").and_then(Value::as_array) {
+            let names: Vec<&str> = archs.iter().filter_map(Value::as_str).collect();
+            if names.iter().any(|a| !a.starts_with("Llama")) {
+                return Err(ModelError::NotLlama {
+                    what: "architectures",
+                    found: names.join(", "),
+                });
+            }
+        }
+        let usize_of = |k: &str| -> Result<Option<usize>, ModelError> {
+            match o.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_u64()
+                    .map(|n| Some(n as usize))
+                    .ok_or_else(|| bad(format!("`{k}` is not a non-negative integer: {x}"))),
+            }
+        };
+        let need = |k: &str| usize_of(k)?.ok_or_else(|| bad(format!("missing `{k}`")));
+        let f64_of = |k: &str, obj: &serde_json::Map<String, Value>| -> Option<f64> {
+            obj.get(k).and_then(Value::as_f64)
+        };
+        let bool_of = |k: &str, default: bool| o.get(k).and_then(Value::as_bool).unwrap_or(default);
+
+        if let Some(act) = o.get("hidden_act").and_then(Value::as_str)
+            && act != "silu"
+        {
+            return Err(ModelError::Unsupported(format!(
+                "hidden_act `{act}` (only silu)"
+            )));
+        }
+        let hidden_size = need("hidden_size")?;
+        let heads = need("num_attention_heads")?;
+        if heads == 0 {
+            return Err(bad("num_attention_heads is 0".into()));
+        }
+        let kv_heads = usize_of("num_key_value_heads")?.unwrap_or(heads);
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(bad(format!(
+                "num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}"
+            )));
+        }
+        let head_dim = usize_of("head_dim")?.unwrap_or(hidden_size / heads);
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(bad(format!(
+                "head_dim = {head_dim} must be even and positive"
+            )));
+        }
+
+        // transformers 5.x moves rope_theta and the scaling into `rope_parameters`.
+        let rope_params = o
+            .get("rope_parameters")
+            .or_else(|| o.get("rope_scaling"))
+            .and_then(Value::as_object);
+        let rope_theta = f64_of("rope_theta", o)
+            .or_else(|| rope_params.and_then(|p| f64_of("rope_theta", p)))
+            .unwrap_or(10_000.0);
+        let rope_scaling = match rope_params {
+            None => None,
+            Some(p) => {
+                let kind = p
+                    .get("rope_type")
+                    .or_else(|| p.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
+                let factor = || {
+                    f64_of("factor", p)
+                        .ok_or_else(|| bad(format!("rope type {kind} needs `factor`")))
+                };
+                match kind {
+                    "default" => None,
+                    "linear" => Some(RopeScaling::Linear { factor: factor()? }),
+                    "llama3" => Some(RopeScaling::Llama3 {
+                        factor: factor()?,
+                        low_freq_factor: f64_of("low_freq_factor", p).unwrap_or(1.0),
+                        high_freq_factor: f64_of("high_freq_factor", p).unwrap_or(4.0),
+                        original_max_position_embeddings: f64_of(
+                            "original_max_position_embeddings",
+                            p,
+                        )
+                        .unwrap_or(8192.0),
+                    }),
+                    other => {
+                        return Err(ModelError::Unsupported(format!(
+                            "rope type `{other}` (default, linear and llama3 are supported)"
+                        )));
+                    }
+                }
+            }
+        };
+        let dtype = o
+            .get("torch_dtype")
+            .or_else(|| o.get("dtype"))
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let config = Self {
+            vocab_size: need("vocab_size")?,
+            hidden_size,
+            intermediate_size: need("intermediate_size")?,
+            num_hidden_layers: need("num_hidden_layers")?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            rms_norm_eps: f64_of("rms_norm_eps", o).unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: usize_of("max_position_embeddings")?.unwrap_or(2048),
+            // transformers' LlamaConfig defaults to untied embeddings.
+            tie_word_embeddings: bool_of("tie_word_embeddings", false),
+            attention_bias: bool_of("attention_bias", false),
+            mlp_bias: bool_of("mlp_bias", false),
+            initializer_range: f64_of("initializer_range", o).unwrap_or(0.02),
+            dtype,
+        };
+        Ok(config)
+    }
+
+    /// The `config.json` transformers reads back (4.x keys; 5.x reads them too).
+    pub fn to_hf_json(&self) -> Value {
+        let mut v = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "initializer_range": self.initializer_range,
+            "torch_dtype": self.dtype.clone().unwrap_or_else(|| "float32".into()),
+        });
+        let scaling = match &self.rope_scaling {
+            None => Value::Null,
+            Some(RopeScaling::Linear { factor }) => {
+                serde_json::json!({"rope_type": "linear", "factor": factor})
+            }
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }) => serde_json::json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            }),
+        };
+        v["rope_scaling"] = scaling;
+        v
+    }
+
+    /// Number of parameters of the model.
+    pub fn num_params(&self) -> usize {
+        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        let attn = h * q
+            + 2 * h * kv
+            + q * h
+            + if self.attention_bias {
+                q + 2 * kv + h
+            } else {
+                0
+            };
+        let mlp = 3 * h * i + if self.mlp_bias { 2 * i + h } else { 0 };
+        let layer = attn + mlp + 2 * h;
+        let head = if self.tie_word_embeddings { 0 } else { h * v };
+        v * h + self.num_hidden_layers * layer + h + head
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V4: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
+        "vocab_size":101,"hidden_size":24,"intermediate_size":37,"num_hidden_layers":2,
+        "num_attention_heads":6,"num_key_value_heads":2,"rms_norm_eps":1e-6,
+        "rope_theta":500000.0,"hidden_act":"silu","tie_word_embeddings":true}"#;
+
+    #[test]
+    fn reads_transformers_4_and_5_rope_theta() {
+        let c = LlamaConfig::from_json(V4).unwrap();
+        assert_eq!(
+            (c.rope_theta, c.head_dim, c.num_key_value_heads),
+            (5e5, 4, 2)
+        );
+        assert!(c.tie_word_embeddings && c.rope_scaling.is_none());
+        let v5 = V4.replace(
+            r#""rope_theta":500000.0"#,
+            r#""rope_parameters":{"rope_theta":250000.0,"rope_type":"default"}"#,
+        );
+        assert_eq!(LlamaConfig::from_json(&v5).unwrap().rope_theta, 2.5e5);
+        let back = LlamaConfig::from_json(&c.to_hf_json().to_string()).unwrap();
+        assert_eq!(back.rope_theta, c.rope_theta);
+        assert_eq!(back.num_params(), c.num_params());
+    }
+
+    #[test]
+    fn rejects_other_architectures() {
+        let msg = LlamaConfig::from_json(
+            &V4.replace(r#""model_type":"llama""#, r#""model_type":"mistral""#),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            msg.contains("mistral") && msg.contains("not a Llama"),
+            "{msg}"
+        );
+        let msg = LlamaConfig::from_json(&V4.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("GPT2LMHeadModel"), "{msg}");
+        let msg = LlamaConfig::from_json(&V4.replace(r#""silu""#, r#""gelu""#))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("gelu"), "{msg}");
+    }
+}

@@ -1,0 +1,461 @@
+//! The Llama of Hugging Face transformers' `LlamaForCausalLM`: RMSNorm in f32, rotate-half
+//! rotary embeddings, grouped-query causal attention scaled by 1/sqrt(head_dim), SwiGLU,
+//! optional biases, tied or untied LM head. Field names are the Hugging Face module paths
+//! (the tp plans and checkpoints address parameters by them).
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, Linear};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use burn_parallel_dist::collectives as coll;
+use burn_parallel_tp::{Layout, ParallelStyle, Tp};
+
+use crate::config::{LlamaConfig, RopeScaling};
+use crate::error::ModelError;
+use crate::init::{ParamKind, SeededInit, TensorSource};
+
+/// Root-mean-square norm, computed in f32 whatever the activation dtype (as transformers).
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    pub weight: Param<Tensor<1>>,
+    #[module(skip)]
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let dtype = x.dtype();
+        let x = x.cast(FloatDType::F32);
+        let inv_rms = x
+            .clone()
+            .square()
+            .mean_dim(D - 1)
+            .add_scalar(self.eps)
+            .sqrt()
+            .recip();
+        let normed = (x * inv_rms).cast(dtype);
+        let weight = self.weight.val();
+        let weight = weight.clone().cast(dtype);
+        normed * weight.unsqueeze::<D>()
+    }
+}
+
+/// Rotary position embedding frequencies (Hugging Face's rotate-half convention).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// One frequency per pair of dims, `head_dim / 2` of them, f32 as transformers keeps them.
+    pub inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    pub fn new(config: &LlamaConfig) -> Self {
+        let dim = config.head_dim;
+        let mut inv_freq: Vec<f64> = (0..dim / 2)
+            .map(|i| {
+                let exponent = (2 * i) as f32 / dim as f32;
+                1.0 / (config.rope_theta as f32).powf(exponent) as f64
+            })
+            .collect();
+        match config.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => inv_freq.iter_mut().for_each(|f| *f /= factor),
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            }) => {
+                let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+                for f in &mut inv_freq {
+                    let wavelen = std::f64::consts::TAU / *f;
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+        Self {
+            inv_freq: inv_freq.into_iter().map(|f| f as f32).collect(),
+        }
+    }
+
+    /// `(cos, sin)` of positions `0..seq`, `[1, 1, seq, head_dim]`, in `dtype`.
+    pub fn cos_sin(&self, seq: usize, device: &Device, dtype: DType) -> (Tensor<4>, Tensor<4>) {
+        let half = self.inv_freq.len();
+        let dim = 2 * half;
+        let (mut cos, mut sin) = (Vec::with_capacity(seq * dim), Vec::with_capacity(seq * dim));
+        for pos in 0..seq {
+            // The angle in f32 as transformers computes it; cos/sin of that f32 angle.
+            let angles: Vec<f32> = self.inv_freq.iter().map(|f| f * pos as f32).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| (*a as f64).cos() as f32));
+                sin.extend(angles.iter().map(|a| (*a as f64).sin() as f32));
+            }
+        }
+        let make = |v: Vec<f32>| {
+            Tensor::<4>::from_data(TensorData::new(v, [1, 1, seq, dim]), device).cast(dtype)
+        };
+        (make(cos), make(sin))
+    }
+
+    /// `x * cos + rotate_half(x) * sin` on `[batch, heads, seq, head_dim]`.
+    pub fn apply(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
+        let half = x.dims()[3] / 2;
+        let x1 = x.clone().narrow(3, 0, half);
+        let x2 = x.clone().narrow(3, half, half);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        x * cos.clone() + rotated * sin.clone()
+    }
+}
+
+/// Grouped-query causal self-attention. Under tensor parallelism q/k/v are colwise and o
+/// rowwise, and `heads` / `kv_heads` are this rank's counts.
+#[derive(Module, Debug)]
+pub struct Attention {
+    pub q_proj: Tp<Linear>,
+    pub k_proj: Tp<Linear>,
+    pub v_proj: Tp<Linear>,
+    pub o_proj: Tp<Linear>,
+    #[module(skip)]
+    pub heads: usize,
+    #[module(skip)]
+    pub kv_heads: usize,
+    #[module(skip)]
+    pub head_dim: usize,
+}
+
+impl Attention {
+    pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
+        // q, k and v read the same input: one input collective serves the three.
+        let x = self
+            .q_proj
+            .prepare_input(x)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let [b, s, _] = x.dims();
+        let hd = self.head_dim;
+        let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, hd]).swap_dims(1, 2);
+        let q = Rope::apply(
+            split(self.q_proj.forward_prepared(x.clone()), self.heads),
+            cos,
+            sin,
+        );
+        let k = Rope::apply(
+            split(self.k_proj.forward_prepared(x.clone()), self.kv_heads),
+            cos,
+            sin,
+        );
+        let v = split(self.v_proj.forward_prepared(x), self.kv_heads);
+        let groups = self.heads / self.kv_heads;
+        let repeat = |t: Tensor<4>| {
+            if groups == 1 {
+                t
+            } else {
+                t.unsqueeze_dim::<5>(2)
+                    .repeat_dim(2, groups)
+                    .reshape([b, self.heads, s, hd])
+            }
+        };
+        let (k, v) = (repeat(k), repeat(v));
+        let dtype = q.dtype();
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (hd as f64).sqrt());
+        // Softmax in f32 with the causal mask, as transformers' eager attention.
+        let scores = scores.cast(FloatDType::F32) + causal_mask(s, &cos.device());
+        let probs = softmax(scores, 3).cast(dtype);
+        let out = probs
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, s, self.heads * hd]);
+        self.o_proj.forward(out)
+    }
+}
+
+/// `[1, 1, s, s]`: 0 on and below the diagonal, -inf above.
+fn causal_mask(s: usize, device: &Device) -> Tensor<4> {
+    let v: Vec<f32> = (0..s * s)
+        .map(|i| {
+            if i % s > i / s {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(v, [1, 1, s, s]), device)
+}
+
+/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    pub gate_proj: Tp<Linear>,
+    pub up_proj: Tp<Linear>,
+    pub down_proj: Tp<Linear>,
+}
+
+impl Mlp {
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = self
+            .gate_proj
+            .prepare_input(x)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let h = silu(self.gate_proj.forward_prepared(x.clone())) * self.up_proj.forward_prepared(x);
+        self.down_proj.forward(h)
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    pub input_layernorm: Tp<RmsNorm>,
+    pub self_attn: Attention,
+    pub post_attention_layernorm: Tp<RmsNorm>,
+    pub mlp: Mlp,
+}
+
+fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
+    n.forward_with(x, |m, x| m.forward(x))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+impl DecoderLayer {
+    pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(norm(&self.input_layernorm, x), cos, sin);
+        h.clone() + self.mlp.forward(norm(&self.post_attention_layernorm, h))
+    }
+}
+
+/// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied.
+#[derive(Module, Debug)]
+pub struct Llama {
+    pub embed_tokens: Tp<Embedding>,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: Tp<RmsNorm>,
+    pub lm_head: Option<Tp<Linear>>,
+    #[module(skip)]
+    pub config: LlamaConfig,
+    #[module(skip)]
+    pub rope: Rope,
+    /// Under FSDP: run each decoder layer as one unit (`Some(prefetch)`).
+    #[module(skip)]
+    pub fsdp_units: Option<bool>,
+}
+
+fn param<const D: usize>(
+    source: &mut dyn TensorSource,
+    name: &str,
+    shape: [usize; D],
+    kind: ParamKind,
+    device: &Device,
+) -> Result<Param<Tensor<D>>, ModelError> {
+    let data = source.tensor(name, &shape, kind)?;
+    if data.shape().dims::<D>() != shape {
+        return Err(ModelError::ShapeMismatch {
+            name: name.to_string(),
+            found: data.shape().to_vec(),
+            expected: shape.to_vec(),
+        });
+    }
+    let data = data.convert_dtype(DType::F32);
+    Ok(Param::from_tensor(Tensor::from_data(data, device)))
+}
+
+fn linear(
+    source: &mut dyn TensorSource,
+    prefix: &str,
+    d_in: usize,
+    d_out: usize,
+    bias: bool,
+    device: &Device,
+) -> Result<Tp<Linear>, ModelError> {
+    let weight = param(
+        source,
+        &format!("{prefix}.weight"),
+        [d_in, d_out],
+        ParamKind::LinearWeight,
+        device,
+    )?;
+    let bias = if bias {
+        Some(param(
+            source,
+            &format!("{prefix}.bias"),
+            [d_out],
+            ParamKind::Bias,
+            device,
+        )?)
+    } else {
+        None
+    };
+    Ok(Tp::new(Linear { weight, bias }))
+}
+
+fn rms_norm(
+    source: &mut dyn TensorSource,
+    name: &str,
+    c: &LlamaConfig,
+    device: &Device,
+) -> Result<Tp<RmsNorm>, ModelError> {
+    Ok(Tp::new(RmsNorm {
+        weight: param(
+            source,
+            &format!("{name}.weight"),
+            [c.hidden_size],
+            ParamKind::Norm,
+            device,
+        )?,
+        eps: c.rms_norm_eps,
+    }))
+}
+
+impl Llama {
+    /// A model with Hugging Face's initialisation, identical on every rank for one `seed`.
+    pub fn seeded(config: &LlamaConfig, seed: u64, device: &Device) -> Self {
+        Self::from_source(config, &mut SeededInit::new(config, seed), device)
+            .expect("seeded parameters have the config's shapes")
+    }
+
+    /// A model whose parameters come from `source`, by Hugging Face name.
+    pub fn from_source(
+        config: &LlamaConfig,
+        source: &mut dyn TensorSource,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let c = config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let embed_tokens = Tp::new(Embedding {
+            weight: param(
+                source,
+                "model.embed_tokens.weight",
+                [c.vocab_size, h],
+                ParamKind::Embedding,
+                device,
+            )?,
+        });
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let ab = c.attention_bias;
+            let mb = c.mlp_bias;
+            let s = &mut *source;
+            layers.push(DecoderLayer {
+                input_layernorm: rms_norm(s, &format!("{p}.input_layernorm"), c, device)?,
+                self_attn: Attention {
+                    q_proj: linear(s, &format!("{p}.self_attn.q_proj"), h, q, ab, device)?,
+                    k_proj: linear(s, &format!("{p}.self_attn.k_proj"), h, kv, ab, device)?,
+                    v_proj: linear(s, &format!("{p}.self_attn.v_proj"), h, kv, ab, device)?,
+                    o_proj: linear(s, &format!("{p}.self_attn.o_proj"), q, h, ab, device)?,
+                    heads: c.num_attention_heads,
+                    kv_heads: c.num_key_value_heads,
+                    head_dim: hd,
+                },
+                post_attention_layernorm: rms_norm(
+                    s,
+                    &format!("{p}.post_attention_layernorm"),
+                    c,
+                    device,
+                )?,
+                mlp: Mlp {
+                    gate_proj: linear(
+                        s,
+                        &format!("{p}.mlp.gate_proj"),
+                        h,
+                        c.intermediate_size,
+                        mb,
+                        device,
+                    )?,
+                    up_proj: linear(
+                        s,
+                        &format!("{p}.mlp.up_proj"),
+                        h,
+                        c.intermediate_size,
+                        mb,
+                        device,
+                    )?,
+                    down_proj: linear(
+                        s,
+                        &format!("{p}.mlp.down_proj"),
+                        c.intermediate_size,
+                        h,
+                        mb,
+                        device,
+                    )?,
+                },
+            });
+        }
+        let norm = rms_norm(source, "model.norm", c, device)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(linear(source, "lm_head", h, c.vocab_size, false, device)?)
+        };
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            config: config.clone(),
+            rope: Rope::new(config),
+            fsdp_units: None,
+        })
+    }
+
+    /// Under FSDP, run each decoder layer as one unit (one all-gather and one reduce-scatter
+    /// per layer), with the next layer's gather in flight while one computes (`prefetch`).
+    pub fn with_fsdp_units(mut self, prefetch: bool) -> Self {
+        self.fsdp_units = Some(prefetch);
+        self
+    }
+
+    /// Logits `[batch, seq, vocab]` of token ids `[batch, seq]`. Under tensor parallelism the
+    /// last dim is this rank's vocab chunk (for `loss_parallel`).
+    pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn try_forward(&self, ids: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
+        let seq = ids.dims()[1];
+        let x = self.embed_tokens.try_forward(ids)?;
+        // Positions span the whole sequence: under sequence parallelism attention gathers it.
+        let (cos, sin) = self.rope.cos_sin(seq, &x.device(), x.dtype());
+        let layer = |l: &DecoderLayer, x: Tensor<3>| l.forward(x, &cos, &sin);
+        let x = match self.fsdp_units {
+            Some(prefetch) => burn_parallel_fsdp::forward_units(&self.layers, x, prefetch, layer)?,
+            None => self.layers.iter().fold(x, |x, l| layer(l, x)),
+        };
+        let x = norm(&self.norm, x);
+        match &self.lm_head {
+            Some(head) => Ok(head.try_forward(x)?),
+            None => self.tied_logits(x),
+        }
+    }
+
+    /// The LM head tied to the embedding table `[vocab, hidden]`. A vocab-parallel table gives
+    /// this rank's vocab chunk of the logits, as a colwise head would (same collectives).
+    fn tied_logits(&self, x: Tensor<3>) -> Result<Tensor<3>, ModelError> {
+        let x = match self.embed_tokens.sharding() {
+            None => x,
+            Some(s) => match s.style {
+                ParallelStyle::Rowwise {
+                    output: Layout::SequenceSharded { dim },
+                    ..
+                } => coll::all_gather(x, &s.group, dim).map_err(|e| {
+                    burn_parallel_tp::TpError::Collective {
+                        path: "lm_head (tied)".into(),
+                        source: Box::new(e),
+                    }
+                })?,
+                _ => coll::copy_to_group(x, &s.group),
+            },
+        };
+        let table = self.embed_tokens.inner().weight.val();
+        let table = table.clone().cast(x.dtype());
+        Ok(x.matmul(table.transpose().unsqueeze::<3>()))
+    }
+}

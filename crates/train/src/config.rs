@@ -1,0 +1,177 @@
+//! What a training run is: strategy and sizes, optimizer, precision, model and data.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use burn::tensor::Device;
+use burn_parallel_models::LlamaConfig;
+
+use crate::error::TrainError;
+
+macro_rules! named_enum {
+    ($(#[$m:meta])* $name:ident { $($variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name { $($variant),+ }
+
+        impl $name {
+            pub const NAMES: &'static [&'static str] = &[$($text),+];
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(match self { $($name::$variant => $text),+ })
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    _ => Err(format!(
+                        "unknown {} `{s}` (expected one of: {})",
+                        stringify!($name).to_lowercase(),
+                        Self::NAMES.join(", ")
+                    )),
+                }
+            }
+        }
+    };
+}
+
+named_enum!(
+    /// How the model and batch are spread over the ranks.
+    Strategy {
+        Single = "single",
+        Ddp = "ddp",
+        Fsdp2 = "fsdp2",
+        Hsdp = "hsdp",
+        Tp = "tp",
+        Fsdp2Tp = "fsdp2_tp",
+    }
+);
+
+named_enum!(
+    /// The CPU backend each rank computes on.
+    Backend {
+        Ndarray = "ndarray",
+        Flex = "flex",
+    }
+);
+
+named_enum!(OptimizerKind { Sgd = "sgd", AdamW = "adamw" });
+
+named_enum!(Precision { F32 = "f32", Bf16 = "bf16" });
+
+impl Backend {
+    /// The autodiff device; with gradient checkpointing FSDP drops gathered weights after
+    /// forward and gathers them again in backward (reshard after forward).
+    #[allow(deprecated)]
+    pub fn device(self, checkpointing: bool) -> Device {
+        let base = match self {
+            Backend::Ndarray => Device::ndarray(),
+            Backend::Flex => Device::flex(),
+        };
+        let ad = base.autodiff();
+        if checkpointing {
+            ad.gradient_checkpointing()
+        } else {
+            ad
+        }
+    }
+}
+
+/// A training run. [`TrainConfig::default`] is the README's first command: FSDP2 on 4 rank
+/// threads, the built-in tiny Llama and synthetic corpus.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    pub strategy: Strategy,
+    pub world_size: usize,
+    /// Tensor-parallel size (tp and fsdp2_tp; `None`: the whole world for tp, 2 for fsdp2_tp).
+    pub tp: Option<usize>,
+    /// Replicas under hsdp (`None`: 2).
+    pub dp_replicate: Option<usize>,
+    /// The tp plan: `llama` or `llama-sp` (sequence parallel).
+    pub tp_plan: String,
+    pub steps: usize,
+    pub global_batch: usize,
+    pub seq_len: usize,
+    pub optimizer: OptimizerKind,
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Clip the global gradient norm to this (None: no clipping).
+    pub grad_clip: Option<f32>,
+    pub param_dtype: Precision,
+    pub reduce_dtype: Precision,
+    pub reshard_after_forward: bool,
+    /// Start each layer's all-gather while the previous layer computes.
+    pub prefetch: bool,
+    pub backend: Backend,
+    /// A Hugging Face checkpoint directory (None: `model` with a seeded init).
+    pub checkpoint: Option<PathBuf>,
+    /// The model when no checkpoint is given.
+    pub model: LlamaConfig,
+    pub seed: u64,
+    /// A u16 token file (None: the synthetic corpus).
+    pub data: Option<PathBuf>,
+    /// Where to save the trained model in the Hugging Face format.
+    pub save: Option<PathBuf>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::Fsdp2,
+            world_size: 4,
+            tp: None,
+            dp_replicate: None,
+            tp_plan: "llama".into(),
+            steps: 40,
+            global_batch: 8,
+            seq_len: 64,
+            optimizer: OptimizerKind::AdamW,
+            lr: 3e-3,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            grad_clip: Some(1.0),
+            param_dtype: Precision::F32,
+            reduce_dtype: Precision::F32,
+            reshard_after_forward: true,
+            prefetch: true,
+            backend: Backend::Flex,
+            checkpoint: None,
+            model: LlamaConfig::tiny(),
+            seed: 0,
+            data: None,
+            save: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub(crate) fn check(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
+        if self.steps == 0 {
+            return bad("--steps must be at least 1".into());
+        }
+        if self.global_batch == 0 || self.seq_len == 0 {
+            return bad("--global-batch and --seq-len must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad(format!("--lr {} must be a non-negative number", self.lr));
+        }
+        let bf16 = self.param_dtype == Precision::Bf16 || self.reduce_dtype == Precision::Bf16;
+        if bf16 && self.backend == Backend::Ndarray {
+            return bad("bf16 needs --backend flex (ndarray has no bf16)".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,138 @@
+//! Optimizers on this rank's stored parameters (the shards under FSDP): elementwise, so the
+//! update of a shard is exactly the slice of the full update.
+//!
+//! Burn's own `AdamW` computes PyTorch's formula (decoupled decay, bias correction, eps added
+//! to sqrt(v_hat)); it is not used here because its state lives in a `GradientsParams` keyed
+//! by the whole module, while these keep per-parameter state next to the shards and follow
+//! PyTorch's operation order exactly.
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::{Gradients, Tensor};
+
+/// An optimizer step on every parameter of a module.
+pub trait Optimizer {
+    fn step<M: Module>(&mut self, model: M, grads: &Gradients) -> M;
+    /// f32 tensors of optimizer state per parameter tensor.
+    fn states_per_param(&self) -> usize;
+}
+
+/// `p -= lr * g`.
+#[derive(Debug, Clone)]
+pub struct Sgd {
+    pub lr: f32,
+}
+
+impl Optimizer for Sgd {
+    fn step<M: Module>(&mut self, model: M, grads: &Gradients) -> M {
+        struct Step<'a> {
+            grads: &'a Gradients,
+            lr: f32,
+        }
+        impl ModuleMapper for Step<'_> {
+            fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let grad = p.base().grad(self.grads);
+                let lr = self.lr;
+                p.map(|t| match grad {
+                    Some(g) if g.dims().iter().product::<usize>() > 0 => {
+                        let device = t.device();
+                        Tensor::from_data((t.inner() - g * lr).into_data(), &device).require_grad()
+                    }
+                    _ => t,
+                })
+            }
+        }
+        model.map(&mut Step { grads, lr: self.lr })
+    }
+
+    fn states_per_param(&self) -> usize {
+        0
+    }
+}
+
+/// PyTorch's `torch.optim.AdamW`:
+/// `p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g^2;
+///  p -= (lr / (1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps)`.
+#[derive(Debug, Clone)]
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    step: i32,
+    /// (m, v) of each parameter, flattened, on the inner (non-autodiff) backend.
+    moments: HashMap<ParamId, (Tensor<1>, Tensor<1>)>,
+}
+
+impl AdamW {
+    pub fn new(lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32) -> Self {
+        Self {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step: 0,
+            moments: HashMap::new(),
+        }
+    }
+}
+
+impl Optimizer for AdamW {
+    fn step<M: Module>(&mut self, model: M, grads: &Gradients) -> M {
+        self.step += 1;
+        let mut mapper = AdamWStep { opt: self, grads };
+        model.map(&mut mapper)
+    }
+
+    fn states_per_param(&self) -> usize {
+        2
+    }
+}
+
+struct AdamWStep<'a> {
+    opt: &'a mut AdamW,
+    grads: &'a Gradients,
+}
+
+impl ModuleMapper for AdamWStep<'_> {
+    fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(g) = p.base().grad(self.grads) else {
+            return p;
+        };
+        let shape = g.dims();
+        let n: usize = shape.iter().product();
+        if n == 0 {
+            return p;
+        }
+        let o = &mut *self.opt;
+        let g = g.reshape([n]);
+        let (m, v) = match o.moments.remove(&p.id) {
+            Some((m, v)) => (
+                m.mul_scalar(o.beta1) + g.clone().mul_scalar(1.0 - o.beta1),
+                v.mul_scalar(o.beta2) + g.square().mul_scalar(1.0 - o.beta2),
+            ),
+            None => (
+                g.clone().mul_scalar(1.0 - o.beta1),
+                g.square().mul_scalar(1.0 - o.beta2),
+            ),
+        };
+        let bias1 = 1.0 - o.beta1.powi(o.step);
+        let bias2 = 1.0 - o.beta2.powi(o.step);
+        let step_size = o.lr / bias1;
+        let denom = v.clone().sqrt().div_scalar(bias2.sqrt()).add_scalar(o.eps);
+        let update = (m.clone() / denom).mul_scalar(step_size).reshape(shape);
+        let (lr, wd) = (o.lr, o.weight_decay);
+        o.moments.insert(p.id, (m, v));
+        p.map(|t| {
+            let device = t.device();
+            let mut x = t.inner();
+            if wd != 0.0 {
+                x = x.mul_scalar(1.0 - lr * wd);
+            }
+            Tensor::from_data((x - update).into_data(), &device).require_grad()
+        })
+    }
+}

@@ -1,0 +1,200 @@
+//! Train a Llama under any strategy, on rank threads of this process.
+//!
+//! ```text
+//! cargo run --release --example train_llama                      # fsdp2 on 4 ranks, tiny model
+//! cargo run --release --example train_llama -- --strategy fsdp2_tp --world-size 4 --tp 2
+//! cargo run --release --example train_llama -- --checkpoint DIR --data tokens.bin --json
+//! ```
+//!
+//! With `--json`, stdout carries exactly one JSON object per step and nothing else; otherwise
+//! a progress bar and a summary (throughput, per-rank memory, communication volume).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Mutex;
+
+use burn_parallel::train::{
+    Backend, OptimizerKind, Precision, StepReport, Strategy, TrainConfig, TrainSummary, train,
+};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a Llama with burn-parallel (ranks are threads of this process)")]
+struct Args {
+    /// Hugging Face checkpoint directory (default: the built-in tiny config, seeded init).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Flat little-endian u16 token file (default: a built-in synthetic corpus).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// single | ddp | fsdp2 | hsdp | tp | fsdp2_tp
+    #[arg(long, default_value = "fsdp2")]
+    strategy: Strategy,
+    #[arg(long, default_value_t = 4)]
+    world_size: usize,
+    /// Tensor-parallel size (tp: the world size; fsdp2_tp: default 2).
+    #[arg(long)]
+    tp: Option<usize>,
+    /// Replica count under hsdp (default 2).
+    #[arg(long)]
+    dp_replicate: Option<usize>,
+    /// llama | llama-sp (sequence parallel).
+    #[arg(long, default_value = "llama")]
+    tp_plan: String,
+    #[arg(long, default_value_t = 40)]
+    steps: usize,
+    #[arg(long, default_value_t = 8)]
+    global_batch: usize,
+    #[arg(long, default_value_t = 64)]
+    seq_len: usize,
+    /// sgd | adamw
+    #[arg(long, default_value = "adamw")]
+    optimizer: OptimizerKind,
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f32,
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    #[arg(long, default_value_t = 0.9)]
+    beta1: f32,
+    #[arg(long, default_value_t = 0.999)]
+    beta2: f32,
+    #[arg(long, default_value_t = 1e-8)]
+    eps: f32,
+    /// Clip the global gradient norm (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    grad_clip: f32,
+    /// f32 | bf16 (bf16 needs --backend flex)
+    #[arg(long, default_value = "f32")]
+    param_dtype: Precision,
+    #[arg(long, default_value = "f32")]
+    reduce_dtype: Precision,
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    reshard_after_forward: bool,
+    /// ndarray | flex
+    #[arg(long, default_value = "flex")]
+    backend: Backend,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Save the trained model here in the Hugging Face format.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// One JSON object per step on stdout, nothing else.
+    #[arg(long)]
+    json: bool,
+}
+
+impl Args {
+    fn config(&self) -> TrainConfig {
+        TrainConfig {
+            strategy: self.strategy,
+            world_size: self.world_size,
+            tp: self.tp,
+            dp_replicate: self.dp_replicate,
+            tp_plan: self.tp_plan.clone(),
+            steps: self.steps,
+            global_batch: self.global_batch,
+            seq_len: self.seq_len,
+            optimizer: self.optimizer,
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
+            param_dtype: self.param_dtype,
+            reduce_dtype: self.reduce_dtype,
+            reshard_after_forward: self.reshard_after_forward,
+            backend: self.backend,
+            checkpoint: self.checkpoint.clone(),
+            data: self.data.clone(),
+            save: self.save.clone(),
+            seed: self.seed,
+            ..TrainConfig::default()
+        }
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+fn print_summary(args: &Args, s: &TrainSummary) {
+    let l = s.layout;
+    let losses = s.losses();
+    println!(
+        "{} on {} ranks (dp_replicate {} x dp_shard {} x tp {}), {} params, {} backend",
+        args.strategy,
+        l.world(),
+        l.replicate,
+        l.shard,
+        l.tp,
+        s.model.num_params(),
+        args.backend
+    );
+    println!(
+        "loss {:.4} -> {:.4} over {} steps",
+        losses[0],
+        losses[losses.len() - 1],
+        losses.len()
+    );
+    println!(
+        "throughput {:.0} tokens/s (steps after the first)",
+        s.tokens_per_s()
+    );
+    let states: Vec<String> = s.model_state_bytes.iter().map(|b| mib(*b)).collect();
+    println!(
+        "model state per rank (params + grads + optimizer): {}",
+        states.join(", ")
+    );
+    let comm: Vec<String> = s.comm_bytes_per_step.iter().map(|b| mib(*b)).collect();
+    println!(
+        "communication per rank per step (sent + received): {}",
+        comm.join(", ")
+    );
+    if let Some(dir) = &args.save {
+        println!("saved to {}", dir.display());
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let cfg = args.config();
+    let result = if args.json {
+        train(&cfg, &|r: &StepReport| {
+            println!(
+                "{}",
+                serde_json::to_string(r).expect("a step report serializes")
+            );
+        })
+    } else {
+        let bar = ProgressBar::new(cfg.steps as u64);
+        bar.set_style(
+            ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}  [{elapsed}<{eta}]")
+                .expect("a valid template"),
+        );
+        let bar = Mutex::new(bar);
+        let r = train(&cfg, &|r: &StepReport| {
+            let bar = bar.lock().unwrap_or_else(|e| e.into_inner());
+            bar.set_message(format!(
+                "loss {:.4}  grad norm {:.3}  {:.0} tok/s",
+                r.loss, r.grad_norm, r.tokens_per_s
+            ));
+            bar.inc(1);
+        });
+        bar.lock().unwrap_or_else(|e| e.into_inner()).finish();
+        r
+    };
+    match result {
+        Ok(summary) => {
+            if !args.json {
+                print_summary(&args, &summary);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

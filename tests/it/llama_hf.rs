@@ -1,0 +1,196 @@
+//! The Llama against Hugging Face transformers: logits of the committed fixtures
+//! (scripts/make_llama_fixtures.py), checkpoint round trips, per-rank row reads.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_parallel::dist::chunk::chunk_range;
+use burn_parallel::models::ParamKind;
+use burn_parallel::models::checkpoint::{
+    HfCheckpoint, SaveDtype, hf_tensors, load_llama, save_llama,
+};
+use burn_parallel::models::{Llama, LlamaConfig};
+
+use crate::common::{assert_close, ndarray, to_vec, vec_of};
+
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/llama")
+        .join(name)
+}
+
+/// A fresh empty directory under the system temp dir.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-parallel-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+struct Expected {
+    ids: Vec<i64>,
+    shape: [usize; 3],
+    logits: Vec<f32>,
+}
+
+fn expected(name: &str) -> Expected {
+    let text = std::fs::read_to_string(fixture(name).join("logits.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids: Vec<i64> = v["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_i64().unwrap()))
+        .collect();
+    let shape: Vec<usize> = serde_json::from_value(v["shape"].clone()).unwrap();
+    let logits: Vec<f32> = serde_json::from_value(v["logits"].clone()).unwrap();
+    Expected {
+        ids,
+        shape: [shape[0], shape[1], shape[2]],
+        logits,
+    }
+}
+
+fn logits_of(model: &Llama, e: &Expected) -> Vec<f32> {
+    let d = ndarray();
+    let ids =
+        Tensor::<2, Int>::from_data(TensorData::new(e.ids.clone(), [e.shape[0], e.shape[1]]), &d);
+    let logits = model.forward(ids);
+    assert_eq!(logits.dims(), e.shape);
+    vec_of(&logits)
+}
+
+#[test]
+fn llama_logits_match_transformers() {
+    for name in ["untied", "tied"] {
+        let model = load_llama(fixture(name), &ndarray()).unwrap();
+        assert_eq!(model.lm_head.is_none(), name == "tied");
+        let e = expected(name);
+        assert_close(
+            &logits_of(&model, &e),
+            &e.logits,
+            1e-4,
+            &format!("{name} logits"),
+        );
+    }
+}
+
+#[test]
+fn llama_checkpoint_round_trips_exactly() {
+    for (name, dtype) in [("untied", SaveDtype::F32), ("tied", SaveDtype::BF16)] {
+        let src = fixture(name);
+        let config = LlamaConfig::load(&src).unwrap();
+        assert_eq!(
+            SaveDtype::from_config_dtype(config.dtype.as_deref()),
+            dtype,
+            "{name}"
+        );
+        let model = load_llama(&src, &ndarray()).unwrap();
+        let out = temp_dir(&format!("roundtrip-{name}"));
+        save_llama(&config, &hf_tensors(&model).unwrap(), &out, dtype).unwrap();
+
+        let (a, b) = (
+            HfCheckpoint::open(&src).unwrap(),
+            HfCheckpoint::open(&out).unwrap(),
+        );
+        assert_eq!(a.names(), b.names(), "{name}: tensor names");
+        for t in a.names() {
+            assert_eq!(
+                a.info(t).unwrap(),
+                b.info(t).unwrap(),
+                "{name}: {t} dtype and shape"
+            );
+            assert_eq!(
+                to_vec(&a.read(t).unwrap()),
+                to_vec(&b.read(t).unwrap()),
+                "{name}: {t}"
+            );
+        }
+        // The saved model loads back and computes the same logits.
+        let e = expected(name);
+        let again = load_llama(&out, &ndarray()).unwrap();
+        assert_eq!(
+            logits_of(&again, &e),
+            logits_of(&model, &e),
+            "{name}: reloaded logits"
+        );
+        std::fs::remove_dir_all(out).unwrap();
+    }
+}
+
+fn kind_of(name: &str) -> ParamKind {
+    if name.contains("norm") {
+        ParamKind::Norm
+    } else if name.ends_with(".bias") {
+        ParamKind::Bias
+    } else if name.contains("embed_tokens") {
+        ParamKind::Embedding
+    } else {
+        ParamKind::LinearWeight
+    }
+}
+
+/// FSDP keeps rows of the Burn parameter (`[in, out]` for a Linear): a rank's read equals the
+/// full parameter's rows, for world sizes that divide the dims and that do not.
+#[test]
+fn llama_rank_row_reads_equal_the_full_load_sliced() {
+    for name in ["untied", "tied"] {
+        let ckpt = HfCheckpoint::open(fixture(name)).unwrap();
+        for t in ckpt.names() {
+            let kind = kind_of(t);
+            let full = ckpt.read(t).unwrap();
+            let full = match kind {
+                ParamKind::LinearWeight => {
+                    let [o, i] = full.shape().dims::<2>();
+                    let v = to_vec(&full);
+                    let mut tr = vec![0f32; v.len()];
+                    for r in 0..o {
+                        for c in 0..i {
+                            tr[c * o + r] = v[r * i + c];
+                        }
+                    }
+                    TensorData::new(tr, [i, o])
+                }
+                _ => full,
+            };
+            let rows = full.shape()[0];
+            let row_len: usize = full.shape().iter().skip(1).product();
+            let values = to_vec(&full);
+            for world in 2..=4 {
+                for rank in 0..world {
+                    let r = chunk_range(rows, world, rank);
+                    let got = ckpt.read_param_rows(t, kind, r.clone()).unwrap();
+                    assert_eq!(
+                        to_vec(&got),
+                        values[r.start * row_len..r.end * row_len],
+                        "{name}: {t} rank {rank} of {world}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn llama_checkpoint_errors_name_the_problem() {
+    let msg = HfCheckpoint::open(temp_dir("empty-ckpt"))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("no model.safetensors"), "{msg}");
+    let ckpt = HfCheckpoint::open(fixture("untied")).unwrap();
+    let msg = ckpt.read("model.nope.weight").unwrap_err().to_string();
+    assert!(msg.contains("model.nope.weight"), "{msg}");
+    let msg = ckpt
+        .read_rows("model.norm.weight", 3..99)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("outside"), "{msg}");
+    // A config that does not match the weights.
+    let dir = temp_dir("mismatch");
+    let mut config = LlamaConfig::load(fixture("untied")).unwrap();
+    config.intermediate_size += 1;
+    let model = load_llama(fixture("untied"), &ndarray()).unwrap();
+    save_llama(&config, &hf_tensors(&model).unwrap(), &dir, SaveDtype::F32).unwrap();
+    let msg = load_llama(&dir, &ndarray()).unwrap_err().to_string();
+    assert!(msg.contains("gate_proj") && msg.contains("shape"), "{msg}");
+}

@@ -1,0 +1,156 @@
+//! Bad input to the trainer is a clear error before training starts; a trained checkpoint
+//! saved under FSDP equals the one saved by a single device.
+
+use burn_parallel::models::checkpoint::HfCheckpoint;
+use burn_parallel::train::{
+    Backend, OptimizerKind, Precision, Strategy, TrainConfig, TrainError, train,
+};
+
+use crate::common::{assert_close, to_vec};
+use crate::llama_hf::{fixture, temp_dir};
+use crate::llama_train::small_run;
+
+fn error_of(cfg: &TrainConfig) -> String {
+    let e: TrainError = train(cfg, &|_| {}).expect_err("bad input must fail");
+    e.to_string()
+}
+
+#[test]
+fn llama_bad_inputs_are_named_errors() {
+    let base = small_run(Strategy::Fsdp2, 2, OptimizerKind::Sgd);
+    let dir = temp_dir("bad-inputs");
+
+    let missing = TrainConfig {
+        checkpoint: Some(dir.join("nope")),
+        ..base.clone()
+    };
+    assert!(
+        error_of(&missing).contains("nope"),
+        "{}",
+        error_of(&missing)
+    );
+
+    let not_llama = dir.join("gpt2");
+    std::fs::create_dir_all(&not_llama).unwrap();
+    std::fs::write(
+        not_llama.join("config.json"),
+        r#"{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}"#,
+    )
+    .unwrap();
+    let msg = error_of(&TrainConfig {
+        checkpoint: Some(not_llama),
+        ..base.clone()
+    });
+    assert!(msg.contains("not a Llama") && msg.contains("gpt2"), "{msg}");
+
+    let tokens = dir.join("tokens.bin");
+    let ids: Vec<u8> = [5u16, 9, 300, 2]
+        .iter()
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
+    std::fs::write(&tokens, ids).unwrap();
+    let msg = error_of(&TrainConfig {
+        data: Some(tokens.clone()),
+        seq_len: 2,
+        ..base.clone()
+    });
+    assert!(
+        msg.contains("token 300") && msg.contains("vocabulary of 67"),
+        "{msg}"
+    );
+    let msg = error_of(&TrainConfig {
+        data: Some(tokens),
+        seq_len: 8,
+        ..base.clone()
+    });
+    assert!(msg.contains("too few"), "{msg}");
+
+    for (cfg, want) in [
+        (
+            TrainConfig {
+                strategy: Strategy::Single,
+                ..base.clone()
+            },
+            "runs on 1 rank",
+        ),
+        (
+            TrainConfig {
+                strategy: Strategy::Tp,
+                world_size: 3,
+                ..base.clone()
+            },
+            "num_heads",
+        ),
+        (
+            TrainConfig {
+                strategy: Strategy::Hsdp,
+                world_size: 3,
+                dp_replicate: Some(2),
+                ..base.clone()
+            },
+            "does not divide",
+        ),
+        (
+            TrainConfig {
+                world_size: 6,
+                ..base.clone()
+            },
+            "no rows",
+        ),
+        (
+            TrainConfig {
+                tp: Some(2),
+                ..base.clone()
+            },
+            "--tp applies",
+        ),
+        (
+            TrainConfig {
+                strategy: Strategy::Fsdp2Tp,
+                world_size: 4,
+                backend: Backend::Flex,
+                param_dtype: Precision::Bf16,
+                ..base.clone()
+            },
+            "not supported yet",
+        ),
+        (
+            TrainConfig {
+                param_dtype: Precision::Bf16,
+                ..base.clone()
+            },
+            "needs --backend flex",
+        ),
+    ] {
+        let msg = error_of(&cfg);
+        assert!(msg.contains(want), "{want}: {msg}");
+    }
+}
+
+#[test]
+fn llama_checkpoint_trained_under_fsdp_saves_like_single() {
+    let out = temp_dir("trained");
+    let save = |strategy, world, name: &str| {
+        let cfg = TrainConfig {
+            checkpoint: Some(fixture("untied")),
+            save: Some(out.join(name)),
+            steps: 2,
+            ..small_run(strategy, world, OptimizerKind::AdamW)
+        };
+        train(&cfg, &|_| {}).unwrap();
+        HfCheckpoint::open(out.join(name)).unwrap()
+    };
+    let single = save(Strategy::Single, 1, "single");
+    let fsdp = save(Strategy::Fsdp2, 3, "fsdp");
+    let original = HfCheckpoint::open(fixture("untied")).unwrap();
+    assert_eq!(single.names(), original.names());
+    for t in single.names() {
+        let (a, b) = (
+            to_vec(&fsdp.read(t).unwrap()),
+            to_vec(&single.read(t).unwrap()),
+        );
+        assert_close(&a, &b, 1e-5, t);
+        assert_ne!(b, to_vec(&original.read(t).unwrap()), "{t} was trained");
+    }
+    std::fs::remove_dir_all(out).unwrap();
+}

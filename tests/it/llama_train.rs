@@ -1,0 +1,183 @@
+//! Training the Llama under every strategy reproduces the single-device run: the same loss
+//! and gradient-norm curve (fp32: relative 1e-5) for SGD and AdamW, with global batches and
+//! model sizes that the world sizes do not divide; bf16 on flex within 1e-2.
+
+use burn_parallel::models::LlamaConfig;
+use burn_parallel::train::{
+    Backend, OptimizerKind, Precision, StepReport, Strategy, TrainConfig, TrainSummary, train,
+};
+
+/// Small sizes none of 2, 3, 4 all divide: vocab 67, hidden 20, intermediate 27.
+pub fn small_model() -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 67,
+        hidden_size: 20,
+        intermediate_size: 27,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 6,
+        ..LlamaConfig::tiny()
+    }
+}
+
+pub fn small_run(strategy: Strategy, world: usize, optimizer: OptimizerKind) -> TrainConfig {
+    TrainConfig {
+        strategy,
+        world_size: world,
+        steps: 5,
+        // 5 rows: uneven over 2, 3 and 4 data-parallel ranks.
+        global_batch: 5,
+        seq_len: 8,
+        optimizer,
+        lr: match optimizer {
+            OptimizerKind::Sgd => 0.5,
+            OptimizerKind::AdamW => 1e-2,
+        },
+        weight_decay: 0.1,
+        grad_clip: None,
+        backend: Backend::Ndarray,
+        model: small_model(),
+        ..TrainConfig::default()
+    }
+}
+
+pub fn run(cfg: &TrainConfig) -> TrainSummary {
+    train(cfg, &|_: &StepReport| {}).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
+}
+
+#[track_caller]
+fn assert_curves(got: &TrainSummary, want: &TrainSummary, tol: f32, what: &str) {
+    assert_eq!(got.steps.len(), want.steps.len(), "{what}");
+    for (g, w) in got.steps.iter().zip(&want.steps) {
+        for (name, a, b) in [
+            ("loss", g.loss, w.loss),
+            ("grad norm", g.grad_norm, w.grad_norm),
+        ] {
+            let rel = (a - b).abs() / b.abs().max(1e-6);
+            assert!(
+                rel <= tol,
+                "{what}: step {} {name} {a} vs single {b} (relative {rel})",
+                g.step
+            );
+        }
+    }
+}
+
+fn variants() -> Vec<(Strategy, usize, Option<usize>, Option<usize>, &'static str)> {
+    vec![
+        (Strategy::Ddp, 2, None, None, "llama"),
+        (Strategy::Fsdp2, 2, None, None, "llama"),
+        (Strategy::Fsdp2, 3, None, None, "llama"),
+        (Strategy::Hsdp, 4, None, Some(2), "llama"),
+        (Strategy::Tp, 2, Some(2), None, "llama"),
+        (Strategy::Tp, 2, Some(2), None, "llama-sp"),
+        (Strategy::Fsdp2Tp, 4, Some(2), None, "llama"),
+    ]
+}
+
+fn every_strategy_matches_single(optimizer: OptimizerKind, clip: Option<f32>) {
+    let mut base = small_run(Strategy::Single, 1, optimizer);
+    base.grad_clip = clip;
+    let single = run(&base);
+    let losses = single.losses();
+    assert!(losses[4] < losses[0], "the loss falls: {losses:?}");
+    for (strategy, world, tp, replicate, plan) in variants() {
+        let cfg = TrainConfig {
+            strategy,
+            world_size: world,
+            tp,
+            dp_replicate: replicate,
+            tp_plan: plan.into(),
+            ..base.clone()
+        };
+        let got = run(&cfg);
+        let what = format!("{strategy} on {world} ({plan}, {optimizer}, clip {clip:?})");
+        assert_curves(&got, &single, 1e-5, &what);
+    }
+}
+
+#[test]
+fn llama_every_strategy_matches_single_sgd() {
+    every_strategy_matches_single(OptimizerKind::Sgd, None);
+}
+
+#[test]
+fn llama_every_strategy_matches_single_adamw_clipped() {
+    every_strategy_matches_single(OptimizerKind::AdamW, Some(0.5));
+}
+
+#[test]
+fn llama_bf16_on_flex_is_close_to_f32() {
+    let f32_run = TrainConfig {
+        backend: Backend::Flex,
+        ..small_run(Strategy::Single, 1, OptimizerKind::AdamW)
+    };
+    let want = run(&f32_run);
+    for (strategy, world, tp) in [
+        (Strategy::Single, 1, None),
+        (Strategy::Fsdp2, 3, None),
+        (Strategy::Hsdp, 4, None),
+    ] {
+        let cfg = TrainConfig {
+            strategy,
+            world_size: world,
+            tp,
+            param_dtype: Precision::Bf16,
+            ..f32_run.clone()
+        };
+        let got = run(&cfg);
+        let what = format!("bf16 {strategy} on {world}");
+        for (g, w) in got.steps.iter().zip(&want.steps) {
+            let rel = (g.loss - w.loss).abs() / w.loss;
+            assert!(
+                rel <= 1e-2,
+                "{what}: step {} loss {} vs f32 {}",
+                g.step,
+                g.loss,
+                w.loss
+            );
+        }
+    }
+}
+
+#[test]
+fn llama_step_reports_serialize_to_the_json_line_format() {
+    let s = run(&TrainConfig {
+        steps: 2,
+        ..small_run(Strategy::Fsdp2, 2, OptimizerKind::Sgd)
+    });
+    assert_eq!(s.steps.len(), 2);
+    for r in &s.steps {
+        let line = serde_json::to_string(r).unwrap();
+        assert!(!line.contains('\n'));
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            [
+                "grad_norm",
+                "loss",
+                "peak_model_state_bytes_per_rank",
+                "step",
+                "step_time_s",
+                "tokens_per_s"
+            ]
+        );
+        assert_eq!(v["step"].as_u64(), Some(r.step as u64));
+        assert!(v["loss"].as_f64().unwrap() > 0.0 && v["tokens_per_s"].as_f64().unwrap() > 0.0);
+        // SGD: params + grads; the rank with the largest shards.
+        assert_eq!(
+            v["peak_model_state_bytes_per_rank"].as_u64(),
+            s.model_state_bytes.iter().max().copied()
+        );
+    }
+    // FSDP on 2 ranks holds about half the state of one rank.
+    let single = small_model().num_params() as u64 * 8;
+    let peak = *s.model_state_bytes.iter().max().unwrap();
+    assert!(
+        peak < single * 6 / 10 && peak >= single / 2,
+        "{peak} vs {single}"
+    );
+}
