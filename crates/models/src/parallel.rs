@@ -2,6 +2,7 @@
 //! Face module path (what `#[parallelize]` will generate), the norm's sequence-parallel style,
 //! and the plans that fit a given config.
 
+use burn::module::ModuleVisitor;
 use burn::tensor::Gradients;
 use burn_parallel_dist::ProcessGroup;
 use burn_parallel_tp::{
@@ -71,6 +72,12 @@ impl TpModule for Attention {
             .iter()
             .try_for_each(|p| p.sync_tp_grads(grads))
     }
+
+    fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+            .iter()
+            .for_each(|p| p.visit_tp_sharded(visitor));
+    }
 }
 
 impl TpModule for Mlp {
@@ -90,6 +97,12 @@ impl TpModule for Mlp {
         [&self.gate_proj, &self.up_proj, &self.down_proj]
             .iter()
             .try_for_each(|p| p.sync_tp_grads(grads))
+    }
+
+    fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .iter()
+            .for_each(|p| p.visit_tp_sharded(visitor));
     }
 }
 
@@ -115,6 +128,13 @@ impl TpModule for DecoderLayer {
         self.post_attention_layernorm.sync_tp_grads(grads)?;
         self.mlp.sync_tp_grads(grads)
     }
+
+    fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
+        self.input_layernorm.visit_tp_sharded(visitor);
+        self.self_attn.visit_tp_sharded(visitor);
+        self.post_attention_layernorm.visit_tp_sharded(visitor);
+        self.mlp.visit_tp_sharded(visitor);
+    }
 }
 
 impl TpModule for Llama {
@@ -137,5 +157,12 @@ impl TpModule for Llama {
         self.layers.sync_tp_grads(grads)?;
         self.norm.sync_tp_grads(grads)?;
         self.lm_head.sync_tp_grads(grads)
+    }
+
+    fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
+        self.embed_tokens.visit_tp_sharded(visitor);
+        self.layers.visit_tp_sharded(visitor);
+        self.norm.visit_tp_sharded(visitor);
+        self.lm_head.visit_tp_sharded(visitor);
     }
 }
