@@ -21,14 +21,20 @@ fn temp_path(name: &str) -> std::path::PathBuf {
 fn defaults_are_nemos() {
     let c = DistributedConfig::default();
     assert_eq!(c.strategy, Strategy::Fsdp2);
-    assert_eq!((c.tp_size, c.cp_size, c.ep_size, c.dp_replicate_size), (1, 1, 1, 1));
+    assert_eq!(
+        (c.tp_size, c.cp_size, c.ep_size, c.dp_replicate_size),
+        (1, 1, 1, 1)
+    );
     assert_eq!(c.mp_policy.param_dtype, Some(Dtype::Bf16));
     assert_eq!(c.mp_policy.reduce_dtype, Some(Dtype::F32));
     assert!(!c.mp_policy.cast_forward_inputs);
     assert!(!c.sequence_parallel && !c.activation_checkpointing);
     assert!(c.enable_fsdp2_prefetch);
     assert_eq!(
-        (c.fsdp2_forward_prefetch_depth, c.fsdp2_backward_prefetch_depth),
+        (
+            c.fsdp2_forward_prefetch_depth,
+            c.fsdp2_backward_prefetch_depth
+        ),
         (1, 2)
     );
     assert_eq!(c.reshard_after_forward, None);
@@ -45,7 +51,9 @@ fn configs_round_trip_through_toml_json_and_yaml() {
         sequence_parallel: true,
         mp_policy: MixedPrecisionConfig {
             param_dtype: Some(Dtype::F16),
-            reduce_dtype: None,
+            // TOML has no null: an absent key takes the default (f32), so a round trip
+            // through every format uses explicit values.
+            reduce_dtype: Some(Dtype::F32),
             output_dtype: Some(Dtype::F32),
             cast_forward_inputs: true,
         },
@@ -59,7 +67,11 @@ fn configs_round_trip_through_toml_json_and_yaml() {
     for ext in ["toml", "json", "yaml"] {
         let path = temp_path(&format!("round_trip.{ext}"));
         config.to_file(&path).unwrap();
-        assert_eq!(DistributedConfig::from_file(&path).unwrap(), config, "{ext}");
+        assert_eq!(
+            DistributedConfig::from_file(&path).unwrap(),
+            config,
+            "{ext}"
+        );
     }
 }
 
@@ -78,7 +90,10 @@ fn config_files_accept_nemo_spellings_and_reject_unknown_keys() {
     let path = temp_path("typo.toml");
     std::fs::write(&path, "strategy = \"fsdp2\"\ntp_sise = 2\n").unwrap();
     let err = DistributedConfig::from_file(&path).unwrap_err().to_string();
-    assert!(err.contains("tp_sise") && err.contains("typo.toml"), "{err}");
+    assert!(
+        err.contains("tp_sise") && err.contains("typo.toml"),
+        "{err}"
+    );
 
     let path = temp_path("strategy.json");
     std::fs::write(&path, r#"{"strategy": "zero3"}"#).unwrap();
@@ -100,12 +115,18 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
     let base = DistributedConfig::default;
     let cases: Vec<(DistributedConfig, usize, &str)> = vec![
         (
-            DistributedConfig { world_size: Some(4), ..base() },
+            DistributedConfig {
+                world_size: Some(4),
+                ..base()
+            },
             3,
             "world_size is 4 but the job has 3 ranks",
         ),
         (
-            DistributedConfig { tp_size: 2, ..base() },
+            DistributedConfig {
+                tp_size: 2,
+                ..base()
+            },
             3,
             "world size 3 is not divisible by dp_replicate_size 1 x tp_size 2",
         ),
@@ -119,42 +140,67 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
             "enable_async_tensor_parallel requires sequence_parallel",
         ),
         (
-            DistributedConfig { sequence_parallel: true, ..base() },
+            DistributedConfig {
+                sequence_parallel: true,
+                ..base()
+            },
             2,
             "sequence_parallel requires tp_size > 1",
         ),
         (
-            DistributedConfig { strategy: Strategy::Ddp, tp_size: 2, ..base() },
+            DistributedConfig {
+                strategy: Strategy::Ddp,
+                tp_size: 2,
+                ..base()
+            },
             4,
             "strategy ddp cannot use tp_size 2",
         ),
         (
-            DistributedConfig { strategy: Strategy::Hsdp, ..base() },
+            DistributedConfig {
+                strategy: Strategy::Hsdp,
+                ..base()
+            },
             4,
             "strategy hsdp needs dp_replicate_size >= 2",
         ),
         (
-            DistributedConfig { dp_size: Some(3), ..base() },
+            DistributedConfig {
+                dp_size: Some(3),
+                ..base()
+            },
             4,
             "has 3 ranks but the world has 4",
         ),
         (
-            DistributedConfig { tp_size: 0, ..base() },
+            DistributedConfig {
+                tp_size: 0,
+                ..base()
+            },
             4,
             "tp_size must be at least 1",
         ),
         (
-            DistributedConfig { strategy: Strategy::MegatronFsdp, ..base() },
+            DistributedConfig {
+                strategy: Strategy::MegatronFsdp,
+                ..base()
+            },
             2,
             "strategy megatron_fsdp is not yet supported",
         ),
         (
-            DistributedConfig { ep_size: 2, ..base() },
+            DistributedConfig {
+                ep_size: 2,
+                ..base()
+            },
             2,
             "expert parallelism (ep_size 2) is not yet supported",
         ),
         (
-            DistributedConfig { cp_size: 2, ..base() },
+            DistributedConfig {
+                cp_size: 2,
+                ..base()
+            },
             2,
             "context parallelism (cp_size 2) is not yet supported",
         ),
@@ -174,7 +220,11 @@ fn mesh_sizes_are_inferred_from_the_world() {
     };
     assert_eq!(
         c.validate(8).unwrap(),
-        MeshSizes { dp_replicate: 2, dp_shard: 2, tp: 2 }
+        MeshSizes {
+            dp_replicate: 2,
+            dp_shard: 2,
+            tp: 2
+        }
     );
 }
 
@@ -210,5 +260,8 @@ fn a_mesh_context_fails_on_every_rank_before_communicating() {
         }
     })
     .unwrap();
-    assert!(results.iter().all(|m| m.contains("not divisible")), "{results:?}");
+    assert!(
+        results.iter().all(|m| m.contains("not divisible")),
+        "{results:?}"
+    );
 }

@@ -14,8 +14,9 @@ use burn_parallel::dist::launch;
 use burn_parallel::fsdp::gather_full;
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, MixedPrecisionConfig, Strategy, forward_units,
-    parallelize_model, train_step,
+    DistributedConfig, MeshContext, MixedPrecisionConfig, ModelDescription, ModelParallelizer,
+    ParallelError, Parallelize, Strategy, forward_units, fsdp_config, parallelize_model,
+    train_step,
 };
 use burn_parallel::tp::{Tp, loss_parallel};
 
@@ -148,15 +149,19 @@ impl Attention {
                 .reshape([b, self.heads, s, HEAD_DIM])
         };
         let q = split(self.q_proj.forward_prepared(x.clone()), self.heads);
-        let k = repeat(split(self.k_proj.forward_prepared(x.clone()), self.kv_heads));
+        let k = repeat(split(
+            self.k_proj.forward_prepared(x.clone()),
+            self.kv_heads,
+        ));
         let v = repeat(split(self.v_proj.forward_prepared(x), self.kv_heads));
         let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
         let mask = Tensor::<2, burn::tensor::Bool>::tril_mask([s, s], 0, &scores.device());
         let scores = scores.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY);
-        let out = softmax(scores, 3)
-            .matmul(v)
-            .swap_dims(1, 2)
-            .reshape([b, s, self.heads * HEAD_DIM]);
+        let out =
+            softmax(scores, 3)
+                .matmul(v)
+                .swap_dims(1, 2)
+                .reshape([b, s, self.heads * HEAD_DIM]);
         self.o_proj.forward(out)
     }
 }
@@ -170,7 +175,11 @@ impl Mlp {
 }
 
 /// The ids and targets of step `step`: rows `rows` of a `[BATCH, SEQ + 1]` token batch.
-fn batch(d: &Device, step: usize, rows: std::ops::Range<usize>) -> (Tensor<2, Int>, Tensor<1, Int>) {
+fn batch(
+    d: &Device,
+    step: usize,
+    rows: std::ops::Range<usize>,
+) -> (Tensor<2, Int>, Tensor<1, Int>) {
     let all = ids_on(d, 7000 + step as u64, [BATCH, SEQ + 1], VOCAB);
     let n = rows.len();
     let part = all.slice([rows, 0..SEQ + 1]);
@@ -308,10 +317,16 @@ fn config(strategy: Strategy, tp: usize, dp_replicate: usize) -> DistributedConf
     }
 }
 
-fn run(world: usize, cfg: DistributedConfig, opt: Opt, clip: Option<f32>, reference: &Reference) -> Vec<RankRun> {
+fn run(
+    world: usize,
+    cfg: DistributedConfig,
+    opt: Opt,
+    clip: Option<f32>,
+    reference: &Reference,
+) -> Vec<RankRun> {
     launch(world, |rank| {
-        let d = ndarray_ad();
-        let ctx = MeshContext::new(&rank, cfg.clone(), d.clone())?;
+        let ctx = MeshContext::new(&rank, cfg.clone(), ndarray_ad())?;
+        let d = ctx.device().clone();
         let mut model = parallelize_model(TinyLm::new(&d), &ctx)?;
         let mut optim = optimizer(opt);
         let rows = rows_of(ctx.dp_rank(), ctx.dp_size());
@@ -343,18 +358,40 @@ fn check(name: &str, world: usize, cfg: DistributedConfig, opt: Opt, clip: Optio
     let reference = reference(opt, clip);
     for (rank, r) in run(world, cfg, opt, clip, &reference).iter().enumerate() {
         let what = format!("{name} on {world} ranks, rank {rank}, {opt:?}");
-        assert_close(&r.losses, &reference.losses, 1e-5, &format!("{what}: losses"));
-        assert_close(&r.norms, &reference.norms, 1e-5, &format!("{what}: grad norms"));
+        assert_close(
+            &r.losses,
+            &reference.losses,
+            1e-5,
+            &format!("{what}: losses"),
+        );
+        assert_close(
+            &r.norms,
+            &reference.norms,
+            1e-5,
+            &format!("{what}: grad norms"),
+        );
         assert_eq!(r.weights.len(), r.expected.len());
+        // AdamW divides by sqrt(v): on elements whose gradient is round-off small, the
+        // reduction order's last bits show in the update, so its weights get 1e-4.
+        let tol = match opt {
+            Opt::Sgd => 1e-5,
+            Opt::AdamW => 1e-4,
+        };
         for (i, (w, e)) in r.weights.iter().zip(&r.expected).enumerate() {
-            assert_close(w, e, 1e-5, &format!("{what}: parameter {i}"));
+            assert_close(w, e, tol, &format!("{what}: parameter {i}"));
         }
     }
 }
 
 #[test]
 fn unsharded_fsdp2_on_one_rank_matches_one_device() {
-    check("unsharded", 1, config(Strategy::Fsdp2, 1, 1), Opt::AdamW, None);
+    check(
+        "unsharded",
+        1,
+        config(Strategy::Fsdp2, 1, 1),
+        Opt::AdamW,
+        None,
+    );
 }
 
 #[test]
@@ -365,22 +402,142 @@ fn ddp_matches_one_device() {
 
 #[test]
 fn fsdp2_matches_one_device() {
-    check("fsdp2", 3, config(Strategy::Fsdp2, 1, 1), Opt::AdamW, Some(0.5));
+    check(
+        "fsdp2",
+        3,
+        config(Strategy::Fsdp2, 1, 1),
+        Opt::AdamW,
+        Some(0.5),
+    );
     check("fsdp2", 4, config(Strategy::Fsdp2, 1, 1), Opt::Sgd, None);
 }
 
 #[test]
 fn hsdp_matches_one_device() {
-    check("hsdp", 4, config(Strategy::Hsdp, 1, 2), Opt::AdamW, Some(0.5));
+    check(
+        "hsdp",
+        4,
+        config(Strategy::Hsdp, 1, 2),
+        Opt::AdamW,
+        Some(0.5),
+    );
 }
 
 #[test]
 fn tp_matches_one_device() {
-    check("tp", 2, config(Strategy::Fsdp2, 2, 1), Opt::AdamW, Some(0.5));
+    check(
+        "tp",
+        2,
+        config(Strategy::Fsdp2, 2, 1),
+        Opt::AdamW,
+        Some(0.5),
+    );
 }
 
 #[test]
 fn fsdp2_with_tp_matches_one_device() {
-    check("fsdp2+tp", 4, config(Strategy::Fsdp2, 2, 1), Opt::AdamW, None);
-    check("fsdp2+tp", 4, config(Strategy::Fsdp2, 2, 1), Opt::Sgd, Some(0.5));
+    check(
+        "fsdp2+tp",
+        4,
+        config(Strategy::Fsdp2, 2, 1),
+        Opt::AdamW,
+        None,
+    );
+    check(
+        "fsdp2+tp",
+        4,
+        config(Strategy::Fsdp2, 2, 1),
+        Opt::Sgd,
+        Some(0.5),
+    );
+}
+
+#[test]
+fn activation_checkpointing_gives_the_same_training() {
+    let cfg = DistributedConfig {
+        activation_checkpointing: true,
+        ..config(Strategy::Fsdp2, 1, 1)
+    };
+    check("fsdp2 + activation checkpointing", 2, cfg, Opt::AdamW, None);
+}
+
+/// A sidecar that overrides one hook: no per-layer units, the root shards everything.
+#[derive(Default)]
+pub struct RootOnly;
+
+impl ModelParallelizer for RootOnly {
+    fn apply_fsdp_sharding<M: Parallelize>(
+        &self,
+        model: M,
+        _description: &ModelDescription,
+        ctx: &MeshContext,
+    ) -> Result<M, ParallelError> {
+        self.fully_shard_module(model, &fsdp_config(ctx))
+    }
+}
+
+#[parallelize(sidecar = RootOnly)]
+#[derive(Module, Debug)]
+pub struct RootOnlyLm {
+    #[nested]
+    inner: TinyLm,
+}
+
+/// All-gathers of two training steps on the shard group under activation checkpointing, and
+/// the losses.
+fn gathers_and_losses<M: Parallelize>(
+    build: impl Fn(&Device) -> M + Sync,
+    forward: impl Fn(&M, Tensor<2, Int>) -> Tensor<2> + Sync,
+) -> Vec<(u64, Vec<f32>)> {
+    launch(2, |rank| {
+        let d = ndarray_ad();
+        let cfg = DistributedConfig {
+            activation_checkpointing: true,
+            ..config(Strategy::Fsdp2, 1, 1)
+        };
+        let ctx = MeshContext::new(&rank, cfg, d)?;
+        let d = ctx.device().clone();
+        let mut model = parallelize_model(build(&d), &ctx)?;
+        let mut optim = optimizer(Opt::Sgd);
+        let rows = rows_of(ctx.dp_rank(), ctx.dp_size());
+        let before = ctx.dp_shard_group().stats();
+        let mut losses = Vec::new();
+        for step in 0..2 {
+            let (ids, targets) = batch(&d, step, rows.clone());
+            let local = loss_parallel(forward(&model, ids), targets, ctx.tp_group(), VOCAB)?;
+            let weight = (rows.len() * ctx.dp_size()) as f64 / BATCH as f64;
+            let (next, report) = train_step(model, local * weight, &mut optim, LR, None, &ctx)?;
+            model = next;
+            losses.push(report.loss);
+        }
+        let gathers = ctx
+            .dp_shard_group()
+            .stats()
+            .since(&before)
+            .calls(burn_parallel::dist::OpKind::AllGather);
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>((gathers, losses))
+    })
+    .unwrap()
+}
+
+#[test]
+fn a_custom_sidecar_changes_only_its_hook() {
+    let default = gathers_and_losses(TinyLm::new, |m, ids| m.forward(ids));
+    let root_only = gathers_and_losses(
+        |d| RootOnlyLm {
+            inner: TinyLm::new(d),
+        },
+        |m, ids| m.inner.forward(ids),
+    );
+    for (rank, ((g_default, l_default), (g_root, l_root))) in
+        default.iter().zip(&root_only).enumerate()
+    {
+        assert_close(l_root, l_default, 1e-6, &format!("rank {rank}: losses"));
+        // The default hook reshards every layer but the last and never the root; the root-only
+        // sidecar's single config reshards everything, so backward gathers more.
+        assert!(
+            g_root > g_default,
+            "rank {rank}: {g_root} gathers with the root only, {g_default} with layer units"
+        );
+    }
 }

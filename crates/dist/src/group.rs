@@ -44,6 +44,7 @@ impl ProcessGroup {
     }
 
     /// The engine's communicator behind this group.
+    #[cfg(feature = "nccl")]
     pub(crate) fn communicator(&self) -> &Arc<dyn Communicator> {
         &self.comm
     }

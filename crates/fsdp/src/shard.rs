@@ -1,5 +1,6 @@
 //! Per-parameter sharding through Burn's `Reparameterization`.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -157,6 +158,8 @@ impl Reparameterization for ShardGather {
 
 struct Sharder<'a> {
     config: &'a FsdpConfig,
+    /// Parameters an earlier `fully_shard` (an inner unit) already sharded.
+    already_sharded: HashSet<ParamId>,
     /// Where a sharded load takes each shard's rows from (`None`: from the module itself).
     source: Option<Source<'a>>,
     error: Option<FsdpError>,
@@ -236,8 +239,9 @@ impl Reparameterizer for &mut Sharder<'_> {
         param: Param<Tensor<D>>,
     ) -> (Param<Tensor<D>>, Option<ShardGather>) {
         // FSDP2 shards inner units first and the root last: the root keeps only what no
-        // unit took (Burn does not nest reparameterizations).
-        if param.reparameterization::<ShardGather>().is_some() {
+        // unit took (Burn does not nest reparameterizations). Burn hands the mapper the base
+        // without its reparameterization, so sharded ones are recognised by id.
+        if self.already_sharded.contains(&param.id) {
             return (param, None);
         }
         let group = &self.config.group;
@@ -302,8 +306,11 @@ pub(crate) fn shard_module<'a, M: Module>(
     config: &'a FsdpConfig,
     source: Option<Source<'a>>,
 ) -> Result<M, FsdpError> {
+    let mut sharded = ShardedIds::default();
+    module.visit(&mut sharded);
     let mut sharder = Sharder {
         config,
+        already_sharded: sharded.ids,
         source,
         error: None,
     };
@@ -327,4 +334,27 @@ pub fn gather_full<M: Module>(module: M) -> M {
     let full = module.materialize();
     GATHER_IN_SHARD_DTYPE.set(false);
     full
+}
+
+/// Collects the ids of parameters that carry a [`ShardGather`]: a visitor sees a parameter's
+/// base first, then enters its reparameterization as a module named after it.
+#[derive(Default)]
+struct ShardedIds {
+    last: Option<ParamId>,
+    ids: HashSet<ParamId>,
+}
+
+impl burn::module::ModuleVisitor for ShardedIds {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.last = Some(param.id);
+    }
+
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        if container_type == "Reparameterization"
+            && name == <ShardGather as Reparameterization>::NAME
+            && let Some(id) = self.last.take()
+        {
+            self.ids.insert(id);
+        }
+    }
 }

@@ -220,7 +220,12 @@ fn map_units_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
                     } else {
                         quote!(#field)
                     };
-                    quote!(#p::UnitMap::unit(f, &__p, #inner)?)
+                    // The inner units first, in a statement of their own: `f` is borrowed
+                    // once at a time.
+                    quote! {{
+                        let __inner = #inner;
+                        #p::UnitMap::unit(f, &__p, __inner)?
+                    }}
                 }
                 (Shape::Vec, false) => quote!(#p::map_unit_vec(&__p, #field, f)?),
                 (Shape::Option, false) => quote!(#p::map_unit_option(&__p, #field, f)?),

@@ -230,7 +230,9 @@ impl DistributedConfig {
         let text = match ext {
             "toml" => toml::to_string(self).map_err(|e| file_error(e.to_string()))?,
             "json" => serde_json::to_string_pretty(self).map_err(|e| file_error(e.to_string()))?,
-            "yaml" | "yml" => serde_yaml_ng::to_string(self).map_err(|e| file_error(e.to_string()))?,
+            "yaml" | "yml" => {
+                serde_yaml_ng::to_string(self).map_err(|e| file_error(e.to_string()))?
+            }
             other => {
                 return Err(file_error(format!(
                     "unknown extension {other:?}: use .toml, .json, .yaml or .yml"
@@ -252,9 +254,7 @@ impl DistributedConfig {
         }
         match self.strategy {
             Strategy::MegatronFsdp => {
-                return Err(ParallelError::NotSupported(
-                    "strategy megatron_fsdp".into(),
-                ));
+                return Err(ParallelError::NotSupported("strategy megatron_fsdp".into()));
             }
             Strategy::Ddp if self.tp_size > 1 => {
                 return Err(invalid(format!(
@@ -277,7 +277,9 @@ impl DistributedConfig {
             )));
         }
         if self.offload_policy.is_some_and(|o| o.offload_params) {
-            return Err(ParallelError::NotSupported("offload_policy.offload_params".into()));
+            return Err(ParallelError::NotSupported(
+                "offload_policy.offload_params".into(),
+            ));
         }
         for (name, size) in [
             ("tp_size", self.tp_size),
@@ -295,7 +297,9 @@ impl DistributedConfig {
             ));
         }
         if self.enable_async_tensor_parallel {
-            return Err(ParallelError::NotSupported("enable_async_tensor_parallel".into()));
+            return Err(ParallelError::NotSupported(
+                "enable_async_tensor_parallel".into(),
+            ));
         }
         if self.sequence_parallel && self.tp_size == 1 {
             return Err(invalid("sequence_parallel requires tp_size > 1"));

@@ -39,6 +39,13 @@ impl MeshContext {
         ])?;
         let mut mesh = DeviceMesh::new(rank, shape)?;
         mesh.flatten(&[&names.dp_replicate, &names.dp_shard], DP)?;
+        // Burn 0.22 selects gradient checkpointing per device, and every tensor of an
+        // operation must agree: inputs are built on `device()`, parameters are moved there.
+        let device = if config.activation_checkpointing {
+            device.gradient_checkpointing()
+        } else {
+            device
+        };
         Ok(Self {
             config,
             sizes,
@@ -63,6 +70,8 @@ impl MeshContext {
         &self.mesh
     }
 
+    /// The device to build inputs on: `device` as given, or its gradient-checkpointing
+    /// variant when `activation_checkpointing` is on.
     pub fn device(&self) -> &Device {
         &self.device
     }

@@ -70,7 +70,10 @@ pub fn all_reduce_gradients<M: Module>(
     let entries = collect.entries;
     let mut reduced = Vec::with_capacity(entries.len());
     for bucket in buckets(&entries, bucket_bytes) {
-        let flat: Vec<f32> = bucket.iter().flat_map(|e| e.values.iter().copied()).collect();
+        let flat: Vec<f32> = bucket
+            .iter()
+            .flat_map(|e| e.values.iter().copied())
+            .collect();
         let n = flat.len();
         let summed = group.all_reduce(TensorData::new(flat, [n]), ReduceOp::Avg)?;
         let values = summed
@@ -150,9 +153,7 @@ impl<I: Iterator<Item = Vec<f32>>> ModuleVisitor for ReplaceGrads<'_, I> {
             return;
         }
         let values = self.reduced.next().expect("one reduced gradient per entry");
-        let dtype = value
-            .grad(self.grads)
-            .map_or(DType::F32, |g| g.dtype());
+        let dtype = value.grad(self.grads).map_or(DType::F32, |g| g.dtype());
         let data = TensorData::new(values, value.shape()).convert_dtype(dtype);
         let grad = Tensor::<D>::from_data(data, &value.device()).inner();
         value.grad_replace(self.grads, grad);
@@ -172,10 +173,7 @@ mod tests {
     #[test]
     fn buckets_respect_the_cap_and_keep_order() {
         let entries = vec![entry(10), entry(10), entry(30), entry(1)];
-        let sizes: Vec<usize> = buckets(&entries, 80)
-            .iter()
-            .map(|b| b.len())
-            .collect();
+        let sizes: Vec<usize> = buckets(&entries, 80).iter().map(|b| b.len()).collect();
         assert_eq!(sizes, vec![2, 1, 1]);
         // An entry larger than the cap gets a bucket of its own.
         let sizes: Vec<usize> = buckets(&entries, 4).iter().map(|b| b.len()).collect();

@@ -23,8 +23,8 @@ mod sidecar;
 mod step;
 
 pub use config::{
-    DistributedConfig, Dtype, MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig,
-    Strategy, TpShardPlan, style_by_name,
+    DistributedConfig, Dtype, MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig, Strategy,
+    TpShardPlan, style_by_name,
 };
 pub use context::{DP, MeshContext, forward_units};
 pub use describe::{

@@ -28,9 +28,9 @@ pub trait ModelParallelizer {
         match ctx.strategy() {
             Strategy::Ddp => ddp::replicate(model, ctx),
             Strategy::Fsdp2 | Strategy::Hsdp => self.apply(model, ctx),
-            Strategy::MegatronFsdp => Err(ParallelError::NotSupported(
-                "strategy megatron_fsdp".into(),
-            )),
+            Strategy::MegatronFsdp => {
+                Err(ParallelError::NotSupported("strategy megatron_fsdp".into()))
+            }
         }
     }
 
@@ -135,7 +135,9 @@ pub trait ModelParallelizer {
         };
         let model = model.map_units("", &mut sharder)?;
         let model = self.fully_shard_untied_input_output_embeddings(model, description, ctx)?;
-        let root = base.clone().reshard_after_forward(explicit.unwrap_or(false));
+        let root = base
+            .clone()
+            .reshard_after_forward(explicit.unwrap_or(false));
         self.fully_shard_module(model, &root)
     }
 
@@ -201,7 +203,10 @@ struct UnitSharder<'a, S, R> {
 
 impl<S: ModelParallelizer, R: Fn(&str) -> bool> UnitMap for UnitSharder<'_, S, R> {
     fn unit<N: Module>(&mut self, path: &str, module: N) -> Result<N, ParallelError> {
-        let config = self.base.clone().reshard_after_forward((self.reshard)(path));
+        let config = self
+            .base
+            .clone()
+            .reshard_after_forward((self.reshard)(path));
         self.sidecar.fully_shard_module(module, &config)
     }
 }

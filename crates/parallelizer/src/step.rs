@@ -25,7 +25,8 @@ pub struct StepReport {
 }
 
 /// Backward of `loss`, then: the tp gradient sync of replicated sequence-parallel parameters,
-/// DDP's bucketed all-reduce (FSDP reduces inside backward), clipping by the global norm when
+/// the data-parallel average (DDP's bucketed all-reduce; FSDP reduces inside backward and the
+/// sum is divided here), clipping by the global norm when
 /// `max_grad_norm` is set, and the optimizer step on this rank's parameters (shards under
 /// FSDP). Collective: every rank calls it.
 ///
@@ -43,6 +44,14 @@ pub fn train_step<M: Module + TpModule>(
     let local_loss = scalar(loss.clone().detach().into_data());
     let mut grads = loss.backward();
     model.sync_tp_grads(&mut grads)?;
+    // FSDP's reduce-scatter (and HSDP's replica all-reduce) sum over the data-parallel ranks;
+    // every strategy here averages, as DDP and PyTorch's FSDP2 do.
+    if ctx.strategy() != Strategy::Ddp && ctx.dp_size() > 1 {
+        model.visit(&mut ScaleGrads {
+            grads: &mut grads,
+            factor: 1.0 / ctx.dp_size() as f32,
+        });
+    }
     if ctx.strategy() == Strategy::Ddp {
         let bucket = (ctx.config().ddp_bucket_cap_mb * 1024.0 * 1024.0) as usize;
         ddp::all_reduce_gradients(&model, &mut grads, ctx.dp_group(), bucket)?;
@@ -100,8 +109,7 @@ pub fn global_grad_norm<M: Module + TpModule>(
     }
     for group in reduce_over {
         if group.size() > 1 {
-            let summed =
-                group.all_reduce(TensorData::new(vec![total], [1]), ReduceOp::Sum)?;
+            let summed = group.all_reduce(TensorData::new(vec![total], [1]), ReduceOp::Sum)?;
             total = summed.try_into_vec::<f64>().expect("an f64 sum")[0];
         }
     }
