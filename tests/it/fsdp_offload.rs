@@ -46,8 +46,11 @@ fn single_device() -> (Vec<f32>, Vec<f32>) {
     (losses, flat(&model))
 }
 
+/// One rank's losses, gathered final weights, and each placement check with its outcome.
+type RankOutcome = (Vec<f32>, Vec<f32>, Vec<(String, bool)>);
+
 /// Per rank: losses, gathered final weights, and whether every placement check held.
-fn sharded(world: usize, offload: bool) -> Vec<(Vec<f32>, Vec<f32>, Vec<(String, bool)>)> {
+fn sharded(world: usize, offload: bool) -> Vec<RankOutcome> {
     launch(world, |ctx| {
         let (compute, host) = (flex_ad(), ndarray_ad());
         let group = ctx.world()?;

@@ -64,7 +64,10 @@ fn assert_curves(got: &TrainSummary, want: &TrainSummary, tol: f32, what: &str) 
     }
 }
 
-fn variants() -> Vec<(Strategy, usize, Option<usize>, Option<usize>, &'static str)> {
+/// Strategy, world size, tp, dp_replicate and tp plan of one run.
+type Variant = (Strategy, usize, Option<usize>, Option<usize>, &'static str);
+
+fn variants() -> Vec<Variant> {
     vec![
         (Strategy::Ddp, 2, None, None, "llama"),
         (Strategy::Fsdp2, 2, None, None, "llama"),

@@ -310,11 +310,12 @@ impl DistributedConfig {
                 self.activation_checkpointing_scope
             )));
         }
-        if !(self.ddp_bucket_cap_mb > 0.0) {
+        // Written so NaN is rejected too.
+        if self.ddp_bucket_cap_mb.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(invalid("ddp_bucket_cap_mb must be positive"));
         }
         let model_parallel = self.tp_size * self.cp_size * self.dp_replicate_size;
-        if world_size % model_parallel != 0 {
+        if !world_size.is_multiple_of(model_parallel) {
             return Err(invalid(format!(
                 "world size {world_size} is not divisible by dp_replicate_size {} x tp_size {} x cp_size {}",
                 self.dp_replicate_size, self.tp_size, self.cp_size
