@@ -8,6 +8,7 @@ use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use burn_parallel_dist::collectives as coll;
+use burn_parallel_macros::parallelize;
 use burn_parallel_tp::{Layout, ParallelStyle, Tp};
 
 use crate::config::{LlamaConfig, RopeScaling};
@@ -114,6 +115,7 @@ impl Rope {
 
 /// Grouped-query causal self-attention. Under tensor parallelism q/k/v are colwise and o
 /// rowwise, and `heads` / `kv_heads` are this rank's counts.
+#[parallelize]
 #[derive(Module, Debug)]
 pub struct Attention {
     pub q_proj: Tp<Linear>,
@@ -121,8 +123,10 @@ pub struct Attention {
     pub v_proj: Tp<Linear>,
     pub o_proj: Tp<Linear>,
     #[module(skip)]
+    #[tp(heads)]
     pub heads: usize,
     #[module(skip)]
+    #[tp(kv_heads)]
     pub kv_heads: usize,
     #[module(skip)]
     pub head_dim: usize,
@@ -190,6 +194,7 @@ fn causal_mask(s: usize, device: &Device) -> Tensor<4> {
 }
 
 /// SwiGLU: `down(silu(gate(x)) * up(x))`.
+#[parallelize]
 #[derive(Module, Debug)]
 pub struct Mlp {
     pub gate_proj: Tp<Linear>,
@@ -208,11 +213,14 @@ impl Mlp {
     }
 }
 
+#[parallelize]
 #[derive(Module, Debug)]
 pub struct DecoderLayer {
     pub input_layernorm: Tp<RmsNorm>,
+    #[nested]
     pub self_attn: Attention,
     pub post_attention_layernorm: Tp<RmsNorm>,
+    #[nested]
     pub mlp: Mlp,
 }
 
@@ -232,9 +240,12 @@ impl DecoderLayer {
 }
 
 /// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied.
+#[parallelize]
 #[derive(Module, Debug)]
 pub struct Llama {
     pub embed_tokens: Tp<Embedding>,
+    #[nested]
+    #[fsdp(unit)]
     pub layers: Vec<DecoderLayer>,
     pub norm: Tp<RmsNorm>,
     pub lm_head: Option<Tp<Linear>>,
