@@ -35,6 +35,12 @@ impl ModuleVisitor for Scale<'_> {
     }
 }
 
+/// Multiplies the gradient of every parameter of `module` (its shard, when sharded) by
+/// `factor`, in place: clipping, and turning a data-parallel sum into a mean.
+pub fn scale_grads<M: Module>(module: &M, grads: &mut Gradients, factor: f32) {
+    module.visit(&mut Scale { grads, factor });
+}
+
 /// Clips the gradients of a sharded `module` in place so that their global L2 norm is at most
 /// `max_norm` (PyTorch's `clip_grad_norm_`: scale by `max_norm / (norm + 1e-6)` when that is
 /// below 1), and returns the global norm before clipping. Collective over the shard group;
@@ -56,10 +62,7 @@ pub fn clip_grad_norm<M: Module>(
         .expect("an f32 sum of squares");
     let coef = max_norm / (norm + 1e-6);
     if coef < 1.0 {
-        module.visit(&mut Scale {
-            grads,
-            factor: coef,
-        });
+        scale_grads(module, grads, coef);
     }
     Ok(norm)
 }

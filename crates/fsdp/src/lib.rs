@@ -56,7 +56,7 @@ mod policy;
 mod shard;
 mod unit;
 
-pub use clip::clip_grad_norm;
+pub use clip::{clip_grad_norm, scale_grads};
 pub use error::FsdpError;
 pub use load::{
     RowRequest, StateDictRanks, for_each_full_param, full_state_dict, fully_shard_from,

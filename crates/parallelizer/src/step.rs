@@ -7,6 +7,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{DType, Gradients, Tensor, TensorData};
 use burn_parallel_dist::ReduceOp;
+use burn_parallel_fsdp::scale_grads;
 use burn_parallel_tp::TpModule;
 
 use crate::config::Strategy;
@@ -47,10 +48,7 @@ pub fn train_step<M: Module + TpModule>(
     // FSDP's reduce-scatter (and HSDP's replica all-reduce) sum over the data-parallel ranks;
     // every strategy here averages, as DDP and PyTorch's FSDP2 do.
     if ctx.strategy() != Strategy::Ddp && ctx.dp_size() > 1 {
-        model.visit(&mut ScaleGrads {
-            grads: &mut grads,
-            factor: 1.0 / ctx.dp_size() as f32,
-        });
+        scale_grads(&model, &mut grads, 1.0 / ctx.dp_size() as f32);
     }
     if ctx.strategy() == Strategy::Ddp {
         let bucket = (ctx.config().ddp_bucket_cap_mb * 1024.0 * 1024.0) as usize;
@@ -60,10 +58,7 @@ pub fn train_step<M: Module + TpModule>(
     if let Some(max) = max_grad_norm {
         let coef = max / (grad_norm + 1e-6);
         if coef < 1.0 {
-            model.visit(&mut ScaleGrads {
-                grads: &mut grads,
-                factor: coef,
-            });
+            scale_grads(&model, &mut grads, coef);
         }
     }
     let loss = scalar(
@@ -146,20 +141,6 @@ impl ModuleVisitor for SumSquares<'_> {
             self.sharded += sum;
         } else {
             self.replicated += sum;
-        }
-    }
-}
-
-struct ScaleGrads<'a> {
-    grads: &'a mut Gradients,
-    factor: f32,
-}
-
-impl ModuleVisitor for ScaleGrads<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let value = param.val();
-        if let Some(g) = value.grad(self.grads) {
-            value.grad_replace(self.grads, g * self.factor);
         }
     }
 }

@@ -93,20 +93,6 @@ impl ModuleVisitor for SumSquares<'_> {
     }
 }
 
-struct Scale<'a> {
-    grads: &'a mut Gradients,
-    factor: f32,
-}
-
-impl ModuleVisitor for Scale<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let shard = param.val();
-        if let Some(g) = shard.grad(self.grads) {
-            shard.grad_replace(self.grads, g * self.factor);
-        }
-    }
-}
-
 /// The L2 norm of the whole model's gradient, every shard counted once: FSDP shards are
 /// distinct, copies (HSDP/DDP replicas, parameters tensor parallelism leaves replicated) are
 /// counted on one rank only. With `max_norm`, scales the gradients so that the norm is at most
@@ -137,10 +123,7 @@ pub fn global_grad_norm(
     if let Some(max) = max_norm {
         let coef = max / (norm + 1e-6);
         if coef < 1.0 {
-            model.visit(&mut Scale {
-                grads,
-                factor: coef,
-            });
+            burn_parallel_fsdp::scale_grads(model, grads, coef);
         }
     }
     Ok(norm)
