@@ -194,3 +194,65 @@ fn llama_checkpoint_errors_name_the_problem() {
     let msg = load_llama(&dir, &ndarray()).unwrap_err().to_string();
     assert!(msg.contains("gate_proj") && msg.contains("shape"), "{msg}");
 }
+
+/// A lazily built Llama loaded through `parallelize_model_from` on 2 and 3 ranks (uneven
+/// chunks): every parameter is asked for exactly once, for this rank's rows only (none was
+/// read whole first: a materialized parameter would be sliced, not asked for), and the
+/// gathered model equals the full load.
+#[test]
+fn llama_lazy_sharded_load_reads_only_each_ranks_rows() {
+    use burn_parallel::dist::launch;
+    use burn_parallel::fsdp::{RowRequest, gather_full};
+    use burn_parallel::models::checkpoint::lazy_llama;
+    use burn_parallel::parallelizer::{
+        DistributedConfig, MeshContext, MixedPrecisionConfig, parallelize_model_from,
+    };
+    use std::collections::BTreeMap;
+
+    for name in ["untied", "tied"] {
+        let dir = fixture(name);
+        let want: BTreeMap<String, Vec<f32>> = hf_tensors(&load_llama(&dir, &ndarray()).unwrap())
+            .unwrap()
+            .into_iter()
+            .map(|(n, d)| (n, to_vec(&d)))
+            .collect();
+        for world in [2, 3] {
+            let results = launch(world, |rank| {
+                let config = DistributedConfig {
+                    mp_policy: MixedPrecisionConfig::full_precision(),
+                    ..DistributedConfig::default()
+                };
+                let mesh = MeshContext::new(&rank, config, crate::common::ndarray_ad())?;
+                let (model, rows) = lazy_llama(&dir, mesh.device())?;
+                let mut asked = Vec::new();
+                let model = parallelize_model_from(model, &mesh, |r: &RowRequest| {
+                    asked.push((
+                        rows.name(r.id).unwrap().to_string(),
+                        r.shape[0],
+                        r.rows.clone(),
+                    ));
+                    rows.read(r.id, r.rows.clone())
+                })?;
+                let full = hf_tensors(&gather_full(model))?;
+                let (shard_rank, shards) = (mesh.dp_rank(), mesh.dp_size());
+                Ok::<_, Box<dyn std::error::Error>>((asked, full, shard_rank, shards))
+            })
+            .unwrap();
+            for (asked, full, shard_rank, shards) in results {
+                let got: BTreeMap<String, Vec<f32>> =
+                    full.into_iter().map(|(n, d)| (n, to_vec(&d))).collect();
+                assert_eq!(got, want, "{name}: world {world}");
+                let mut names: Vec<&str> = asked.iter().map(|(n, _, _)| n.as_str()).collect();
+                names.sort();
+                assert_eq!(names, want.keys().map(String::as_str).collect::<Vec<_>>());
+                for (n, rows, range) in &asked {
+                    assert_eq!(
+                        *range,
+                        chunk_range(*rows, shards, shard_rank),
+                        "{name}: {n}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -2,9 +2,7 @@
 //! saved under FSDP equals the one saved by a single device.
 
 use burn_parallel::models::checkpoint::HfCheckpoint;
-use burn_parallel::train::{
-    Backend, OptimizerKind, Precision, Strategy, TrainConfig, TrainError, train,
-};
+use burn_parallel::train::{OptimizerKind, Precision, Strategy, TrainConfig, TrainError, train};
 
 use crate::common::{assert_close, to_vec};
 use crate::llama_hf::{fixture, temp_dir};
@@ -108,11 +106,10 @@ fn llama_bad_inputs_are_named_errors() {
             TrainConfig {
                 strategy: Strategy::Fsdp2Tp,
                 world_size: 4,
-                backend: Backend::Flex,
-                param_dtype: Precision::Bf16,
+                tp_plan: "gpt".into(),
                 ..base.clone()
             },
-            "not supported yet",
+            "unknown tp plan `gpt`",
         ),
         (
             TrainConfig {

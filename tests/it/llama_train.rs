@@ -121,6 +121,8 @@ fn llama_bf16_on_flex_is_close_to_f32() {
         (Strategy::Single, 1, None),
         (Strategy::Fsdp2, 3, None),
         (Strategy::Hsdp, 4, None),
+        (Strategy::Ddp, 2, None),
+        (Strategy::Fsdp2Tp, 4, Some(2)),
     ] {
         let cfg = TrainConfig {
             strategy,

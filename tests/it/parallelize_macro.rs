@@ -185,6 +185,7 @@ fn describe_lists_units_styles_plans_heads_and_checkpoints() {
             heads("maybe_block.attn"),
         ],
         checkpoint_units: strings(&["stack.blocks.0", "stack.blocks.1", "extra"]),
+        absent: Vec::new(),
     };
     assert_eq!(got, want);
 }
@@ -216,6 +217,23 @@ fn describe_skips_absent_options_and_prefixes_the_root_path() {
             .all(|(p, _)| !p.contains("head") || p.contains("heads_out"))
     );
     assert_eq!(got.heads.len(), 2);
+    // The absent optional Tp head drops out of the named plan (it has an `lm_head` entry).
+    assert_eq!(got.absent, strings(&["net.head"]), "{got:?}");
+    let with_lm_head = ModelDescription {
+        named_plans: vec![(String::new(), "llama".into())],
+        ..ModelDescription::default()
+    };
+    let mut without = with_lm_head.clone();
+    without.absent = strings(&["lm_head"]);
+    let has_lm_head = |d: &ModelDescription| {
+        d.tp_plan()
+            .unwrap()
+            .entries()
+            .iter()
+            .any(|(p, _)| p == "lm_head")
+    };
+    assert!(has_lm_head(&with_lm_head));
+    assert!(!has_lm_head(&without));
 }
 
 #[test]

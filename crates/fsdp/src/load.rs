@@ -35,11 +35,12 @@ pub(crate) type Source<'a> = &'a mut dyn FnMut(&RowRequest) -> Result<TensorData
 
 /// As [`fully_shard`](crate::fully_shard), but each rank's shard of every parameter comes from
 /// `source` (its rows of the full tensor), called once per parameter, in module order, and
-/// never for more than this rank's rows of one parameter. The parameters of `module` should be
-/// uninitialized (lazy): they are replaced without running their initializers, keeping their
-/// ids, devices and gradient settings. An error of the source, or data of the wrong shape,
-/// stops the load and is returned naming the parameter. Collective only in that every rank
-/// must build the same module; no communication happens.
+/// never for more than this rank's rows of one parameter. Uninitialized (lazy) parameters are
+/// replaced without running their initializers, keeping their ids, devices and gradient
+/// settings; parameters that are already initialized are sliced as `fully_shard` does. An
+/// error of the source, or data of the wrong shape, stops the load and is returned naming the
+/// parameter. Collective only in that every rank must build the same module; no communication
+/// happens.
 pub fn fully_shard_from<M: Module, E: std::fmt::Display>(
     module: M,
     config: &FsdpConfig,

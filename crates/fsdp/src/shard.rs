@@ -253,7 +253,9 @@ impl Reparameterizer for &mut Sharder<'_> {
         {
             self.error = Some(e);
         }
-        let shard = if self.source.is_some() {
+        // A sharded load reads only parameters that are still lazy: ones an earlier step (a
+        // tensor-parallel split) materialized are sliced like any other.
+        let shard = if self.source.is_some() && !param.is_initialized() {
             if self.error.is_some() {
                 // Ask the source for nothing more once a load failed.
                 return (param, None);

@@ -176,6 +176,9 @@ fn describe_body(args: &StructArgs, specs: &[FieldSpec], p: &TokenStream) -> Tok
         } else if s.nested {
             parts.push(quote!(#p::Parallelize::describe(&#field, &__p, out);));
         }
+        if s.is_tp && s.shape == Shape::Option {
+            parts.push(quote!(if #field.is_none() { out.add_absent(&__p); }));
+        }
         if let Some(style) = &s.style {
             let ctor = style.constructor(p);
             parts.push(match s.shape {

@@ -33,6 +33,8 @@ pub enum ModelError {
     Tp(#[from] burn_parallel_tp::TpError),
     #[error(transparent)]
     Fsdp(#[from] burn_parallel_fsdp::FsdpError),
+    #[error(transparent)]
+    Parallel(#[from] burn_parallel_parallelizer::ParallelError),
 }
 
 impl ModelError {

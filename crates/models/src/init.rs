@@ -2,6 +2,7 @@
 //! computes identically (Burn's RNG is process-wide, so rank threads cannot share it), or a
 //! checkpoint.
 
+use burn::module::ParamId;
 use burn::tensor::TensorData;
 
 use crate::config::LlamaConfig;
@@ -17,6 +18,9 @@ pub enum ParamKind {
     Norm,
 }
 
+/// Reads a parameter's full value later, when (if ever) the lazy parameter is materialized.
+pub type DeferredRead = Box<dyn FnOnce() -> Result<TensorData, ModelError> + Send + Sync>;
+
 /// Gives each parameter its value, by Hugging Face name, in Burn's layout (`shape`).
 pub trait TensorSource {
     fn tensor(
@@ -25,6 +29,19 @@ pub trait TensorSource {
         shape: &[usize],
         kind: ParamKind,
     ) -> Result<TensorData, ModelError>;
+
+    /// A source that defers returns how to read the parameter later (the model then holds a
+    /// lazy parameter with id `id`, so that a sharded load can ask for its rows only); the
+    /// default reads now, through [`tensor`](Self::tensor).
+    fn deferred(
+        &mut self,
+        _id: ParamId,
+        _name: &str,
+        _shape: &[usize],
+        _kind: ParamKind,
+    ) -> Result<Option<DeferredRead>, ModelError> {
+        Ok(None)
+    }
 }
 
 /// Hugging Face's initialisation (normal(0, initializer_range) weights, zero biases, unit

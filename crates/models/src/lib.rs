@@ -4,7 +4,7 @@
 //! - [`LlamaConfig`]: the model's `config.json` (transformers 4.x and 5.x).
 //! - [`Llama`]: Burn modules with `Tp<Linear>` / `Tp<Embedding>` where tensor parallelism
 //!   applies; runs unparallelized, under the `llama` / `llama-sp` tp plans, and under FSDP
-//!   with each decoder layer as one unit ([`Llama::with_fsdp_units`]).
+//!   with each decoder layer as one FSDP unit (`parallelize_model`).
 //! - [`checkpoint`]: memory-mapped safetensors loading (whole or one rank's rows) and saving
 //!   in the Hugging Face layout.
 //! - [`data`]: nanoGPT-style u16 token files, the batch convention, a synthetic corpus.
@@ -19,5 +19,5 @@ mod parallel;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use error::ModelError;
-pub use init::{ParamKind, SeededInit, TensorSource, seeded_normal};
+pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal};
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm, Rope};

@@ -3,7 +3,7 @@
 //! optional biases, tied or untied LM head. Field names are the Hugging Face module paths
 //! (the tp plans and checkpoints address parameters by them).
 
-use burn::module::{Module, Param};
+use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
@@ -239,8 +239,9 @@ impl DecoderLayer {
     }
 }
 
-/// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied.
-#[parallelize]
+/// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied. Its tp plan is the
+/// named `llama` plan (`llama-sp` with sequence parallelism).
+#[parallelize(plan = "llama")]
 #[derive(Module, Debug)]
 pub struct Llama {
     pub embed_tokens: Tp<Embedding>,
@@ -253,9 +254,6 @@ pub struct Llama {
     pub config: LlamaConfig,
     #[module(skip)]
     pub rope: Rope,
-    /// Under FSDP: run each decoder layer as one unit (`Some(prefetch)`).
-    #[module(skip)]
-    pub fsdp_units: Option<bool>,
 }
 
 fn param<const D: usize>(
@@ -265,6 +263,24 @@ fn param<const D: usize>(
     kind: ParamKind,
     device: &Device,
 ) -> Result<Param<Tensor<D>>, ModelError> {
+    let id = ParamId::new();
+    if let Some(read) = source.deferred(id, name, &shape, kind)? {
+        let name = name.to_string();
+        let init = move |device: &Device, require_grad: bool| {
+            // Reached only when a lazy model is used whole (unsharded, DDP, or a tp split);
+            // the checkpoint was validated when the model was built.
+            let data = read().unwrap_or_else(|e| panic!("loading `{name}`: {e}"));
+            let t = Tensor::<D>::from_data(data.convert_dtype(DType::F32), device);
+            if require_grad { t.require_grad() } else { t }
+        };
+        return Ok(Param::uninitialized(
+            id,
+            init,
+            device.clone(),
+            true,
+            shape.into(),
+        ));
+    }
     let data = source.tensor(name, &shape, kind)?;
     if data.shape().dims::<D>() != shape {
         return Err(ModelError::ShapeMismatch {
@@ -413,15 +429,7 @@ impl Llama {
             lm_head,
             config: config.clone(),
             rope: Rope::new(config),
-            fsdp_units: None,
         })
-    }
-
-    /// Under FSDP, run each decoder layer as one unit (one all-gather and one reduce-scatter
-    /// per layer), with the next layer's gather in flight while one computes (`prefetch`).
-    pub fn with_fsdp_units(mut self, prefetch: bool) -> Self {
-        self.fsdp_units = Some(prefetch);
-        self
     }
 
     /// Logits `[batch, seq, vocab]` of token ids `[batch, seq]`. Under tensor parallelism the
@@ -436,10 +444,8 @@ impl Llama {
         // Positions span the whole sequence: under sequence parallelism attention gathers it.
         let (cos, sin) = self.rope.cos_sin(seq, &x.device(), x.dtype());
         let layer = |l: &DecoderLayer, x: Tensor<3>| l.forward(x, &cos, &sin);
-        let x = match self.fsdp_units {
-            Some(prefetch) => burn_parallel_fsdp::forward_units(&self.layers, x, prefetch, layer)?,
-            None => self.layers.iter().fold(x, |x, l| layer(l, x)),
-        };
+        // Each decoder layer is one FSDP unit when sharded; a plain loop otherwise.
+        let x = burn_parallel_parallelizer::forward_units(&self.layers, x, layer)?;
         let x = norm(&self.norm, x);
         match &self.lm_head {
             Some(head) => Ok(head.try_forward(x)?),

@@ -20,6 +20,7 @@ pub struct MeshContext {
     sizes: MeshSizes,
     mesh: DeviceMesh,
     device: Device,
+    checkpointing: bool,
 }
 
 impl MeshContext {
@@ -41,7 +42,13 @@ impl MeshContext {
         mesh.flatten(&[&names.dp_replicate, &names.dp_shard], DP)?;
         // Burn 0.22 selects gradient checkpointing per device, and every tensor of an
         // operation must agree: inputs are built on `device()`, parameters are moved there.
-        let device = if config.activation_checkpointing {
+        // FSDP frees gathered weights after forward only on such a device (the gather is
+        // recomputed in backward), so resharding units need it too.
+        let fsdp_reshards = config.strategy != Strategy::Ddp
+            && sizes.dp_shard > 1
+            && config.reshard_after_forward != Some(false);
+        let checkpointing = config.activation_checkpointing || fsdp_reshards;
+        let device = if checkpointing {
             device.gradient_checkpointing()
         } else {
             device
@@ -51,6 +58,7 @@ impl MeshContext {
             sizes,
             mesh,
             device,
+            checkpointing,
         })
     }
 
@@ -70,10 +78,16 @@ impl MeshContext {
         &self.mesh
     }
 
-    /// The device to build inputs on: `device` as given, or its gradient-checkpointing
-    /// variant when `activation_checkpointing` is on.
+    /// The device to build inputs (and models) on: `device` as given, or its
+    /// gradient-checkpointing variant when `activation_checkpointing` is on or FSDP units
+    /// reshard after forward.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Whether [`device`](Self::device) is the gradient-checkpointing variant.
+    pub fn on_checkpointing_device(&self) -> bool {
+        self.checkpointing
     }
 
     pub fn rank(&self) -> usize {

@@ -21,6 +21,9 @@ pub struct ModelDescription {
     pub heads: Vec<HeadCount>,
     /// Activation-checkpoint units declared by `#[checkpoint]`.
     pub checkpoint_units: Vec<String>,
+    /// Optional `Tp` modules this instance does not have (`None`, as a tied LM head): entries
+    /// of a named plan that address exactly one of them are left out.
+    pub absent: Vec<String>,
 }
 
 /// The head counts of one attention module, validated against the tp size.
@@ -56,13 +59,21 @@ impl ModelDescription {
         self.checkpoint_units.push(path.to_string());
     }
 
+    pub fn add_absent(&mut self, path: &str) {
+        self.absent.push(path.to_string());
+    }
+
     /// The TP plan the model declares: its named plans (patterns prefixed by the declaring
-    /// struct's path) followed by its per-field styles. Unknown plan names are errors.
+    /// struct's path, without entries for absent optional modules) followed by its per-field
+    /// styles. Unknown plan names are errors.
     pub fn tp_plan(&self) -> Result<TpPlan, ParallelError> {
         let mut plan = TpPlan::new();
         for (path, name) in &self.named_plans {
             for (pattern, style) in TpPlan::named(name)?.entries() {
-                plan = plan.with(child_path(path, pattern), *style);
+                let full = child_path(path, pattern);
+                if !self.absent.contains(&full) {
+                    plan = plan.with(full, *style);
+                }
             }
         }
         for (path, style) in &self.tp_entries {

@@ -33,7 +33,7 @@ pub use describe::{
 };
 pub use error::ParallelError;
 pub use sidecar::{DefaultParallelizer, ModelParallelizer, fsdp_config};
-pub use step::{StepReport, global_grad_norm, train_step};
+pub use step::{StepReport, global_grad_norm, train_step, train_step_with};
 
 /// The model's own sidecar, or the default one.
 pub fn get_model_parallelizer<M: Parallelize>(_model: &M) -> M::Sidecar {
@@ -44,6 +44,33 @@ pub fn get_model_parallelizer<M: Parallelize>(_model: &M) -> M::Sidecar {
 /// every rank calls it with the same (replicated) model.
 pub fn parallelize_model<M: Parallelize>(model: M, ctx: &MeshContext) -> Result<M, ParallelError> {
     get_model_parallelizer(&model).parallelize(model, ctx)
+}
+
+/// [`parallelize_model`] for a model whose parameters are lazy (uninitialized, as a model
+/// built to be loaded has them): every FSDP-sharded parameter that is still lazy gets this
+/// rank's rows from `source` (Burn's module path, id, full shape and row range of the
+/// parameter), so no rank materializes the full model. Tensor parallelism, when asked, runs
+/// first and materializes one full parameter at a time before slicing it; DDP replicates, so
+/// every rank materializes everything. FSDP units are the model's declared ones (a sidecar's
+/// `apply_fsdp_sharding` and `fully_shard_module` overrides are not used on this path). Build
+/// the lazy model on [`MeshContext::device`].
+pub fn parallelize_model_from<M: Parallelize, E: std::fmt::Display>(
+    model: M,
+    ctx: &MeshContext,
+    mut source: impl FnMut(&burn_parallel_fsdp::RowRequest) -> Result<burn::tensor::TensorData, E>,
+) -> Result<M, ParallelError> {
+    let sidecar = get_model_parallelizer(&model);
+    context::set_prefetch(ctx.config().enable_fsdp2_prefetch);
+    match ctx.strategy() {
+        Strategy::Ddp => ddp::replicate(model, ctx),
+        Strategy::MegatronFsdp => Err(ParallelError::NotSupported("strategy megatron_fsdp".into())),
+        Strategy::Fsdp2 | Strategy::Hsdp => {
+            let (model, description) = sidecar::tp_then_device(&sidecar, model, ctx)?;
+            let mut source =
+                |r: &burn_parallel_fsdp::RowRequest| source(r).map_err(|e| e.to_string());
+            sidecar::shard_units(&sidecar, model, &description, ctx, Some(&mut source))
+        }
+    }
 }
 
 /// Burn fuses kernels when the backend has fusion (CUDA through burn-fusion). The CPU backends

@@ -3,8 +3,8 @@
 //! every hook it does not override falls back to the default flow below.
 
 use burn::module::{Module, ModuleMapper, Param};
-use burn::tensor::Tensor;
-use burn_parallel_fsdp::{FsdpConfig, fully_shard};
+use burn::tensor::{Tensor, TensorData};
+use burn_parallel_fsdp::{FsdpConfig, RowRequest, fully_shard, fully_shard_from};
 use burn_parallel_tp::{TpApplier, TpModule, TpPlan, local_heads};
 
 use crate::config::Strategy;
@@ -39,19 +39,7 @@ pub trait ModelParallelizer {
     where
         Self: Sized,
     {
-        let mut description = ModelDescription::default();
-        model.describe("", &mut description);
-        let model = if ctx.sizes().tp > 1 {
-            self.validate_tp_mesh(&description, ctx)?;
-            self.apply_tp(model, &description, ctx)?
-        } else {
-            model
-        };
-        let model = if ctx.config().activation_checkpointing {
-            self.use_full_layer_activation_checkpointing(model, ctx)?
-        } else {
-            model
-        };
+        let (model, description) = tp_then_device(self, model, ctx)?;
         self.apply_fsdp_sharding(model, &description, ctx)
     }
 
@@ -125,20 +113,7 @@ pub trait ModelParallelizer {
     where
         Self: Sized,
     {
-        let base = fsdp_config(ctx);
-        let explicit = ctx.config().reshard_after_forward;
-        let last = description.units.last().cloned();
-        let mut sharder = UnitSharder {
-            sidecar: self,
-            base: &base,
-            reshard: |path: &str| explicit.unwrap_or(Some(path) != last.as_deref()),
-        };
-        let model = model.map_units("", &mut sharder)?;
-        let model = self.fully_shard_untied_input_output_embeddings(model, description, ctx)?;
-        let root = base
-            .clone()
-            .reshard_after_forward(explicit.unwrap_or(false));
-        self.fully_shard_module(model, &root)
+        shard_units(self, model, description, ctx, None)
     }
 
     /// NeMo gives large untied, trainable embedding and LM-head tables their own units. Here
@@ -195,19 +170,105 @@ fn sequence_parallel_variant(
     description.tp_plan()
 }
 
-struct UnitSharder<'a, S, R> {
+/// Where a sharded load gets each rank's rows of a parameter that is still lazy.
+pub(crate) type RowSource<'a> = &'a mut dyn FnMut(&RowRequest) -> Result<TensorData, String>;
+
+/// The dense flow up to FSDP: the model's description, tensor parallelism when the mesh has
+/// a tp dimension, then the move to the context's device.
+pub(crate) fn tp_then_device<S: ModelParallelizer, M: Parallelize>(
+    sidecar: &S,
+    model: M,
+    ctx: &MeshContext,
+) -> Result<(M, ModelDescription), ParallelError> {
+    let mut description = ModelDescription::default();
+    model.describe("", &mut description);
+    let model = if ctx.sizes().tp > 1 {
+        sidecar.validate_tp_mesh(&description, ctx)?;
+        sidecar.apply_tp(model, &description, ctx)?
+    } else {
+        model
+    };
+    Ok((move_to_context_device(sidecar, model, ctx)?, description))
+}
+
+/// Activation checkpointing when asked, else the move to the context's checkpointing device
+/// that resharding FSDP units need (Burn frees a gathered weight after forward only there).
+fn move_to_context_device<S: ModelParallelizer, M: Module>(
+    sidecar: &S,
+    model: M,
+    ctx: &MeshContext,
+) -> Result<M, ParallelError> {
+    if ctx.config().activation_checkpointing {
+        sidecar.use_full_layer_activation_checkpointing(model, ctx)
+    } else if ctx.on_checkpointing_device() {
+        Ok(model.map(&mut ToCheckpointing))
+    } else {
+        Ok(model)
+    }
+}
+
+/// The default unit boundaries (see [`ModelParallelizer::apply_fsdp_sharding`]). With a row
+/// source, lazy parameters are read rather than sliced, bypassing `fully_shard_module`.
+pub(crate) fn shard_units<S: ModelParallelizer, M: Parallelize>(
+    sidecar: &S,
+    model: M,
+    description: &ModelDescription,
+    ctx: &MeshContext,
+    mut source: Option<RowSource>,
+) -> Result<M, ParallelError> {
+    let base = fsdp_config(ctx);
+    let explicit = ctx.config().reshard_after_forward;
+    let last = description.units.last().cloned();
+    let mut sharder = UnitSharder {
+        sidecar,
+        base: &base,
+        reshard: |path: &str| explicit.unwrap_or(Some(path) != last.as_deref()),
+        source: source.as_deref_mut(),
+    };
+    let model = model.map_units("", &mut sharder)?;
+    let model = sidecar.fully_shard_untied_input_output_embeddings(model, description, ctx)?;
+    let root = base
+        .clone()
+        .reshard_after_forward(explicit.unwrap_or(false));
+    shard_one(sidecar, model, &root, source)
+}
+
+fn shard_one<S, N, F>(
+    sidecar: &S,
+    module: N,
+    config: &FsdpConfig,
+    source: Option<&mut F>,
+) -> Result<N, ParallelError>
+where
+    S: ModelParallelizer,
+    N: Module,
+    F: FnMut(&RowRequest) -> Result<TensorData, String> + ?Sized,
+{
+    match source {
+        Some(source) => Ok(fully_shard_from(module, config, source)?),
+        None => sidecar.fully_shard_module(module, config),
+    }
+}
+
+struct UnitSharder<'a, S, R, F: ?Sized> {
     sidecar: &'a S,
     base: &'a FsdpConfig,
     reshard: R,
+    source: Option<&'a mut F>,
 }
 
-impl<S: ModelParallelizer, R: Fn(&str) -> bool> UnitMap for UnitSharder<'_, S, R> {
+impl<S, R, F> UnitMap for UnitSharder<'_, S, R, F>
+where
+    S: ModelParallelizer,
+    R: Fn(&str) -> bool,
+    F: FnMut(&RowRequest) -> Result<TensorData, String> + ?Sized,
+{
     fn unit<N: Module>(&mut self, path: &str, module: N) -> Result<N, ParallelError> {
         let config = self
             .base
             .clone()
             .reshard_after_forward((self.reshard)(path));
-        self.sidecar.fully_shard_module(module, &config)
+        shard_one(self.sidecar, module, &config, self.source.as_deref_mut())
     }
 }
 
@@ -217,6 +278,11 @@ struct ToCheckpointing;
 
 impl ModuleMapper for ToCheckpointing {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if !param.is_initialized() {
+            // A lazy parameter moves without being read (a sharded load reads only its rows).
+            let device = param.lazy_device().gradient_checkpointing();
+            return param.to_device(&device);
+        }
         param.map(|t| {
             let trainable = t.is_require_grad();
             let device = t.device().gradient_checkpointing();

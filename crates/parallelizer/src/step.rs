@@ -42,6 +42,22 @@ pub fn train_step<M: Module + TpModule>(
     max_grad_norm: Option<f32>,
     ctx: &MeshContext,
 ) -> Result<(M, StepReport), ParallelError> {
+    train_step_with(model, loss, max_grad_norm, ctx, |model, grads| {
+        let grads = GradientsParams::from_grads(grads, &model);
+        optimizer.step(lr, model, grads)
+    })
+}
+
+/// [`train_step`] with any optimizer: `optimizer_step` receives the model and its
+/// synchronized, averaged and clipped gradients (of this rank's shards under FSDP) and returns
+/// the updated model.
+pub fn train_step_with<M: Module + TpModule>(
+    model: M,
+    loss: Tensor<1>,
+    max_grad_norm: Option<f32>,
+    ctx: &MeshContext,
+    optimizer_step: impl FnOnce(M, Gradients) -> M,
+) -> Result<(M, StepReport), ParallelError> {
     let local_loss = scalar(loss.clone().detach().into_data());
     let mut grads = loss.backward();
     model.sync_tp_grads(&mut grads)?;
@@ -65,8 +81,7 @@ pub fn train_step<M: Module + TpModule>(
         ctx.dp_group()
             .all_reduce(TensorData::new(vec![local_loss], [1]), ReduceOp::Avg)?,
     );
-    let grads = GradientsParams::from_grads(grads, &model);
-    let model = optimizer.step(lr, model, grads);
+    let model = optimizer_step(model, grads);
     Ok((model, StepReport { loss, grad_norm }))
 }
 

@@ -3,7 +3,7 @@
 //! the target logit. The two sums use `reduce_from_group` (identity backward), which is
 //! exact because every rank computes the same replicated loss from them.
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use burn_parallel_dist::collectives as coll;
 use burn_parallel_dist::{ProcessGroup, ReduceOp};
 
@@ -74,8 +74,11 @@ fn token_losses(
         .lower_elem(start)
         .bool_or(targets.clone().greater_equal_elem(end));
     let idx = targets.sub_scalar(start).mask_fill(outside.clone(), 0);
-    let picked = shifted.gather(1, idx.unsqueeze_dim::<2>(1))
-        * outside.bool_not().float().unsqueeze_dim::<2>(1);
+    let keep = outside
+        .bool_not()
+        .float()
+        .cast(FloatDType::from(shifted.dtype()));
+    let picked = shifted.gather(1, idx.unsqueeze_dim::<2>(1)) * keep.unsqueeze_dim::<2>(1);
     let target = coll::reduce_from_group(picked, group).map_err(TpError::collective(path))?;
 
     Ok((sum_exp.log() - target).squeeze_dim::<1>(1))

@@ -8,7 +8,7 @@ use burn::module::{
     ModuleVisitor,
 };
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{DType, Device, Int, Tensor};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor};
 use burn_parallel_dist::ProcessGroup;
 use burn_parallel_dist::collectives as coll;
 
@@ -245,8 +245,15 @@ impl Tp<Embedding> {
             .lower_elem(start)
             .bool_or(ids.clone().greater_equal_elem(end));
         let local = ids.sub_scalar(start).mask_fill(outside.clone(), 0);
-        let keep = outside.bool_not().float().unsqueeze_dim::<3>(2);
-        let partial = self.inner.forward(local) * keep;
+        let partial = self.inner.forward(local);
+        // The mask in the activations' dtype (bf16 under mixed precision): Burn rejects
+        // mixed-dtype products.
+        let keep = outside
+            .bool_not()
+            .float()
+            .cast(FloatDType::from(partial.dtype()))
+            .unsqueeze_dim::<3>(2);
+        let partial = partial * keep;
         s.leave(partial)
     }
 

@@ -14,6 +14,8 @@ pub enum TrainError {
     Collective(#[from] burn_parallel_dist::CollectiveError),
     #[error(transparent)]
     Mesh(#[from] burn_parallel_dist::MeshError),
+    #[error(transparent)]
+    Parallel(#[from] burn_parallel_parallelizer::ParallelError),
     #[error("training failed: {0}")]
     Ranks(String),
 }

@@ -2,21 +2,25 @@
 //! fsdp2_tp) with rank threads, and reports every step. `examples/train_llama.rs` is a thin
 //! command line over [`train`].
 //!
+//! Strategies come from `burn_parallel_parallelizer`: the flags become a `DistributedConfig`
+//! ([`Layout::distributed_config`]), `parallelize_model` shards the model (lazily loaded from a
+//! checkpoint: each FSDP rank reads its own rows) and `train_step_with` runs backward, the
+//! gradient reductions, clipping and this crate's PyTorch-exact optimizers.
+//!
 //! Numerics: the loss is the mean token cross-entropy over the GLOBAL batch. Each rank's loss
-//! is its tokens' summed cross-entropy divided by the global token count, and every gradient
-//! reduction (FSDP's reduce-scatter, the replica all-reduce of HSDP and DDP) sums, so the
+//! is its tokens' share of it times dp, and the data-parallel reductions average, so the
 //! gradient is exactly the global mean's, also when ranks hold different numbers of rows.
 
 mod config;
 mod error;
+mod layout;
 mod optim;
-mod parallelize;
 mod state;
 mod trainer;
 
 pub use config::{Backend, OptimizerKind, Precision, Strategy, TrainConfig};
 pub use error::TrainError;
+pub use layout::Layout;
 pub use optim::{AdamW, Optimizer, Sgd};
-pub use parallelize::{Layout, parallelize};
-pub use state::{global_grad_norm, model_state_bytes};
+pub use state::model_state_bytes;
 pub use trainer::{StepReport, TrainSummary, train};

@@ -1,24 +1,29 @@
-//! The training loop: rank threads, each builds the same model, parallelizes it, and trains on
-//! its rows of every global batch; rank 0 reports each step.
+//! The training loop: rank threads, each builds the same model, parallelizes it with
+//! `parallelize_model`, and trains on its rows of every global batch with `train_step`; rank 0
+//! reports each step.
 
 use std::path::Path;
 use std::time::Instant;
 
+use burn::tensor::Gradients;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
-use burn_parallel_dist::{DeviceMesh, MeshShape, ReduceOp, launch};
-use burn_parallel_fsdp::gather_full;
-use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, load_llama, save_llama};
+use burn_parallel_dist::launch;
+use burn_parallel_fsdp::{RowRequest, gather_full};
+use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, load_llama, save_llama};
 use burn_parallel_models::data::{TokenData, dp_rows};
 use burn_parallel_models::{Llama, LlamaConfig};
-use burn_parallel_tp::{TpModule, loss_parallel};
+use burn_parallel_parallelizer::{
+    MeshContext, parallelize_model, parallelize_model_from, train_step_with,
+};
+use burn_parallel_tp::loss_parallel;
 use serde::Serialize;
 
 use crate::config::{OptimizerKind, TrainConfig};
 use crate::error::TrainError;
+use crate::layout::Layout;
 use crate::optim::{AdamW, Optimizer, Sgd};
-use crate::parallelize::{Layout, parallelize};
-use crate::state::{global_grad_norm, model_state_bytes};
+use crate::state::model_state_bytes;
 
 /// One step as rank 0 saw it; what `--json` prints.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -112,17 +117,32 @@ pub fn train(
 type RankResult = (Vec<StepReport>, u64, u64);
 
 /// One optimizer step on the whole model.
-type StepFn = Box<dyn FnMut(Llama, &burn::tensor::Gradients) -> Llama>;
+type StepFn = Box<dyn FnMut(Llama, &Gradients) -> Llama>;
 
+/// This rank's model: a plain one for an f32 `single` run, else parallelized. A checkpoint is
+/// loaded lazily, so each FSDP rank reads only its rows of each parameter.
 fn build_model(
     cfg: &TrainConfig,
     model_cfg: &LlamaConfig,
-    device: &burn::tensor::Device,
+    layout: &Layout,
+    mesh: &MeshContext,
 ) -> Result<Llama, TrainError> {
-    match &cfg.checkpoint {
-        Some(dir) => Ok(load_llama(dir, device)?),
-        None => Ok(Llama::seeded(model_cfg, cfg.seed, device)),
+    let device = mesh.device();
+    if !layout.parallelized(cfg) {
+        return Ok(match &cfg.checkpoint {
+            Some(dir) => load_llama(dir, device)?,
+            None => Llama::seeded(model_cfg, cfg.seed, device),
+        });
     }
+    Ok(match &cfg.checkpoint {
+        Some(dir) => {
+            let (model, rows) = lazy_llama(dir, device)?;
+            parallelize_model_from(model, mesh, |r: &RowRequest| {
+                rows.read(r.id, r.rows.clone())
+            })?
+        }
+        None => parallelize_model(Llama::seeded(model_cfg, cfg.seed, device), mesh)?,
+    })
 }
 
 fn run_rank(
@@ -133,20 +153,13 @@ fn run_rank(
     ctx: burn_parallel_dist::RankContext,
     on_step: &(dyn Fn(&StepReport) + Sync),
 ) -> Result<RankResult, TrainError> {
-    let shape = MeshShape::new(&[
-        (Layout::DIMS[0], layout.replicate),
-        (Layout::DIMS[1], layout.shard),
-        (Layout::DIMS[2], layout.tp),
-    ])?;
-    let mut mesh = DeviceMesh::new(&ctx, shape)?;
-    let dp_group = mesh.flatten(&["dp_replicate", "dp_shard"], "dp")?.clone();
-    let dp_rank = mesh.coord("dp_replicate")? * layout.shard + mesh.coord("dp_shard")?;
-    let is_root = ctx.rank() == 0;
-
-    let fsdp = layout.uses_fsdp(cfg);
-    let device = cfg.backend.device(fsdp && cfg.reshard_after_forward);
-    let model = build_model(cfg, model_cfg, &device)?;
-    let mut model = parallelize(model, cfg, layout, &mesh)?;
+    let mesh = MeshContext::new(
+        &ctx,
+        layout.distributed_config(cfg),
+        cfg.backend.device(false),
+    )?;
+    let device = mesh.device().clone();
+    let mut model = build_model(cfg, model_cfg, layout, &mesh)?;
 
     let mut optimizer: StepFn = match cfg.optimizer {
         OptimizerKind::Sgd => {
@@ -165,10 +178,10 @@ fn run_rank(
     let my_state = model_state_bytes(&model, states);
     let peak_state = max_over_world(&ctx, my_state)?;
 
-    let rows = dp_rows(cfg.global_batch, layout.dp(), dp_rank);
+    let (dp, dp_rank) = (layout.dp(), mesh.dp_rank());
+    let rows = dp_rows(cfg.global_batch, dp, dp_rank);
     let global_tokens = (cfg.global_batch * cfg.seq_len) as f32;
     let vocab = model_cfg.vocab_size;
-    let tp_group = mesh.group("tp")?.clone();
     let stats_before = ctx.stats();
     let mut reports = Vec::with_capacity(cfg.steps);
     for step in 0..cfg.steps {
@@ -181,37 +194,32 @@ fn run_rank(
         let logits = model.try_forward(ids)?.cast(FloatDType::F32);
         let local_vocab = logits.dims()[2];
         let logits = logits.reshape([b * t, local_vocab]);
-        // This rank's tokens' share of the global mean.
+        // This rank's tokens' share of the global mean, times dp: `train_step` averages the
+        // data-parallel ranks, so the average is the global mean also with uneven rows.
+        let share = b as f32 * t as f32 / global_tokens * dp as f32;
         let loss = if layout.tp > 1 {
-            loss_parallel(logits, targets, &tp_group, vocab)?
-                .mul_scalar(b as f32 * t as f32 / global_tokens)
+            loss_parallel(logits, targets, mesh.tp_group(), vocab)?.mul_scalar(share)
         } else {
             log_softmax(logits, 1)
                 .gather(1, targets.unsqueeze_dim::<2>(1))
-                .sum()
+                .mean()
                 .neg()
-                .div_scalar(global_tokens)
+                .mul_scalar(share)
                 .reshape([1])
         };
-        let local_loss = loss.clone().detach().into_data();
-        let mut grads = loss.backward();
-        if layout.tp > 1 {
-            model.sync_tp_grads(&mut grads)?;
-        }
-        let grad_norm = global_grad_norm(&model, &mut grads, &mesh, cfg.grad_clip)?;
-        model = optimizer(model, &grads);
-        let global = dp_group.all_reduce(local_loss, ReduceOp::Sum)?;
-        let loss_value = global.as_slice::<f32>().expect("f32 loss")[0];
+        let (next, done) =
+            train_step_with(model, loss, cfg.grad_clip, &mesh, |m, g| optimizer(m, &g))?;
+        model = next;
         let step_time_s = start.elapsed().as_secs_f64();
         let report = StepReport {
             step,
-            loss: loss_value,
-            grad_norm,
+            loss: done.loss,
+            grad_norm: done.grad_norm,
             step_time_s,
             tokens_per_s: global_tokens as f64 / step_time_s.max(1e-12),
             peak_model_state_bytes_per_rank: peak_state,
         };
-        if is_root {
+        if ctx.rank() == 0 {
             on_step(&report);
         }
         reports.push(report);
@@ -220,7 +228,7 @@ fn run_rank(
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / cfg.steps as u64;
 
     if let Some(dir) = &cfg.save {
-        save(model, fsdp, model_cfg, dir, is_root)?;
+        save(model, layout.sharded(cfg), model_cfg, dir, ctx.rank() == 0)?;
     }
     Ok((reports, my_state, comm_per_step))
 }

@@ -4,8 +4,10 @@
 //! read, so a rank that reads its own slices holds its shard plus one tensor at most.
 //! Hugging Face Linear weights are `[out, in]`, Burn's `[in, out]`: loading transposes.
 
+mod lazy;
 mod reader;
 mod writer;
 
+pub use lazy::{CheckpointRows, lazy_llama};
 pub use reader::{CheckpointSource, HfCheckpoint, load_llama};
 pub use writer::{SaveDtype, hf_tensors, save_llama};

@@ -216,6 +216,38 @@ impl HfCheckpoint {
             })
     }
 
+    /// Fails unless `name` is stored with the shape a parameter of Burn shape `shape` needs
+    /// (Linear weights transposed).
+    pub fn check_param_shape(
+        &self,
+        name: &str,
+        shape: &[usize],
+        kind: ParamKind,
+    ) -> Result<(), ModelError> {
+        let (_, stored) = self.info(name)?;
+        let expected: Vec<usize> = match kind {
+            ParamKind::LinearWeight => shape.iter().rev().copied().collect(),
+            _ => shape.to_vec(),
+        };
+        if stored != expected {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_string(),
+                found: stored,
+                expected,
+            });
+        }
+        Ok(())
+    }
+
+    /// A whole parameter in Burn's layout.
+    pub fn read_param(&self, name: &str, kind: ParamKind) -> Result<TensorData, ModelError> {
+        let data = self.read(name)?;
+        Ok(match kind {
+            ParamKind::LinearWeight => transpose(data),
+            _ => data,
+        })
+    }
+
     /// A parameter's rows in Burn's layout (what FSDP keeps on one rank): for a Linear weight
     /// (Burn `[in, out]`) these are columns of the Hugging Face `[out, in]` tensor, transposed.
     pub fn read_param_rows(
@@ -298,23 +330,8 @@ impl TensorSource for CheckpointSource<'_> {
         shape: &[usize],
         kind: ParamKind,
     ) -> Result<TensorData, ModelError> {
-        let (_, stored) = self.checkpoint.info(name)?;
-        let expected: Vec<usize> = match kind {
-            ParamKind::LinearWeight => shape.iter().rev().copied().collect(),
-            _ => shape.to_vec(),
-        };
-        if stored != expected {
-            return Err(ModelError::ShapeMismatch {
-                name: name.to_string(),
-                found: stored,
-                expected,
-            });
-        }
-        let data = self.checkpoint.read(name)?;
-        Ok(match kind {
-            ParamKind::LinearWeight => transpose(data),
-            _ => data,
-        })
+        self.checkpoint.check_param_shape(name, shape, kind)?;
+        self.checkpoint.read_param(name, kind)
     }
 }
 

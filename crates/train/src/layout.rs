@@ -1,12 +1,11 @@
-//! Every strategy's wiring in one place (what the parallelizer's `parallelize_model` will
-//! replace): the mesh sizes a strategy uses, and turning one replicated model into this
-//! rank's parallel model.
+//! What each strategy flag means: the mesh sizes it uses on `--world-size` ranks, checked
+//! before any rank starts, and the `DistributedConfig` that `parallelize_model` runs it with.
 
-use burn::tensor::{DType, FloatDType};
-use burn_parallel_dist::DeviceMesh;
-use burn_parallel_fsdp::{FsdpConfig, MixedPrecisionPolicy, fully_shard};
-use burn_parallel_models::{Llama, LlamaConfig};
-use burn_parallel_tp::{TpApplier, TpModule, local_heads};
+use burn_parallel_models::LlamaConfig;
+use burn_parallel_parallelizer::{
+    DistributedConfig, Dtype, MixedPrecisionConfig, Strategy as DataParallel,
+};
+use burn_parallel_tp::local_heads;
 
 use crate::config::{Precision, Strategy, TrainConfig};
 use crate::error::TrainError;
@@ -28,8 +27,6 @@ impl Layout {
     pub fn dp(&self) -> usize {
         self.replicate * self.shard
     }
-
-    pub const DIMS: [&'static str; 3] = ["dp_replicate", "dp_shard", "tp"];
 
     /// The sizes `strategy` uses on `cfg.world_size` ranks, or an error naming the size it
     /// cannot use.
@@ -103,9 +100,11 @@ impl Layout {
                 }
             }
         };
-        if layout.tp > 1 && (cfg.param_dtype == Precision::Bf16) {
-            // Tp<Embedding>'s vocab mask is f32 and Burn rejects mixed-dtype ops.
-            return bad("bf16 compute with tensor parallelism is not supported yet (the vocab-parallel embedding mixes bf16 and f32); use --param-dtype f32".into());
+        if !matches!(cfg.tp_plan.as_str(), "llama" | "llama-sp") {
+            return bad(format!(
+                "unknown tp plan `{}` (llama or llama-sp)",
+                cfg.tp_plan
+            ));
         }
         if layout.tp > 1 {
             local_heads(
@@ -130,59 +129,57 @@ impl Layout {
         Ok(layout)
     }
 
-    /// Whether the model goes through `fully_shard` (also on one rank, for the mixed-precision
-    /// policy).
-    pub fn uses_fsdp(&self, cfg: &TrainConfig) -> bool {
-        self.dp() > 1 || cfg.param_dtype == Precision::Bf16 || cfg.reduce_dtype == Precision::Bf16
+    /// Whether the model goes through `parallelize_model`: every strategy but an f32 `single`
+    /// run, which trains the plain model (the reference the others are compared against).
+    pub fn parallelized(&self, cfg: &TrainConfig) -> bool {
+        self.world() > 1 || mixed_precision(cfg)
     }
-}
 
-fn dtype(p: Precision) -> Option<FloatDType> {
-    match p {
-        Precision::F32 => None,
-        Precision::Bf16 => Some(FloatDType::BF16),
+    /// Whether parameters are FSDP-sharded (to be gathered before saving): everything
+    /// parallelized except plain DDP.
+    pub fn sharded(&self, cfg: &TrainConfig) -> bool {
+        self.parallelized(cfg) && self.data_parallel(cfg) != DataParallel::Ddp
     }
-}
 
-/// This rank's parallel model. Every rank calls it with the same replicated model.
-/// - tp > 1: the `llama` / `llama-sp` plan over the tp group (gradients of replicated
-///   parameters in the sequence-parallel region reduced in the reduce dtype);
-/// - then, with data parallelism or mixed precision, `fully_shard` over dp_shard (HSDP: plus
-///   an all-reduce across dp_replicate; DDP is the case of a 1-rank shard group), each decoder
-///   layer one FSDP unit with forward prefetch.
-pub fn parallelize(
-    model: Llama,
-    cfg: &TrainConfig,
-    layout: &Layout,
-    mesh: &DeviceMesh,
-) -> Result<Llama, TrainError> {
-    let mut model = model;
-    if layout.tp > 1 {
-        let plan = model.tp_plan(&cfg.tp_plan)?;
-        let mut cx = TpApplier::new(&plan, mesh.group("tp")?);
-        if cfg.reduce_dtype == Precision::Bf16 {
-            cx = cx.with_reduce_dtype(DType::BF16);
+    /// DDP replicates f32 parameters; with a mixed-precision policy it runs as HSDP with
+    /// one-rank shard groups (PyTorch's `replicate` is FSDP with a shard size of one).
+    fn data_parallel(&self, cfg: &TrainConfig) -> DataParallel {
+        match cfg.strategy {
+            Strategy::Ddp if !mixed_precision(cfg) => DataParallel::Ddp,
+            Strategy::Ddp | Strategy::Hsdp if self.replicate > 1 => DataParallel::Hsdp,
+            _ => DataParallel::Fsdp2,
         }
-        model = model.apply_tp("", &mut cx)?;
-        cx.finish().check_entries()?;
     }
-    if layout.uses_fsdp(cfg) {
-        let shard = mesh.group("dp_shard")?.clone();
-        let fsdp = if layout.replicate > 1 {
-            FsdpConfig::hybrid(shard, mesh.group("dp_replicate")?.clone())
-        } else {
-            FsdpConfig::new(shard)
+
+    /// The parallelizer's config for this run.
+    pub fn distributed_config(&self, cfg: &TrainConfig) -> DistributedConfig {
+        let dtype = |p: Precision| match p {
+            Precision::F32 => None,
+            Precision::Bf16 => Some(Dtype::Bf16),
         };
-        let policy = MixedPrecisionPolicy {
-            param_dtype: dtype(cfg.param_dtype),
-            reduce_dtype: dtype(cfg.reduce_dtype),
-            output_dtype: None,
-            cast_forward_inputs: true,
-        };
-        let fsdp = fsdp
-            .reshard_after_forward(cfg.reshard_after_forward)
-            .mixed_precision(policy);
-        model = fully_shard(model, &fsdp)?.with_fsdp_units(cfg.prefetch);
+        let strategy = self.data_parallel(cfg);
+        let ddp = strategy == DataParallel::Ddp;
+        DistributedConfig {
+            strategy,
+            world_size: Some(self.world()),
+            // DDP's data-parallel group is the whole dp dimension.
+            dp_size: Some(if ddp { self.dp() } else { self.shard }),
+            dp_replicate_size: if ddp { 1 } else { self.replicate },
+            tp_size: self.tp,
+            sequence_parallel: self.tp > 1 && cfg.tp_plan == "llama-sp",
+            mp_policy: MixedPrecisionConfig {
+                param_dtype: dtype(cfg.param_dtype),
+                reduce_dtype: dtype(cfg.reduce_dtype),
+                output_dtype: None,
+                cast_forward_inputs: true,
+            },
+            reshard_after_forward: Some(cfg.reshard_after_forward),
+            enable_fsdp2_prefetch: cfg.prefetch,
+            ..DistributedConfig::default()
+        }
     }
-    Ok(model)
+}
+
+fn mixed_precision(cfg: &TrainConfig) -> bool {
+    cfg.param_dtype == Precision::Bf16 || cfg.reduce_dtype == Precision::Bf16
 }

@@ -1,0 +1,92 @@
+//! A Llama whose parameters stay in the checkpoint until asked for: each is a lazy Burn
+//! parameter that knows its Hugging Face name, so a sharded load (FSDP) reads only this
+//! rank's rows of it, and any use of a whole parameter reads just that tensor.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::module::ParamId;
+use burn::tensor::{Device, TensorData};
+
+use crate::config::LlamaConfig;
+use crate::error::ModelError;
+use crate::init::{DeferredRead, ParamKind, TensorSource};
+use crate::llama::Llama;
+
+use super::{CheckpointSource, HfCheckpoint};
+
+/// Where each lazy parameter of a [`lazy_llama`] lives in its checkpoint.
+#[derive(Debug, Clone)]
+pub struct CheckpointRows {
+    checkpoint: Arc<HfCheckpoint>,
+    names: HashMap<ParamId, (String, ParamKind)>,
+}
+
+impl CheckpointRows {
+    /// Rows `rows` of parameter `id` in Burn's layout (dim 0 of a Linear weight is its input
+    /// dimension: columns of the stored `[out, in]` tensor).
+    pub fn read(&self, id: ParamId, rows: Range<usize>) -> Result<TensorData, ModelError> {
+        let (name, kind) = self.names.get(&id).ok_or_else(|| ModelError::Checkpoint {
+            path: self.checkpoint.dir().to_path_buf(),
+            reason: format!("parameter {id} is not one of this checkpoint's Llama parameters"),
+        })?;
+        self.checkpoint.read_param_rows(name, *kind, rows)
+    }
+
+    /// The Hugging Face name of parameter `id`.
+    pub fn name(&self, id: ParamId) -> Option<&str> {
+        self.names.get(&id).map(|(n, _)| n.as_str())
+    }
+}
+
+struct Deferred {
+    checkpoint: Arc<HfCheckpoint>,
+    names: HashMap<ParamId, (String, ParamKind)>,
+}
+
+impl TensorSource for Deferred {
+    fn tensor(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        kind: ParamKind,
+    ) -> Result<TensorData, ModelError> {
+        let checkpoint = &self.checkpoint;
+        CheckpointSource { checkpoint }.tensor(name, shape, kind)
+    }
+
+    fn deferred(
+        &mut self,
+        id: ParamId,
+        name: &str,
+        shape: &[usize],
+        kind: ParamKind,
+    ) -> Result<Option<DeferredRead>, ModelError> {
+        self.checkpoint.check_param_shape(name, shape, kind)?;
+        self.names.insert(id, (name.to_string(), kind));
+        let (checkpoint, name) = (self.checkpoint.clone(), name.to_string());
+        Ok(Some(Box::new(move || checkpoint.read_param(&name, kind))))
+    }
+}
+
+/// `dir`'s Llama with every parameter lazy (shapes checked, nothing read), and where each one
+/// lives, for `parallelize_model_from`.
+pub fn lazy_llama(
+    dir: impl AsRef<Path>,
+    device: &Device,
+) -> Result<(Llama, CheckpointRows), ModelError> {
+    let dir = dir.as_ref();
+    let config = LlamaConfig::load(dir)?;
+    let mut source = Deferred {
+        checkpoint: Arc::new(HfCheckpoint::open(dir)?),
+        names: HashMap::new(),
+    };
+    let model = Llama::from_source(&config, &mut source, device)?;
+    let rows = CheckpointRows {
+        checkpoint: source.checkpoint,
+        names: source.names,
+    };
+    Ok((model, rows))
+}
