@@ -3,6 +3,7 @@
 mod common;
 
 mod brute;
+mod collective_cases;
 mod collective_props;
 mod differentiable;
 mod failures;

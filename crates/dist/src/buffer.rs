@@ -37,6 +37,17 @@ pub fn output_buffer(len: usize) -> Vec<u8> {
     buffer
 }
 
+/// A zero-filled byte vector of `len` bytes for a library to write into (a receive buffer).
+/// Large zeroed allocations come from fresh pages that the kernel zeroes when first touched,
+/// so this costs no more than `output_buffer`.
+pub fn zeroed_buffer(len: usize) -> Vec<u8> {
+    let buffer = vec![0u8; len];
+    if len >= HUGE_PAGE_THRESHOLD {
+        advise_huge_pages(buffer.as_ptr(), len);
+    }
+    buffer
+}
+
 #[cfg(target_os = "linux")]
 fn advise_huge_pages(ptr: *const u8, len: usize) {
     const HUGE_PAGE: usize = 2 << 20;

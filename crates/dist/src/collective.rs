@@ -11,7 +11,9 @@ use crate::error::CollectiveError;
 use crate::stats::CommStats;
 
 /// The kinds of operation, as counted in [`CommStats`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub enum OpKind {
     AllReduce,
     AllGather,
@@ -173,8 +175,9 @@ impl Collective {
     }
 }
 
-/// The parts of a call that other ranks' calls in the same slot must agree with.
-#[derive(Debug, Clone, PartialEq)]
+/// The parts of a call that other ranks' calls in the same slot must agree with. Serializable,
+/// so that engines whose ranks do not share memory can exchange and compare them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Signature {
     pub kind: OpKind,
     pub dtype: Option<DType>,
@@ -227,6 +230,55 @@ impl Signature {
             _ => a == b,
         }
     }
+}
+
+/// The error for two members (positions `a` and `b` in the group) that issued incompatible calls
+/// in call `seq`: every engine reports a mismatch in these words.
+pub(crate) fn mismatch(
+    info: &GroupInfo,
+    seq: u64,
+    (a, call_a): (usize, &Signature),
+    (b, call_b): (usize, &Signature),
+) -> CollectiveError {
+    CollectiveError::Mismatch {
+        group: info.label.clone(),
+        seq,
+        rank_a: info.ranks[a],
+        call_a: call_a.to_string(),
+        rank_b: info.ranks[b],
+        call_b: call_b.to_string(),
+    }
+}
+
+/// Checks that the slices an all_to_all delivers to one member (`shapes`, in source order) can
+/// be concatenated along `concat_dim`: they must agree on every other dimension.
+pub(crate) fn check_all_to_all_pieces(
+    info: &GroupInfo,
+    seq: u64,
+    shapes: &[&[usize]],
+    concat_dim: usize,
+) -> Result<(), CollectiveError> {
+    let reference = shapes[0];
+    for (src, shape) in shapes.iter().enumerate() {
+        let agrees = shape
+            .iter()
+            .zip(reference)
+            .enumerate()
+            .all(|(d, (a, b))| d == concat_dim || a == b);
+        if !agrees {
+            return Err(CollectiveError::Mismatch {
+                group: info.label.clone(),
+                seq,
+                rank_a: info.ranks[0],
+                call_a: format!("all_to_all sending a slice of shape {reference:?}"),
+                rank_b: info.ranks[src],
+                call_b: format!(
+                    "all_to_all sending a slice of shape {shape:?}, which cannot be concatenated along dim {concat_dim}"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 impl fmt::Display for Signature {

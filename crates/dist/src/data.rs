@@ -41,25 +41,48 @@ pub(crate) fn shape_of(data: &TensorData) -> Vec<usize> {
 /// Concatenates `parts` along `dim`. All parts must agree on every other dimension and dtype
 /// (checked by the caller).
 pub(crate) fn concat(parts: &[&TensorData], dim: usize) -> TensorData {
-    let first = parts[0];
-    let dtype = first.dtype();
+    let runs: Vec<(&[u8], &[usize])> = parts
+        .iter()
+        .map(|p| (p.as_bytes(), &p.shape()[..]))
+        .collect();
+    concat_bytes(&runs, dim, parts[0].dtype())
+}
+
+/// Concatenates along `dim` tensors given as (bytes, shape) of one `dtype`, e.g. pieces that
+/// arrived in one receive buffer.
+pub(crate) fn concat_bytes(parts: &[(&[u8], &[usize])], dim: usize, dtype: DType) -> TensorData {
     let eb = elem_bytes(dtype);
-    let mut shape = shape_of(first);
-    shape[dim] = parts.iter().map(|p| p.shape()[dim]).sum();
+    let mut shape = parts[0].1.to_vec();
+    shape[dim] = parts.iter().map(|p| p.1[dim]).sum();
     let total: usize = shape.iter().product::<usize>() * eb;
     let mut out = output_buffer(total);
-    let views: Vec<DimView> = parts
-        .iter()
-        .map(|p| DimView::new(p.shape(), dim, eb))
-        .collect();
+    let views: Vec<DimView> = parts.iter().map(|p| DimView::new(p.1, dim, eb)).collect();
     let outer = views[0].outer;
     for o in 0..outer {
-        for (part, view) in parts.iter().zip(&views) {
+        for ((bytes, _), view) in parts.iter().zip(&views) {
             let run = view.len * view.row_bytes;
-            out.extend_from_slice(&part.as_bytes()[o * run..(o + 1) * run]);
+            out.extend_from_slice(&bytes[o * run..(o + 1) * run]);
         }
     }
     into_tensor_data(out, shape, dtype)
+}
+
+/// The slices of `data` along `dim` of consecutive `sizes`, each made contiguous, one after the
+/// other in one buffer: what a rank sends when slice `j` goes to rank `j`.
+pub(crate) fn split_bytes(data: &TensorData, dim: usize, sizes: &[usize]) -> Vec<u8> {
+    let view = DimView::new(data.shape(), dim, elem_bytes(data.dtype()));
+    let run = view.len * view.row_bytes;
+    let bytes = data.as_bytes();
+    let mut out = output_buffer(bytes.len());
+    let mut start = 0;
+    for size in sizes {
+        for o in 0..view.outer {
+            let from = o * run + start * view.row_bytes;
+            out.extend_from_slice(&bytes[from..from + size * view.row_bytes]);
+        }
+        start += size;
+    }
+    out
 }
 
 /// The slice `start..start + len` of `data` along `dim`.
@@ -309,6 +332,20 @@ mod tests {
             assert_eq!(narrow(&cat, dim, 0, 1), a);
             assert_eq!(narrow(&cat, dim, 1, 2), b);
         }
+    }
+
+    #[test]
+    fn split_bytes_lays_out_the_narrowed_slices_one_after_the_other() {
+        let data = seq(&[2, 5, 3], 0.0);
+        let sizes = [2, 0, 3];
+        let packed = split_bytes(&data, 1, &sizes);
+        let mut want = Vec::new();
+        let mut start = 0;
+        for size in sizes {
+            want.extend_from_slice(narrow(&data, 1, start, size).as_bytes());
+            start += size;
+        }
+        assert_eq!(packed, want);
     }
 
     #[test]

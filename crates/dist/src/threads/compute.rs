@@ -4,7 +4,7 @@ use burn::tensor::TensorData;
 
 use crate::buffer::{into_tensor_data, output_buffer};
 use crate::chunk::{chunk_range, offsets};
-use crate::collective::{Collective, CollectiveOutput};
+use crate::collective::{Collective, CollectiveOutput, check_all_to_all_pieces};
 use crate::data::{ReduceOp, concat, narrow, reduce_bytes, reduce_slice};
 use crate::error::CollectiveError;
 
@@ -105,28 +105,8 @@ fn all_to_all(
             narrow(data, split_dim, offsets(send_sizes)[me], send_sizes[me])
         })
         .collect();
-    let reference = pieces[0].shape().to_vec();
-    for (src, piece) in pieces.iter().enumerate() {
-        let agrees = piece
-            .shape()
-            .iter()
-            .zip(&reference)
-            .enumerate()
-            .all(|(d, (a, b))| d == concat_dim || a == b);
-        if !agrees {
-            return Err(CollectiveError::Mismatch {
-                group: member.info.label.clone(),
-                seq,
-                rank_a: member.info.ranks[0],
-                call_a: format!("all_to_all sending a slice of shape {reference:?}"),
-                rank_b: member.info.ranks[src],
-                call_b: format!(
-                    "all_to_all sending a slice of shape {:?}, which cannot be concatenated along dim {concat_dim}",
-                    piece.shape()
-                ),
-            });
-        }
-    }
+    let shapes: Vec<&[usize]> = pieces.iter().map(|p| &p.shape()[..]).collect();
+    check_all_to_all_pieces(member.info, seq, &shapes, concat_dim)?;
     let refs: Vec<&TensorData> = pieces.iter().collect();
     Ok(CollectiveOutput {
         data: Some(concat(&refs, concat_dim)),

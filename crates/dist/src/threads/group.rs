@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
 
-use crate::collective::{Collective, GroupInfo, OpKind, Signature};
+use crate::collective::{Collective, GroupInfo, OpKind, Signature, mismatch};
 use crate::error::CollectiveError;
 use crate::stats::CommStats;
 
@@ -108,14 +108,7 @@ impl Member<'_> {
         }
         match &slot.first {
             Some((rank, first)) if !first.compatible(&signature) => {
-                let error = CollectiveError::Mismatch {
-                    group: self.info.label.clone(),
-                    seq,
-                    rank_a: self.info.ranks[*rank],
-                    call_a: first.to_string(),
-                    rank_b: self.info.ranks[me],
-                    call_b: signature.to_string(),
-                };
+                let error = mismatch(self.info, seq, (*rank, first), (me, &signature));
                 slot.error = Some(error.clone());
                 state.broken = Some(error.to_string());
                 self.group.cv.notify_all();

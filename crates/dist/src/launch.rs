@@ -1,0 +1,171 @@
+//! One entry point for both kinds of launch: the same program runs its ranks as threads of one
+//! process (the threads engine) or as the processes of an MPI job (the `mpi` engine, cargo
+//! feature `mpi`). Each rank's closure gets a [`RankContext`] either way.
+//!
+//! The engine is chosen by [`ENGINE_ENV`] (`threads` or `mpi`) when set, else `mpi` when the
+//! process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun --mpi=pmix`), else
+//! `threads`. Programs with an `--engine` flag pass their choice to [`run_ranks_on`].
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::engine::RankContext;
+use crate::error::{LaunchError, RankFailure};
+
+/// Environment variable that picks the engine: `threads` or `mpi`.
+pub const ENGINE_ENV: &str = "BURN_PARALLEL_ENGINE";
+
+/// The engines a launch can run ranks on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EngineKind {
+    /// Ranks are threads of this process.
+    Threads,
+    /// Each process of an MPI job runs one rank.
+    Mpi,
+}
+
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Threads => "threads",
+            EngineKind::Mpi => "mpi",
+        }
+    }
+
+    /// Whether this build includes the engine (`mpi` needs the cargo feature `mpi`).
+    pub fn available(self) -> bool {
+        match self {
+            EngineKind::Threads => true,
+            EngineKind::Mpi => cfg!(feature = "mpi"),
+        }
+    }
+
+    /// The engine [`ENGINE_ENV`] names, else `Mpi` under an MPI launcher, else `Threads`.
+    pub fn detect() -> Result<Self, LaunchError> {
+        match std::env::var(ENGINE_ENV) {
+            Ok(value) if !value.trim().is_empty() => value
+                .parse()
+                .map_err(|e: UnknownEngine| launch_error(format!("{ENGINE_ENV}: {e}"))),
+            _ if started_by_mpi_launcher() => Ok(EngineKind::Mpi),
+            _ => Ok(EngineKind::Threads),
+        }
+    }
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An engine name that is neither `threads` nor `mpi`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown engine {0:?}: expected \"threads\" or \"mpi\"")]
+pub struct UnknownEngine(pub String);
+
+impl FromStr for EngineKind {
+    type Err = UnknownEngine;
+    fn from_str(s: &str) -> Result<Self, UnknownEngine> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "threads" => Ok(EngineKind::Threads),
+            "mpi" => Ok(EngineKind::Mpi),
+            _ => Err(UnknownEngine(s.into())),
+        }
+    }
+}
+
+/// Whether this process was started by an MPI launcher: Open MPI's `mpirun`, MPICH's
+/// `mpiexec` (PMI), or Slurm's `srun --mpi=pmix`.
+pub fn started_by_mpi_launcher() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Runs `world_size` ranks on the engine [`EngineKind::detect`] picks. See [`run_ranks_on`].
+pub fn run_ranks<T, E, F>(world_size: usize, f: F) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    run_ranks_on(EngineKind::detect()?, world_size, f)
+}
+
+/// Runs `f` on every rank this process hosts and returns their `(rank, result)` pairs in rank
+/// order: all `world_size` ranks with `Threads`; this process's one rank with `Mpi`, where
+/// `world_size` must equal the job's process count.
+///
+/// Failures: with `Threads`, a rank that errors or panics makes the others' collectives fail
+/// and the launch returns every failure (see [`Launcher::run`](crate::Launcher::run)). With
+/// `Mpi`, it prints the rank and the error (which names the collective and its group) and
+/// aborts the whole job (`MPI_Abort`), so no process waits forever.
+pub fn run_ranks_on<T, E, F>(
+    engine: EngineKind,
+    world_size: usize,
+    f: F,
+) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    match engine {
+        EngineKind::Threads => {
+            let results = crate::threads::launch(world_size, f)?;
+            Ok(results.into_iter().enumerate().collect())
+        }
+        #[cfg(feature = "mpi")]
+        EngineKind::Mpi => crate::mpi::run(world_size, f),
+        #[cfg(not(feature = "mpi"))]
+        EngineKind::Mpi => Err(launch_error(
+            "the mpi engine is not in this build: enable the cargo feature `mpi` \
+             (it needs Open MPI and libclang installed)"
+                .into(),
+        )),
+    }
+}
+
+fn launch_error(message: String) -> LaunchError {
+    LaunchError {
+        failures: vec![RankFailure {
+            rank: 0,
+            message,
+            panicked: false,
+        }],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_names_parse_and_print() {
+        for kind in [EngineKind::Threads, EngineKind::Mpi] {
+            assert_eq!(kind.name().parse::<EngineKind>(), Ok(kind));
+            assert_eq!(kind.to_string(), kind.name());
+        }
+        assert_eq!(" MPI ".parse::<EngineKind>(), Ok(EngineKind::Mpi));
+        let err = "nccl".parse::<EngineKind>().unwrap_err();
+        assert!(err.to_string().contains("\"nccl\""), "{err}");
+    }
+
+    #[test]
+    fn threads_launch_reports_every_rank_in_order() {
+        let results = run_ranks_on(EngineKind::Threads, 3, |ctx| {
+            Ok::<_, String>(ctx.rank() * 10)
+        })
+        .unwrap();
+        assert_eq!(results, vec![(0, 0), (1, 10), (2, 20)]);
+    }
+
+    #[test]
+    fn mpi_without_the_feature_is_a_clear_error() {
+        if EngineKind::Mpi.available() {
+            return;
+        }
+        let err = run_ranks_on(EngineKind::Mpi, 2, |_| Ok::<_, String>(())).unwrap_err();
+        assert!(err.to_string().contains("feature `mpi`"), "{err}");
+    }
+}

@@ -1,0 +1,136 @@
+//! Tests of the MPI engine, one process per rank. MPI initializes once per process, so this is
+//! a plain program (no test harness) with two roles:
+//!
+//! - started by `mpirun`: runs every check on its rank (`ranks.rs`) in one launch and exits
+//!   with an error (aborting the job) on the first failure;
+//! - started directly (`cargo test --features mpi --test mpi`): runs itself under
+//!   `mpirun --allow-run-as-root --oversubscribe -np N` for N in `BURN_PARALLEL_MPI_NP`
+//!   (default 2,3,4), then checks that a failing rank ends the job within seconds with a
+//!   message naming the rank and the collective.
+
+#[path = "../it/brute.rs"]
+mod brute;
+#[path = "../it/collective_cases.rs"]
+mod collective_cases;
+#[path = "../it/common.rs"]
+mod common;
+mod fsdp;
+mod ranks;
+
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use burn_parallel::dist::launch::started_by_mpi_launcher;
+use burn_parallel::dist::run_ranks;
+
+/// The argument that selects the failure check.
+const FAIL_ARG: &str = "--fail";
+/// A failing rank must end a job sooner than this (it takes well under a second; the margin is
+/// for a loaded machine).
+const FAIL_DEADLINE: Duration = Duration::from_secs(30);
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if started_by_mpi_launcher() {
+        let size = std::env::var("OMPI_COMM_WORLD_SIZE")
+            .or_else(|_| std::env::var("PMI_SIZE"))
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1);
+        let checks = if args.iter().any(|a| a == FAIL_ARG) {
+            ranks::fail
+        } else {
+            ranks::run
+        };
+        return match run_ranks(size, |ctx| checks(ctx).map_err(|e| e.to_string())) {
+            Ok(done) => {
+                if done.first().is_some_and(|(rank, _)| *rank == 0) {
+                    println!("mpi tests: all checks passed on {size} processes");
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("mpi tests: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match drive() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mpi tests FAILED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn mpirun(np: usize, extra: &[&str]) -> Result<Command, String> {
+    let me = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &np.to_string(),
+    ])
+    .arg(me)
+    .args(extra)
+    .env_remove(burn_parallel::dist::ENGINE_ENV);
+    Ok(cmd)
+}
+
+fn drive() -> Result<(), String> {
+    let sizes: Vec<usize> = std::env::var("BURN_PARALLEL_MPI_NP")
+        .unwrap_or_else(|_| "2,3,4".into())
+        .split(',')
+        .map(|s| {
+            s.trim()
+                .parse()
+                .map_err(|_| format!("bad process count {s:?}"))
+        })
+        .collect::<Result<_, _>>()?;
+    for np in sizes {
+        let started = Instant::now();
+        println!("mpi tests: mpirun -np {np}");
+        let status = mpirun(np, &[])?
+            .status()
+            .map_err(|e| format!("cannot start mpirun (is Open MPI installed?): {e}"))?;
+        if !status.success() {
+            return Err(format!("the checks failed on {np} processes ({status})"));
+        }
+        println!(
+            "mpi tests: {np} processes passed in {:.1?}",
+            started.elapsed()
+        );
+    }
+    failing_rank_ends_the_job()
+}
+
+fn failing_rank_ends_the_job() -> Result<(), String> {
+    println!("mpi tests: a failing rank (rank 1 of 3) must end the job");
+    let started = Instant::now();
+    let out = mpirun(3, &[FAIL_ARG])?
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|e| format!("cannot start mpirun: {e}"))?;
+    let elapsed = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        return Err(format!("the job with a failing rank succeeded:\n{stderr}"));
+    }
+    if elapsed > FAIL_DEADLINE {
+        return Err(format!(
+            "the job took {elapsed:?} to end after rank 1 failed"
+        ));
+    }
+    let named =
+        stderr.contains("rank 1 of 3 failed") && stderr.contains("all_gather on group world");
+    if !named {
+        return Err(format!(
+            "the failure message must name rank 1 and the all_gather:\n{stderr}"
+        ));
+    }
+    println!("mpi tests: the job ended in {elapsed:.1?} ({})", out.status);
+    Ok(())
+}
