@@ -127,11 +127,11 @@ fn main() {
     println!(
         "reduce_scatter over MPI: all_to_all + sum (engine) {:.1} ms, MPI_Reduce_scatter_block {:.1} ms",
         ms(&engine[1]),
-        ms(native_rs)
+        ms(&native_rs)
     );
     println!(
         "all_reduce over MPI: engine {:.1} ms, MPI_Allreduce {:.1} ms",
         ms(&engine[2]),
-        ms(native_ar)
+        ms(&native_ar)
     );
 }
