@@ -13,7 +13,12 @@ use burn::tensor::{Bytes, DType, TensorData};
 /// 16-byte-aligned allocation, because `Vec<u8>` does not promise the alignment that the
 /// allocator gives large buffers in practice.)
 pub fn into_tensor_data(bytes: Vec<u8>, shape: Vec<usize>, dtype: DType) -> TensorData {
-    if bytes.as_ptr().align_offset(MAX_ELEMENT_ALIGN) == 0 {
+    if bytes.is_empty() {
+        // Empty bytes keep the alignment of the vector they came from, and a clone of empty
+        // `u8` bytes points at address 1, which Burn's element casts refuse as misaligned. An
+        // empty `Vec<u128>` is aligned for every element type, and so are its clones.
+        TensorData::from_bytes(Bytes::from_elems(Vec::<u128>::new()), shape, dtype)
+    } else if bytes.as_ptr().align_offset(MAX_ELEMENT_ALIGN) == 0 {
         TensorData::from_bytes(Bytes::from_elems(bytes), shape, dtype)
     } else {
         // Empty vectors (dangling pointers) and unusual allocators.
@@ -80,6 +85,20 @@ mod tests {
             let data = into_tensor_data(buffer, vec![len], DType::U8);
             assert_eq!(data.as_bytes().len(), len);
             assert!(data.as_bytes().iter().all(|b| *b == 7));
+        }
+    }
+
+    #[test]
+    fn empty_buffers_and_their_clones_cast_to_every_float_type() {
+        for (dtype, capacity) in [(DType::F32, 0), (DType::F16, 0), (DType::F64, 1)] {
+            // A receive buffer: allocated, then left empty.
+            let mut buffer = zeroed_buffer(capacity);
+            buffer.truncate(0);
+            let data = into_tensor_data(buffer, vec![0, 3], dtype);
+            for data in [data.clone(), data] {
+                let values = data.convert_dtype(DType::F32).to_vec::<f32>().unwrap();
+                assert!(values.is_empty());
+            }
         }
     }
 }

@@ -23,9 +23,9 @@ pub mod group;
 pub mod launch;
 pub mod memory;
 pub mod mesh;
-pub mod nccl;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod nccl;
 pub mod stats;
 pub mod threads;
 

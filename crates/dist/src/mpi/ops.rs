@@ -173,10 +173,31 @@ fn split_at<'a>(buffer: &'a [u8], sizes: &[usize]) -> Vec<&'a [u8]> {
         .collect()
 }
 
+/// Open MPI's `MPI_IN_PLACE` is the address 1, which is also where Rust puts empty byte
+/// buffers: passed as is, an empty buffer would mean "in place" (or be refused). Empty buffers
+/// get a real address instead.
+static NO_BYTES: [u8; 1] = [0];
+
+/// `bytes`, or an empty slice at a real address.
+pub(super) fn send_buf(bytes: &[u8]) -> &[u8] {
+    if bytes.is_empty() {
+        &NO_BYTES[..0]
+    } else {
+        bytes
+    }
+}
+
+/// A zeroed buffer of `len` bytes that has a real address even when empty.
+pub(super) fn recv_buffer(len: usize) -> Vec<u8> {
+    let mut buffer = zeroed_buffer(len.max(1));
+    buffer.truncate(len);
+    buffer
+}
+
 fn all_gather_v(comm: &SimpleCommunicator, mine: &[u8], sizes: &[usize]) -> Vec<u8> {
-    let mut out = zeroed_buffer(sizes.iter().sum());
+    let mut out = recv_buffer(sizes.iter().sum());
     let (c, d) = counts(sizes);
-    comm.all_gather_varcount_into(mine, &mut PartitionMut::new(&mut out[..], c, d));
+    comm.all_gather_varcount_into(send_buf(mine), &mut PartitionMut::new(&mut out[..], c, d));
     out
 }
 
@@ -186,11 +207,11 @@ fn all_to_all_v(
     send_sizes: &[usize],
     recv_sizes: &[usize],
 ) -> Vec<u8> {
-    let mut out = zeroed_buffer(recv_sizes.iter().sum());
+    let mut out = recv_buffer(recv_sizes.iter().sum());
     let (sc, sd) = counts(send_sizes);
     let (rc, rd) = counts(recv_sizes);
     comm.all_to_all_varcount_into(
-        &Partition::new(send, sc, sd),
+        &Partition::new(send_buf(send), sc, sd),
         &mut PartitionMut::new(&mut out[..], rc, rd),
     );
     out
@@ -291,14 +312,18 @@ fn broadcast(
     if comm.rank() as usize == root {
         let data = data.expect("the root's tensor is checked by ProcessGroup");
         let (mut bytes, shape, dtype) = data.into_parts();
-        root_process.broadcast_into(&mut bytes[..]);
+        if bytes.is_empty() {
+            root_process.broadcast_into(&mut recv_buffer(0)[..]);
+        } else {
+            root_process.broadcast_into(&mut bytes[..]);
+        }
         TensorData::from_bytes(bytes, shape, dtype)
     } else {
         let dtype: DType = root_header
             .signature
             .dtype
             .expect("the root sends a tensor");
-        let mut bytes = zeroed_buffer(root_header.bytes());
+        let mut bytes = recv_buffer(root_header.bytes());
         root_process.broadcast_into(&mut bytes[..]);
         into_tensor_data(bytes, root_header.shape().to_vec(), dtype)
     }

@@ -7,11 +7,12 @@ use burn::tensor::DType;
 use mpi::Count;
 use mpi::traits::*;
 
-use crate::buffer::{into_tensor_data, zeroed_buffer};
+use crate::buffer::into_tensor_data;
 use crate::collective::{Collective, CollectiveOutput, CollectiveResult};
 use crate::error::CollectiveError;
 
 use super::comm::GroupState;
+use super::ops::{recv_buffer, send_buf};
 
 const HEADER_TAG: mpi::Tag = 1;
 const PAYLOAD_TAG: mpi::Tag = 2;
@@ -42,7 +43,7 @@ pub(super) fn execute(state: &GroupState, call: Collective) -> CollectiveResult 
             let header = serde_json::to_vec(&header).expect("a header serializes");
             let peer = state.p2p.process_at_rank(dst as mpi::Rank);
             peer.send_with_tag(&header[..], HEADER_TAG);
-            peer.send_with_tag(data.as_bytes(), PAYLOAD_TAG);
+            peer.send_with_tag(send_buf(data.as_bytes()), PAYLOAD_TAG);
             Ok(CollectiveOutput::none())
         }
         Collective::Recv { src } => {
@@ -53,7 +54,7 @@ pub(super) fn execute(state: &GroupState, call: Collective) -> CollectiveResult 
             let header: MessageHeader =
                 serde_json::from_slice(&header).expect("a header from the same program");
             let len = header.shape.iter().product::<usize>() * header.dtype.size();
-            let mut bytes = zeroed_buffer(len);
+            let mut bytes = recv_buffer(len);
             peer.receive_into_with_tag(&mut bytes[..], PAYLOAD_TAG);
             Ok(CollectiveOutput::tensor(into_tensor_data(
                 bytes,
