@@ -15,7 +15,17 @@ mod collective_cases;
 #[path = "../it/common.rs"]
 mod common;
 mod fsdp;
+// This binary has no test harness, so the shared files' #[test] functions are left out, and
+// the items and imports only they use are unused here.
+#[allow(dead_code, unused_imports)]
+#[path = "../it/fsdp_tp.rs"]
+mod fsdp_tp;
 mod ranks;
+#[path = "../it/tp_common.rs"]
+mod tp_common;
+#[allow(dead_code, unused_imports)]
+#[path = "../it/tp_mlp.rs"]
+mod tp_mlp;
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};

@@ -10,7 +10,7 @@ use proptest::test_runner::TestRunner;
 
 use crate::collective_cases::{Case, case_in, ring_exchange, ring_expected, run_all, verify};
 use crate::common::values;
-use crate::fsdp;
+use crate::{fsdp, fsdp_tp};
 
 /// Random cases per group (each run blocking and async).
 const CASES: usize = 24;
@@ -152,6 +152,31 @@ fn mismatch(ctx: &RankContext) -> Result<()> {
     }
 }
 
+/// Tensor parallelism (colwise then rowwise MLP), inside FSDP where the mesh has a dp_shard
+/// dimension, on every mesh of this world with a tp dimension of 2 or more (the hidden size 7
+/// splits unevenly over each): against one device (round-off) and the threads engine (same bits).
+fn tensor_parallel(ctx: &RankContext) -> Result<()> {
+    let n = ctx.world_size();
+    for tp in (2..=n).filter(|tp| n % tp == 0) {
+        let dp = n / tp;
+        let (rank, got) = (ctx.rank(), fsdp_tp::train_on_mesh(ctx, dp, tp)?);
+        std::panic::catch_unwind(|| fsdp_tp::check_against_single_device(rank, tp, &got))
+            .map_err(|_| format!("TP on a {dp}x{tp} mesh differs from one device"))?;
+        let threads = launch(n, |t| {
+            fsdp_tp::train_on_mesh(&t, dp, tp).map_err(|e| e.to_string())
+        })?;
+        if got != threads[ctx.rank()] {
+            return Err(format!(
+                "TP on a {dp}x{tp} mesh, rank {}: differs from the threads engine: {got:?} vs {:?}",
+                ctx.rank(),
+                threads[ctx.rank()]
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
 /// Everything, in the same order on every process.
 pub fn run(ctx: RankContext) -> Result<()> {
     if ctx.engine_name() != "mpi" {
@@ -168,6 +193,7 @@ pub fn run(ctx: RankContext) -> Result<()> {
         fsdp::sharded(&t).map_err(|e| e.to_string())
     })?;
     fsdp::check(ctx.rank(), &got, &threads[ctx.rank()])?;
+    tensor_parallel(&ctx)?;
     world.barrier()?;
     Ok(())
 }

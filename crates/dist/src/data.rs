@@ -68,7 +68,9 @@ pub(crate) fn concat_bytes(parts: &[(&[u8], &[usize])], dim: usize, dtype: DType
 }
 
 /// The slices of `data` along `dim` of consecutive `sizes`, each made contiguous, one after the
-/// other in one buffer: what a rank sends when slice `j` goes to rank `j`.
+/// other in one buffer: what a rank sends when slice `j` goes to rank `j`. (Only the `mpi`
+/// engine sends such a buffer.)
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) fn split_bytes(data: &TensorData, dim: usize, sizes: &[usize]) -> Vec<u8> {
     let view = DimView::new(data.shape(), dim, elem_bytes(data.dtype()));
     let run = view.len * view.row_bytes;
