@@ -86,7 +86,7 @@ fn other_dtypes(ctx: &RankContext) -> Result<()> {
 /// ranks that only its members create, listed out of order.
 fn subgroups(ctx: &RankContext) -> Result<()> {
     let n = ctx.world_size();
-    let dims: Vec<(&str, usize)> = if n % 2 == 0 {
+    let dims: Vec<(&str, usize)> = if n.is_multiple_of(2) {
         vec![("dp", n / 2), ("tp", 2)]
     } else {
         vec![("dp", 1), ("tp", n)]
@@ -157,7 +157,7 @@ fn mismatch(ctx: &RankContext) -> Result<()> {
 /// splits unevenly over each): against one device (round-off) and the threads engine (same bits).
 fn tensor_parallel(ctx: &RankContext) -> Result<()> {
     let n = ctx.world_size();
-    for tp in (2..=n).filter(|tp| n % tp == 0) {
+    for tp in (2..=n).filter(|tp| n.is_multiple_of(*tp)) {
         let dp = n / tp;
         let (rank, got) = (ctx.rank(), fsdp_tp::train_on_mesh(ctx, dp, tp)?);
         std::panic::catch_unwind(|| fsdp_tp::check_against_single_device(rank, tp, &got))
