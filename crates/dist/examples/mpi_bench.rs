@@ -46,13 +46,16 @@ fn median(mut times: Vec<Duration>) -> Duration {
     times[times.len() / 2]
 }
 
-/// Median over repeats of the slowest rank's time; every rank returns it.
-fn timed(group: &ProcessGroup, mut f: impl FnMut()) -> Duration {
+/// Median over repeats of the slowest rank's time to run `f` on a fresh input from `input`
+/// (made before the clock starts: a fresh 64 MB buffer costs more to fault in than the
+/// collective itself); every rank returns it.
+fn timed<I>(group: &ProcessGroup, mut input: impl FnMut() -> I, mut f: impl FnMut(I)) -> Duration {
     let times = (0..REPEATS)
         .map(|_| {
+            let data = input();
             group.barrier().expect("barrier");
             let started = Instant::now();
-            f();
+            f(data);
             let mine = TensorData::new(vec![started.elapsed().as_secs_f64()], [1]);
             let slowest = group.all_reduce(mine, ReduceOp::Max).expect("all_reduce");
             Duration::from_secs_f64(slowest.as_slice::<f64>().unwrap()[0])
@@ -66,9 +69,11 @@ fn threads_time(op: &str, world: usize) -> Duration {
     let times = launch(world, |ctx| {
         let group = ctx.world()?;
         let data = TensorData::new(vec![ctx.rank() as f32; floats], [floats]);
-        Ok::<_, burn_parallel_dist::CollectiveError>(timed(&group, || {
-            run(op, &group, data.clone())
-        }))
+        Ok::<_, burn_parallel_dist::CollectiveError>(timed(
+            &group,
+            || data.clone(),
+            |d| run(op, &group, d),
+        ))
     })
     .expect("threads launch");
     times[0]
@@ -80,27 +85,33 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .expect("run under mpirun");
-    let results = run_ranks_on(EngineKind::Mpi, world, |ctx| {
+    let results = run_ranks_on(world, EngineKind::Mpi, |ctx| {
         let group = ctx.world()?;
         let mut engine = Vec::new();
         for op in OPS {
             let floats = input_floats(op, world);
             let data = TensorData::new(vec![ctx.rank() as f32; floats], [floats]);
-            engine.push(timed(&group, || run(op, &group, data.clone())));
+            engine.push(timed(&group, || data.clone(), |d| run(op, &group, d)));
         }
         // MPI's own reduce-scatter and all-reduce on f32, for comparison.
         let comm = SimpleCommunicator::world();
         let send = vec![ctx.rank() as f32; BYTES / 4];
-        let native_rs = timed(&group, || {
-            let mut recv = vec![0f32; BYTES / 4 / world];
-            comm.reduce_scatter_block_into(&send[..], &mut recv[..], SystemOperation::sum());
-            std::hint::black_box(recv);
-        });
-        let native_ar = timed(&group, || {
-            let mut recv = vec![0f32; BYTES / 4];
-            comm.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
-            std::hint::black_box(recv);
-        });
+        let native_rs = timed(
+            &group,
+            || vec![0f32; BYTES / 4 / world],
+            |mut recv| {
+                comm.reduce_scatter_block_into(&send[..], &mut recv[..], SystemOperation::sum());
+                std::hint::black_box(recv);
+            },
+        );
+        let native_ar = timed(
+            &group,
+            || vec![0f32; BYTES / 4],
+            |mut recv| {
+                comm.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                std::hint::black_box(recv);
+            },
+        );
         Ok::<_, burn_parallel_dist::CollectiveError>((engine, native_rs, native_ar))
     })
     .expect("mpi launch");

@@ -89,7 +89,7 @@ where
     E: fmt::Display,
     F: Fn(RankContext) -> Result<T, E> + Sync,
 {
-    run_ranks_on(EngineKind::detect()?, world_size, f)
+    run_ranks_on(world_size, EngineKind::detect()?, f)
 }
 
 /// Runs `f` on every rank this process hosts and returns their `(rank, result)` pairs in rank
@@ -101,8 +101,8 @@ where
 /// `Mpi`, it prints the rank and the error (which names the collective and its group) and
 /// aborts the whole job (`MPI_Abort`), so no process waits forever.
 pub fn run_ranks_on<T, E, F>(
-    engine: EngineKind,
     world_size: usize,
+    engine: EngineKind,
     f: F,
 ) -> Result<Vec<(usize, T)>, LaunchError>
 where
@@ -153,7 +153,7 @@ mod tests {
 
     #[test]
     fn threads_launch_reports_every_rank_in_order() {
-        let results = run_ranks_on(EngineKind::Threads, 3, |ctx| {
+        let results = run_ranks_on(3, EngineKind::Threads, |ctx| {
             Ok::<_, String>(ctx.rank() * 10)
         })
         .unwrap();
@@ -165,7 +165,7 @@ mod tests {
         if EngineKind::Mpi.available() {
             return;
         }
-        let err = run_ranks_on(EngineKind::Mpi, 2, |_| Ok::<_, String>(())).unwrap_err();
+        let err = run_ranks_on(2, EngineKind::Mpi, |_| Ok::<_, String>(())).unwrap_err();
         assert!(err.to_string().contains("feature `mpi`"), "{err}");
     }
 }
