@@ -1,26 +1,31 @@
-//! Train a Llama under any strategy, on rank threads of this process.
+//! Train a Llama under any strategy, on rank threads of this process or as an MPI job.
 //!
 //! ```text
 //! cargo run --release --example train_llama                      # fsdp2 on 4 ranks, tiny model
 //! cargo run --release --example train_llama -- --strategy fsdp2_tp --world-size 4 --tp 2
 //! cargo run --release --example train_llama -- --checkpoint DIR --data tokens.bin --json
+//! cargo build --release --features mpi --example train_llama
+//! mpirun -np 2 target/release/examples/train_llama --engine mpi --world-size 2
 //! ```
 //!
 //! With `--json`, stdout carries exactly one JSON object per step and nothing else; otherwise
-//! a progress bar and a summary (throughput, per-rank memory, communication volume).
+//! a progress bar and a summary (throughput, per-rank memory, communication volume). Every
+//! process reports its peak resident memory on stderr.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Mutex;
 
+use burn_parallel::dist::memory::peak_rss_bytes;
 use burn_parallel::train::{
-    Backend, OptimizerKind, Precision, StepReport, Strategy, TrainConfig, TrainSummary, train,
+    Backend, EngineKind, OptimizerKind, Precision, StepReport, Strategy, TrainConfig, TrainSummary,
+    train,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Parser, Debug)]
-#[command(about = "Train a Llama with burn-parallel (ranks are threads of this process)")]
+#[command(about = "Train a Llama with burn-parallel (ranks are threads, or MPI processes)")]
 struct Args {
     /// Hugging Face checkpoint directory (default: the built-in tiny config, seeded init).
     #[arg(long)]
@@ -82,11 +87,19 @@ struct Args {
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     json: bool,
+    /// threads | mpi (default: $BURN_PARALLEL_ENGINE, else mpi under mpirun/srun, else
+    /// threads). mpi needs a build with `--features mpi`.
+    #[arg(long)]
+    engine: Option<EngineKind>,
 }
 
 impl Args {
-    fn config(&self) -> TrainConfig {
-        TrainConfig {
+    fn config(&self) -> Result<TrainConfig, String> {
+        let engine = match self.engine {
+            Some(engine) => engine,
+            None => EngineKind::detect().map_err(|e| e.to_string())?,
+        };
+        Ok(TrainConfig {
             strategy: self.strategy,
             world_size: self.world_size,
             tp: self.tp,
@@ -110,8 +123,9 @@ impl Args {
             data: self.data.clone(),
             save: self.save.clone(),
             seed: self.seed,
+            engine,
             ..TrainConfig::default()
-        }
+        })
     }
 }
 
@@ -142,15 +156,23 @@ fn print_summary(args: &Args, s: &TrainSummary) {
         "throughput {:.0} tokens/s (steps after the first)",
         s.tokens_per_s()
     );
-    let states: Vec<String> = s.model_state_bytes.iter().map(|b| mib(*b)).collect();
+    let per_rank = |values: &[u64]| {
+        let v: Vec<String> = values.iter().map(|b| mib(*b)).collect();
+        v.join(", ")
+    };
+    // Under MPI this process knows its own rank only.
+    let whose = if s.ranks.len() == l.world() {
+        "per rank".to_string()
+    } else {
+        format!("of rank {:?}", s.ranks)
+    };
     println!(
-        "model state per rank (params + grads + optimizer): {}",
-        states.join(", ")
+        "model state {whose} (params + grads + optimizer): {}",
+        per_rank(&s.model_state_bytes)
     );
-    let comm: Vec<String> = s.comm_bytes_per_step.iter().map(|b| mib(*b)).collect();
     println!(
-        "communication per rank per step (sent + received): {}",
-        comm.join(", ")
+        "communication {whose} per step (sent + received): {}",
+        per_rank(&s.comm_bytes_per_step)
     );
     if let Some(dir) = &args.save {
         println!("saved to {}", dir.display());
@@ -159,7 +181,13 @@ fn print_summary(args: &Args, s: &TrainSummary) {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let cfg = args.config();
+    let cfg = match args.config() {
+        Ok(cfg) => cfg,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = if args.json {
         train(&cfg, &|r: &StepReport| {
             println!(
@@ -168,27 +196,41 @@ fn main() -> ExitCode {
             );
         })
     } else {
-        let bar = ProgressBar::new(cfg.steps as u64);
-        bar.set_style(
-            ProgressStyle::with_template("{bar:40} {pos}/{len} steps  {msg}  [{elapsed}<{eta}]")
-                .expect("a valid template"),
-        );
-        let bar = Mutex::new(bar);
+        // Made at the first step, so that only the process that reports (rank 0's) shows one.
+        let bar: Mutex<Option<ProgressBar>> = Mutex::new(None);
         let r = train(&cfg, &|r: &StepReport| {
-            let bar = bar.lock().unwrap_or_else(|e| e.into_inner());
+            let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
+            let bar = bar.get_or_insert_with(|| {
+                ProgressBar::new(cfg.steps as u64).with_style(
+                    ProgressStyle::with_template(
+                        "{bar:40} {pos}/{len} steps  {msg}  [{elapsed}<{eta}]",
+                    )
+                    .expect("a valid template"),
+                )
+            });
             bar.set_message(format!(
                 "loss {:.4}  grad norm {:.3}  {:.0} tok/s",
                 r.loss, r.grad_norm, r.tokens_per_s
             ));
             bar.inc(1);
         });
-        bar.lock().unwrap_or_else(|e| e.into_inner()).finish();
+        if let Some(bar) = bar.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            bar.finish();
+        }
         r
     };
     match result {
         Ok(summary) => {
-            if !args.json {
+            if !args.json && summary.has_rank_zero() {
                 print_summary(&args, &summary);
+            }
+            if let Some(rss) = peak_rss_bytes() {
+                eprintln!(
+                    "process {} (ranks {:?}): peak RSS {}",
+                    std::process::id(),
+                    summary.ranks,
+                    mib(rss)
+                );
             }
             ExitCode::SUCCESS
         }

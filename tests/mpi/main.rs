@@ -5,8 +5,9 @@
 //!   with an error (aborting the job) on the first failure;
 //! - started directly (`cargo test --features mpi --test mpi`): runs itself under
 //!   `mpirun --allow-run-as-root --oversubscribe -np N` for N in `BURN_PARALLEL_MPI_NP`
-//!   (default 2,3,4), then checks that a failing rank ends the job within seconds with a
-//!   message naming the rank and the collective.
+//!   (default 2,3,4), runs the Llama trainer as an MPI job against the same run on threads
+//!   (`train.rs`), then checks that a failing rank ends the job within seconds with a message
+//!   naming the rank and the collective.
 
 #[path = "../it/brute.rs"]
 mod brute;
@@ -26,6 +27,7 @@ mod tp_common;
 #[allow(dead_code, unused_imports)]
 #[path = "../it/tp_mlp.rs"]
 mod tp_mlp;
+mod train;
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -47,6 +49,18 @@ fn main() -> ExitCode {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(1);
+        if let Some(i) = args.iter().position(|a| a == train::TRAIN_ARG) {
+            // The trainer launches its own ranks (MPI initializes once per process).
+            let strategy = args.get(i + 1).map(String::as_str).unwrap_or("fsdp2");
+            let tp = args.get(i + 2).and_then(|t| t.parse().ok());
+            return match train::run(size, strategy, tp) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("mpi tests: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         let checks = if args.iter().any(|a| a == FAIL_ARG) {
             ranks::fail
         } else {
@@ -112,6 +126,17 @@ fn drive() -> Result<(), String> {
             "mpi tests: {np} processes passed in {:.1?}",
             started.elapsed()
         );
+        for (strategy, tp) in train::strategies(np) {
+            let tp = tp.map(|t| t.to_string()).unwrap_or_default();
+            let status = mpirun(np, &[train::TRAIN_ARG, strategy, &tp])?
+                .status()
+                .map_err(|e| format!("cannot start mpirun: {e}"))?;
+            if !status.success() {
+                return Err(format!(
+                    "train_llama {strategy} on {np} processes failed ({status})"
+                ));
+            }
+        }
     }
     failing_rank_ends_the_job()
 }

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use burn::tensor::Device;
+use burn_parallel_dist::EngineKind;
 use burn_parallel_models::LlamaConfig;
 
 use crate::error::TrainError;
@@ -122,6 +123,8 @@ pub struct TrainConfig {
     pub data: Option<PathBuf>,
     /// Where to save the trained model in the Hugging Face format.
     pub save: Option<PathBuf>,
+    /// Ranks as threads of this process, or as the processes of an MPI job.
+    pub engine: EngineKind,
 }
 
 impl Default for TrainConfig {
@@ -152,6 +155,7 @@ impl Default for TrainConfig {
             seed: 0,
             data: None,
             save: None,
+            engine: EngineKind::Threads,
         }
     }
 }

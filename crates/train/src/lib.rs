@@ -1,5 +1,5 @@
 //! burn-parallel-train: trains a Llama under any strategy (single, ddp, fsdp2, hsdp, tp,
-//! fsdp2_tp) with rank threads, and reports every step. `examples/train_llama.rs` is a thin
+//! fsdp2_tp) with rank threads or MPI processes, and reports every step. `examples/train_llama.rs` is a thin
 //! command line over [`train`].
 //!
 //! Strategies come from `burn_parallel_parallelizer`: the flags become a `DistributedConfig`
@@ -18,6 +18,7 @@ mod optim;
 mod state;
 mod trainer;
 
+pub use burn_parallel_dist::EngineKind;
 pub use config::{Backend, OptimizerKind, Precision, Strategy, TrainConfig};
 pub use error::TrainError;
 pub use layout::Layout;

@@ -8,7 +8,7 @@ use std::time::Instant;
 use burn::tensor::Gradients;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
-use burn_parallel_dist::launch;
+use burn_parallel_dist::run_ranks_on;
 use burn_parallel_fsdp::{RowRequest, gather_full};
 use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, load_llama, save_llama};
 use burn_parallel_models::data::{TokenData, dp_rows};
@@ -44,9 +44,11 @@ pub struct TrainSummary {
     pub layout: Layout,
     pub model: LlamaConfig,
     pub steps: Vec<StepReport>,
-    /// Parameters + gradients + optimizer state of each rank, in rank order.
+    /// The ranks this process ran, in order: all of them on the threads engine, one under MPI.
+    pub ranks: Vec<usize>,
+    /// Parameters + gradients + optimizer state of each of `ranks`.
     pub model_state_bytes: Vec<u64>,
-    /// Bytes each rank sent and received per step on average, in rank order.
+    /// Bytes each of `ranks` sent and received per step on average.
     pub comm_bytes_per_step: Vec<u64>,
 }
 
@@ -65,6 +67,11 @@ impl TrainSummary {
 
     pub fn losses(&self) -> Vec<f32> {
         self.steps.iter().map(|s| s.loss).collect()
+    }
+
+    /// Whether this process ran rank 0 (the one that reports steps).
+    pub fn has_rank_zero(&self) -> bool {
+        self.ranks.first() == Some(&0)
     }
 }
 
@@ -86,8 +93,9 @@ fn token_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<TokenData, Train
     }
 }
 
-/// Trains as `cfg` says; `on_step` sees every step (on rank 0's thread) as it finishes. Bad
-/// input (files, configs, sizes a strategy cannot use) is an error before any rank starts.
+/// Trains as `cfg` says on `cfg.engine`'s ranks; `on_step` sees every step (on rank 0's
+/// thread, so under MPI in process 0 only) as it finishes. Bad input (files, configs, sizes a
+/// strategy cannot use) is an error before any rank starts.
 pub fn train(
     cfg: &TrainConfig,
     on_step: &(dyn Fn(&StepReport) + Sync),
@@ -100,17 +108,19 @@ pub fn train(
         // Opens every file now, so that a broken checkpoint fails before training.
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
     }
-    let results = launch(layout.world(), |ctx| {
+    let results = run_ranks_on(layout.world(), cfg.engine, |ctx| {
         run_rank(cfg, &layout, &model_cfg, &data, ctx, on_step)
     })
     .map_err(|e| TrainError::Ranks(e.to_string()))?;
-    let steps = results[0].0.clone();
+    // Every rank holds the same (dp-averaged) reports; under MPI this process has one rank.
+    let steps = results[0].1.0.clone();
     Ok(TrainSummary {
         layout,
         model: model_cfg,
         steps,
-        model_state_bytes: results.iter().map(|r| r.1).collect(),
-        comm_bytes_per_step: results.iter().map(|r| r.2).collect(),
+        ranks: results.iter().map(|r| r.0).collect(),
+        model_state_bytes: results.iter().map(|r| r.1.1).collect(),
+        comm_bytes_per_step: results.iter().map(|r| r.1.2).collect(),
     })
 }
 

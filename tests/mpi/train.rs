@@ -1,0 +1,68 @@
+//! The Llama trainer as an MPI job (one process per rank) against the same run on rank threads
+//! of one process: the same program, only `TrainConfig::engine` differs.
+
+use burn_parallel::train::{
+    Backend, EngineKind, OptimizerKind, Strategy, TrainConfig, TrainSummary, train,
+};
+
+/// The argument that selects this role, followed by the strategy.
+pub const TRAIN_ARG: &str = "--train";
+
+/// The strategies checked on `np` processes, as `(strategy, tp)`.
+pub fn strategies(np: usize) -> Vec<(&'static str, Option<usize>)> {
+    match np {
+        2 => vec![("fsdp2", None), ("tp", None)],
+        3 => vec![("fsdp2", None)],
+        4 => vec![("fsdp2_tp", Some(2))],
+        _ => vec![("fsdp2", None)],
+    }
+}
+
+fn config(strategy: Strategy, world: usize, tp: Option<usize>, engine: EngineKind) -> TrainConfig {
+    let mut model = burn_parallel::models::LlamaConfig::tiny();
+    model.num_hidden_layers = 2;
+    TrainConfig {
+        strategy,
+        world_size: world,
+        tp,
+        steps: 3,
+        global_batch: 5,
+        seq_len: 8,
+        optimizer: OptimizerKind::AdamW,
+        backend: Backend::Ndarray,
+        model,
+        engine,
+        ..TrainConfig::default()
+    }
+}
+
+/// Runs `strategy` as this MPI job; the process holding rank 0 then runs it on threads and
+/// compares the loss curves and gradient norms bit for bit (both engines reduce in rank order).
+pub fn run(world: usize, strategy: &str, tp: Option<usize>) -> Result<(), String> {
+    let strategy = strategy.parse::<Strategy>().map_err(|e| e.to_string())?;
+    let on_mpi =
+        train(&config(strategy, world, tp, EngineKind::Mpi), &|_| {}).map_err(|e| e.to_string())?;
+    if !on_mpi.has_rank_zero() {
+        return Ok(());
+    }
+    let on_threads = train(&config(strategy, world, tp, EngineKind::Threads), &|_| {})
+        .map_err(|e| e.to_string())?;
+    let curve = |s: &TrainSummary| -> Vec<(u32, u32)> {
+        s.steps
+            .iter()
+            .map(|r| (r.loss.to_bits(), r.grad_norm.to_bits()))
+            .collect()
+    };
+    if curve(&on_mpi) != curve(&on_threads) {
+        return Err(format!(
+            "{strategy} on {world}: MPI losses {:?} differ from threads {:?}",
+            on_mpi.losses(),
+            on_threads.losses()
+        ));
+    }
+    println!(
+        "mpi tests: train_llama {strategy} on {world} processes equals {world} threads: {:?}",
+        on_mpi.losses()
+    );
+    Ok(())
+}
