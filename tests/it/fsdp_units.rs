@@ -7,7 +7,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::dist::chunk::chunk_range;
 use burn_parallel::dist::{OpKind, ReduceOp, launch};
-use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard, gather_full};
+use burn_parallel::fsdp::{FsdpConfig, forward_units_prefetching, fully_shard, gather_full};
 
 use crate::common::{assert_close, ndarray_ad, sgd, values, vec_of};
 
@@ -89,7 +89,7 @@ fn single_device() -> (Vec<f32>, Vec<f32>) {
 }
 
 /// Per rank: (losses, final weights, all_gather calls, reduce_scatter calls).
-fn sharded(world: usize, prefetch: bool) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> {
+fn sharded(world: usize, depth: usize) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> {
     launch(world, |ctx| {
         let device = ndarray_ad();
         let group = ctx.world()?;
@@ -98,7 +98,7 @@ fn sharded(world: usize, prefetch: bool) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> 
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let (x, y) = batch(step, rows.clone(), &device);
-            let out = forward_units(&model.layers, x, prefetch, layer)?;
+            let out = forward_units_prefetching(&model.layers, x, depth, layer)?;
             let l = (out - y).powi_scalar(2).sum() / BATCH as f32;
             let global = group.all_reduce(l.to_data(), ReduceOp::Sum)?;
             losses.push(global.try_to_vec::<f32>()?[0]);
@@ -116,26 +116,29 @@ fn sharded(world: usize, prefetch: bool) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> 
 }
 
 #[test]
-fn layers_as_units_with_and_without_prefetch_match_single_device() {
+fn layers_as_units_with_any_prefetch_depth_match_single_device() {
     let (want_losses, want_weights) = single_device();
     let units = (DIMS.len() - 1) as u64;
     for world in 1..=4 {
-        let plain = sharded(world, false);
-        let prefetched = sharded(world, true);
-        for (rank, (run, pre)) in plain.iter().zip(&prefetched).enumerate() {
-            let ctx = format!("{world} ranks, rank {rank}");
-            assert_close(&run.0, &want_losses, 1e-5, &format!("{ctx}: losses"));
-            assert_close(&run.1, &want_weights, 1e-5, &format!("{ctx}: weights"));
-            assert_eq!(run.0, pre.0, "{ctx}: prefetch changes nothing but timing");
-            assert_eq!(run.1, pre.1, "{ctx}: prefetch changes nothing but timing");
-            // One gather per unit per step, one reduce-scatter per unit per step (counted
-            // before the final per-parameter gather of the full state).
-            for (what, counts) in [("plain", run), ("prefetch", pre)] {
-                assert_eq!(
-                    (counts.2, counts.3),
-                    (units * STEPS as u64, units * STEPS as u64),
-                    "{ctx} {what}"
-                );
+        let plain = sharded(world, 0);
+        // Depth 1 is FSDP2's default; 2 and one past the last unit keep several in flight.
+        for depth in [1, 2, DIMS.len()] {
+            let prefetched = sharded(world, depth);
+            for (rank, (run, pre)) in plain.iter().zip(&prefetched).enumerate() {
+                let ctx = format!("{world} ranks, rank {rank}, depth {depth}");
+                assert_close(&run.0, &want_losses, 1e-5, &format!("{ctx}: losses"));
+                assert_close(&run.1, &want_weights, 1e-5, &format!("{ctx}: weights"));
+                assert_eq!(run.0, pre.0, "{ctx}: prefetch changes nothing but timing");
+                assert_eq!(run.1, pre.1, "{ctx}: prefetch changes nothing but timing");
+                // One gather per unit per step, one reduce-scatter per unit per step (counted
+                // before the final per-parameter gather of the full state).
+                for (what, counts) in [("plain", run), ("prefetch", pre)] {
+                    assert_eq!(
+                        (counts.2, counts.3),
+                        (units * STEPS as u64, units * STEPS as u64),
+                        "{ctx} {what}"
+                    );
+                }
             }
         }
     }

@@ -541,3 +541,62 @@ fn a_custom_sidecar_changes_only_its_hook() {
         );
     }
 }
+
+/// Gradient accumulation through the context: each rank's rows in two micro-batches, the first
+/// backward with the gradient sync off (FSDP keeps a local unsharded sum, no reduce-scatter),
+/// the second through `train_step`: the same grad norms and weights as one big batch.
+#[test]
+fn deferred_gradient_sync_accumulates_like_one_big_batch() {
+    let reference = reference(Opt::Sgd, None);
+    // dp = 2 gives every rank two non-empty micro-batches of the 5 rows (3 and 2 rows).
+    for (world, cfg) in [
+        (2, config(Strategy::Fsdp2, 1, 1)),
+        (4, config(Strategy::Fsdp2, 2, 1)),
+    ] {
+        let runs = launch(world, |rank| {
+            let ctx = MeshContext::new(&rank, cfg.clone(), ndarray_ad())?;
+            let d = ctx.device().clone();
+            let mut model = parallelize_model(TinyLm::new(&d), &ctx)?;
+            let mut optim = optimizer(Opt::Sgd);
+            let rows = rows_of(ctx.dp_rank(), ctx.dp_size());
+            let mid = rows.start + rows.len().div_ceil(2);
+            let micro = [rows.start..mid, mid..rows.end];
+            let share =
+                |r: &std::ops::Range<usize>| (r.len() * ctx.dp_size()) as f64 / BATCH as f64;
+            let mut norms = Vec::new();
+            for step in 0..STEPS {
+                let (ids, targets) = batch(&d, step, micro[0].clone());
+                let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
+                ctx.set_requires_gradient_sync(false);
+                let _ = (local * share(&micro[0])).backward();
+                ctx.set_requires_gradient_sync(true);
+                let (ids, targets) = batch(&d, step, micro[1].clone());
+                let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
+                let loss = local * share(&micro[1]);
+                let (next, report) = train_step(model, loss, &mut optim, LR, None, &ctx)?;
+                model = next;
+                norms.push(report.grad_norm);
+            }
+            let expected = TinyLm::new(&d).map(&mut Load(reference.weights.iter()));
+            let expected = parallelize_model(expected, &ctx)?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((
+                norms,
+                values_of(&gather_full(model)),
+                values_of(&gather_full(expected)),
+            ))
+        })
+        .unwrap();
+        for (rank, (norms, weights, expected)) in runs.iter().enumerate() {
+            let what = format!("accumulation on {world} ranks, rank {rank}");
+            assert_close(
+                norms,
+                &reference.norms,
+                1e-5,
+                &format!("{what}: grad norms"),
+            );
+            for (i, (w, e)) in weights.iter().zip(expected).enumerate() {
+                assert_close(w, e, 1e-5, &format!("{what}: parameter {i}"));
+            }
+        }
+    }
+}

@@ -65,4 +65,4 @@ pub use memory::{MemoryKind, MemoryReport, ModelStateBytes, peak_model_state_byt
 pub use offload::OffloadPolicy;
 pub use policy::MixedPrecisionPolicy;
 pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};
-pub use unit::{forward_units, with_gathered_unit};
+pub use unit::{forward_units, forward_units_prefetching, with_gathered_unit};

@@ -200,23 +200,31 @@ pub fn forward_units<U: Module, T>(
     units: &[U],
     input: T,
     prefetch: bool,
+    f: impl FnMut(&U, T) -> T,
+) -> Result<T, FsdpError> {
+    forward_units_prefetching(units, input, usize::from(prefetch), f)
+}
+
+/// [`forward_units`] with the all-gathers of the next `depth` units in flight while one
+/// computes (0: no prefetch). Each prefetched unit holds its gathered weights until it runs.
+pub fn forward_units_prefetching<U: Module, T>(
+    units: &[U],
+    input: T,
+    depth: usize,
     mut f: impl FnMut(&U, T) -> T,
 ) -> Result<T, FsdpError> {
     let mut x = input;
-    let mut next = match units.first() {
-        Some(unit) if prefetch => start_unit(unit)?,
-        _ => None,
-    };
+    // Gathers issued ahead, in unit order: units[started - in_flight.len() .. started].
+    let mut in_flight = std::collections::VecDeque::new();
+    let mut started = 0;
     for (i, unit) in units.iter().enumerate() {
-        let current = if prefetch {
-            let current = next.take();
-            if let Some(following) = units.get(i + 1) {
-                next = start_unit(following)?;
-            }
-            current
-        } else {
-            start_unit(unit)?
-        };
+        // Keep `depth` units after this one in flight (this one's gather, when not
+        // prefetched, starts now).
+        while started < units.len() && started <= i + depth {
+            in_flight.push_back(start_unit(&units[started])?);
+            started += 1;
+        }
+        let current = in_flight.pop_front().flatten();
         let _guard = match current {
             Some(pending) => Some(pending.serve()?),
             None => None,

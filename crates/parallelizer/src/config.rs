@@ -148,11 +148,17 @@ pub struct DistributedConfig {
     /// `None`: NeMo's policy, every unit but the last reshards and the root never does.
     pub reshard_after_forward: Option<bool>,
     pub enable_fsdp2_prefetch: bool,
+    /// Units whose all-gather is in flight ahead of the one computing (`forward_units`).
     pub fsdp2_forward_prefetch_depth: usize,
+    /// Accepted for NeMo configs; no effect: Burn 0.22 has no backward hooks to issue a
+    /// unit's gather ahead of its backward.
     pub fsdp2_backward_prefetch_depth: usize,
+    /// Kernel fusion; no effect on the CPU backends (see `compile_parallelized_model`).
     pub enable_compile: bool,
     pub enable_async_tensor_parallel: bool,
-    /// Accumulate gradients locally on micro-steps and reduce once on the last.
+    /// Accumulate gradients locally on micro-steps and reduce once on the last: a training
+    /// loop that accumulates calls `MeshContext::set_requires_gradient_sync(false)` around
+    /// its micro-steps' backward when this is set.
     pub defer_fsdp_grad_sync: bool,
     /// DDP all-reduce bucket size in MiB (PyTorch DDP's `bucket_cap_mb`).
     pub ddp_bucket_cap_mb: f64,

@@ -4,6 +4,7 @@ use std::cell::Cell;
 
 use burn::tensor::Device;
 use burn_parallel_dist::{DeviceMesh, MeshShape, ProcessGroup, RankContext};
+use burn_parallel_fsdp::FsdpConfig;
 
 use crate::config::{DistributedConfig, MeshSizes, Strategy};
 use crate::error::ParallelError;
@@ -21,6 +22,9 @@ pub struct MeshContext {
     mesh: DeviceMesh,
     device: Device,
     checkpointing: bool,
+    /// The FSDP settings every unit of a model parallelized with this context shares (so one
+    /// gradient-sync switch reaches them all).
+    fsdp: FsdpConfig,
 }
 
 impl MeshContext {
@@ -53,12 +57,20 @@ impl MeshContext {
         } else {
             device
         };
+        let shard = mesh.group(&names.dp_shard)?.clone();
+        let fsdp = if sizes.dp_replicate > 1 {
+            FsdpConfig::hybrid(shard, mesh.group(&names.dp_replicate)?.clone())
+        } else {
+            FsdpConfig::new(shard)
+        }
+        .mixed_precision(config.mp_policy.policy());
         Ok(Self {
             config,
             sizes,
             mesh,
             device,
             checkpointing,
+            fsdp,
         })
     }
 
@@ -83,6 +95,20 @@ impl MeshContext {
     /// reshard after forward.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The FSDP config of this context: FSDP2 over dp_shard, or HSDP with the replicas, in
+    /// the configured mixed precision. Units are sharded with clones of it.
+    pub fn fsdp_config(&self) -> &FsdpConfig {
+        &self.fsdp
+    }
+
+    /// FSDP2's `set_requires_gradient_sync` for every model parallelized with this context:
+    /// with `false`, backward adds each unit's gradients to a local unsharded accumulator
+    /// and communicates nothing; the next backward with `true` reduces the accumulated sum
+    /// once (gradient accumulation over micro-steps, `defer_fsdp_grad_sync`).
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.fsdp.set_requires_gradient_sync(sync);
     }
 
     /// Whether [`device`](Self::device) is the gradient-checkpointing variant.
@@ -134,27 +160,33 @@ impl MeshContext {
 }
 
 thread_local! {
-    /// Whether `forward_units` prefetches on this rank (a rank is one thread or one process);
-    /// set by `parallelize_model` from `enable_fsdp2_prefetch`.
-    static PREFETCH: Cell<bool> = const { Cell::new(true) };
+    /// How many units ahead `forward_units` gathers on this rank (a rank is one thread or one
+    /// process); set by `parallelize_model` from `enable_fsdp2_prefetch` and
+    /// `fsdp2_forward_prefetch_depth`.
+    static PREFETCH_DEPTH: Cell<usize> = const { Cell::new(1) };
 }
 
-pub(crate) fn set_prefetch(on: bool) {
-    PREFETCH.set(on);
+pub(crate) fn set_prefetch(config: &DistributedConfig) {
+    let depth = if config.enable_fsdp2_prefetch {
+        config.fsdp2_forward_prefetch_depth
+    } else {
+        0
+    };
+    PREFETCH_DEPTH.set(depth);
 }
 
 /// Runs `units` (a decoder's layers, each an FSDP unit) in order, threading `input` through
-/// `f`, with the prefetch setting `parallelize_model` chose for this rank. Without FSDP it is a
+/// `f`, with the forward prefetch `parallelize_model` chose for this rank. Without FSDP it is a
 /// plain loop.
 pub fn forward_units<U: burn::module::Module, T>(
     units: &[U],
     input: T,
     f: impl FnMut(&U, T) -> T,
 ) -> Result<T, ParallelError> {
-    Ok(burn_parallel_fsdp::forward_units(
+    Ok(burn_parallel_fsdp::forward_units_prefetching(
         units,
         input,
-        PREFETCH.get(),
+        PREFETCH_DEPTH.get(),
         f,
     )?)
 }

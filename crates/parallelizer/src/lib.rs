@@ -60,7 +60,7 @@ pub fn parallelize_model_from<M: Parallelize, E: std::fmt::Display>(
     mut source: impl FnMut(&burn_parallel_fsdp::RowRequest) -> Result<burn::tensor::TensorData, E>,
 ) -> Result<M, ParallelError> {
     let sidecar = get_model_parallelizer(&model);
-    context::set_prefetch(ctx.config().enable_fsdp2_prefetch);
+    context::set_prefetch(ctx.config());
     match ctx.strategy() {
         Strategy::Ddp => ddp::replicate(model, ctx),
         Strategy::MegatronFsdp => Err(ParallelError::NotSupported("strategy megatron_fsdp".into())),

@@ -24,7 +24,7 @@ pub trait ModelParallelizer {
     where
         Self: Sized,
     {
-        set_prefetch(ctx.config().enable_fsdp2_prefetch);
+        set_prefetch(ctx.config());
         match ctx.strategy() {
             Strategy::Ddp => ddp::replicate(model, ctx),
             Strategy::Fsdp2 | Strategy::Hsdp => self.apply(model, ctx),
@@ -143,15 +143,9 @@ pub struct DefaultParallelizer;
 
 impl ModelParallelizer for DefaultParallelizer {}
 
-/// The FSDP config of a context: FSDP2 over dp_shard, or HSDP with the replicas.
+/// The FSDP config of a context (see [`MeshContext::fsdp_config`]).
 pub fn fsdp_config(ctx: &MeshContext) -> FsdpConfig {
-    let shard = ctx.dp_shard_group().clone();
-    let config = if ctx.sizes().dp_replicate > 1 {
-        FsdpConfig::hybrid(shard, ctx.dp_replicate_group().clone())
-    } else {
-        FsdpConfig::new(shard)
-    };
-    config.mixed_precision(ctx.config().mp_policy.policy())
+    ctx.fsdp_config().clone()
 }
 
 /// The model's declared plan, switched to its sequence-parallel variant when asked.
