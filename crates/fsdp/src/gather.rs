@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use burn::tensor::{Device, GradientCheckpointingStrategy, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, GradientCheckpointingStrategy, Tensor, TensorData};
 use burn_parallel_dist::CollectiveHandle;
 use burn_parallel_dist::collectives::{
     GatherOptions, HostCollective, HostFn, attach, check_gather_dim, to_dtype,
@@ -50,16 +50,31 @@ pub(crate) struct PendingGather<const D: usize> {
 /// Starts the all-gather of `shard` (its dim 0) whose result holds `gathered_elems` elements.
 /// Under an offload policy the shard is first copied to the compute device (differentiably:
 /// backward copies its gradient back to the host).
+/// Starts gathering `shard`. `after`, an exact zero computed from a unit's input (see
+/// [`UnitInput`](crate::UnitInput)), is added to the shard so that the gather's autodiff node
+/// sits just below that input: Burn runs backward by graph depth, so the reduce-scatter then
+/// runs as soon as backward has passed the unit, not at the very end.
 pub(crate) fn start_gather<const D: usize>(
     shard: Tensor<D>,
     plan: &GatherPlan,
     options: GatherOptions,
     accumulator: &Accumulator,
     gathered_elems: usize,
+    after: Option<Tensor<1>>,
 ) -> Result<PendingGather<D>, CollectiveError> {
     check_gather_dim::<D>(&plan.group, 0)?;
     let shard = match &plan.compute {
         Some(device) => shard.to_device(device),
+        None => shard,
+    };
+    let shard = match after {
+        Some(zero) => {
+            let zero = zero
+                .to_device(&shard.device())
+                .cast(FloatDType::from(shard.dtype()))
+                .reshape([1; D]);
+            shard + zero
+        }
         None => shard,
     };
     let dtype = options.compute_dtype.unwrap_or(shard.dtype());
@@ -86,7 +101,7 @@ pub(crate) fn gather_param<const D: usize>(
 ) -> Result<Tensor<D>, CollectiveError> {
     // Dropping the forward hold at once: a resharded per-parameter gather lives for one op.
     let (value, _forward_hold) =
-        start_gather(shard, plan, options, accumulator, gathered_elems)?.finish()?;
+        start_gather(shard, plan, options, accumulator, gathered_elems, None)?.finish()?;
     Ok(value)
 }
 

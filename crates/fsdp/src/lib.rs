@@ -16,9 +16,10 @@
 //! any running unit are gathered one by one.
 //!
 //! [`forward_units`] runs a sequence of units (a decoder's layers) with forward prefetch: the
-//! next unit's gather is in flight while the current one computes. Burn's backward has no
-//! hooks, so there is no backward prefetch: each unit's reduce-scatter runs when autodiff
-//! reaches it.
+//! next unit's gather is in flight while the current one computes, and each unit's gather is
+//! tied to the unit's input ([`UnitInput`]) so that backward reduce-scatters each unit's
+//! gradient right after running through it. Burn's backward has no hooks, so there is no
+//! backward prefetch: a resharded unit is gathered again when autodiff first needs it.
 //!
 //! Memory accounting ([`memory`]): per-rank live and peak bytes of parameters, gathered
 //! weights, gradients and optimizer state; FSDP records what it gathers and the gradient
@@ -65,4 +66,4 @@ pub use memory::{MemoryKind, MemoryReport, ModelStateBytes, peak_model_state_byt
 pub use offload::OffloadPolicy;
 pub use policy::MixedPrecisionPolicy;
 pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};
-pub use unit::{forward_units, forward_units_prefetching, with_gathered_unit};
+pub use unit::{UnitInput, forward_units, forward_units_prefetching, with_gathered_unit};

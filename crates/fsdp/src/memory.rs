@@ -12,10 +12,12 @@
 //!     a device with gradient checkpointing); a per-parameter gather then lives only for the
 //!     op that uses it, so it counts into the peak but not the current level. Backward's
 //!     re-gather counts again until that unit's reduce-scatter has run;
-//!   - otherwise when backward has reduce-scattered the unit's (or parameter's) gradient.
-//!     Burn 0.22 runs backward steps by graph depth, and a gather sits next to the leaves, so
-//!     the reduce-scatters run at the end of backward: until then each unit's unsharded
-//!     gradient (the size of its gathered buffer) is alive too, which this count stands for;
+//!   - otherwise when backward has reduce-scattered the unit's (or parameter's) gradient;
+//!     until then its unsharded gradient (the size of its gathered buffer) is alive too, which
+//!     this count stands for. Burn 0.22 runs backward steps by graph depth: units run by
+//!     `forward_units` hang their gather below their input, so each reduce-scatter runs once
+//!     backward has passed the unit (and the one prefetched with it); a per-parameter gather,
+//!     or a unit run by `with_gathered_unit`, sits next to the leaves and reduces at the end;
 //!   - at once when nothing will run backward through it (no autodiff, frozen parameters:
 //!     Burn may still hold such a weight for another op's backward, which is not counted),
 //!     and whenever the autodiff graph holding it is dropped.

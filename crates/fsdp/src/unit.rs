@@ -92,7 +92,11 @@ struct PendingUnit {
 }
 
 /// Collects `unit`'s shards and starts their one gather; `None` when it has nothing to gather.
-fn start_unit<M: Module>(unit: &M) -> Result<Option<PendingUnit>, FsdpError> {
+/// `after`: see [`start_gather`].
+fn start_unit<M: Module>(
+    unit: &M,
+    after: Option<Tensor<1>>,
+) -> Result<Option<PendingUnit>, FsdpError> {
     let collected = collect(unit);
     let Some(first) = collected.first() else {
         return Ok(None);
@@ -143,7 +147,14 @@ fn start_unit<M: Module>(unit: &M) -> Result<Option<PendingUnit>, FsdpError> {
         }
     }
     let options = crate::shard::effective_options(plan.options);
-    let gather = start_gather(local, &plan, options, &first.accumulator, world * offset)?;
+    let gather = start_gather(
+        local,
+        &plan,
+        options,
+        &first.accumulator,
+        world * offset,
+        after,
+    )?;
     Ok(Some(PendingUnit {
         gather,
         world,
@@ -186,7 +197,7 @@ impl PendingUnit {
 /// each other: parameters outside every running unit are gathered one by one. Collective:
 /// every rank of the shard group runs the same units in the same order.
 pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Result<R, FsdpError> {
-    let _guard = match start_unit(unit)? {
+    let _guard = match start_unit(unit, None)? {
         Some(pending) => Some(pending.serve()?),
         None => None,
     };
@@ -196,7 +207,7 @@ pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Resu
 /// Runs `units` in order as FSDP units (a decoder's layers), threading `input` through
 /// `f(unit, x)`. With `prefetch`, the next unit's all-gather is started before the current
 /// unit computes (FSDP2's forward prefetch, depth 1), so communication overlaps compute.
-pub fn forward_units<U: Module, T>(
+pub fn forward_units<U: Module, T: UnitInput>(
     units: &[U],
     input: T,
     prefetch: bool,
@@ -205,9 +216,31 @@ pub fn forward_units<U: Module, T>(
     forward_units_prefetching(units, input, usize::from(prefetch), f)
 }
 
+/// What a stack of units passes from one unit to the next (an activation tensor).
+pub trait UnitInput {
+    /// An exact zero `[1]` computed from this input, or `None` when the input is not part of
+    /// the autodiff graph. Each unit's gather is tied to the input current when it is issued,
+    /// so that backward reduce-scatters a unit's gradient right after running through the unit
+    /// (and through the units prefetched with it), rather than every unit's at the end of
+    /// backward, keeping the unsharded gradients of at most the prefetched units alive.
+    fn order_anchor(&self) -> Option<Tensor<1>>;
+}
+
+impl<const D: usize> UnitInput for Tensor<D> {
+    fn order_anchor(&self) -> Option<Tensor<1>> {
+        let n = self.shape().num_elements();
+        if n == 0 || !self.is_tracked() {
+            return None;
+        }
+        // One element times zero: an exact zero in the graph below this input (its gradient
+        // adds an exact zero to the input's).
+        Some(self.clone().reshape([n]).narrow(0, 0, 1).mul_scalar(0.0))
+    }
+}
+
 /// [`forward_units`] with the all-gathers of the next `depth` units in flight while one
 /// computes (0: no prefetch). Each prefetched unit holds its gathered weights until it runs.
-pub fn forward_units_prefetching<U: Module, T>(
+pub fn forward_units_prefetching<U: Module, T: UnitInput>(
     units: &[U],
     input: T,
     depth: usize,
@@ -221,7 +254,7 @@ pub fn forward_units_prefetching<U: Module, T>(
         // Keep `depth` units after this one in flight (this one's gather, when not
         // prefetched, starts now).
         while started < units.len() && started <= i + depth {
-            in_flight.push_back(start_unit(&units[started])?);
+            in_flight.push_back(start_unit(&units[started], x.order_anchor())?);
             started += 1;
         }
         let current = in_flight.pop_front().flatten();

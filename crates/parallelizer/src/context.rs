@@ -178,7 +178,7 @@ pub(crate) fn set_prefetch(config: &DistributedConfig) {
 /// Runs `units` (a decoder's layers, each an FSDP unit) in order, threading `input` through
 /// `f`, with the forward prefetch `parallelize_model` chose for this rank. Without FSDP it is a
 /// plain loop.
-pub fn forward_units<U: burn::module::Module, T>(
+pub fn forward_units<U: burn::module::Module, T: burn_parallel_fsdp::UnitInput>(
     units: &[U],
     input: T,
     f: impl FnMut(&U, T) -> T,
