@@ -151,3 +151,43 @@ fn llama_checkpoint_trained_under_fsdp_saves_like_single() {
     }
     std::fs::remove_dir_all(out).unwrap();
 }
+
+/// A checkpoint whose head counts divide by 2, loaded lazily under every strategy (tp splits
+/// whole tensors one at a time, FSDP reads rows): the same loss curve as a single device
+/// loading it whole.
+#[test]
+fn llama_checkpoint_loads_lazily_under_every_strategy() {
+    use burn_parallel::models::Llama;
+    use burn_parallel::models::checkpoint::{SaveDtype, hf_tensors, save_llama};
+
+    let dir = temp_dir("lazy-every-strategy");
+    let model_cfg = crate::llama_train::small_model();
+    let seeded = Llama::seeded(&model_cfg, 7, &crate::common::ndarray());
+    save_llama(
+        &model_cfg,
+        &hf_tensors(&seeded).unwrap(),
+        &dir,
+        SaveDtype::F32,
+    )
+    .unwrap();
+    let run = |strategy, world, tp| {
+        let cfg = TrainConfig {
+            checkpoint: Some(dir.clone()),
+            tp,
+            steps: 3,
+            ..small_run(strategy, world, OptimizerKind::AdamW)
+        };
+        train(&cfg, &|_| {}).unwrap().losses()
+    };
+    let single = run(Strategy::Single, 1, None);
+    for (strategy, world, tp) in [
+        (Strategy::Fsdp2, 3, None),
+        (Strategy::Ddp, 2, None),
+        (Strategy::Tp, 2, None),
+        (Strategy::Fsdp2Tp, 4, Some(2)),
+    ] {
+        let got = run(strategy, world, tp);
+        assert_close(&got, &single, 1e-5, &format!("{strategy} on {world}"));
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
