@@ -6,6 +6,8 @@
 //! cargo run --release --example train_llama -- --checkpoint DIR --data tokens.bin --json
 //! cargo build --release --features mpi --example train_llama
 //! mpirun -np 2 target/release/examples/train_llama --engine mpi --world-size 2
+//! cargo build --release --features cuda --example train_llama    # a GPU machine
+//! target/release/examples/train_llama --engine nccl --backend cuda --world-size 8
 //! ```
 //!
 //! With `--json`, stdout carries exactly one JSON object per step and nothing else; otherwise
@@ -76,7 +78,7 @@ struct Args {
     reduce_dtype: Precision,
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     reshard_after_forward: bool,
-    /// ndarray | flex
+    /// ndarray | flex | cuda | tch (cuda and tch: one GPU per rank, `--features cuda|tch`)
     #[arg(long, default_value = "flex")]
     backend: Backend,
     #[arg(long, default_value_t = 0)]
@@ -87,8 +89,9 @@ struct Args {
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     json: bool,
-    /// threads | mpi (default: $BURN_PARALLEL_ENGINE, else mpi under mpirun/srun, else
-    /// threads). mpi needs a build with `--features mpi`.
+    /// threads | mpi | nccl (default: $BURN_PARALLEL_ENGINE, else mpi under mpirun/srun, else
+    /// threads). mpi needs `--features mpi`; nccl `--features nccl` (or cuda) and one GPU per
+    /// rank (one thread per GPU, or one process per GPU when the launcher sets RANK).
     #[arg(long)]
     engine: Option<EngineKind>,
 }

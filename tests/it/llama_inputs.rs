@@ -2,7 +2,9 @@
 //! saved under FSDP equals the one saved by a single device.
 
 use burn_parallel::models::checkpoint::HfCheckpoint;
-use burn_parallel::train::{OptimizerKind, Precision, Strategy, TrainConfig, TrainError, train};
+use burn_parallel::train::{
+    Backend, EngineKind, OptimizerKind, Precision, Strategy, TrainConfig, TrainError, train,
+};
 
 use crate::common::{assert_close, to_vec};
 use crate::llama_hf::{fixture, temp_dir};
@@ -121,6 +123,23 @@ fn llama_bad_inputs_are_named_errors() {
     ] {
         let msg = error_of(&cfg);
         assert!(msg.contains(want), "{want}: {msg}");
+    }
+    // Backends and engines this build lacks name the feature that brings them.
+    if !Backend::Cuda.available() {
+        let cfg = TrainConfig {
+            backend: Backend::Cuda,
+            ..base.clone()
+        };
+        let msg = error_of(&cfg);
+        assert!(msg.contains("--features cuda"), "{msg}");
+    }
+    if !EngineKind::Nccl.available() {
+        let cfg = TrainConfig {
+            engine: EngineKind::Nccl,
+            ..base.clone()
+        };
+        let msg = error_of(&cfg);
+        assert!(msg.contains("--features nccl"), "{msg}");
     }
 }
 

@@ -1,10 +1,11 @@
-//! One entry point for both kinds of launch: the same program runs its ranks as threads of one
-//! process (the threads engine) or as the processes of an MPI job (the `mpi` engine, cargo
-//! feature `mpi`). Each rank's closure gets a [`RankContext`] either way.
+//! One entry point for every kind of launch: the same program runs its ranks as threads of one
+//! process (the threads engine), as the processes of an MPI job (the `mpi` engine, cargo
+//! feature `mpi`), or as GPUs talking NCCL (the `nccl` engine, cargo feature `nccl`). Each
+//! rank's closure gets a [`RankContext`] either way.
 //!
-//! The engine is chosen by [`ENGINE_ENV`] (`threads` or `mpi`) when set, else `mpi` when the
-//! process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun --mpi=pmix`), else
-//! `threads`. Programs with an `--engine` flag pass their choice to [`run_ranks_on`].
+//! The engine is chosen by [`ENGINE_ENV`] (`threads`, `mpi` or `nccl`) when set, else `mpi`
+//! when the process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun --mpi=pmix`),
+//! else `threads`. Programs with an `--engine` flag pass their choice to [`run_ranks_on`].
 
 use std::fmt;
 use std::str::FromStr;
@@ -22,6 +23,10 @@ pub enum EngineKind {
     Threads,
     /// Each process of an MPI job runs one rank.
     Mpi,
+    /// Ranks are GPUs talking NCCL: one process per GPU when the launcher sets `RANK`
+    /// (`torchrun`-style environment, see `nccl::LaunchEnv`), else one thread per GPU of this
+    /// process.
+    Nccl,
 }
 
 impl EngineKind {
@@ -29,6 +34,7 @@ impl EngineKind {
         match self {
             EngineKind::Threads => "threads",
             EngineKind::Mpi => "mpi",
+            EngineKind::Nccl => "nccl",
         }
     }
 
@@ -37,6 +43,7 @@ impl EngineKind {
         match self {
             EngineKind::Threads => true,
             EngineKind::Mpi => cfg!(feature = "mpi"),
+            EngineKind::Nccl => cfg!(feature = "nccl"),
         }
     }
 
@@ -60,7 +67,7 @@ impl fmt::Display for EngineKind {
 
 /// An engine name that is neither `threads` nor `mpi`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown engine {0:?}: expected \"threads\" or \"mpi\"")]
+#[error("unknown engine {0:?}: expected \"threads\", \"mpi\" or \"nccl\"")]
 pub struct UnknownEngine(pub String);
 
 impl FromStr for EngineKind {
@@ -69,6 +76,7 @@ impl FromStr for EngineKind {
         match s.trim().to_ascii_lowercase().as_str() {
             "threads" => Ok(EngineKind::Threads),
             "mpi" => Ok(EngineKind::Mpi),
+            "nccl" => Ok(EngineKind::Nccl),
             _ => Err(UnknownEngine(s.into())),
         }
     }
@@ -123,7 +131,52 @@ where
              (it needs Open MPI and libclang installed)"
                 .into(),
         )),
+        #[cfg(feature = "nccl")]
+        EngineKind::Nccl => run_nccl(world_size, f),
+        #[cfg(not(feature = "nccl"))]
+        EngineKind::Nccl => Err(launch_error(
+            "the nccl engine is not in this build: enable the cargo feature `nccl` (or `cuda`)"
+                .into(),
+        )),
     }
+}
+
+/// One process per GPU under a launcher that sets `RANK` (its world must be `world_size`),
+/// else `world_size` rank threads on GPUs `0..world_size`. A process whose rank fails exits
+/// with the error; the launcher (`torchrun`, `mpirun`, `srun`) then ends the job.
+#[cfg(feature = "nccl")]
+fn run_nccl<T, E, F>(world_size: usize, f: F) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    use crate::nccl::{LaunchEnv, NcclEngine, launch_local};
+    if std::env::var_os("RANK").is_none() {
+        let ordinals: Vec<usize> = (0..world_size).collect();
+        return Ok(launch_local(&ordinals, f)?
+            .into_iter()
+            .enumerate()
+            .collect());
+    }
+    let env = LaunchEnv::from_env().map_err(|e| launch_error(e.to_string()))?;
+    if env.world_size != world_size {
+        return Err(launch_error(format!(
+            "the launcher started {} processes (WORLD_SIZE) but the job asks for {world_size} ranks",
+            env.world_size
+        )));
+    }
+    let engine = NcclEngine::from_env().map_err(|e| launch_error(e.to_string()))?;
+    let ctx = RankContext::new(std::sync::Arc::new(engine));
+    f(ctx)
+        .map(|v| vec![(env.rank, v)])
+        .map_err(|e| LaunchError {
+            failures: vec![RankFailure {
+                rank: env.rank,
+                message: e.to_string(),
+                panicked: false,
+            }],
+        })
 }
 
 fn launch_error(message: String) -> LaunchError {
@@ -142,13 +195,13 @@ mod tests {
 
     #[test]
     fn engine_names_parse_and_print() {
-        for kind in [EngineKind::Threads, EngineKind::Mpi] {
+        for kind in [EngineKind::Threads, EngineKind::Mpi, EngineKind::Nccl] {
             assert_eq!(kind.name().parse::<EngineKind>(), Ok(kind));
             assert_eq!(kind.to_string(), kind.name());
         }
         assert_eq!(" MPI ".parse::<EngineKind>(), Ok(EngineKind::Mpi));
-        let err = "nccl".parse::<EngineKind>().unwrap_err();
-        assert!(err.to_string().contains("\"nccl\""), "{err}");
+        let err = "gloo".parse::<EngineKind>().unwrap_err();
+        assert!(err.to_string().contains("\"gloo\""), "{err}");
     }
 
     #[test]
@@ -158,6 +211,20 @@ mod tests {
         })
         .unwrap();
         assert_eq!(results, vec![(0, 0), (1, 10), (2, 20)]);
+    }
+
+    #[test]
+    fn nccl_without_the_feature_or_a_gpu_is_a_clear_error() {
+        assert_eq!("nccl".parse::<EngineKind>(), Ok(EngineKind::Nccl));
+        let err = run_ranks_on(2, EngineKind::Nccl, |_| Ok::<_, String>(()))
+            .unwrap_err()
+            .to_string();
+        if EngineKind::Nccl.available() {
+            // No GPU or CUDA driver on the machines that run this test.
+            assert!(err.contains("libcuda") || err.contains("CUDA"), "{err}");
+        } else {
+            assert!(err.contains("feature `nccl`"), "{err}");
+        }
     }
 
     #[test]

@@ -56,10 +56,13 @@ named_enum!(
 );
 
 named_enum!(
-    /// The CPU backend each rank computes on.
+    /// The backend each rank computes on: a CPU backend, or one GPU per rank (`cuda`: Burn's
+    /// CUDA backend, build with `--features cuda`; `tch`: LibTorch on CUDA, `--features tch`).
     Backend {
         Ndarray = "ndarray",
         Flex = "flex",
+        Cuda = "cuda",
+        Tch = "tch",
     }
 );
 
@@ -68,19 +71,34 @@ named_enum!(OptimizerKind { Sgd = "sgd", AdamW = "adamw" });
 named_enum!(Precision { F32 = "f32", Bf16 = "bf16" });
 
 impl Backend {
-    /// The autodiff device; with gradient checkpointing FSDP drops gathered weights after
-    /// forward and gathers them again in backward (reshard after forward).
-    #[allow(deprecated)]
-    pub fn device(self, checkpointing: bool) -> Device {
+    /// The autodiff device of a rank whose GPU (for `cuda` and `tch`) is `gpu`, or an error
+    /// naming the cargo feature this build lacks.
+    #[allow(deprecated)] // burn-ndarray and burn-tch are deprecated in Burn 0.22, not removed
+    pub fn device(self, gpu: usize) -> Result<Device, TrainError> {
+        let _ = gpu;
         let base = match self {
             Backend::Ndarray => Device::ndarray(),
             Backend::Flex => Device::flex(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => Device::cuda(gpu),
+            #[cfg(feature = "tch")]
+            Backend::Tch => Device::libtorch_cuda(gpu),
+            #[allow(unreachable_patterns)]
+            other => {
+                return Err(TrainError::Config(format!(
+                    "--backend {other} is not in this build: build with `--features {other}`"
+                )));
+            }
         };
-        let ad = base.autodiff();
-        if checkpointing {
-            ad.gradient_checkpointing()
-        } else {
-            ad
+        Ok(base.autodiff())
+    }
+
+    /// Whether this build has the backend (see [`Backend::device`]).
+    pub fn available(self) -> bool {
+        match self {
+            Backend::Ndarray | Backend::Flex => true,
+            Backend::Cuda => cfg!(feature = "cuda"),
+            Backend::Tch => cfg!(feature = "tch"),
         }
     }
 }
@@ -175,6 +193,15 @@ impl TrainConfig {
         let bf16 = self.param_dtype == Precision::Bf16 || self.reduce_dtype == Precision::Bf16;
         if bf16 && self.backend == Backend::Ndarray {
             return bad("bf16 needs --backend flex (ndarray has no bf16)".into());
+        }
+        if !self.backend.available() {
+            self.backend.device(0)?;
+        }
+        if !self.engine.available() {
+            return bad(format!(
+                "--engine {} is not in this build: build with `--features {}`",
+                self.engine, self.engine
+            ));
         }
         Ok(())
     }

@@ -126,6 +126,15 @@ pub fn train(
 
 type RankResult = (Vec<StepReport>, u64, u64);
 
+/// The GPU of `rank` on its node: the launcher's local rank when it sets one (one process per
+/// GPU), else the rank itself (one thread per GPU of this process).
+fn gpu_of(rank: usize) -> usize {
+    ["LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"]
+        .iter()
+        .find_map(|var| std::env::var(var).ok()?.parse().ok())
+        .unwrap_or(rank)
+}
+
 /// One optimizer step on the whole model.
 type StepFn = Box<dyn FnMut(Llama, &Gradients) -> Llama>;
 
@@ -166,7 +175,7 @@ fn run_rank(
     let mesh = MeshContext::new(
         &ctx,
         layout.distributed_config(cfg),
-        cfg.backend.device(false),
+        cfg.backend.device(gpu_of(ctx.rank()))?,
     )?;
     let device = mesh.device().clone();
     let mut model = build_model(cfg, model_cfg, layout, &mesh)?;

@@ -199,6 +199,11 @@ impl std::fmt::Debug for NcclCommunicator {
 
 type Res<T> = Result<T, CollectiveError>;
 
+/// What one rank said it is calling: dtype (none without a tensor), shape, extra words.
+type RankCall = (Option<DType>, Vec<usize>, Vec<u64>);
+/// A [`RankCall`] with its op code first, as exchanged.
+type ParsedCall = (u64, Option<DType>, Vec<usize>, Vec<u64>);
+
 impl NcclCommunicator {
     /// The group's NCCL communicator, for collectives on device buffers.
     pub fn comm(&self) -> &Arc<NcclComm> {
@@ -314,11 +319,11 @@ impl NcclCommunicator {
         data: Option<&TensorData>,
         extra: &[u64],
         free: &[usize],
-    ) -> Res<Vec<(Option<DType>, Vec<usize>, Vec<u64>)>> {
+    ) -> Res<Vec<RankCall>> {
         let mut words = self.header(op, data)?;
         words.extend_from_slice(extra);
         let all = self.exchange(op, &words)?;
-        let parsed: Vec<(u64, Option<DType>, Vec<usize>, Vec<u64>)> = all
+        let parsed: Vec<ParsedCall> = all
             .iter()
             .map(|w| {
                 let dtype = w[1].checked_sub(1).and_then(dtype_from_code);
@@ -331,7 +336,7 @@ impl NcclCommunicator {
             })
             .collect();
         let me = self.info.index;
-        let describe = |(code, dtype, shape, _): &(u64, Option<DType>, Vec<usize>, Vec<u64>)| {
+        let describe = |(code, dtype, shape, _): &ParsedCall| {
             let name = OpKind::ALL
                 .get((*code as usize).wrapping_sub(1))
                 .map_or("?", |k| k.name());
