@@ -15,22 +15,22 @@ use burn_parallel::fsdp::{
 
 use crate::common::{assert_close, flex_ad, ndarray_ad, sgd, values, vec_of};
 
-const IN: usize = 5;
+pub(crate) const IN: usize = 5;
 const HIDDEN: usize = 3; // 3 rows of layer 2 over 4 ranks: 1, 1, 1, 0
-const OUT: usize = 2;
-const BATCH: usize = 12;
-const STEPS: usize = 3;
-const LR: f32 = 0.1;
+pub(crate) const OUT: usize = 2;
+pub(crate) const BATCH: usize = 12;
+pub(crate) const STEPS: usize = 3;
+pub(crate) const LR: f32 = 0.1;
 
 #[derive(Module, Debug)]
-struct Mlp {
+pub(crate) struct Mlp {
     a: Linear,
     b: Linear,
 }
 
 impl Mlp {
     /// Deterministic weights from seeds, built on the calling rank.
-    fn new(device: &Device) -> Self {
+    pub(crate) fn new(device: &Device) -> Self {
         let linear = |i, o, seed| {
             let mut l: Linear = LinearConfig::new(i, o).init(device);
             l.weight = l
@@ -65,7 +65,7 @@ fn tensor1(seed: u64, n: usize, device: &Device) -> Tensor<1> {
 
 /// Mean squared error of `rows` of the global batch of `step`, divided by the global batch so
 /// that summing over ranks gives the global mean.
-fn loss(
+pub(crate) fn loss(
     model: &Mlp,
     step: usize,
     rows: std::ops::Range<usize>,
@@ -129,7 +129,7 @@ impl Opts {
     }
 }
 
-fn flat(model: &Mlp) -> Vec<f32> {
+pub(crate) fn flat(model: &Mlp) -> Vec<f32> {
     [
         vec_of(&model.a.weight.val()),
         vec_of(&model.a.bias.as_ref().unwrap().val()),

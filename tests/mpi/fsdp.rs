@@ -2,67 +2,20 @@
 //! ranks hold uneven and empty shards), trained with SGD on the global batch split over ranks,
 //! against the same training on one device, and against the threads engine (same bits).
 
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
-use burn::tensor::{Device, Tensor};
 use burn_parallel::dist::chunk::chunk_range;
 use burn_parallel::dist::{RankContext, ReduceOp};
-use burn_parallel::fsdp::{FsdpConfig, fully_shard, gather_full};
+use burn_parallel::fsdp::{FsdpConfig, MixedPrecisionPolicy, fully_shard, gather_full};
 
-use crate::common::{assert_close, ndarray_ad, sgd, tensor, to_vec, vec_of};
+use crate::common::{assert_close, ndarray_ad, sgd, to_vec, vec_of};
+use crate::fsdp_basic::{BATCH, LR, Mlp, STEPS, flat};
 
-const IN: usize = 5;
-const HIDDEN: usize = 3;
-const OUT: usize = 2;
-const BATCH: usize = 12;
-const STEPS: usize = 3;
-const LR: f32 = 0.1;
-
-#[derive(Module, Debug)]
-struct Mlp {
-    a: Linear,
-    b: Linear,
-}
-
-impl Mlp {
-    fn new(device: &Device) -> Self {
-        let linear = |i, o, seed| {
-            let mut l: Linear = LinearConfig::new(i, o).init(device);
-            l.weight = l
-                .weight
-                .map(|_| tensor(seed, [i, o], device).require_grad());
-            l.bias = l
-                .bias
-                .map(|b| b.map(|_| tensor(seed + 1, [o], device).require_grad()));
-            l
-        };
-        Self {
-            a: linear(IN, HIDDEN, 1),
-            b: linear(HIDDEN, OUT, 3),
-        }
-    }
-
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.b.forward(self.a.forward(x).tanh())
-    }
-
-    fn flat(&self) -> Vec<f32> {
-        [
-            vec_of(&self.a.weight.val()),
-            vec_of(&self.a.bias.as_ref().unwrap().val()),
-            vec_of(&self.b.weight.val()),
-            vec_of(&self.b.bias.as_ref().unwrap().val()),
-        ]
-        .concat()
-    }
-}
-
-/// Squared error of `rows` of step `step`'s global batch over the global element count, so
-/// that the sum over ranks is the global mean.
-fn loss(model: &Mlp, step: usize, rows: std::ops::Range<usize>, device: &Device) -> Tensor<1> {
-    let x = tensor(100 + step as u64, [BATCH, IN], device).narrow(0, rows.start, rows.len());
-    let y = tensor(200 + step as u64, [BATCH, OUT], device).narrow(0, rows.start, rows.len());
-    (model.forward(x) - y).powi_scalar(2).sum() / (BATCH * OUT) as f32
+fn loss(
+    model: &Mlp,
+    step: usize,
+    rows: std::ops::Range<usize>,
+    device: &burn::tensor::Device,
+) -> burn::tensor::Tensor<1> {
+    crate::fsdp_basic::loss(model, step, rows, device, &MixedPrecisionPolicy::default())
 }
 
 /// Losses and final weights.
@@ -78,7 +31,7 @@ pub fn single_device() -> Run {
         let grads = l.backward();
         model = sgd(model, &grads, LR);
     }
-    (losses, model.flat())
+    (losses, flat(&model))
 }
 
 /// One rank's FSDP training, on whatever engine `ctx` comes from.
@@ -96,7 +49,7 @@ pub fn sharded(ctx: &RankContext) -> Result<Run, Box<dyn std::error::Error>> {
         let grads = l.backward();
         model = sgd(model, &grads, LR);
     }
-    Ok((losses, gather_full(model).flat()))
+    Ok((losses, flat(&gather_full(model))))
 }
 
 /// Checks this rank's run against one device (round-off) and the threads engine (same bits).

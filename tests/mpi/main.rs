@@ -16,6 +16,9 @@ mod collective_cases;
 #[path = "../it/common.rs"]
 mod common;
 mod fsdp;
+#[allow(dead_code, unused_imports)]
+#[path = "../it/fsdp_basic.rs"]
+mod fsdp_basic;
 // This binary has no test harness, so the shared files' #[test] functions are left out, and
 // the items and imports only they use are unused here.
 #[allow(dead_code, unused_imports)]
