@@ -92,3 +92,52 @@ pub fn sgd<M: Module>(model: M, grads: &Gradients, lr: f32) -> M {
     }
     model.map(&mut Step { grads, lr })
 }
+
+/// A stack of `Linear` layers of widths `dims` with seeded weights (layer i from seeds
+/// `seed + 10 i` and `+ 1`), built on the calling rank; the FSDP unit tests' model.
+#[derive(Module, Debug)]
+pub struct LinearStack {
+    pub layers: Vec<burn::nn::Linear>,
+}
+
+impl LinearStack {
+    pub fn seeded(dims: &[usize], seed: u64, device: &Device) -> Self {
+        let layers = dims
+            .windows(2)
+            .enumerate()
+            .map(|(i, d)| {
+                let mut l: burn::nn::Linear = burn::nn::LinearConfig::new(d[0], d[1]).init(device);
+                let seed = seed + 10 * i as u64;
+                let w = TensorData::new(values(seed, d[0] * d[1]), [d[0], d[1]]);
+                let b = TensorData::new(values(seed + 1, d[1]), [d[1]]);
+                l.weight = l
+                    .weight
+                    .map(|_| Tensor::from_data(w, device).require_grad());
+                l.bias = l
+                    .bias
+                    .map(|p| p.map(|_| Tensor::from_data(b, device).require_grad()));
+                l
+            })
+            .collect();
+        Self { layers }
+    }
+
+    /// Every weight and bias, layer by layer.
+    pub fn flat(&self) -> Vec<f32> {
+        self.layers
+            .iter()
+            .flat_map(|l| {
+                [
+                    vec_of(&l.weight.val()),
+                    vec_of(&l.bias.as_ref().unwrap().val()),
+                ]
+                .concat()
+            })
+            .collect()
+    }
+}
+
+/// One layer of a [`LinearStack`]: the linear map, then tanh.
+pub fn tanh_layer(l: &burn::nn::Linear, x: Tensor<2>) -> Tensor<2> {
+    l.forward(x).tanh()
+}

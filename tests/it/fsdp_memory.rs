@@ -3,8 +3,6 @@
 //! figure plus padding plus the gathered units that prefetch holds; the gathered bytes are
 //! released after each unit's forward when resharding, and after backward otherwise.
 
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::dist::chunk::{chunk_range, padded_chunk};
@@ -19,35 +17,13 @@ pub(crate) const BATCH: usize = 8;
 const STEPS: usize = 2;
 const F32: usize = 4;
 
-#[derive(Module, Debug)]
-pub(crate) struct Stack {
-    pub layers: Vec<Linear>,
-}
+pub(crate) type Stack = crate::common::LinearStack;
 
 pub(crate) fn stack(device: &Device) -> Stack {
-    let layers = DIMS
-        .windows(2)
-        .enumerate()
-        .map(|(i, d)| {
-            let mut l: Linear = LinearConfig::new(d[0], d[1]).init(device);
-            let seed = 30 + 10 * i as u64;
-            let w = TensorData::new(values(seed, d[0] * d[1]), [d[0], d[1]]);
-            let b = TensorData::new(values(seed + 1, d[1]), [d[1]]);
-            l.weight = l
-                .weight
-                .map(|_| Tensor::from_data(w, device).require_grad());
-            l.bias = l
-                .bias
-                .map(|p| p.map(|_| Tensor::from_data(b, device).require_grad()));
-            l
-        })
-        .collect();
-    Stack { layers }
+    Stack::seeded(&DIMS, 30, device)
 }
 
-pub(crate) fn layer(l: &Linear, x: Tensor<2>) -> Tensor<2> {
-    l.forward(x).tanh()
-}
+pub(crate) use crate::common::tanh_layer as layer;
 
 pub(crate) fn input(step: usize, rows: std::ops::Range<usize>, device: &Device) -> Tensor<2> {
     let x = TensorData::new(values(300 + step as u64, BATCH * DIMS[0]), [BATCH, DIMS[0]]);

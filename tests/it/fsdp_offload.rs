@@ -14,20 +14,6 @@ use crate::fsdp_memory::{BATCH, Stack, input, layer, stack};
 const STEPS: usize = 2;
 const LR: f64 = 0.05;
 
-fn flat(model: &Stack) -> Vec<f32> {
-    model
-        .layers
-        .iter()
-        .flat_map(|l| {
-            [
-                vec_of(&l.weight.val()),
-                vec_of(&l.bias.as_ref().unwrap().val()),
-            ]
-            .concat()
-        })
-        .collect()
-}
-
 fn single_device() -> (Vec<f32>, Vec<f32>) {
     let device = flex_ad();
     let mut model = stack(&device);
@@ -43,7 +29,7 @@ fn single_device() -> (Vec<f32>, Vec<f32>) {
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(LR, model, grads);
     }
-    (losses, flat(&model))
+    (losses, model.flat())
 }
 
 /// One rank's losses, gathered final weights, and each placement check with its outcome.
@@ -103,7 +89,7 @@ fn sharded(world: usize, offload: bool) -> Vec<RankOutcome> {
             ));
         }
         let full = gather_full(model);
-        Ok::<_, Box<dyn std::error::Error>>((losses, flat(&full), checks))
+        Ok::<_, Box<dyn std::error::Error>>((losses, full.flat(), checks))
     })
     .unwrap()
 }

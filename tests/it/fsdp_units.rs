@@ -2,8 +2,6 @@
 //! with and without forward prefetch, on 1-4 ranks (uneven and empty shards), against
 //! single-device training.
 
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::dist::chunk::chunk_range;
 use burn_parallel::dist::{OpKind, ReduceOp, launch};
@@ -16,35 +14,13 @@ const BATCH: usize = 8;
 const STEPS: usize = 3;
 const LR: f32 = 0.1;
 
-#[derive(Module, Debug)]
-struct Stack {
-    layers: Vec<Linear>,
-}
+type Stack = crate::common::LinearStack;
 
 fn stack(device: &Device) -> Stack {
-    let layers = DIMS
-        .windows(2)
-        .enumerate()
-        .map(|(i, d)| {
-            let mut l: Linear = LinearConfig::new(d[0], d[1]).init(device);
-            let seed = 10 * i as u64;
-            let w = TensorData::new(values(seed, d[0] * d[1]), [d[0], d[1]]);
-            let b = TensorData::new(values(seed + 1, d[1]), [d[1]]);
-            l.weight = l
-                .weight
-                .map(|_| Tensor::from_data(w, device).require_grad());
-            l.bias = l
-                .bias
-                .map(|p| p.map(|_| Tensor::from_data(b, device).require_grad()));
-            l
-        })
-        .collect();
-    Stack { layers }
+    Stack::seeded(&DIMS, 0, device)
 }
 
-fn layer(l: &Linear, x: Tensor<2>) -> Tensor<2> {
-    l.forward(x).tanh()
-}
+use crate::common::tanh_layer as layer;
 
 fn batch(step: usize, rows: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<2>) {
     let data = |seed, cols| {
@@ -60,20 +36,6 @@ fn batch(step: usize, rows: std::ops::Range<usize>, device: &Device) -> (Tensor<
     )
 }
 
-fn flat(model: &Stack) -> Vec<f32> {
-    model
-        .layers
-        .iter()
-        .flat_map(|l| {
-            [
-                vec_of(&l.weight.val()),
-                vec_of(&l.bias.as_ref().unwrap().val()),
-            ]
-            .concat()
-        })
-        .collect()
-}
-
 fn single_device() -> (Vec<f32>, Vec<f32>) {
     let device = ndarray_ad();
     let mut model = stack(&device);
@@ -85,7 +47,7 @@ fn single_device() -> (Vec<f32>, Vec<f32>) {
         losses.push(vec_of(&l)[0]);
         model = sgd(model, &l.backward(), LR);
     }
-    (losses, flat(&model))
+    (losses, model.flat())
 }
 
 /// Per rank: (losses, final weights, all_gather calls, reduce_scatter calls).
@@ -110,7 +72,7 @@ fn sharded(world: usize, depth: usize) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> {
             stats.calls(OpKind::ReduceScatter),
         );
         let full = gather_full(model);
-        Ok::<_, Box<dyn std::error::Error>>((losses, flat(&full), counts.0, counts.1))
+        Ok::<_, Box<dyn std::error::Error>>((losses, full.flat(), counts.0, counts.1))
     })
     .unwrap()
 }
