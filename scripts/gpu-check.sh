@@ -9,6 +9,13 @@
 # pieces, ncclCommSplit groups), and reports bandwidth against a device-to-device copy of the
 # same bytes.
 #
+# If a `train_llama` built with the CUDA backend sits next to it (scripts/train_llama, or set
+# TRAIN_LLAMA; build it on a machine with CUDA:
+#   cargo build --release --example train_llama --features "cuda nccl"),
+# it also trains the tiny Llama on the GPU under FSDP2 twice: with the nccl engine, where the
+# parameter gathers and gradient reduce-scatters run on the tensors' device buffers, and with
+# the threads engine, where they go through the host; the two loss curves must agree.
+#
 # Usage: scripts/gpu-check.sh [path/to/nccl_check] [MiB per message, default 64]
 #
 # A multi-GPU machine runs the same binary with more ranks:
@@ -59,3 +66,22 @@ fi
 
 echo "== nccl_check, 1 rank, ${mib} MiB"
 "$bin" --gpus 0 --mib "$mib" --iters 20
+
+train="${TRAIN_LLAMA:-scripts/train_llama}"
+if [[ -x "$train" ]]; then
+  echo "== train_llama on the GPU: fsdp2, nccl engine (device path) against threads (host path)"
+  args=(--backend cuda --strategy fsdp2 --world-size 1 --steps 5 --json)
+  "$train" "${args[@]}" --engine nccl > /tmp/gpu-check-nccl.jsonl
+  "$train" "${args[@]}" --engine threads > /tmp/gpu-check-threads.jsonl
+  python3 - /tmp/gpu-check-nccl.jsonl /tmp/gpu-check-threads.jsonl <<'PY'
+import json, sys
+device, host = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+print("device path losses:", device)
+print("host path losses:  ", host)
+worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(device, host))
+print(f"largest relative difference {worst:.2e}")
+sys.exit(0 if len(device) == len(host) and worst <= 1e-5 else 1)
+PY
+else
+  echo "== no CUDA train_llama at $train: skipped the training check"
+fi

@@ -147,9 +147,29 @@ fn input(case: &FdCase, rank: usize, bump: Option<(usize, usize, f32)>) -> Vec<f
 }
 
 /// Runs the op on every rank; returns the total loss and each rank's input gradient.
-fn run(case: &FdCase, bump: Option<(usize, usize, f32)>) -> (f64, Vec<Vec<f32>>) {
+fn run(case: &FdCase, bump: Option<(usize, usize, f32)>) -> LossAndGrads {
+    run_on(case, bump, Path::Host).0
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Path {
+    Host,
+    /// The device path, with the threads engine exchanging (see `coll::force_device_path`).
+    Device,
+}
+
+/// The total loss and each rank's input gradient.
+type LossAndGrads = (f64, Vec<Vec<f32>>);
+
+/// [`run`] on either path; also returns each rank's output.
+fn run_on(
+    case: &FdCase,
+    bump: Option<(usize, usize, f32)>,
+    path: Path,
+) -> (LossAndGrads, Vec<Vec<f32>>) {
     let device = ndarray_ad();
     let out = launch(case.world, |ctx| {
+        let _forced = (path == Path::Device).then(coll::force_device_path);
         let group = ctx.world()?;
         let me = group.index();
         let x = Tensor::<2>::from_data(TensorData::new(input(case, me, bump), case.shape), &device)
@@ -163,17 +183,19 @@ fn run(case: &FdCase, bump: Option<(usize, usize, f32)>) -> (f64, Vec<Vec<f32>>)
             TensorData::new(values(seed, y.dims().iter().product()), y.dims()),
             &device,
         );
+        let y_values = vec_of(&y);
         let loss = (y * c).sum();
         let counted = match case.mode {
             Mode::ReplicatedOutput if me != 0 => 0.0,
             _ => vec_of(&loss)[0] as f64,
         };
         let grads = loss.backward();
-        Ok::<_, CollectiveError>((counted, vec_of(&x.grad(&grads).unwrap())))
+        Ok::<_, CollectiveError>((counted, vec_of(&x.grad(&grads).unwrap()), y_values))
     })
     .unwrap();
-    let total = out.iter().map(|(l, _)| l).sum();
-    (total, out.into_iter().map(|(_, g)| g).collect())
+    let total = out.iter().map(|(l, _, _)| l).sum();
+    let grads = out.iter().map(|(_, g, _)| g.clone()).collect();
+    ((total, grads), out.into_iter().map(|(_, _, y)| y).collect())
 }
 
 fn finite_differences(case: &FdCase) {
@@ -206,9 +228,8 @@ fn finite_differences(case: &FdCase) {
     }
 }
 
-#[test]
-fn gradients_match_finite_differences() {
-    let cases = [
+fn cases() -> Vec<FdCase> {
+    vec![
         FdCase {
             name: "all_gather dim 1",
             world: 3,
@@ -258,9 +279,54 @@ fn gradients_match_finite_differences() {
             mode: Mode::ReplicatedOutput,
             op: |x, g| coll::gather_from_group(x, g, 0),
         },
-    ];
-    for case in &cases {
+    ]
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    for case in &cases() {
         finite_differences(case);
+    }
+}
+
+/// The device path (what CUDA tensors on NCCL groups take) computes what the host path does:
+/// the same outputs and input gradients, bit for bit, with the same engine exchanging. Covers
+/// its steps (casts, pieces, adjoints, sizes learned forward and used backward), not NCCL.
+#[test]
+fn device_path_matches_host_path() {
+    let mut cases = cases();
+    cases.extend([
+        FdCase {
+            name: "all_gather dim 0, uneven pieces",
+            world: 3,
+            shape: [3, 2],
+            mode: Mode::Independent,
+            op: |x, g| {
+                let rows = [3, 1, 2][g.index()];
+                coll::all_gather(x.narrow(0, 0, rows), g, 0)
+            },
+        },
+        FdCase {
+            name: "gather_from_group dim 1, uneven pieces",
+            world: 3,
+            shape: [2, 3],
+            mode: Mode::ReplicatedOutput,
+            op: |x, g| coll::gather_from_group(x.narrow(1, 0, 3 - g.index()), g, 1),
+        },
+        FdCase {
+            name: "prefetched all_gather",
+            world: 2,
+            shape: [3, 2],
+            mode: Mode::Independent,
+            op: |x, g| coll::start_all_gather(x, g, 1, Default::default())?.finish(),
+        },
+    ]);
+    for case in &cases {
+        let (host, host_y) = run_on(case, None, Path::Host);
+        let (device, device_y) = run_on(case, None, Path::Device);
+        assert_eq!(host_y, device_y, "{}: outputs", case.name);
+        assert_eq!(host.1, device.1, "{}: input gradients", case.name);
+        assert_eq!(host.0, device.0, "{}: loss", case.name);
     }
 }
 
@@ -343,6 +409,39 @@ fn bf16_all_gather_on_flex() {
             })
             .collect();
         assert_close(grad, &want_grad, 2e-2, "bf16 gradient");
+    }
+}
+
+/// FSDP2's mixed-precision gather (bf16 compute, f32 reduce, the gradient back in the input's
+/// f32) on both paths, on flex: the same outputs and gradients, and the dtypes the policy says.
+#[test]
+fn mixed_precision_gather_is_the_same_on_both_paths() {
+    let device = flex_ad();
+    let options = coll::GatherOptions {
+        compute_dtype: Some(DType::BF16),
+        reduce_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let run = |path: Path| {
+        launch(3, |ctx| {
+            let _forced = (path == Path::Device).then(coll::force_device_path);
+            let group = ctx.world()?;
+            let me = group.index();
+            let x = tensor(60 + me as u64, [3 - me, 4], &device).require_grad();
+            let y = coll::all_gather_with(x.clone(), &group, 0, options)?;
+            let c = tensor(70 + me as u64, [6, 4], &device).cast(burn::tensor::FloatDType::BF16);
+            let grads = (y.clone() * c).sum().backward();
+            let grad = x.grad(&grads).unwrap();
+            Ok::<_, CollectiveError>((y.dtype(), grad.dtype(), vec_of(&y), vec_of(&grad)))
+        })
+        .unwrap()
+    };
+    let (host, device_path) = (run(Path::Host), run(Path::Device));
+    for (h, d) in host.iter().zip(&device_path) {
+        assert_eq!((h.0, h.1), (DType::BF16, DType::F32), "host dtypes");
+        assert_eq!((d.0, d.1), (DType::BF16, DType::F32), "device dtypes");
+        assert_eq!(h.2, d.2, "gathered values");
+        assert_eq!(h.3, d.3, "gradients");
     }
 }
 

@@ -8,6 +8,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Device, FloatDType, Gradients, Tensor, TensorData};
 use burn_parallel::dist::chunk::chunk_range;
+use burn_parallel::dist::collectives::force_device_path;
 use burn_parallel::dist::{DeviceMesh, MeshShape, OpKind, ReduceOp, launch};
 use burn_parallel::fsdp::{
     FsdpConfig, MixedPrecisionPolicy, clip_grad_norm, fully_shard, gather_full, with_gathered_unit,
@@ -92,6 +93,8 @@ struct Opts {
     micro_batches: usize,
     /// Gather the whole model as one FSDP unit (one all-gather) before each forward.
     unit: bool,
+    /// Force the device path (CUDA's), with the threads engine exchanging.
+    device_path: bool,
 }
 
 const PLAIN: Opts = Opts {
@@ -102,6 +105,7 @@ const PLAIN: Opts = Opts {
     checkpointing: None,
     micro_batches: 1,
     unit: false,
+    device_path: false,
 };
 
 impl Opts {
@@ -216,6 +220,7 @@ fn clip_single(model: &Mlp, grads: &mut Gradients, max: f32) -> f32 {
 fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 4])> {
     let world = replicas * shard;
     launch(world, |ctx| {
+        let _forced = opts.device_path.then(force_device_path);
         let device = opts.device();
         let mesh = DeviceMesh::new(
             &ctx,
@@ -564,6 +569,101 @@ fn one_unit_gathers_and_reduces_with_one_collective_each() {
             },
         ),
         (1, 2, Opts { bf16: true, ..unit }),
+    ];
+    for (replicas, shard, opts) in cases {
+        check(replicas, shard, opts);
+    }
+}
+
+/// The device path that CUDA shards on NCCL groups take, run here with the threads engine
+/// exchanging: the same training and the same communication as the host path, for every
+/// option that changes its steps (uneven and empty shards, HSDP, mixed precision, clipping,
+/// frozen parameters, resharding and recomputation, deferred sync, units).
+#[test]
+fn the_device_path_trains_like_the_host_path() {
+    let device = Opts {
+        device_path: true,
+        ..PLAIN
+    };
+    for world in 1..=4 {
+        check(1, world, device);
+    }
+    let cases = [
+        (
+            2,
+            2,
+            Opts {
+                adamw: true,
+                ..device
+            },
+        ),
+        (
+            1,
+            3,
+            Opts {
+                clip: Some(0.05),
+                ..device
+            },
+        ),
+        (
+            1,
+            3,
+            Opts {
+                freeze_first_layer: true,
+                ..device
+            },
+        ),
+        (
+            2,
+            2,
+            Opts {
+                bf16: true,
+                ..device
+            },
+        ),
+        (
+            1,
+            3,
+            Opts {
+                checkpointing: Some(true),
+                ..device
+            },
+        ),
+        (
+            2,
+            2,
+            Opts {
+                checkpointing: Some(false),
+                adamw: true,
+                ..device
+            },
+        ),
+        (
+            2,
+            2,
+            Opts {
+                micro_batches: 3,
+                adamw: true,
+                ..device
+            },
+        ),
+        (
+            1,
+            3,
+            Opts {
+                unit: true,
+                ..device
+            },
+        ),
+        (
+            2,
+            2,
+            Opts {
+                unit: true,
+                micro_batches: 2,
+                ..device
+            },
+        ),
     ];
     for (replicas, shard, opts) in cases {
         check(replicas, shard, opts);

@@ -10,6 +10,7 @@ use burn::nn::{Embedding, Linear};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::dist::collectives as coll;
 use burn_parallel::dist::launch;
 use burn_parallel::fsdp::gather_full;
 use burn_parallel::parallelize;
@@ -323,8 +324,10 @@ fn run(
     opt: Opt,
     clip: Option<f32>,
     reference: &Reference,
+    device_path: bool,
 ) -> Vec<RankRun> {
     launch(world, |rank| {
+        let _forced = device_path.then(coll::force_device_path);
         let ctx = MeshContext::new(&rank, cfg.clone(), ndarray_ad())?;
         let d = ctx.device().clone();
         let mut model = parallelize_model(TinyLm::new(&d), &ctx)?;
@@ -355,8 +358,22 @@ fn run(
 }
 
 fn check(name: &str, world: usize, cfg: DistributedConfig, opt: Opt, clip: Option<f32>) {
+    check_on(name, world, cfg, opt, clip, false);
+}
+
+/// [`check`], on the device path when `device_path` (CUDA's path, the threads engine
+/// exchanging: see `coll::force_device_path`).
+fn check_on(
+    name: &str,
+    world: usize,
+    cfg: DistributedConfig,
+    opt: Opt,
+    clip: Option<f32>,
+    device_path: bool,
+) {
     let reference = reference(opt, clip);
-    for (rank, r) in run(world, cfg, opt, clip, &reference).iter().enumerate() {
+    let runs = run(world, cfg, opt, clip, &reference, device_path);
+    for (rank, r) in runs.iter().enumerate() {
         let what = format!("{name} on {world} ranks, rank {rank}, {opt:?}");
         assert_close(
             &r.losses,
@@ -599,4 +616,28 @@ fn deferred_gradient_sync_accumulates_like_one_big_batch() {
             }
         }
     }
+}
+
+/// Every strategy on the device path (what CUDA tensors on NCCL groups take: FSDP's gather,
+/// DDP's buckets, TP's collectives) trains like one device.
+#[test]
+fn every_strategy_on_the_device_path_matches_one_device() {
+    let on_device = |name, world, cfg, opt, clip| check_on(name, world, cfg, opt, clip, true);
+    on_device("ddp", 3, config(Strategy::Ddp, 1, 1), Opt::AdamW, Some(0.5));
+    on_device(
+        "fsdp2",
+        3,
+        config(Strategy::Fsdp2, 1, 1),
+        Opt::Sgd,
+        Some(0.5),
+    );
+    on_device("hsdp", 4, config(Strategy::Hsdp, 1, 2), Opt::AdamW, None);
+    on_device(
+        "tp",
+        2,
+        config(Strategy::Fsdp2, 2, 1),
+        Opt::AdamW,
+        Some(0.5),
+    );
+    on_device("fsdp2+tp", 4, config(Strategy::Fsdp2, 2, 1), Opt::Sgd, None);
 }

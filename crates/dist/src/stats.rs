@@ -147,6 +147,21 @@ impl CallBytes {
         }
     }
 
+    /// A call on `input` bytes of `elem`-byte elements that has no root and keeps no slice
+    /// (gathers, reductions): the device path, which has no `Collective` to measure.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn sized(kind: OpKind, info: &GroupInfo, input: usize, elem: usize) -> Self {
+        Self {
+            kind,
+            group_size: info.size(),
+            index: info.index,
+            input,
+            elem,
+            own_slice: 0,
+            is_root: false,
+        }
+    }
+
     /// (sent, received) once the call produced `output` bytes.
     pub(crate) fn traffic(&self, output: usize) -> (u64, u64) {
         let others = self.group_size - 1;

@@ -3,6 +3,11 @@
 //! group, all-reduce it across replicas (HSDP), and hand it to the shard in the shard's dtype;
 //! or, while gradient sync is off, add it to a local unsharded accumulator and hand the shard
 //! zeros, so that the sync step reduces the sum of all micro-steps once.
+//!
+//! A CUDA shard on an nccl group takes the device path: the same op as device steps (casts,
+//! NCCL gather and reduce-scatter, replica all-reduce, deferral), so the weights and gradients
+//! never leave the GPU. Other shards take the host path. `dist::collectives::force_device_path`
+//! runs the device path on CPU backends too, which is how its steps are tested.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,7 +15,9 @@ use std::sync::{Arc, Mutex};
 use burn::tensor::{Device, FloatDType, GradientCheckpointingStrategy, Tensor, TensorData};
 use burn_parallel_dist::CollectiveHandle;
 use burn_parallel_dist::collectives::{
-    GatherOptions, HostCollective, HostFn, attach, check_gather_dim, to_dtype,
+    Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, GatherOptions,
+    HostCollective, HostFn, Observer, Sizes, attach, attach_device, check_gather_dim, route,
+    to_dtype,
 };
 use burn_parallel_dist::{CollectiveError, ProcessGroup, ReduceOp, sum_data};
 
@@ -28,8 +35,13 @@ pub(crate) struct GatherPlan {
     pub compute: Option<Device>,
 }
 
-/// This parameter's unsynchronised gradient, summed over micro-steps (full, unsharded).
-pub(crate) type Accumulator = Arc<Mutex<Option<TensorData>>>;
+/// This parameter's unsynchronised gradient, summed over micro-steps (full, unsharded): host
+/// data on the host path, a device tensor on the device path.
+#[derive(Clone, Default, Debug)]
+pub(crate) struct Accumulator {
+    host: Arc<Mutex<Option<TensorData>>>,
+    device: DevicePending,
+}
 
 fn panic_in_backward(op: &str, e: CollectiveError) -> ! {
     panic!("FSDP {op} in backward failed: {e}")
@@ -42,9 +54,19 @@ pub(crate) struct PendingGather<const D: usize> {
     plan: GatherPlan,
     options: GatherOptions,
     accumulator: Accumulator,
-    handle: CollectiveHandle,
+    how: Path,
     /// The gathered buffer's bytes, counted from the moment the gather is issued.
     gathered: Arc<Hold>,
+}
+
+/// How a gather runs: in flight on the host path, or on the device path when finished
+/// (CubeCL does not expose its stream, so an NCCL gather cannot overlap its kernels).
+enum Path {
+    Host(CollectiveHandle),
+    Device {
+        shards: Exchange,
+        replicas: Option<Exchange>,
+    },
 }
 
 /// Starts the all-gather of `shard` (its dim 0) whose result holds `gathered_elems` elements.
@@ -79,14 +101,37 @@ pub(crate) fn start_gather<const D: usize>(
     };
     let dtype = options.compute_dtype.unwrap_or(shard.dtype());
     let gathered = Hold::new(MemoryKind::Gathered, gathered_elems * dtype.size());
-    let input = to_dtype(shard.to_data(), options.compute_dtype);
-    let handle = plan.group.all_gather_async(input, 0);
+    let device = shard.device();
+    let how = match route(&device, &plan.group) {
+        Some(shards) => {
+            let replicas =
+                match &plan.replicate_group {
+                    Some(r) => Some(route(&device, r).ok_or_else(|| {
+                        CollectiveError::InvalidArgument {
+                            op: "all_gather (FSDP)".into(),
+                            group: r.label().into(),
+                            message: format!(
+                                "the shard group {} runs on the device but this replica group's \
+                             engine cannot",
+                                plan.group.label()
+                            ),
+                        }
+                    })?),
+                    None => None,
+                };
+            Path::Device { shards, replicas }
+        }
+        None => {
+            let input = to_dtype(shard.to_data(), options.compute_dtype);
+            Path::Host(plan.group.all_gather_async(input, 0))
+        }
+    };
     Ok(PendingGather {
         shard,
         plan: plan.clone(),
         options,
         accumulator: accumulator.clone(),
-        handle,
+        how,
         gathered,
     })
 }
@@ -123,9 +168,22 @@ impl<const D: usize> PendingGather<D> {
             plan,
             options,
             accumulator,
-            handle,
+            how,
             gathered: forward_hold,
         } = self;
+        let handle = match how {
+            Path::Host(handle) => handle,
+            Path::Device { shards, replicas } => {
+                let parts = DeviceParts {
+                    plan: &plan,
+                    options,
+                    accumulator: &accumulator,
+                    shards,
+                    replicas,
+                };
+                return Ok(parts.finish(shard, forward_hold));
+            }
+        };
         let (gathered, sizes) = handle.wait_sized()?;
         let shard_dtype = shard.dtype();
         let shard_shape = shard.dims().to_vec();
@@ -142,7 +200,7 @@ impl<const D: usize> PendingGather<D> {
             plan.group.clone(),
             plan.replicate_group.clone(),
             plan.sync.clone(),
-            accumulator.clone(),
+            accumulator.host.clone(),
         );
         let held = backward_hold.clone();
         let backward = HostFn::new(move |dy| {
@@ -202,5 +260,102 @@ impl<const D: usize> PendingGather<D> {
             },
         );
         Ok((value, forward_hold))
+    }
+}
+
+/// What the device path's gather is built from.
+struct DeviceParts<'a> {
+    plan: &'a GatherPlan,
+    options: GatherOptions,
+    accumulator: &'a Accumulator,
+    shards: Exchange,
+    replicas: Option<Exchange>,
+}
+
+impl DeviceParts<'_> {
+    /// The host path's op as device steps, with the same memory accounting.
+    fn finish<const D: usize>(
+        self,
+        shard: Tensor<D>,
+        forward_hold: Arc<Hold>,
+    ) -> (Tensor<D>, Option<Arc<Hold>>) {
+        let Self {
+            plan,
+            options,
+            accumulator,
+            shards,
+            replicas,
+        } = self;
+        let (shard_dtype, shard_shape) = (shard.dtype(), shard.dims().to_vec());
+        let (forward_hold, backward_hold) = if reshards(&shard, &options) {
+            (Some(forward_hold), Hold::new(MemoryKind::Gathered, 0))
+        } else {
+            (None, forward_hold)
+        };
+        let run = |op: DeviceOp, exchange: &Exchange| DeviceStep::Run {
+            op,
+            exchange: exchange.clone(),
+        };
+        let sizes = Sizes::unknown();
+        let mut forward: Vec<DeviceStep> = options
+            .compute_dtype
+            .map(DeviceStep::Cast)
+            .into_iter()
+            .collect();
+        forward.push(run(
+            DeviceOp::AllGather {
+                dim: 0,
+                sizes: sizes.clone(),
+            },
+            &shards,
+        ));
+
+        let counters = memory::counters();
+        let pending = counters.clone();
+        let mut backward: Vec<DeviceStep> = options
+            .reduce_dtype
+            .map(DeviceStep::Cast)
+            .into_iter()
+            .collect();
+        backward.push(DeviceStep::Defer(Deferral {
+            sync: plan.sync.clone(),
+            pending: accumulator.device.clone(),
+            zeros: (shard_shape, shard_dtype),
+            on_change: Arc::new(move |before, after| {
+                pending.sub(MemoryKind::Grads, before);
+                pending.add(MemoryKind::Grads, after);
+            }),
+        }));
+        backward.push(run(
+            DeviceOp::ReduceScatter {
+                dim: 0,
+                sizes,
+                op: ReduceOp::Sum,
+            },
+            &shards,
+        ));
+        let held = backward_hold.clone();
+        backward.push(DeviceStep::Observe(Observer::new(move |_| held.release())));
+        if let Some(r) = &replicas {
+            backward.push(run(DeviceOp::AllReduce { op: ReduceOp::Sum }, r));
+        }
+        backward.push(DeviceStep::Cast(shard_dtype));
+        backward.push(DeviceStep::Observe(Observer::new(move |bytes| {
+            counters.add_grad_shard(bytes)
+        })));
+
+        let recompute = options.recompute.then(|| {
+            let mut steps = forward.clone();
+            steps.push(DeviceStep::Observe(Observer::new(move |bytes| {
+                backward_hold.add(bytes)
+            })));
+            steps
+        });
+        let op = DeviceCollective {
+            forward,
+            backward,
+            recompute,
+        };
+        (attach_device(shard, op), forward_hold)
     }
 }

@@ -1,8 +1,10 @@
 //! DDP: replicated parameters (broadcast from data-parallel rank 0, like PyTorch's DDP
-//! constructor) and gradients averaged over the data-parallel group in buckets.
+//! constructor) and gradients averaged over the data-parallel group in buckets. The buckets
+//! are tensors on the gradients' device, so on CUDA with the nccl engine they never leave it.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{DType, Gradients, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Gradients, Tensor};
+use burn_parallel_dist::collectives as coll;
 use burn_parallel_dist::{CollectiveError, ProcessGroup, ReduceOp};
 
 use crate::context::MeshContext;
@@ -70,19 +72,13 @@ pub fn all_reduce_gradients<M: Module>(
     let entries = collect.entries;
     let mut reduced = Vec::with_capacity(entries.len());
     for bucket in buckets(&entries, bucket_bytes) {
-        let flat: Vec<f32> = bucket
-            .iter()
-            .flat_map(|e| e.values.iter().copied())
-            .collect();
-        let n = flat.len();
-        let summed = group.all_reduce(TensorData::new(flat, [n]), ReduceOp::Avg)?;
-        let values = summed
-            .try_into_vec::<f32>()
-            .map_err(|e| ParallelError::Config(format!("gradient bucket: {e:?}")))?;
+        let flat = Tensor::cat(bucket.iter().map(|e| e.values.clone()).collect(), 0);
+        let summed = coll::all_reduce(flat, group, ReduceOp::Avg)?;
         let mut offset = 0;
         for e in bucket {
-            reduced.push(values[offset..offset + e.values.len()].to_vec());
-            offset += e.values.len();
+            let n = e.len();
+            reduced.push(summed.clone().narrow(0, offset, n));
+            offset += n;
         }
     }
     let mut replace = ReplaceGrads {
@@ -93,8 +89,15 @@ pub fn all_reduce_gradients<M: Module>(
     Ok(())
 }
 
+/// A gradient, flattened, in f32.
 struct GradEntry {
-    values: Vec<f32>,
+    values: Tensor<1>,
+}
+
+impl GradEntry {
+    fn len(&self) -> usize {
+        self.values.dims()[0]
+    }
 }
 
 /// Consecutive entries grouped so each group holds at least one entry and at most about
@@ -104,7 +107,7 @@ fn buckets(entries: &[GradEntry], bucket_bytes: usize) -> Vec<&[GradEntry]> {
     let mut start = 0;
     let mut bytes = 0;
     for (i, e) in entries.iter().enumerate() {
-        let size = e.values.len() * 4;
+        let size = e.len() * 4;
         if i > start && bytes + size > bucket_bytes {
             out.push(&entries[start..i]);
             start = i;
@@ -129,13 +132,10 @@ impl ModuleVisitor for CollectGrads<'_> {
         if !value.is_require_grad() {
             return;
         }
+        let n = value.shape().num_elements();
         let values = match value.grad(self.grads) {
-            Some(g) => g
-                .into_data()
-                .convert_dtype(DType::F32)
-                .try_into_vec::<f32>()
-                .expect("an f32 gradient"),
-            None => vec![0.0; value.shape().num_elements()],
+            Some(g) => g.reshape([n]).cast(FloatDType::F32),
+            None => Tensor::zeros([n], &value.device()).inner(),
         };
         self.entries.push(GradEntry { values });
     }
@@ -146,7 +146,7 @@ struct ReplaceGrads<'a, I> {
     reduced: I,
 }
 
-impl<I: Iterator<Item = Vec<f32>>> ModuleVisitor for ReplaceGrads<'_, I> {
+impl<I: Iterator<Item = Tensor<1>>> ModuleVisitor for ReplaceGrads<'_, I> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let value = param.val();
         if !value.is_require_grad() {
@@ -154,8 +154,7 @@ impl<I: Iterator<Item = Vec<f32>>> ModuleVisitor for ReplaceGrads<'_, I> {
         }
         let values = self.reduced.next().expect("one reduced gradient per entry");
         let dtype = value.grad(self.grads).map_or(DType::F32, |g| g.dtype());
-        let data = TensorData::new(values, value.shape()).convert_dtype(dtype);
-        let grad = Tensor::<D>::from_data(data, &value.device()).inner();
+        let grad = values.reshape(value.shape()).cast(FloatDType::from(dtype));
         value.grad_replace(self.grads, grad);
     }
 }
@@ -164,9 +163,10 @@ impl<I: Iterator<Item = Vec<f32>>> ModuleVisitor for ReplaceGrads<'_, I> {
 mod tests {
     use super::*;
 
+    #[allow(deprecated)]
     fn entry(n: usize) -> GradEntry {
         GradEntry {
-            values: vec![0.0; n],
+            values: Tensor::zeros([n], &burn::tensor::Device::ndarray()),
         }
     }
 

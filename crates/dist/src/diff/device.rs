@@ -1,39 +1,89 @@
-//! Collectives that run on a tensor's own device buffer: NCCL on Burn's CUDA backend, with no
-//! copy through the host. The differentiable pairs are those of the host path
-//! ([`super::ops`]): all_gather <-> reduce_scatter (sum), and all_reduce (sum) with an identity
-//! backward (Megatron's reduce_from_group).
+//! The device path: differentiable collectives on a tensor's own buffer. On Burn's CUDA
+//! backend with a group of the nccl engine the bytes go through NCCL and never reach the host;
+//! everywhere else the same steps can run with the group's engine doing the exchange
+//! ([`force_device_path`]), which is how the CPU tests check this path's graph: the casts,
+//! slices and adjoints are the ones CUDA runs, and only the innermost exchange differs.
 //!
-//! Needs the `cuda` feature, a tensor on a CUDA device and a group of the nccl engine; anything
-//! else is an error saying which, returned before any device work. Gradients are summed, as on
-//! the host path.
+//! A [`DeviceCollective`] is a list of [`DeviceStep`]s to run now and a list to run on the
+//! gradient in backward, so every op of [`super::ops`] is a pair of lists: all_gather <->
+//! reduce_scatter (sum), copy_to_group = identity <-> all_reduce, reduce_from_group =
+//! all_reduce <-> identity, scatter_to_group = this rank's piece <-> all_gather,
+//! gather_from_group = all_gather <-> this rank's piece. FSDP's parameter gather adds casts
+//! (its mixed-precision policy) and a replica all-reduce (HSDP) to the same lists.
 
+use std::any::Any;
+use std::cell::Cell;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
-use burn::tensor::{Tensor, TensorData};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata};
+use burn::tensor::{DType, Slice, Tensor, TensorData, try_read_sync};
 
-use crate::chunk::chunk_sizes;
+use crate::chunk::{chunk_sizes, offsets};
 use crate::collective::OpKind;
 use crate::data::ReduceOp;
-use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
 
 use super::extension::CollectiveBackend;
 
-type Result<T> = std::result::Result<T, CollectiveError>;
+/// Every rank's length along a collective's dim: known up front (chunks of a known length), or
+/// learned by a forward all-gather and read by its backward.
+#[derive(Clone, Default)]
+pub struct Sizes(Arc<Mutex<Option<Vec<usize>>>>);
 
-/// A collective on device buffers, as the backend extension receives it.
+impl Sizes {
+    pub fn known(sizes: Vec<usize>) -> Self {
+        Self(Arc::new(Mutex::new(Some(sizes))))
+    }
+
+    pub fn unknown() -> Self {
+        Self::default()
+    }
+
+    pub fn get(&self) -> Option<Vec<usize>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(crate) fn set(&self, sizes: Vec<usize>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(sizes);
+    }
+
+    /// The sizes, which the forward all-gather has learned by the time backward asks.
+    fn expect(&self, what: &str) -> Vec<usize> {
+        self.get()
+            .unwrap_or_else(|| panic!("{what}: the sizes were not learned by the forward gather"))
+    }
+}
+
+impl fmt::Debug for Sizes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.get() {
+            Some(s) => write!(f, "{s:?}"),
+            None => f.write_str("(unknown)"),
+        }
+    }
+}
+
+impl PartialEq for Sizes {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+/// One collective on a device buffer.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DeviceOp {
     /// Concatenation along `dim` of every rank's piece; rank `j` holds `sizes[j]` rows.
     AllGather {
         dim: usize,
-        sizes: Vec<usize>,
+        sizes: Sizes,
     },
     /// Rank `i` keeps the reduction of every rank's slice `i` (of `sizes[i]` rows along `dim`).
     ReduceScatter {
         dim: usize,
-        sizes: Vec<usize>,
+        sizes: Sizes,
         op: ReduceOp,
     },
     AllReduce {
@@ -49,113 +99,291 @@ impl DeviceOp {
             DeviceOp::AllReduce { .. } => OpKind::AllReduce,
         }
     }
+}
 
-    /// The op that maps the output gradient to the input gradient; `None` is the identity.
-    fn adjoint(&self) -> Option<DeviceOp> {
+/// What exchanges a step's bytes.
+#[derive(Clone)]
+pub enum Exchange {
+    /// The group's engine, on the tensor's data read to the host (every backend).
+    Host(ProcessGroup),
+    /// NCCL on the CUDA buffer (the group belongs to the nccl engine).
+    #[cfg(feature = "nccl")]
+    Nccl(ProcessGroup),
+}
+
+impl Exchange {
+    pub fn group(&self) -> &ProcessGroup {
         match self {
-            DeviceOp::AllGather { dim, sizes } => Some(DeviceOp::ReduceScatter {
-                dim: *dim,
-                sizes: sizes.clone(),
-                op: ReduceOp::Sum,
-            }),
-            DeviceOp::ReduceScatter { dim, sizes, .. } => Some(DeviceOp::AllGather {
-                dim: *dim,
-                sizes: sizes.clone(),
-            }),
-            DeviceOp::AllReduce { .. } => None,
+            Exchange::Host(g) => g,
+            #[cfg(feature = "nccl")]
+            Exchange::Nccl(g) => g,
         }
     }
 }
 
-/// The engine communicator a device collective runs on.
-#[derive(Clone)]
-pub struct DeviceComm {
-    #[cfg(feature = "nccl")]
-    pub(crate) nccl: Arc<crate::nccl::NcclComm>,
-    #[cfg(not(feature = "nccl"))]
-    _none: Arc<()>,
-}
-
-impl fmt::Debug for DeviceComm {
+impl fmt::Debug for Exchange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        #[cfg(feature = "nccl")]
-        return write!(f, "{:?}", self.nccl);
-        #[cfg(not(feature = "nccl"))]
-        f.write_str("DeviceComm")
+        match self {
+            Exchange::Host(g) => write!(f, "host({})", g.label()),
+            #[cfg(feature = "nccl")]
+            Exchange::Nccl(g) => write!(f, "nccl({})", g.label()),
+        }
     }
 }
 
-/// One device collective with the group it runs on; the backward op rides along so that the
-/// autodiff step can run it on the gradient.
+/// Called with the bytes of the tensor at its step (memory accounting).
+#[derive(Clone)]
+pub struct Observer(Arc<dyn Fn(usize) + Send + Sync>);
+
+impl Observer {
+    pub fn new(f: impl Fn(usize) + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+}
+
+impl fmt::Debug for Observer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Observer")
+    }
+}
+
+/// A gradient summed over micro-steps on the device, of whatever backend produced it.
+#[derive(Clone, Default)]
+pub struct DevicePending(Arc<Mutex<Option<Box<dyn Any + Send>>>>);
+
+impl DevicePending {
+    fn take<B: Backend>(&self) -> Option<FloatTensor<B>> {
+        let held = self.0.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        Some(
+            *held
+                .downcast::<FloatTensor<B>>()
+                .unwrap_or_else(|_| panic!("a deferred gradient from another backend")),
+        )
+    }
+
+    fn put<B: Backend>(&self, x: FloatTensor<B>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(x));
+    }
+}
+
+impl fmt::Debug for DevicePending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DevicePending")
+    }
+}
+
+/// FSDP2's deferred gradient sync on the device path. While `sync` is off the gradient is
+/// added to `pending` and the steps after this one see zeros of `zeros` (shape, dtype) and run
+/// only their observers; on the sync step the pending sum joins the gradient.
+#[derive(Clone)]
+pub struct Deferral {
+    pub sync: Arc<AtomicBool>,
+    pub pending: DevicePending,
+    pub zeros: (Vec<usize>, DType),
+    /// Called with the pending bytes before and after the step.
+    pub on_change: Arc<dyn Fn(usize, usize) + Send + Sync>,
+}
+
+impl fmt::Debug for Deferral {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Deferral(zeros {:?})", self.zeros)
+    }
+}
+
+/// One step of a device collective.
 #[derive(Debug, Clone)]
+pub enum DeviceStep {
+    /// To this dtype (nothing when the tensor has it already).
+    Cast(DType),
+    /// Piece `index` along `dim`, the pieces being `sizes` long.
+    Piece {
+        dim: usize,
+        sizes: Sizes,
+        index: usize,
+    },
+    /// A collective.
+    Run { op: DeviceOp, exchange: Exchange },
+    /// Reports the tensor's bytes; the tensor passes unchanged.
+    Observe(Observer),
+    /// Defers a gradient while sync is off (see [`Deferral`]).
+    Defer(Deferral),
+}
+
+/// A differentiable collective: `forward` runs on the input, `backward` on the gradient.
+/// With `recompute`, under gradient checkpointing the output is dropped after forward and these
+/// steps rebuild it from the input when backward needs it (FSDP's reshard-after-forward).
+#[derive(Debug, Clone, Default)]
 pub struct DeviceCollective {
-    pub op: DeviceOp,
-    pub group: String,
-    pub(crate) comm: DeviceComm,
+    pub forward: Vec<DeviceStep>,
+    pub backward: Vec<DeviceStep>,
+    pub recompute: Option<Vec<DeviceStep>>,
 }
 
 impl DeviceCollective {
-    fn adjoint(&self) -> Option<DeviceCollective> {
-        self.op.adjoint().map(|op| DeviceCollective {
-            op,
-            group: self.group.clone(),
-            comm: self.comm.clone(),
-        })
+    /// Only `steps`, run forward.
+    pub(crate) fn steps(steps: Vec<DeviceStep>) -> Self {
+        Self {
+            forward: steps,
+            ..Self::default()
+        }
     }
 
-    /// Why a backend without device collectives was handed one (the entry points rule it out).
-    pub(crate) fn unsupported_here(&self) -> String {
+    /// The backward steps as a collective of their own (what the autodiff node runs).
+    pub(crate) fn adjoint(&self) -> Option<DeviceCollective> {
+        (!self.backward.is_empty()).then(|| Self::steps(self.backward.clone()))
+    }
+
+    /// Why a backend without NCCL was handed an NCCL step (the routing rules it out).
+    pub(crate) fn unsupported_here(op: &DeviceOp, exchange: &Exchange) -> String {
         format!(
-            "{} on group {}: this backend has no device collectives (only Burn's CUDA backend \
-             with the `cuda` feature runs them)",
-            self.op.kind(),
-            self.group
+            "{} on group {}: this backend has no NCCL path (only Burn's CUDA backend with the \
+             `cuda` feature runs one)",
+            op.kind(),
+            exchange.group().label()
         )
     }
 }
 
-/// Runs the differentiable device collective; the building block of the functions below.
-pub(crate) fn attach_device<const D: usize>(x: Tensor<D>, op: DeviceCollective) -> Tensor<D> {
+fn bytes_of<B: Backend>(x: &FloatTensor<B>) -> usize {
+    x.shape().num_elements() * x.dtype().size()
+}
+
+/// Runs `steps` on a backend tensor; the NCCL steps go to the backend's extension.
+pub(crate) fn run_steps<B: CollectiveBackend>(
+    mut x: FloatTensor<B>,
+    steps: &[DeviceStep],
+) -> FloatTensor<B> {
+    let mut deferred = false;
+    for step in steps {
+        x = match step {
+            DeviceStep::Observe(Observer(f)) => {
+                f(bytes_of::<B>(&x));
+                x
+            }
+            _ if deferred => x,
+            DeviceStep::Defer(d) => {
+                let pending = d.pending.take::<B>();
+                let before = pending.as_ref().map_or(0, bytes_of::<B>);
+                let sum = match pending {
+                    Some(p) => B::float_add(p, x),
+                    None => x,
+                };
+                if d.sync.load(Ordering::SeqCst) {
+                    (d.on_change)(before, 0);
+                    sum
+                } else {
+                    (d.on_change)(before, bytes_of::<B>(&sum));
+                    let device = sum.device();
+                    d.pending.put::<B>(sum);
+                    deferred = true;
+                    let (shape, dtype) = &d.zeros;
+                    B::float_zeros(shape.clone().into(), &device, (*dtype).into())
+                }
+            }
+            DeviceStep::Cast(dtype) if x.dtype() == *dtype => x,
+            DeviceStep::Cast(dtype) => B::float_cast(x, (*dtype).into()),
+            DeviceStep::Piece { dim, sizes, index } => {
+                let sizes = sizes.expect("slicing this rank's piece");
+                piece::<B>(x, *dim, offsets(&sizes)[*index], sizes[*index])
+            }
+            DeviceStep::Run {
+                op,
+                exchange: Exchange::Host(group),
+            } => run_on_host::<B>(x, op, group),
+            #[cfg(feature = "nccl")]
+            DeviceStep::Run {
+                exchange: Exchange::Nccl(_),
+                ..
+            } => B::nccl_collective(x, step.clone()),
+        };
+    }
+    x
+}
+
+fn piece<B: Backend>(x: FloatTensor<B>, dim: usize, start: usize, len: usize) -> FloatTensor<B> {
+    let ndim = x.shape().num_dims();
+    let slices: Vec<Slice> = (0..ndim)
+        .map(|d| match d == dim {
+            true => Slice::new(start as isize, Some((start + len) as isize), 1),
+            false => Slice::full(),
+        })
+        .collect();
+    B::float_slice(x, &slices)
+}
+
+/// A step exchanged by the group's engine. Errors panic: the extension cannot return them, and
+/// the launcher turns the panic into this rank's failure (the entry points check what they
+/// can first).
+fn run_on_host<B: Backend>(
+    x: FloatTensor<B>,
+    op: &DeviceOp,
+    group: &ProcessGroup,
+) -> FloatTensor<B> {
+    let device = x.device();
+    let data = try_read_sync(B::float_into_data(x))
+        .expect("synchronous read is supported on CPU backends")
+        .expect("reading a tensor for a collective");
+    let out = match op {
+        DeviceOp::AllGather { dim, sizes } => group.all_gather_sized(data, *dim).map(|(out, s)| {
+            sizes.set(s);
+            out
+        }),
+        DeviceOp::ReduceScatter { dim, sizes, op } => {
+            let sizes = sizes
+                .get()
+                .unwrap_or_else(|| chunk_sizes(data.shape()[*dim], group.size()));
+            group.reduce_scatter_sizes(data, *dim, &sizes, *op)
+        }
+        DeviceOp::AllReduce { op } => group.all_reduce(data, *op),
+    };
+    let out: TensorData =
+        out.unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.kind(), group.label()));
+    B::float_from_data(out, &device)
+}
+
+thread_local! {
+    static FORCED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// While held, the collectives of this thread (a rank) take the device path on every backend,
+/// with the group's engine exchanging where NCCL cannot. For tests of the device path.
+#[must_use = "the device path is forced only while the guard lives"]
+pub struct ForcedDevicePath {
+    previous: bool,
+}
+
+/// Forces the device path on this thread until the returned guard drops.
+pub fn force_device_path() -> ForcedDevicePath {
+    ForcedDevicePath {
+        previous: FORCED.with(|f| f.replace(true)),
+    }
+}
+
+impl Drop for ForcedDevicePath {
+    fn drop(&mut self) {
+        FORCED.with(|f| f.set(self.previous));
+    }
+}
+
+/// How a collective of `group` on a tensor on `device` exchanges on the device path: NCCL for
+/// a CUDA tensor on an nccl group, the engine when the path is forced, else `None` (the host
+/// path).
+pub fn route(device: &burn::tensor::Device, group: &ProcessGroup) -> Option<Exchange> {
+    #[cfg(feature = "nccl")]
+    if is_cuda_device(device) && crate::nccl::nccl_comm(group).is_some() {
+        return Some(Exchange::Nccl(group.clone()));
+    }
+    let _ = device;
+    FORCED
+        .with(Cell::get)
+        .then(|| Exchange::Host(group.clone()))
+}
+
+/// Runs the differentiable device collective; the building block of the device branches.
+pub fn attach_device<const D: usize>(x: Tensor<D>, op: DeviceCollective) -> Tensor<D> {
     Tensor::from_dispatch(
         <burn::backend::Dispatch as CollectiveBackend>::device_collective(x.into_dispatch(), op),
     )
-}
-
-pub(crate) fn adjoint_of(op: &DeviceCollective) -> Option<DeviceCollective> {
-    op.adjoint()
-}
-
-fn invalid(op: OpKind, group: &ProcessGroup, message: String) -> CollectiveError {
-    CollectiveError::InvalidArgument {
-        op: format!("{op} (device)"),
-        group: group.label().into(),
-        message,
-    }
-}
-
-/// The group's device communicator, or the reason there is none.
-fn device_comm(op: OpKind, group: &ProcessGroup) -> Result<DeviceComm> {
-    #[cfg(feature = "nccl")]
-    {
-        crate::nccl::nccl_comm(group)
-            .map(|nccl| DeviceComm { nccl })
-            .ok_or_else(|| {
-                invalid(
-                    op,
-                    group,
-                    "the group does not belong to the nccl engine; device collectives run on \
-                     NCCL groups only (use the host collectives for other engines)"
-                        .into(),
-                )
-            })
-    }
-    #[cfg(not(feature = "nccl"))]
-    Err(invalid(
-        op,
-        group,
-        "burn-parallel was built without the `cuda` feature, so there are no device collectives"
-            .into(),
-    ))
 }
 
 /// Whether `device` is a CUDA device of Burn's CubeCL backend (with or without autodiff).
@@ -175,127 +403,136 @@ pub fn is_cuda_device(device: &burn::tensor::Device) -> bool {
     }
 }
 
-fn check_device<const D: usize>(op: OpKind, group: &ProcessGroup, x: &Tensor<D>) -> Result<()> {
-    if is_cuda_device(&x.device()) {
-        Ok(())
-    } else {
-        Err(invalid(
-            op,
-            group,
-            format!(
-                "the tensor is on {:?}, not a CUDA device: device collectives need Burn's CUDA \
-                 backend (feature `cuda`); use the host collectives on other devices",
-                x.device()
-            ),
-        ))
-    }
-}
-
-fn check_dim<const D: usize>(op: OpKind, group: &ProcessGroup, dim: usize) -> Result<()> {
-    if dim < D {
-        Ok(())
-    } else {
-        Err(invalid(
-            op,
-            group,
-            format!("dim {dim} is out of range for a {D}-d tensor"),
-        ))
-    }
-}
-
-/// Every rank's size along `dim`, exchanged through the group (a few bytes).
-fn exchange_sizes(group: &ProcessGroup, len: usize) -> Result<Vec<usize>> {
-    let sizes = group.all_gather(TensorData::new(vec![len as i64], [1]), 0)?;
-    let sizes: Vec<i64> = sizes
-        .try_into_vec()
-        .map_err(|e| CollectiveError::InvalidArgument {
-            op: "all_gather (device sizes)".into(),
-            group: group.label().into(),
-            message: format!("{e:?}"),
-        })?;
-    Ok(sizes.into_iter().map(|s| s as usize).collect())
-}
-
-/// [`super::all_gather`] on the device: concatenation along `dim` of every rank's tensor
-/// (sizes may differ); backward reduce-scatters (sums) the gradient back to the pieces.
-pub fn all_gather<const D: usize>(
-    x: Tensor<D>,
-    group: &ProcessGroup,
-    dim: usize,
-) -> Result<Tensor<D>> {
-    let op = OpKind::AllGather;
-    check_dim::<D>(op, group, dim)?;
-    check_device(op, group, &x)?;
-    let comm = device_comm(op, group)?;
-    let sizes = exchange_sizes(group, x.dims()[dim])?;
-    let call = DeviceCollective {
-        op: DeviceOp::AllGather { dim, sizes },
-        group: group.label().into(),
-        comm,
-    };
-    Ok(attach_device(x, call))
-}
-
-/// [`super::reduce_scatter`] on the device: the sum over ranks of this rank's chunk along
-/// `dim` (FSDP2's pad-to-ceil chunks, [`crate::chunk`]); backward all-gathers the gradient.
-pub fn reduce_scatter<const D: usize>(
-    x: Tensor<D>,
-    group: &ProcessGroup,
-    dim: usize,
-) -> Result<Tensor<D>> {
-    let op = OpKind::ReduceScatter;
-    check_dim::<D>(op, group, dim)?;
-    check_device(op, group, &x)?;
-    let comm = device_comm(op, group)?;
-    let sizes = chunk_sizes(x.dims()[dim], group.size());
-    let call = DeviceCollective {
-        op: DeviceOp::ReduceScatter {
-            dim,
-            sizes,
-            op: ReduceOp::Sum,
-        },
-        group: group.label().into(),
-        comm,
-    };
-    Ok(attach_device(x, call))
-}
-
-/// All-reduce on the device. Differentiable for `Sum` with an identity backward (the gradient
-/// of a replicated output, Megatron's reduce_from_group); other ops only on tensors that do
-/// not require gradients.
-pub fn all_reduce<const D: usize>(
-    x: Tensor<D>,
-    group: &ProcessGroup,
-    reduce: ReduceOp,
-) -> Result<Tensor<D>> {
-    let op = OpKind::AllReduce;
-    check_device(op, group, &x)?;
-    if reduce != ReduceOp::Sum && x.is_require_grad() {
-        return Err(invalid(
-            op,
-            group,
-            format!("all_reduce({reduce}) has no gradient here; detach the tensor or use sum"),
-        ));
-    }
-    let comm = device_comm(op, group)?;
-    let call = DeviceCollective {
-        op: DeviceOp::AllReduce { op: reduce },
-        group: group.label().into(),
-        comm,
-    };
-    Ok(attach_device(x, call))
-}
-
-/// Not supported yet on the device path: broadcast, all_to_all and send/recv of Burn tensors.
-/// They exist on raw device buffers ([`crate::nccl::NcclComm`]) and on the host path.
-pub fn unsupported(op: OpKind, group: &ProcessGroup) -> CollectiveError {
-    invalid(
+fn run(op: DeviceOp, exchange: &Exchange) -> DeviceStep {
+    DeviceStep::Run {
         op,
-        group,
-        "not supported yet on Burn tensors in device memory (use NcclComm on raw buffers, or \
-         the host collective)"
-            .into(),
-    )
+        exchange: exchange.clone(),
+    }
+}
+
+/// The steps of the ops in [`super::ops`], for a tensor that takes the device path.
+pub mod pairs {
+    use super::*;
+
+    /// Gather along `dim`, in `compute` when given; backward reduces the gradient (in
+    /// `reduce` when given) to this rank's piece and returns it in the input's dtype. `sizes`
+    /// are every rank's rows when known, else learned forward; `replicas` all-reduces the
+    /// reduced gradient (HSDP).
+    pub fn gather_mixed(
+        dim: usize,
+        sizes: Sizes,
+        dtypes: MixedDtypes,
+        ex: &Exchange,
+        replicas: Option<&Exchange>,
+    ) -> DeviceCollective {
+        let mut forward = Vec::new();
+        forward.extend(dtypes.compute.map(DeviceStep::Cast));
+        forward.push(run(
+            DeviceOp::AllGather {
+                dim,
+                sizes: sizes.clone(),
+            },
+            ex,
+        ));
+        let mut backward = Vec::new();
+        backward.extend(dtypes.reduce.map(DeviceStep::Cast));
+        backward.push(run(
+            DeviceOp::ReduceScatter {
+                dim,
+                sizes,
+                op: ReduceOp::Sum,
+            },
+            ex,
+        ));
+        if let Some(r) = replicas {
+            backward.push(run(DeviceOp::AllReduce { op: ReduceOp::Sum }, r));
+        }
+        backward.push(DeviceStep::Cast(dtypes.input));
+        DeviceCollective {
+            forward,
+            backward,
+            recompute: None,
+        }
+    }
+
+    /// This rank's chunk (pad-to-ceil) of `len` rows summed over ranks; backward gathers.
+    pub fn reduce_scatter(dim: usize, len: usize, ex: &Exchange) -> DeviceCollective {
+        let sizes = Sizes::known(chunk_sizes(len, ex.group().size()));
+        DeviceCollective {
+            forward: vec![run(
+                DeviceOp::ReduceScatter {
+                    dim,
+                    sizes: sizes.clone(),
+                    op: ReduceOp::Sum,
+                },
+                ex,
+            )],
+            backward: vec![run(DeviceOp::AllGather { dim, sizes }, ex)],
+            recompute: None,
+        }
+    }
+
+    /// All-reduce forward, identity backward (`reduce_from_group`, or any op detached).
+    pub fn all_reduce(op: ReduceOp, ex: &Exchange) -> DeviceCollective {
+        DeviceCollective {
+            forward: vec![run(DeviceOp::AllReduce { op }, ex)],
+            backward: Vec::new(),
+            recompute: None,
+        }
+    }
+
+    /// Identity forward, all-reduce (sum) backward (`copy_to_group`).
+    pub fn copy_to_group(ex: &Exchange) -> DeviceCollective {
+        DeviceCollective {
+            forward: Vec::new(),
+            backward: vec![run(DeviceOp::AllReduce { op: ReduceOp::Sum }, ex)],
+            recompute: None,
+        }
+    }
+
+    /// This rank's chunk of `len` rows, no communication; backward gathers.
+    pub fn scatter_to_group(dim: usize, len: usize, ex: &Exchange) -> DeviceCollective {
+        let g = ex.group();
+        let sizes = Sizes::known(chunk_sizes(len, g.size()));
+        DeviceCollective {
+            forward: vec![DeviceStep::Piece {
+                dim,
+                sizes: sizes.clone(),
+                index: g.index(),
+            }],
+            backward: vec![run(DeviceOp::AllGather { dim, sizes }, ex)],
+            recompute: None,
+        }
+    }
+
+    /// Gather forward; backward keeps this rank's piece of the gradient.
+    pub fn gather_from_group(dim: usize, ex: &Exchange) -> DeviceCollective {
+        let sizes = Sizes::unknown();
+        DeviceCollective {
+            forward: vec![run(
+                DeviceOp::AllGather {
+                    dim,
+                    sizes: sizes.clone(),
+                },
+                ex,
+            )],
+            backward: vec![DeviceStep::Piece {
+                dim,
+                sizes,
+                index: ex.group().index(),
+            }],
+            recompute: None,
+        }
+    }
+}
+
+/// FSDP's dtypes: compute (gather) and reduce, when they differ from the input's, and the
+/// input's own dtype, which its gradient returns in.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MixedDtypes {
+    pub compute: Option<DType>,
+    pub reduce: Option<DType>,
+    pub input: DType,
 }
 
 #[cfg(test)]
@@ -304,51 +541,35 @@ mod tests {
     use burn::tensor::Device;
 
     use super::*;
+    use crate::error::CollectiveError;
     use crate::threads::launch;
 
-    /// On a machine without CUDA, or with the threads engine, every entry point is a clear
-    /// error before any device work.
+    /// Without CUDA, a tensor takes the device path only when it is forced, and then the
+    /// group's engine exchanges.
     #[test]
-    fn device_collectives_refuse_cpu_tensors_and_non_nccl_groups() {
+    fn routing_takes_nccl_only_for_cuda_tensors_and_is_forced_for_tests() {
         let errors = launch(2, |ctx| {
             let group = ctx.world()?;
-            let x = Tensor::<2>::ones([2, 3], &Device::ndarray());
-            let e = all_gather(x.clone(), &group, 0).unwrap_err().to_string();
-            assert!(e.contains("not a CUDA device"), "{e}");
-            let e = reduce_scatter(x.clone(), &group, 5)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains("dim 5 is out of range"), "{e}");
-            let tracked = Tensor::<2>::ones([2, 3], &Device::ndarray().autodiff()).require_grad();
-            let e = all_reduce(tracked, &group, ReduceOp::Max)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains("not a CUDA device"), "{e}");
-            let e = device_comm(OpKind::AllGather, &group)
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains("nccl") || e.contains("cuda"), "{e}");
+            let cpu = Device::ndarray();
+            assert!(!is_cuda_device(&cpu));
+            assert!(route(&cpu, &group).is_none());
+            {
+                let _forced = force_device_path();
+                assert!(matches!(route(&cpu, &group), Some(Exchange::Host(_))));
+            }
+            assert!(route(&cpu, &group).is_none());
             Ok::<_, CollectiveError>(())
         });
         assert!(errors.is_ok(), "{errors:?}");
     }
 
     #[test]
-    fn adjoints_pair_gather_and_scatter() {
-        let g = DeviceOp::AllGather {
-            dim: 1,
-            sizes: vec![3, 1],
-        };
-        let s = g.adjoint().unwrap();
-        assert_eq!(
-            s,
-            DeviceOp::ReduceScatter {
-                dim: 1,
-                sizes: vec![3, 1],
-                op: ReduceOp::Sum
-            }
-        );
-        assert_eq!(s.adjoint().unwrap(), g);
-        assert_eq!(DeviceOp::AllReduce { op: ReduceOp::Sum }.adjoint(), None);
+    fn sizes_learned_forward_are_read_backward() {
+        let s = Sizes::unknown();
+        let t = s.clone();
+        assert_eq!(s.get(), None);
+        s.set(vec![3, 1]);
+        assert_eq!(t.get(), Some(vec![3, 1]));
+        assert_eq!(t, Sizes::known(vec![3, 1]));
     }
 }

@@ -22,7 +22,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Flex, NdArray, TensorMetadata, backend_extension};
 use burn::tensor::{TensorData, try_read_sync};
 
-use super::device::{DeviceCollective, adjoint_of};
+use super::device::{DeviceCollective, DeviceStep, run_steps};
 
 /// A host-side function of tensor data, run inside backward (or a recomputation). It cannot
 /// return an error through Burn's backward pass, so a failing collective panics with its
@@ -74,30 +74,44 @@ pub trait CollectiveBackend: Backend {
         }
     }
 
-    /// Runs a collective on the tensor's device buffer (NCCL on CUDA). The entry points in
-    /// [`super::device`] check the device and the group first, so a backend without device
-    /// collectives never receives this call.
+    /// Runs a device collective's forward steps on the tensor (see [`super::device`]); the
+    /// autodiff backend also records its backward steps.
     fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
+        run_steps::<Self>(x, &op.forward)
+    }
+
+    /// One NCCL step on the tensor's device buffer. Only the CUDA backend has one; the
+    /// routing ([`super::device::route`]) sends NCCL steps to CUDA tensors only.
+    fn nccl_collective(x: FloatTensor<Self>, step: DeviceStep) -> FloatTensor<Self> {
         let _ = x;
-        panic!("{}", op.unsupported_here())
+        match &step {
+            DeviceStep::Run { op, exchange } => {
+                panic!("{}", DeviceCollective::unsupported_here(op, exchange))
+            }
+            other => panic!("not an NCCL step: {other:?}"),
+        }
     }
 }
 
 impl CollectiveBackend for NdArray {}
 impl CollectiveBackend for Flex {}
 
-/// LibTorch: host collectives only for now. Device collectives would need the tensor's CUDA
-/// pointer and libtorch's current stream (`tch` exposes the pointer, not the stream); the
-/// default body reports them as unsupported, and the entry points refuse LibTorch devices.
+/// LibTorch: its tensors take the host path, or the device path with the engine exchanging.
+/// NCCL on its buffers would need libtorch's current CUDA stream, which `tch` does not expose;
+/// the routing never sends NCCL steps here.
 #[cfg(feature = "tch")]
 impl CollectiveBackend for burn::backend::LibTorch {}
 
-/// Burn's CUDA backend: device collectives through NCCL (see `crate::nccl::cube`).
+/// Burn's CUDA backend: NCCL on the tensor's buffer (see `crate::nccl::cube`).
 #[cfg(feature = "cuda")]
 impl CollectiveBackend for burn_cubecl::CubeBackend {
-    fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
-        crate::nccl::cube::run(x, &op)
-            .unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.op.kind(), op.group))
+    fn nccl_collective(x: FloatTensor<Self>, step: DeviceStep) -> FloatTensor<Self> {
+        let DeviceStep::Run { op, exchange } = &step else {
+            panic!("not an NCCL step: {step:?}")
+        };
+        let group = exchange.group();
+        crate::nccl::cube::run(x, op, group)
+            .unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.kind(), group.label()))
     }
 }
 
@@ -153,18 +167,32 @@ impl<B: CollectiveBackend> Backward<B, 1> for DeviceBackward {
     }
 }
 
+#[derive(Debug)]
+struct RetroDevice<B> {
+    input: NodeId,
+    steps: Vec<DeviceStep>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: CollectiveBackend> RetroForward for RetroDevice<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let input = states.get_state::<FloatTensor<B>>(&self.input);
+        states.save(out_node, run_steps::<B>(input, &self.steps));
+    }
+}
+
 impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff<B, C> {
     fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
-        let backward = adjoint_of(&op);
-        let (primitive, guard) = x.into_parts();
-        match DeviceBackward
-            .prepare::<C>([guard])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(backward, B::device_collective(primitive, op)),
-            OpsKind::UnTracked(prep) => prep.finish(B::device_collective(primitive, op)),
-        }
+        let backward = op.adjoint();
+        let forward = DeviceCollective::steps(op.forward);
+        let retro = op.recompute.map(|steps| RetroDevice::<B> {
+            input: x.id(),
+            steps,
+            _backend: std::marker::PhantomData,
+        });
+        place::<B, C, _>(x, DeviceBackward, backward, retro, |x| {
+            B::device_collective(x, forward)
+        })
     }
 
     fn host_collective(x: FloatTensor<Self>, op: HostCollective) -> FloatTensor<Self> {
@@ -173,40 +201,44 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
             recompute: None,
             ..op.clone()
         };
-        match op.recompute {
-            None => {
-                let (primitive, guard) = x.into_parts();
-                match HostBackward
-                    .prepare::<C>([guard])
-                    .compute_bound()
-                    .stateful()
-                {
-                    OpsKind::Tracked(prep) => {
-                        prep.finish(backward, B::host_collective(primitive, inner))
-                    }
-                    OpsKind::UnTracked(prep) => prep.finish(B::host_collective(primitive, inner)),
-                }
+        let retro = op.recompute.map(|recompute| RetroHost::<B> {
+            input: x.id(),
+            recompute,
+            _backend: std::marker::PhantomData,
+        });
+        place::<B, C, _>(x, HostBackward, backward, retro, |x| {
+            B::host_collective(x, inner)
+        })
+    }
+}
+
+/// Places `compute(x)` in the graph with `node` (and its `state`) as its backward. With
+/// `retro`, the output is not kept for backward under checkpointing but recomputed by `retro`.
+fn place<B: Backend, C: CheckpointStrategy, N: Backward<B, 1>>(
+    x: FloatTensor<Autodiff<B, C>>,
+    node: N,
+    state: N::State,
+    retro: Option<impl RetroForward>,
+    compute: impl FnOnce(FloatTensor<B>) -> FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match retro {
+        None => {
+            let (primitive, guard) = x.into_parts();
+            match node.prepare::<C>([guard]).compute_bound().stateful() {
+                OpsKind::Tracked(prep) => prep.finish(state, compute(primitive)),
+                OpsKind::UnTracked(prep) => prep.finish(compute(primitive)),
             }
-            Some(recompute) => {
-                let retro = RetroHost::<B> {
-                    input: x.id(),
-                    recompute,
-                    _backend: std::marker::PhantomData,
-                };
-                match HostBackward
-                    .prepare::<C>([x.node()])
-                    .memory_bound()
-                    .retro_forward(retro)
-                    .parents([&x])
-                    .stateful()
-                {
-                    OpsKind::Tracked(prep) => {
-                        prep.finish(backward, B::host_collective(x.into_primitive(), inner))
-                    }
-                    OpsKind::UnTracked(prep) => {
-                        prep.finish(B::host_collective(x.into_primitive(), inner))
-                    }
-                }
+        }
+        Some(retro) => {
+            match node
+                .prepare::<C>([x.node()])
+                .memory_bound()
+                .retro_forward(retro)
+                .parents([&x])
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, compute(x.into_primitive())),
+                OpsKind::UnTracked(prep) => prep.finish(compute(x.into_primitive())),
             }
         }
     }

@@ -13,6 +13,10 @@
 //! They work with and without autodiff, on every backend the extension lists. Gradients are
 //! summed, never averaged: data-parallel averaging is the caller's choice.
 //!
+//! A CUDA tensor on a group of the nccl engine takes the device path ([`super::device`]):
+//! NCCL on its buffer, no copy through the host. Every other tensor takes the host path: the
+//! group's engine on the tensor's data. all_to_all always takes the host path.
+//!
 //! Every rank must build its own autodiff tensors. An autodiff tensor shared by two rank
 //! threads joins their graphs under one lock, and a collective in one rank's backward then
 //! waits for a rank that cannot enter its own backward. Share `TensorData` (or plain tensors)
@@ -27,6 +31,7 @@ use crate::data::{ReduceOp, narrow};
 use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
 
+use super::device::{MixedDtypes, Sizes, attach_device, pairs, route};
 use super::extension::{CollectiveBackend, HostCollective, HostFn};
 
 type Result<T> = std::result::Result<T, CollectiveError>;
@@ -118,6 +123,16 @@ pub fn all_gather_with<const D: usize>(
     options: GatherOptions,
 ) -> Result<Tensor<D>> {
     check_dim::<D>(OpKind::AllGather, group, dim)?;
+    if let Some(ex) = route(&x.device(), group) {
+        let dtypes = MixedDtypes {
+            compute: options.compute_dtype,
+            reduce: options.reduce_dtype,
+            input: x.dtype(),
+        };
+        let mut op = pairs::gather_mixed(dim, Sizes::unknown(), dtypes, &ex, None);
+        op.recompute = options.recompute.then(|| op.forward.clone());
+        return Ok(attach_device(x, op));
+    }
     let input = to_dtype(x.to_data(), options.compute_dtype);
     let (gathered, sizes) = group.all_gather_sized(input, dim)?;
     let dtype = x.dtype();
@@ -165,26 +180,31 @@ fn gather_op(
 }
 
 /// An all-gather started ahead of its use (prefetch): the communication runs while the caller
-/// computes; `finish` waits and returns the differentiable result.
+/// computes; `finish` waits and returns the differentiable result. On the device path the
+/// gather runs in `finish` (CubeCL does not expose its stream, so NCCL cannot overlap it).
 #[must_use = "finish() the gather to use its result"]
 pub struct PendingAllGather<const D: usize> {
     x: Tensor<D>,
     group: ProcessGroup,
     dim: usize,
     options: GatherOptions,
-    handle: CollectiveHandle,
+    /// `None` on the device path.
+    handle: Option<CollectiveHandle>,
 }
 
 impl<const D: usize> PendingAllGather<D> {
     pub fn finish(self) -> Result<Tensor<D>> {
-        let (gathered, sizes) = self.handle.wait_sized()?;
+        let Some(handle) = self.handle else {
+            return all_gather_with(self.x, &self.group, self.dim, self.options);
+        };
+        let (gathered, sizes) = handle.wait_sized()?;
         let dtype = self.x.dtype();
         let op = gather_op(&self.group, self.dim, gathered, sizes, dtype, self.options);
         Ok(attach(self.x, op))
     }
 
     pub fn is_done(&self) -> bool {
-        self.handle.is_done()
+        self.handle.as_ref().is_none_or(CollectiveHandle::is_done)
     }
 }
 
@@ -196,7 +216,10 @@ pub fn start_all_gather<const D: usize>(
     options: GatherOptions,
 ) -> Result<PendingAllGather<D>> {
     check_dim::<D>(OpKind::AllGather, group, dim)?;
-    let handle = group.all_gather_async(to_dtype(x.to_data(), options.compute_dtype), dim);
+    let handle = match route(&x.device(), group) {
+        Some(_) => None,
+        None => Some(group.all_gather_async(to_dtype(x.to_data(), options.compute_dtype), dim)),
+    };
     Ok(PendingAllGather {
         x,
         group: group.clone(),
@@ -214,6 +237,10 @@ pub fn reduce_scatter<const D: usize>(
     dim: usize,
 ) -> Result<Tensor<D>> {
     check_dim::<D>(OpKind::ReduceScatter, group, dim)?;
+    if let Some(ex) = route(&x.device(), group) {
+        let op = pairs::reduce_scatter(dim, x.dims()[dim], &ex);
+        return Ok(attach_device(x, op));
+    }
     let sizes = chunk_sizes(x.dims()[dim], group.size());
     let out = group.reduce_scatter_sizes(x.to_data(), dim, &sizes, ReduceOp::Sum)?;
     let g = group.clone();
@@ -231,6 +258,9 @@ pub fn reduce_scatter<const D: usize>(
 /// Identity forward; backward sums the gradient over the group (Megatron's `f`, the input of
 /// a column-parallel layer).
 pub fn copy_to_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Tensor<D> {
+    if let Some(ex) = route(&x.device(), group) {
+        return attach_device(x, pairs::copy_to_group(&ex));
+    }
     let g = group.clone();
     let backward =
         HostFn::new(move |dy| in_backward("all_reduce", g.all_reduce(dy, ReduceOp::Sum)));
@@ -247,6 +277,9 @@ pub fn copy_to_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Tens
 /// Sum over the group forward; identity backward (Megatron's `g`, the output of a row-parallel
 /// layer).
 pub fn reduce_from_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Result<Tensor<D>> {
+    if let Some(ex) = route(&x.device(), group) {
+        return Ok(attach_device(x, pairs::all_reduce(ReduceOp::Sum, &ex)));
+    }
     let out = group.all_reduce(x.to_data(), ReduceOp::Sum)?;
     Ok(attach(
         x,
@@ -258,6 +291,21 @@ pub fn reduce_from_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> 
     ))
 }
 
+/// All-reduce of a tensor that takes no gradient (a gradient bucket, a statistic); the result
+/// is detached. On the device path for a CUDA tensor on an nccl group, like every op here.
+pub fn all_reduce<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    op: ReduceOp,
+) -> Result<Tensor<D>> {
+    let x = x.detach();
+    if let Some(ex) = route(&x.device(), group) {
+        return Ok(attach_device(x, pairs::all_reduce(op, &ex)));
+    }
+    let out = group.all_reduce(x.to_data(), op)?;
+    Ok(Tensor::from_data(out, &x.device()))
+}
+
 /// This rank's chunk along `dim` (pad-to-ceil chunks) of a tensor replicated over the group;
 /// backward all-gathers the gradient.
 pub fn scatter_to_group<const D: usize>(
@@ -266,6 +314,10 @@ pub fn scatter_to_group<const D: usize>(
     dim: usize,
 ) -> Result<Tensor<D>> {
     check_dim::<D>(OpKind::AllGather, group, dim)?;
+    if let Some(ex) = route(&x.device(), group) {
+        let op = pairs::scatter_to_group(dim, x.dims()[dim], &ex);
+        return Ok(attach_device(x, op));
+    }
     let range = chunk_range(x.dims()[dim], group.size(), group.index());
     let out = narrow(&x.to_data(), dim, range.start, range.len());
     let g = group.clone();
@@ -288,6 +340,9 @@ pub fn gather_from_group<const D: usize>(
     dim: usize,
 ) -> Result<Tensor<D>> {
     check_dim::<D>(OpKind::AllGather, group, dim)?;
+    if let Some(ex) = route(&x.device(), group) {
+        return Ok(attach_device(x, pairs::gather_from_group(dim, &ex)));
+    }
     let (gathered, sizes) = group.all_gather_sized(x.to_data(), dim)?;
     let me = group.index();
     let start = offsets(&sizes)[me];

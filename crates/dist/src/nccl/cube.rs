@@ -6,6 +6,10 @@
 //! kernels that wrote the input are done), and the communicator's stream after it (the output
 //! is complete before CubeCL's next kernel reads it). The data never leaves the GPU; what is
 //! lost is overlap of communication with CubeCL's compute, which needs that stream.
+//!
+//! Before each call the ranks agree on the op, dtype and shape (a few bytes through NCCL, as
+//! the engine's host path does), which also tells a gather every rank's length; a mismatch is
+//! an error naming both calls instead of a hang. The bytes are counted in the group's stats.
 
 use burn::backend::{Backend, TensorMetadata};
 use burn_cubecl::cubecl::cuda::CudaRuntime;
@@ -15,9 +19,12 @@ use burn_cubecl::{CubeBackend, CubeDevice};
 use cubecl_runtime::runtime::Runtime;
 use cudarc::driver::{CudaSlice, DevicePtr as _};
 
-use crate::diff::{DeviceCollective, DeviceOp};
+use crate::diff::DeviceOp;
+use crate::error::CollectiveError;
+use crate::group::ProcessGroup;
 
 use super::comm::{DevicePtr, NcclComm, NcclError};
+use super::engine::nccl_communicator;
 use super::layout::{AlongDim, gather_layout, scatter_layout};
 use super::types::{nccl_dtype, nccl_reduce};
 
@@ -40,15 +47,32 @@ fn ptr(comm: &NcclComm, buf: &CudaSlice<u8>) -> DevicePtr {
     buf.device_ptr(comm.stream()).0
 }
 
-/// Runs `call` on `x`'s device buffer and returns the result as a new CUDA tensor.
-pub(crate) fn run(x: CubeTensor, call: &DeviceCollective) -> Result<CubeTensor, NcclError> {
-    let comm = &call.comm.nccl;
+fn broken(group: &ProcessGroup, op: &DeviceOp) -> impl Fn(NcclError) -> CollectiveError {
+    let (label, kind) = (group.label().to_string(), op.kind());
+    move |e| CollectiveError::GroupBroken {
+        group: label.clone(),
+        reason: format!("{kind} (device) failed: {e}"),
+    }
+}
+
+/// Runs `call` on `x`'s device buffer over `group` and returns the result as a new CUDA tensor.
+pub(crate) fn run(
+    x: CubeTensor,
+    call: &DeviceOp,
+    group: &ProcessGroup,
+) -> Result<CubeTensor, CollectiveError> {
+    let engine = nccl_communicator(group).ok_or_else(|| CollectiveError::InvalidArgument {
+        op: format!("{} (device)", call.kind()),
+        group: group.label().into(),
+        message: "the group does not belong to the nccl engine".into(),
+    })?;
     if !matches!(x.device, CubeDevice::Cuda(_)) {
-        return Err(NcclError::Unsupported(format!(
+        return Err(broken(group, call)(NcclError::Unsupported(format!(
             "device collectives on {:?}: only CUDA devices run NCCL",
             x.device
-        )));
+        ))));
     }
+    let comm: &NcclComm = engine.comm();
     let x = if x.is_contiguous() {
         x
     } else {
@@ -57,56 +81,107 @@ pub(crate) fn run(x: CubeTensor, call: &DeviceCollective) -> Result<CubeTensor, 
     let shape: Vec<usize> = x.shape().as_slice().to_vec();
     let dtype = x.dtype;
     let eb = dtype.size();
-    let t = nccl_dtype(call.op.kind().name(), dtype)
-        .map_err(|e| NcclError::InvalidArgument(e.to_string()))?;
+    let t = nccl_dtype(call.kind().name(), dtype)?;
     let me = comm.rank();
-    let (out_shape, out_bytes) = match &call.op {
-        DeviceOp::AllReduce { .. } => (shape.clone(), shape.iter().product::<usize>() * eb),
-        DeviceOp::AllGather { dim, sizes } | DeviceOp::ReduceScatter { dim, sizes, .. } => {
-            if sizes.len() != comm.size() {
-                return Err(NcclError::InvalidArgument(format!(
-                    "{} sizes, but the group has {} ranks",
-                    sizes.len(),
-                    comm.size()
-                )));
+    let free: &[usize] = match call {
+        DeviceOp::AllGather { dim, .. } => std::slice::from_ref(dim),
+        _ => &[],
+    };
+    let shapes = engine.agree_device(call.kind(), dtype, &shape, free)?;
+    let (out_shape, out_bytes, sizes) = match call {
+        DeviceOp::AllReduce { .. } => {
+            let bytes = shape.iter().product::<usize>() * eb;
+            (shape.clone(), bytes, Vec::new())
+        }
+        DeviceOp::AllGather {
+            dim,
+            sizes: learned,
+        } => {
+            let sizes: Vec<usize> = shapes.iter().map(|s| s[*dim]).collect();
+            learned.set(sizes.clone());
+            let mut s = shape.clone();
+            s[*dim] = sizes.iter().sum();
+            let bytes = s.iter().product::<usize>() * eb;
+            (s, bytes, sizes)
+        }
+        DeviceOp::ReduceScatter { dim, sizes, .. } => {
+            let sizes = sizes
+                .get()
+                .unwrap_or_else(|| crate::chunk::chunk_sizes(shape[*dim], comm.size()));
+            if sizes.len() != comm.size() || sizes.iter().sum::<usize>() != shape[*dim] {
+                return Err(CollectiveError::InvalidArgument {
+                    op: format!("{} (device)", call.kind()),
+                    group: group.label().into(),
+                    message: format!(
+                        "pieces {sizes:?} do not split {} rows over {} ranks",
+                        shape[*dim],
+                        comm.size()
+                    ),
+                });
             }
             let mut s = shape.clone();
-            s[*dim] = match call.op {
-                DeviceOp::AllGather { .. } => sizes.iter().sum(),
-                _ => sizes[me],
-            };
+            s[*dim] = sizes[me];
             let bytes = s.iter().product::<usize>() * eb;
-            (s, bytes)
+            (s, bytes, sizes)
         }
     };
+    let in_bytes = shape.iter().product::<usize>() * eb;
+    let fail = broken(group, call);
 
     let client = x.client.clone();
     let device = x.device.clone();
     let out = client.empty(out_bytes.max(1));
     let input = client
         .get_resource::<CudaServer>(x.handle.clone())
-        .map_err(|e| cube_err("get_resource")(format!("{e:?}")))?;
+        .map_err(|e| fail(cube_err("get_resource")(format!("{e:?}"))))?;
     let output = client
         .get_resource::<CudaServer>(out.clone())
-        .map_err(|e| cube_err("get_resource")(format!("{e:?}")))?;
+        .map_err(|e| fail(cube_err("get_resource")(format!("{e:?}"))))?;
     let (src, dst) = (input.resource().ptr, output.resource().ptr);
     // The kernels that wrote the input (and the output's allocation) are done.
-    CubeBackend::sync(&device).map_err(|e| cube_err("synchronize")(format!("{e:?}")))?;
+    CubeBackend::sync(&device).map_err(|e| fail(cube_err("synchronize")(format!("{e:?}"))))?;
+    exchange(comm, call, &shape, eb, t, &sizes, src, dst, out_bytes).map_err(&fail)?;
+    drop((input, output));
+    engine.record_device(call.kind(), in_bytes, eb, out_bytes);
+    Ok(CubeTensor::new_contiguous(
+        client,
+        device,
+        out_shape.into(),
+        out,
+        dtype,
+    ))
+}
+
+/// The NCCL calls of one op, with the strided copies that uneven pieces need, then a wait for
+/// the communicator's stream.
+#[allow(clippy::too_many_arguments)]
+fn exchange(
+    comm: &NcclComm,
+    call: &DeviceOp,
+    shape: &[usize],
+    eb: usize,
+    t: super::types::NcclDataType,
+    sizes: &[usize],
+    src: DevicePtr,
+    dst: DevicePtr,
+    out_bytes: usize,
+) -> Result<(), NcclError> {
+    let me = comm.rank();
 
     // Temporaries stay alive until the stream is synchronised below.
     let mut temps: Vec<CudaSlice<u8>> = Vec::new();
-    // SAFETY: `src` and `dst` are held in place by `input`/`output` until the end of this
-    // function, and every plan stays inside the buffers it names (see `layout`).
+    // SAFETY: the caller holds `src` and `dst` in place until this returns, and every plan
+    // stays inside the buffers it names (see `layout`).
     unsafe {
-        match &call.op {
+        match call {
             DeviceOp::AllReduce { op } => {
                 let count = out_bytes / eb;
                 if count > 0 {
                     comm.all_reduce(src, dst, count, t, nccl_reduce(*op))?;
                 }
             }
-            DeviceOp::AllGather { dim, sizes } => {
-                let l = gather_layout(AlongDim::new(&shape, *dim, eb), sizes, me);
+            DeviceOp::AllGather { dim, .. } => {
+                let l = gather_layout(AlongDim::new(shape, *dim, eb), sizes, me);
                 let send = match l.pack {
                     Some(c) => {
                         temps.push(temp(comm, l.piece_bytes)?);
@@ -130,8 +205,8 @@ pub(crate) fn run(x: CubeTensor, call: &DeviceCollective) -> Result<CubeTensor, 
                     comm.copy_2d(gathered, dst, *c)?;
                 }
             }
-            DeviceOp::ReduceScatter { dim, sizes, op } => {
-                let l = scatter_layout(AlongDim::new(&shape, *dim, eb), sizes, me);
+            DeviceOp::ReduceScatter { dim, op, .. } => {
+                let l = scatter_layout(AlongDim::new(shape, *dim, eb), sizes, me);
                 let send = match &l.pack {
                     Some(copies) => {
                         temps.push(temp(comm, l.piece_bytes * sizes.len())?);
@@ -163,12 +238,6 @@ pub(crate) fn run(x: CubeTensor, call: &DeviceCollective) -> Result<CubeTensor, 
     comm.stream()
         .synchronize()
         .map_err(|e| cube_err("cuStreamSynchronize")(format!("{e:?}")))?;
-    drop((input, output, temps));
-    Ok(CubeTensor::new_contiguous(
-        client,
-        device,
-        out_shape.into(),
-        out,
-        dtype,
-    ))
+    drop(temps);
+    Ok(())
 }

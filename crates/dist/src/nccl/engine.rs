@@ -288,20 +288,19 @@ impl NcclCommunicator {
             .collect())
     }
 
-    fn header(&self, op: OpKind, data: Option<&TensorData>) -> Res<Vec<u64>> {
+    fn header(&self, op: OpKind, data: Option<(DType, &[usize])>) -> Res<Vec<u64>> {
         let mut words = vec![0u64; META_WORDS];
         words[0] = op as u64 + 1;
-        if let Some(d) = data {
-            let shape = d.shape();
+        if let Some((dtype, shape)) = data {
             if shape.len() > MAX_DIMS {
                 return Err(self.invalid(
                     op,
                     format!("the nccl engine handles at most {MAX_DIMS} dimensions"),
                 ));
             }
-            words[1] = dtype_code(d.dtype()).ok_or_else(|| CollectiveError::UnsupportedDtype {
+            words[1] = dtype_code(dtype).ok_or_else(|| CollectiveError::UnsupportedDtype {
                 op: format!("{op} (nccl)"),
-                dtype: format!("{:?}", d.dtype()),
+                dtype: format!("{dtype:?}"),
             })? + 1;
             words[2] = shape.len() as u64;
             for (w, s) in words[3..].iter_mut().zip(shape.iter()) {
@@ -317,6 +316,42 @@ impl NcclCommunicator {
         &self,
         op: OpKind,
         data: Option<&TensorData>,
+        extra: &[u64],
+        free: &[usize],
+    ) -> Res<Vec<RankCall>> {
+        self.agree_on(op, data.map(|d| (d.dtype(), &d.shape()[..])), extra, free)
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// A device collective's [`Self::agree`]: every rank's shape of a `dtype` tensor whose
+    /// shapes may differ along `free`. A mismatch is an error on every rank, not a hang.
+    pub(crate) fn agree_device(
+        &self,
+        op: OpKind,
+        dtype: DType,
+        shape: &[usize],
+        free: &[usize],
+    ) -> Res<Vec<Vec<usize>>> {
+        let all = self.agree_on(op, Some((dtype, shape)), &[], free)?;
+        Ok(all.into_iter().map(|(_, s, _)| s).collect())
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Counts a device collective as the host path counts the same call.
+    pub(crate) fn record_device(&self, kind: OpKind, input: usize, elem: usize, output: usize) {
+        let (sent, received) = CallBytes::sized(kind, &self.info, input, elem).traffic(output);
+        for stats in [&self.stats, &*self.rank_stats] {
+            stats
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .record(kind, sent, received);
+        }
+    }
+
+    fn agree_on(
+        &self,
+        op: OpKind,
+        data: Option<(DType, &[usize])>,
         extra: &[u64],
         free: &[usize],
     ) -> Res<Vec<RankCall>> {
@@ -550,7 +585,7 @@ impl NcclCommunicator {
                 send_sizes,
             } => self.all_to_all(data, split_dim, concat_dim, send_sizes),
             Collective::Send { data, dst } => {
-                let header = self.header(op, Some(&data))?;
+                let header = self.header(op, Some((data.dtype(), &data.shape()[..])))?;
                 let hb: Vec<u8> = header.iter().flat_map(|w| w.to_le_bytes()).collect();
                 let h = self.upload(op, &hb)?;
                 let body = self.upload(op, data.as_bytes())?;
@@ -777,13 +812,17 @@ impl Communicator for NcclCommunicator {
     }
 }
 
-/// The NCCL communicator of `group`, if the group belongs to the nccl engine.
-pub fn nccl_comm(group: &crate::group::ProcessGroup) -> Option<Arc<NcclComm>> {
+/// The nccl engine's handle on `group`, if the group belongs to that engine.
+pub(crate) fn nccl_communicator(group: &crate::group::ProcessGroup) -> Option<&NcclCommunicator> {
     group
         .communicator()
         .as_any()
         .and_then(|a| a.downcast_ref::<NcclCommunicator>())
-        .map(|c| c.comm.clone())
+}
+
+/// The NCCL communicator of `group`, if the group belongs to the nccl engine.
+pub fn nccl_comm(group: &crate::group::ProcessGroup) -> Option<Arc<NcclComm>> {
+    nccl_communicator(group).map(|c| c.comm.clone())
 }
 
 #[cfg(test)]
