@@ -314,6 +314,16 @@ fn device_path_matches_host_path() {
             op: |x, g| coll::gather_from_group(x.narrow(1, 0, 3 - g.index()), g, 1),
         },
         FdCase {
+            name: "all_to_all split 1 concat 1, uneven pieces",
+            world: 3,
+            shape: [2, 4],
+            mode: Mode::Independent,
+            op: |x, g| {
+                let sizes = [[1, 2, 1], [0, 3, 1], [2, 2, 0]][g.index()];
+                coll::all_to_all(x, g, 1, 1, &sizes)
+            },
+        },
+        FdCase {
             name: "prefetched all_gather",
             world: 2,
             shape: [3, 2],

@@ -1,9 +1,11 @@
 //! PrepareModuleInput / PrepareModuleOutput: every layout conversion against slicing the full
 //! tensor, at 2 and 3 ranks with sizes they do not divide, and the gradients of the round trips
-//! that are identities.
+//! that are identities. Both on the host path and on the device path (CUDA's, here with the
+//! threads engine exchanging).
 
 use burn::tensor::Tensor;
 use burn_parallel::dist::chunk::chunk_range;
+use burn_parallel::dist::collectives::force_device_path;
 use burn_parallel::dist::launch;
 use burn_parallel_tp::{Layout, PrepareModuleInput, redistribute};
 
@@ -39,10 +41,11 @@ const LAYOUTS: [Layout; 3] = [
 
 #[test]
 fn every_conversion_matches_slicing_the_full_tensor() {
-    for world in [2, 3] {
+    for (world, device_path) in [(2, false), (3, false), (2, true), (3, true)] {
         for from in LAYOUTS {
             for to in LAYOUTS {
                 let got = launch(world, |ctx| {
+                    let _forced = device_path.then(force_device_path);
                     let group = ctx.world()?;
                     let x = part(full(), from, group.index(), world);
                     let prepare = PrepareModuleInput::new(from, to);
@@ -55,7 +58,7 @@ fn every_conversion_matches_slicing_the_full_tensor() {
                         got,
                         &want,
                         0.0,
-                        &format!("{world} ranks, {from:?} -> {to:?}, rank {r}"),
+                        &format!("{world} ranks, {from:?} -> {to:?}, rank {r}, {device_path}"),
                     );
                 }
             }
@@ -71,9 +74,10 @@ fn identity_round_trips_pass_gradients_through() {
         (Layout::SequenceSharded { dim: 0 }, Layout::Sharded),
         (Layout::Sharded, Layout::SequenceSharded { dim: 0 }),
     ];
-    for world in [2, 3] {
+    for (world, device_path) in [(2, false), (3, false), (2, true), (3, true)] {
         for (a, b) in pairs {
             let got = launch(world, |ctx| {
+                let _forced = device_path.then(force_device_path);
                 let group = ctx.world()?;
                 let me = group.index();
                 let d = ndarray_ad();
@@ -91,7 +95,7 @@ fn identity_round_trips_pass_gradients_through() {
             })
             .unwrap();
             for (r, (back, x, grad, c)) in got.iter().enumerate() {
-                let ctx = format!("{world} ranks, {a:?} -> {b:?} -> back, rank {r}");
+                let ctx = format!("{world} ranks, {a:?} -> {b:?} -> back, rank {r}, {device_path}");
                 assert_close(back, x, 0.0, &format!("{ctx}: values"));
                 assert_close(grad, c, 1e-6, &format!("{ctx}: gradient"));
             }

@@ -147,17 +147,23 @@ impl CallBytes {
         }
     }
 
-    /// A call on `input` bytes of `elem`-byte elements that has no root and keeps no slice
-    /// (gathers, reductions): the device path, which has no `Collective` to measure.
+    /// A call on `input` bytes of `elem`-byte elements with no root that keeps `own_slice`
+    /// bytes (all_to_all): the device path, which has no `Collective` to measure.
     #[cfg(feature = "nccl")]
-    pub(crate) fn sized(kind: OpKind, info: &GroupInfo, input: usize, elem: usize) -> Self {
+    pub(crate) fn sized(
+        kind: OpKind,
+        info: &GroupInfo,
+        input: usize,
+        elem: usize,
+        own_slice: usize,
+    ) -> Self {
         Self {
             kind,
             group_size: info.size(),
             index: info.index,
             input,
             elem,
-            own_slice: 0,
+            own_slice,
             is_root: false,
         }
     }

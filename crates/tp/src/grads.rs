@@ -2,7 +2,8 @@
 //! region (norm weights, a rowwise bias after a reduce-scatter), in the reduce dtype.
 
 use burn::module::{ModuleVisitor, Param};
-use burn::tensor::{DType, Gradients, Tensor};
+use burn::tensor::{DType, FloatDType, Gradients, Tensor};
+use burn_parallel_dist::collectives as coll;
 use burn_parallel_dist::{ProcessGroup, ReduceOp};
 
 use crate::error::TpError;
@@ -23,18 +24,26 @@ impl GradAllReduce<'_> {
             Some(g) => g,
             None => value.clone().inner().zeros_like(),
         };
-        let device = grad.device();
-        let dtype = grad.dtype();
-        let mut data = grad.into_data();
-        if let Some(reduce) = self.reduce_dtype {
-            data = data.convert_dtype(reduce);
-        }
-        let summed = self
-            .group
-            .all_reduce(data, ReduceOp::Sum)
-            .map_err(TpError::collective(self.path))?
-            .convert_dtype(dtype);
-        value.grad_replace(self.grads, Tensor::from_data(summed, &device));
+        let (device, dtype) = (grad.device(), grad.dtype());
+        let summed = if coll::route(&device, self.group).is_some() {
+            // On the device: the reduce dtype is one the device computes in.
+            let grad = match self.reduce_dtype {
+                Some(reduce) => grad.cast(FloatDType::from(reduce)),
+                None => grad,
+            };
+            coll::all_reduce(grad, self.group, ReduceOp::Sum)
+                .map_err(TpError::collective(self.path))?
+                .cast(FloatDType::from(dtype))
+        } else {
+            // Through the host, where any reduce dtype works (ndarray has no bf16 tensors).
+            let data = coll::to_dtype(grad.into_data(), self.reduce_dtype);
+            let summed = self
+                .group
+                .all_reduce(data, ReduceOp::Sum)
+                .map_err(TpError::collective(self.path))?;
+            Tensor::from_data(summed.convert_dtype(dtype), &device)
+        };
+        value.grad_replace(self.grads, summed);
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 //! the target logit. The two sums use `reduce_from_group` (identity backward), which is
 //! exact because every rank computes the same replicated loss from them.
 
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor};
 use burn_parallel_dist::collectives as coll;
 use burn_parallel_dist::{ProcessGroup, ReduceOp};
 
@@ -58,12 +58,10 @@ fn token_losses(
         )));
     }
     let err = TpError::collective(path);
-    let device = logits.device();
 
     // The global row max only stabilises exp: a constant, so no gradient flows through it.
-    let local_max = logits.clone().detach().max_dim(1).into_data();
-    let max: TensorData = group.all_reduce(local_max, ReduceOp::Max).map_err(err)?;
-    let shifted = logits - Tensor::<2>::from_data(max, &device);
+    let max = coll::all_reduce(logits.clone().max_dim(1), group, ReduceOp::Max).map_err(err)?;
+    let shifted = logits - max;
 
     let sum_exp = coll::reduce_from_group(shifted.clone().exp().sum_dim(1), group)
         .map_err(TpError::collective(path))?;

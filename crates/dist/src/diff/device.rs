@@ -89,6 +89,14 @@ pub enum DeviceOp {
     AllReduce {
         op: ReduceOp,
     },
+    /// Slice `j` along `split_dim` (`send_sizes[j]` long) goes to rank `j`; the slices
+    /// received are concatenated along `concat_dim`, and their lengths there are learned.
+    AllToAll {
+        split_dim: usize,
+        concat_dim: usize,
+        send_sizes: Sizes,
+        received: Sizes,
+    },
 }
 
 impl DeviceOp {
@@ -97,6 +105,7 @@ impl DeviceOp {
             DeviceOp::AllGather { .. } => OpKind::AllGather,
             DeviceOp::ReduceScatter { .. } => OpKind::ReduceScatter,
             DeviceOp::AllReduce { .. } => OpKind::AllReduce,
+            DeviceOp::AllToAll { .. } => OpKind::AllToAll,
         }
     }
 }
@@ -335,6 +344,20 @@ fn run_on_host<B: Backend>(
             group.reduce_scatter_sizes(data, *dim, &sizes, *op)
         }
         DeviceOp::AllReduce { op } => group.all_reduce(data, *op),
+        DeviceOp::AllToAll {
+            split_dim,
+            concat_dim,
+            send_sizes,
+            received,
+        } => {
+            let send = send_sizes.expect("sending pieces of an all_to_all");
+            group
+                .all_to_all_sized(data, *split_dim, *concat_dim, &send)
+                .map(|(out, sizes)| {
+                    received.set(sizes);
+                    out
+                })
+        }
     };
     let out: TensorData =
         out.unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.kind(), group.label()));
@@ -501,6 +524,38 @@ pub mod pairs {
                 index: g.index(),
             }],
             backward: vec![run(DeviceOp::AllGather { dim, sizes }, ex)],
+            recompute: None,
+        }
+    }
+
+    /// Pieces of `send_sizes` along `split` to each rank, concatenated along `concat`;
+    /// backward sends the gradient's pieces back the other way.
+    pub fn all_to_all(
+        split: usize,
+        concat: usize,
+        send_sizes: Vec<usize>,
+        ex: &Exchange,
+    ) -> DeviceCollective {
+        let (sent, received) = (Sizes::known(send_sizes), Sizes::unknown());
+        DeviceCollective {
+            forward: vec![run(
+                DeviceOp::AllToAll {
+                    split_dim: split,
+                    concat_dim: concat,
+                    send_sizes: sent,
+                    received: received.clone(),
+                },
+                ex,
+            )],
+            backward: vec![run(
+                DeviceOp::AllToAll {
+                    split_dim: concat,
+                    concat_dim: split,
+                    send_sizes: received,
+                    received: Sizes::unknown(),
+                },
+                ex,
+            )],
             recompute: None,
         }
     }

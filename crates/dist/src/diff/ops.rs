@@ -15,7 +15,7 @@
 //!
 //! A CUDA tensor on a group of the nccl engine takes the device path ([`super::device`]):
 //! NCCL on its buffer, no copy through the host. Every other tensor takes the host path: the
-//! group's engine on the tensor's data. all_to_all always takes the host path.
+//! group's engine on the tensor's data.
 //!
 //! Every rank must build its own autodiff tensors. An autodiff tensor shared by two rank
 //! threads joins their graphs under one lock, and a collective in one rank's backward then
@@ -369,6 +369,22 @@ pub fn all_to_all<const D: usize>(
 ) -> Result<Tensor<D>> {
     check_dim::<D>(OpKind::AllToAll, group, split_dim)?;
     check_dim::<D>(OpKind::AllToAll, group, concat_dim)?;
+    if let Some(ex) = route(&x.device(), group) {
+        let len = x.dims()[split_dim];
+        if send_sizes.len() != group.size() || send_sizes.iter().sum::<usize>() != len {
+            return Err(CollectiveError::InvalidArgument {
+                op: OpKind::AllToAll.name().into(),
+                group: group.label().into(),
+                message: format!(
+                    "send sizes {send_sizes:?} do not split {len} along dim {split_dim} over {} \
+                     ranks",
+                    group.size()
+                ),
+            });
+        }
+        let op = pairs::all_to_all(split_dim, concat_dim, send_sizes.to_vec(), &ex);
+        return Ok(attach_device(x, op));
+    }
     let (out, received) = group.all_to_all_sized(x.to_data(), split_dim, concat_dim, send_sizes)?;
     let g = group.clone();
     let backward = HostFn::new(move |dy| {

@@ -19,7 +19,9 @@ use burn_cubecl::{CubeBackend, CubeDevice};
 use cubecl_runtime::runtime::Runtime;
 use cudarc::driver::{CudaSlice, DevicePtr as _};
 
-use crate::diff::DeviceOp;
+use crate::chunk::offsets;
+use crate::collective::OpKind;
+use crate::diff::{DeviceOp, Sizes};
 use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
 
@@ -87,7 +89,21 @@ pub(crate) fn run(
         DeviceOp::AllGather { dim, .. } => std::slice::from_ref(dim),
         _ => &[],
     };
-    let shapes = engine.agree_device(call.kind(), dtype, &shape, free)?;
+    if let DeviceOp::AllToAll {
+        split_dim,
+        concat_dim,
+        send_sizes,
+        received,
+    } = call
+    {
+        let dims = (*split_dim, *concat_dim);
+        return all_to_all(x, dims, send_sizes, received, group);
+    }
+    let shapes: Vec<Vec<usize>> = engine
+        .agree_device(call.kind(), dtype, &shape, free, &[])?
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
     let (out_shape, out_bytes, sizes) = match call {
         DeviceOp::AllReduce { .. } => {
             let bytes = shape.iter().product::<usize>() * eb;
@@ -124,6 +140,7 @@ pub(crate) fn run(
             let bytes = s.iter().product::<usize>() * eb;
             (s, bytes, sizes)
         }
+        DeviceOp::AllToAll { .. } => unreachable!("handled above"),
     };
     let in_bytes = shape.iter().product::<usize>() * eb;
     let fail = broken(group, call);
@@ -142,7 +159,7 @@ pub(crate) fn run(
     CubeBackend::sync(&device).map_err(|e| fail(cube_err("synchronize")(format!("{e:?}"))))?;
     exchange(comm, call, &shape, eb, t, &sizes, src, dst, out_bytes).map_err(&fail)?;
     drop((input, output));
-    engine.record_device(call.kind(), in_bytes, eb, out_bytes);
+    engine.record_device(call.kind(), in_bytes, eb, out_bytes, 0);
     Ok(CubeTensor::new_contiguous(
         client,
         device,
@@ -205,6 +222,7 @@ fn exchange(
                     comm.copy_2d(gathered, dst, *c)?;
                 }
             }
+            DeviceOp::AllToAll { .. } => unreachable!("all_to_all runs in `all_to_all`"),
             DeviceOp::ReduceScatter { dim, op, .. } => {
                 let l = scatter_layout(AlongDim::new(shape, *dim, eb), sizes, me);
                 let send = match &l.pack {
@@ -240,4 +258,126 @@ fn exchange(
         .map_err(|e| cube_err("cuStreamSynchronize")(format!("{e:?}")))?;
     drop(temps);
     Ok(())
+}
+
+/// The piece of `x` along `dim` from `start`, `len` long, contiguous.
+fn piece(x: CubeTensor, dim: usize, start: usize, len: usize) -> CubeTensor {
+    let slices: Vec<burn::tensor::Slice> = (0..x.shape().num_dims())
+        .map(|d| match d == dim {
+            true => burn::tensor::Slice::new(start as isize, Some((start + len) as isize), 1),
+            false => burn::tensor::Slice::full(),
+        })
+        .collect();
+    into_contiguous(slice::<CubeBackend>(x, &slices))
+}
+
+fn slice<B: Backend>(
+    x: B::FloatTensorPrimitive,
+    s: &[burn::tensor::Slice],
+) -> B::FloatTensorPrimitive {
+    B::float_slice(x, s)
+}
+
+fn cat<B: Backend>(xs: Vec<B::FloatTensorPrimitive>, dim: usize) -> B::FloatTensorPrimitive {
+    B::float_cat(xs, dim)
+}
+
+/// all_to_all on device buffers: each piece for a peer is cut out contiguous, the pieces go
+/// as one group of NCCL sends and receives, and the received pieces are concatenated.
+fn all_to_all(
+    x: CubeTensor,
+    (split, concat): (usize, usize),
+    send_sizes: &Sizes,
+    received: &Sizes,
+    group: &ProcessGroup,
+) -> Result<CubeTensor, CollectiveError> {
+    let op = OpKind::AllToAll;
+    let invalid = |message: String| CollectiveError::InvalidArgument {
+        op: format!("{op} (device)"),
+        group: group.label().into(),
+        message,
+    };
+    let engine = nccl_communicator(group)
+        .ok_or_else(|| invalid("the group does not belong to the nccl engine".into()))?;
+    let comm: &NcclComm = engine.comm();
+    let (n, me) = (comm.size(), comm.rank());
+    let shape: Vec<usize> = x.shape().as_slice().to_vec();
+    let (dtype, eb) = (x.dtype, x.dtype.size());
+    let t = nccl_dtype(op.name(), dtype)?;
+    let send = send_sizes
+        .get()
+        .ok_or_else(|| invalid("the send sizes are not known".into()))?;
+    if send.len() != n || send.iter().sum::<usize>() != shape[split] {
+        return Err(invalid(format!(
+            "send sizes {send:?} do not split {} rows over {n} ranks",
+            shape[split]
+        )));
+    }
+    let words: Vec<u64> = send.iter().map(|s| *s as u64).collect();
+    let all = engine.agree_device(op, dtype, &shape, &[split, concat], &words)?;
+    // The piece from rank j: its shape, with its send size for this rank along `split`.
+    let recv_shapes: Vec<Vec<usize>> = all
+        .iter()
+        .map(|(s, w)| {
+            let mut s = s.clone();
+            s[split] = w[me] as usize;
+            s
+        })
+        .collect();
+    received.set(recv_shapes.iter().map(|s| s[concat]).collect());
+
+    let (client, device) = (x.client.clone(), x.device.clone());
+    let starts = offsets(&send);
+    let sends: Vec<CubeTensor> = (0..n)
+        .map(|j| piece(x.clone(), split, starts[j], send[j]))
+        .collect();
+    let elems = |s: &[usize]| s.iter().product::<usize>();
+    let recvs: Vec<CubeTensor> = recv_shapes
+        .iter()
+        .map(|s| {
+            let handle = client.empty((elems(s) * eb).max(1));
+            CubeTensor::new_contiguous(
+                client.clone(),
+                device.clone(),
+                s.clone().into(),
+                handle,
+                dtype,
+            )
+        })
+        .collect();
+    let fail = |e: NcclError| CollectiveError::GroupBroken {
+        group: group.label().into(),
+        reason: format!("{op} (device) failed: {e}"),
+    };
+    let resource = |t: &CubeTensor| {
+        client
+            .get_resource::<CudaServer>(t.handle.clone())
+            .map_err(|e| fail(cube_err("get_resource")(format!("{e:?}"))))
+    };
+    let send_res = sends.iter().map(resource).collect::<Result<Vec<_>, _>>()?;
+    let recv_res = recvs.iter().map(resource).collect::<Result<Vec<_>, _>>()?;
+    // The kernels that cut the pieces are done before NCCL reads them.
+    CubeBackend::sync(&device).map_err(|e| fail(cube_err("synchronize")(format!("{e:?}"))))?;
+    let send_list: Vec<(DevicePtr, usize)> = send_res
+        .iter()
+        .zip(&sends)
+        .map(|(r, t)| (r.resource().ptr, elems(t.shape().as_slice())))
+        .collect();
+    let recv_list: Vec<(DevicePtr, usize)> = recv_res
+        .iter()
+        .zip(&recv_shapes)
+        .map(|(r, s)| (r.resource().ptr, elems(s)))
+        .collect();
+    // SAFETY: every pointer is held in place by its resource until after the stream
+    // synchronises, and each count is its buffer's element count.
+    unsafe { comm.all_to_all(&send_list, &recv_list, t) }.map_err(fail)?;
+    comm.stream()
+        .synchronize()
+        .map_err(|e| fail(cube_err("cuStreamSynchronize")(format!("{e:?}"))))?;
+    drop((send_res, recv_res, sends));
+    let in_bytes = elems(&shape) * eb;
+    let kept = send[me] * in_bytes.checked_div(shape[split]).unwrap_or(0);
+    let out_bytes: usize = recv_shapes.iter().map(|s| elems(s) * eb).sum();
+    engine.record_device(op, in_bytes, eb, out_bytes, kept);
+    Ok(cat::<CubeBackend>(recvs, concat))
 }

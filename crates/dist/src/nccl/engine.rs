@@ -325,21 +325,32 @@ impl NcclCommunicator {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// A device collective's [`Self::agree`]: every rank's shape of a `dtype` tensor whose
     /// shapes may differ along `free`. A mismatch is an error on every rank, not a hang.
+    /// `extra`: words every rank states (as many on each), returned with its shape.
     pub(crate) fn agree_device(
         &self,
         op: OpKind,
         dtype: DType,
         shape: &[usize],
         free: &[usize],
-    ) -> Res<Vec<Vec<usize>>> {
-        let all = self.agree_on(op, Some((dtype, shape)), &[], free)?;
-        Ok(all.into_iter().map(|(_, s, _)| s).collect())
+        extra: &[u64],
+    ) -> Res<Vec<(Vec<usize>, Vec<u64>)>> {
+        let all = self.agree_on(op, Some((dtype, shape)), extra, free)?;
+        Ok(all.into_iter().map(|(_, s, x)| (s, x)).collect())
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    /// Counts a device collective as the host path counts the same call.
-    pub(crate) fn record_device(&self, kind: OpKind, input: usize, elem: usize, output: usize) {
-        let (sent, received) = CallBytes::sized(kind, &self.info, input, elem).traffic(output);
+    /// Counts a device collective as the host path counts the same call; `kept`: the bytes
+    /// of its own slice that an all_to_all keeps.
+    pub(crate) fn record_device(
+        &self,
+        kind: OpKind,
+        input: usize,
+        elem: usize,
+        output: usize,
+        kept: usize,
+    ) {
+        let (sent, received) =
+            CallBytes::sized(kind, &self.info, input, elem, kept).traffic(output);
         for stats in [&self.stats, &*self.rank_stats] {
             stats
                 .lock()
