@@ -409,21 +409,31 @@ pub fn attach_device<const D: usize>(x: Tensor<D>, op: DeviceCollective) -> Tens
     )
 }
 
-/// Whether `device` is a CUDA device of Burn's CubeCL backend (with or without autodiff).
+/// Whether `device` is a CUDA device of Burn's CubeCL or LibTorch backend (with or without
+/// autodiff).
 pub fn is_cuda_device(device: &burn::tensor::Device) -> bool {
-    #[cfg(feature = "cuda")]
+    #[cfg(any(feature = "cuda", feature = "tch"))]
     {
         use burn::backend::DispatchDevice;
-        matches!(
-            device.clone().inner().as_dispatch(),
+        let inner = device.clone().inner();
+        #[cfg(feature = "cuda")]
+        if matches!(
+            inner.as_dispatch(),
             DispatchDevice::Cube(burn_cubecl::CubeDevice::Cuda(_))
-        )
+        ) {
+            return true;
+        }
+        #[cfg(feature = "tch")]
+        #[allow(deprecated)] // burn-tch is deprecated in Burn 0.22, still shipped
+        if matches!(
+            inner.as_dispatch(),
+            DispatchDevice::LibTorch(burn_tch::LibTorchDevice::Cuda(_))
+        ) {
+            return true;
+        }
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = device;
-        false
-    }
+    let _ = device;
+    false
 }
 
 fn run(op: DeviceOp, exchange: &Exchange) -> DeviceStep {

@@ -96,11 +96,18 @@ pub trait CollectiveBackend: Backend {
 impl CollectiveBackend for NdArray {}
 impl CollectiveBackend for Flex {}
 
-/// LibTorch: its tensors take the host path, or the device path with the engine exchanging.
-/// NCCL on its buffers would need libtorch's current CUDA stream, which `tch` does not expose;
-/// the routing never sends NCCL steps here.
+/// LibTorch: NCCL on the tensor's CUDA buffer (see `crate::nccl::torch`).
 #[cfg(feature = "tch")]
-impl CollectiveBackend for burn::backend::LibTorch {}
+impl CollectiveBackend for burn::backend::LibTorch {
+    fn nccl_collective(x: FloatTensor<Self>, step: DeviceStep) -> FloatTensor<Self> {
+        let DeviceStep::Run { op, exchange } = &step else {
+            panic!("not an NCCL step: {step:?}")
+        };
+        let group = exchange.group();
+        crate::nccl::torch::run(x, op, group)
+            .unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.kind(), group.label()))
+    }
+}
 
 /// Burn's CUDA backend: NCCL on the tensor's buffer (see `crate::nccl::cube`).
 #[cfg(feature = "cuda")]

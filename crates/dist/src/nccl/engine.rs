@@ -322,7 +322,7 @@ impl NcclCommunicator {
         self.agree_on(op, data.map(|d| (d.dtype(), &d.shape()[..])), extra, free)
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "tch")), allow(dead_code))]
     /// A device collective's [`Self::agree`]: every rank's shape of a `dtype` tensor whose
     /// shapes may differ along `free`. A mismatch is an error on every rank, not a hang.
     /// `extra`: words every rank states (as many on each), returned with its shape.
@@ -338,7 +338,7 @@ impl NcclCommunicator {
         Ok(all.into_iter().map(|(_, s, x)| (s, x)).collect())
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "tch")), allow(dead_code))]
     /// Counts a device collective as the host path counts the same call; `kept`: the bytes
     /// of its own slice that an all_to_all keeps.
     pub(crate) fn record_device(

@@ -23,8 +23,12 @@ pub mod unique_id;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub(crate) mod cube;
+#[cfg(any(feature = "cuda", feature = "tch"))]
+pub(crate) mod device;
 #[cfg(feature = "nccl")]
 pub mod engine;
+#[cfg(feature = "tch")]
+pub(crate) mod torch;
 
 #[cfg(feature = "nccl")]
 pub use comm::{DeviceWork, NcclComm, NcclError, nccl_version, new_unique_id};
