@@ -100,12 +100,7 @@ impl CollectiveBackend for Flex {}
 #[cfg(feature = "tch")]
 impl CollectiveBackend for burn::backend::LibTorch {
     fn nccl_collective(x: FloatTensor<Self>, step: DeviceStep) -> FloatTensor<Self> {
-        let DeviceStep::Run { op, exchange } = &step else {
-            panic!("not an NCCL step: {step:?}")
-        };
-        let group = exchange.group();
-        crate::nccl::torch::run(x, op, group)
-            .unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.kind(), group.label()))
+        run_nccl_step(x, &step, crate::nccl::torch::run)
     }
 }
 
@@ -113,13 +108,28 @@ impl CollectiveBackend for burn::backend::LibTorch {
 #[cfg(feature = "cuda")]
 impl CollectiveBackend for burn_cubecl::CubeBackend {
     fn nccl_collective(x: FloatTensor<Self>, step: DeviceStep) -> FloatTensor<Self> {
-        let DeviceStep::Run { op, exchange } = &step else {
-            panic!("not an NCCL step: {step:?}")
-        };
-        let group = exchange.group();
-        crate::nccl::cube::run(x, op, group)
-            .unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.kind(), group.label()))
+        run_nccl_step(x, &step, crate::nccl::cube::run)
     }
+}
+
+/// Runs an NCCL step with a backend's `run`; a failure panics with the op and the group (the
+/// extension cannot return it; the launcher fails the rank).
+#[cfg(any(feature = "cuda", feature = "tch"))]
+fn run_nccl_step<T>(
+    x: T,
+    step: &DeviceStep,
+    run: impl FnOnce(
+        T,
+        &super::DeviceOp,
+        &crate::group::ProcessGroup,
+    ) -> Result<T, crate::error::CollectiveError>,
+) -> T {
+    let DeviceStep::Run { op, exchange } = step else {
+        panic!("not an NCCL step: {step:?}")
+    };
+    let group = exchange.group();
+    run(x, op, group)
+        .unwrap_or_else(|e| panic!("{} on group {} failed: {e}", op.kind(), group.label()))
 }
 
 fn run_host<B: Backend>(x: FloatTensor<B>, f: &HostFn) -> FloatTensor<B> {
