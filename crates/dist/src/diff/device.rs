@@ -309,7 +309,13 @@ pub(crate) fn run_steps<B: CollectiveBackend>(
     x
 }
 
-fn piece<B: Backend>(x: FloatTensor<B>, dim: usize, start: usize, len: usize) -> FloatTensor<B> {
+/// `x`'s piece along `dim` from `start`, `len` long.
+pub(crate) fn piece<B: Backend>(
+    x: FloatTensor<B>,
+    dim: usize,
+    start: usize,
+    len: usize,
+) -> FloatTensor<B> {
     let ndim = x.shape().num_dims();
     let slices: Vec<Slice> = (0..ndim)
         .map(|d| match d == dim {

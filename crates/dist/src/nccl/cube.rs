@@ -9,7 +9,6 @@
 //! (agreement, layouts, counters) is [`super::device`].
 
 use burn::backend::{Backend, TensorMetadata};
-use burn::tensor::Slice;
 use burn_cubecl::cubecl::cuda::CudaRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
@@ -89,17 +88,9 @@ fn sync(call: &DeviceCall<'_>, device: &CubeDevice) -> Result<(), CollectiveErro
 
 /// The piece of `x` along `dim` from `start`, `len` long, contiguous.
 fn piece(x: CubeTensor, dim: usize, (start, len): (usize, usize)) -> CubeTensor {
-    let slices: Vec<Slice> = (0..x.shape().num_dims())
-        .map(|d| match d == dim {
-            true => Slice::new(start as isize, Some((start + len) as isize), 1),
-            false => Slice::full(),
-        })
-        .collect();
-    into_contiguous(slice::<CubeBackend>(x, &slices))
-}
-
-fn slice<B: Backend>(x: B::FloatTensorPrimitive, s: &[Slice]) -> B::FloatTensorPrimitive {
-    B::float_slice(x, s)
+    into_contiguous(crate::diff::device::piece::<CubeBackend>(
+        x, dim, start, len,
+    ))
 }
 
 fn cat<B: Backend>(xs: Vec<B::FloatTensorPrimitive>, dim: usize) -> B::FloatTensorPrimitive {
