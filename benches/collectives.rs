@@ -11,8 +11,8 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
-use burn_parallel::dist::buffer::output_buffer;
-use burn_parallel::dist::{ProcessGroup, ReduceOp, launch};
+use burn_parallel::comm::buffer::output_buffer;
+use burn_parallel::comm::{ProcessGroup, ReduceOp, launch};
 
 const BYTES: usize = 64 << 20;
 const REPEATS: usize = 7;
@@ -95,7 +95,7 @@ fn collective_time(op: Op, world: usize) -> Duration {
             group.barrier()?;
             times.push(started.elapsed());
         }
-        Ok::<_, burn_parallel::dist::CollectiveError>(times)
+        Ok::<_, burn_parallel::comm::CollectiveError>(times)
     })
     .expect("launch");
     median(times[0].clone())

@@ -21,8 +21,10 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_parallel::dist::launch;
-use burn_parallel::fsdp::memory::{self, ADAMW_MOMENTS};
+use burn_parallel::comm::launch;
+use burn_parallel::fsdp::memory::{
+    ADAMW_MOMENTS, MemoryTracker, grad_bytes, optimizer_state_bytes, param_bytes,
+};
 use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard};
 use burn_parallel::tp::{ParallelStyle, Tp};
 
@@ -154,14 +156,15 @@ fn fsdp_step(world: usize, mode: Mode) -> (Duration, usize) {
         } else {
             device()
         };
-        memory::reset();
+        let config = FsdpConfig::new(group.clone());
+        let memory: MemoryTracker = config.memory().clone();
         let model = Mlp::new(&device);
         let mut model = if world == 0 {
             model
         } else {
-            fully_shard(model, &FsdpConfig::new(group.clone()))?
+            fully_shard(model, &config)?
         };
-        memory::set_params(memory::param_bytes(&model));
+        memory.set_params(param_bytes(&model));
         let mut optim = AdamWConfig::new().init();
         let rows = TOKENS / ranks;
         let mut times = Vec::new();
@@ -170,7 +173,7 @@ fn fsdp_step(world: usize, mode: Mode) -> (Duration, usize) {
             let x = data(5 + ctx.rank() as u64, [rows, MODEL], &device);
             let started = Instant::now();
             let out = if world > 0 && mode != Mode::PerParam {
-                forward_units(&model.layers, x, true, layer_forward)?
+                forward_units(&model.layers, x, layer_forward)?
             } else {
                 model.forward(x)
             };
@@ -178,14 +181,14 @@ fn fsdp_step(world: usize, mode: Mode) -> (Duration, usize) {
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             if world == 0 {
                 // FSDP counts the gradients its reduce-scatters hand out; one device reports them.
-                memory::set_grads(memory::grad_bytes(&model, &grads));
+                memory.set_grads(grad_bytes(&model, &grads));
             }
             model = optim.step(1e-3, model, grads);
-            memory::set_optimizer(memory::optimizer_state_bytes(&model, ADAMW_MOMENTS));
-            memory::release_grads();
+            memory.set_optimizer(optimizer_state_bytes(&model, ADAMW_MOMENTS));
+            memory.release_grads();
             times.push(started.elapsed());
         }
-        Ok::<_, Box<dyn std::error::Error>>((median(times), memory::peak_model_state_bytes()))
+        Ok::<_, Box<dyn std::error::Error>>((median(times), memory.peak_model_state_bytes()))
     })
     .expect("fsdp launch");
     out[0]

@@ -5,9 +5,9 @@
 //! Run: cargo run --release --example collectives
 
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::collectives::all_gather;
-use burn_parallel::dist::{CollectiveError, OpKind, ReduceOp, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::collectives::all_gather;
+use burn_parallel::comm::{CollectiveError, OpKind, ReduceOp, launch};
 
 const WORLD: usize = 4;
 const IN: usize = 10; // 10 rows over 4 ranks: shards of 3, 3, 3, 1

@@ -53,7 +53,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tps / btps,
             peak,
             peak as f64 / bpeak as f64,
-            s.steps.last().map(|r| r.loss).unwrap_or(f32::NAN)
+            s.steps.last().map(|r| r.report.loss).unwrap_or(f32::NAN)
         );
     }
     Ok(())

@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::TensorData;
-use burn_parallel::dist::nccl::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use burn_parallel::dist::nccl::library::check_libraries;
-use burn_parallel::dist::nccl::types::{NcclDataType, NcclRedOp};
-use burn_parallel::dist::nccl::unique_id::encode;
-use burn_parallel::dist::nccl::{NcclComm, NcclEngine, launch_local, new_unique_id};
-use burn_parallel::dist::{DeviceMesh, MeshShape, RankContext, ReduceOp};
+use burn_parallel::comm::nccl::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use burn_parallel::comm::nccl::library::check_libraries;
+use burn_parallel::comm::nccl::types::{NcclDataType, NcclRedOp};
+use burn_parallel::comm::nccl::unique_id::encode;
+use burn_parallel::comm::nccl::{NcclComm, NcclEngine, launch_local, new_unique_id};
+use burn_parallel::comm::{DeviceMesh, MeshShape, RankContext, ReduceOp};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -229,7 +229,7 @@ fn engine_path(ctx: &RankContext, report: &mut Report) -> Res<()> {
     let cols = 2 * p + 1;
     let x: Vec<f32> = (0..3 * cols).map(|i| value(r, i)).collect();
     let out = tp.reduce_scatter(TensorData::new(x, [3, cols]), 1, ReduceOp::Sum)?;
-    let range = burn_parallel::dist::chunk::chunk_range(cols, p, r);
+    let range = burn_parallel::comm::chunk::chunk_range(cols, p, r);
     let want = |i: usize| {
         let (row, col) = (i / range.len(), i % range.len() + range.start);
         (0..p).map(|q| value(q, row * cols + col)).sum()
@@ -301,7 +301,7 @@ fn main() {
     } else {
         // One thread per GPU. Each rank's world communicator drives its device buffers.
         match launch_local(&args.gpus, |ctx| {
-            let comm = burn_parallel::dist::nccl::nccl_comm(&ctx.world()?)
+            let comm = burn_parallel::comm::nccl::nccl_comm(&ctx.world()?)
                 .ok_or("the world group is not an NCCL group")?;
             rank_main(ctx, &comm, &args)
         }) {

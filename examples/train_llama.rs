@@ -18,9 +18,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Mutex;
 
-use burn_parallel::dist::memory::peak_rss_bytes;
+use burn_parallel::comm::memory::peak_rss_bytes;
 use burn_parallel::train::{
-    Backend, EngineKind, OptimizerKind, Precision, StepReport, Strategy, TrainConfig, TrainSummary,
+    Backend, EngineKind, OptimizerKind, Precision, StepLog, Strategy, TrainConfig, TrainSummary,
     train,
 };
 use clap::Parser;
@@ -137,14 +137,14 @@ fn mib(bytes: u64) -> String {
 }
 
 fn print_summary(args: &Args, s: &TrainSummary) {
-    let l = s.layout;
+    let l = s.mesh;
     let losses = s.losses();
     println!(
         "{} on {} ranks (dp_replicate {} x dp_shard {} x tp {}), {} params, {} backend",
         args.strategy,
         l.world(),
-        l.replicate,
-        l.shard,
+        l.dp_replicate,
+        l.dp_shard,
         l.tp,
         s.model.num_params(),
         args.backend
@@ -192,7 +192,7 @@ fn main() -> ExitCode {
         }
     };
     let result = if args.json {
-        train(&cfg, &|r: &StepReport| {
+        train(&cfg, &|r: &StepLog| {
             println!(
                 "{}",
                 serde_json::to_string(r).expect("a step report serializes")
@@ -201,7 +201,7 @@ fn main() -> ExitCode {
     } else {
         // Made at the first step, so that only the process that reports (rank 0's) shows one.
         let bar: Mutex<Option<ProgressBar>> = Mutex::new(None);
-        let r = train(&cfg, &|r: &StepReport| {
+        let r = train(&cfg, &|r: &StepLog| {
             let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
             let bar = bar.get_or_insert_with(|| {
                 ProgressBar::new(cfg.steps as u64).with_style(
@@ -213,7 +213,7 @@ fn main() -> ExitCode {
             });
             bar.set_message(format!(
                 "loss {:.4}  grad norm {:.3}  {:.0} tok/s",
-                r.loss, r.grad_norm, r.tokens_per_s
+                r.report.loss, r.report.grad_norm, r.tokens_per_s
             ));
             bar.inc(1);
         });

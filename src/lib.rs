@@ -1,9 +1,11 @@
 //! burn-parallel: model parallelism for Burn. The facade re-exports the workspace crates:
-//! [`dist`] (mesh, groups, engines, differentiable collectives), [`fsdp`] (fully sharded data
-//! parallelism), [`tp`] (tensor and sequence parallelism), [`parallelizer`] (the model-owned
-//! parallelizer contract and `parallelize_model`) and the [`parallelize`] attribute macro.
+//! [`comm`] (mesh, groups, engines, differentiable collectives), [`fsdp`] (fully sharded data
+//! parallelism), [`tp`] (tensor and sequence parallelism), [`describe`] (the contract a model
+//! implements, through the [`parallelize`] attribute macro), [`parallelizer`]
+//! (`parallelize_model` and its dispatch), [`models`] and [`train`].
 
-pub use burn_parallel_dist as dist;
+pub use burn_parallel_comm as comm;
+pub use burn_parallel_describe as describe;
 pub use burn_parallel_fsdp as fsdp;
 pub use burn_parallel_models as models;
 pub use burn_parallel_parallelizer as parallelizer;

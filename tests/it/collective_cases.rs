@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use burn::tensor::{DType, TensorData, bf16};
-use burn_parallel::dist::{CollectiveError, ProcessGroup, ReduceOp, chunk::chunk_sizes};
+use burn_parallel::comm::{CollectiveError, ProcessGroup, ReduceOp, chunk::chunk_sizes};
 use proptest::prelude::*;
 
 use crate::brute::{self, Dense};
@@ -146,24 +146,24 @@ pub fn run_all(c: &Case, group: &ProcessGroup, asynchronous: bool) -> Vec<Tensor
     let mut calls = Vec::new();
     for (k, (op, _)) in REDUCE_OPS.iter().enumerate() {
         let (_, data) = c.input(me, k as u64, &c.shape);
-        calls.push(burn_parallel::dist::Collective::AllReduce { data, op: *op });
+        calls.push(burn_parallel::comm::Collective::AllReduce { data, op: *op });
     }
     let (_, data) = c.input(me, 10, &c.gather_shape(me));
-    calls.push(burn_parallel::dist::Collective::AllGather { data, dim: c.dim });
+    calls.push(burn_parallel::comm::Collective::AllGather { data, dim: c.dim });
     let (_, data) = c.input(me, 11, &c.shape);
-    calls.push(burn_parallel::dist::Collective::ReduceScatter {
+    calls.push(burn_parallel::comm::Collective::ReduceScatter {
         data,
         dim: c.dim,
         sizes: chunk_sizes(c.shape[c.dim], c.world),
         op: ReduceOp::Sum,
     });
     let (_, data) = c.input(me, 12, &c.shape);
-    calls.push(burn_parallel::dist::Collective::Broadcast {
+    calls.push(burn_parallel::comm::Collective::Broadcast {
         data: (me == c.root).then_some(data),
         root: c.root,
     });
     let (_, data) = c.input(me, 13, &c.shape);
-    calls.push(burn_parallel::dist::Collective::AllToAll {
+    calls.push(burn_parallel::comm::Collective::AllToAll {
         data,
         split_dim: c.split_dim,
         concat_dim: c.concat_dim,

@@ -3,7 +3,7 @@
 //! and async (cases in collective_cases.rs, shared with the MPI engine's tests).
 
 use burn::tensor::TensorData;
-use burn_parallel::dist::{OpKind, ReduceOp, launch};
+use burn_parallel::comm::{OpKind, ReduceOp, launch};
 use proptest::prelude::*;
 
 use crate::collective_cases::{Case, case, ring_exchange, ring_expected, run_all, verify};
@@ -12,7 +12,7 @@ use crate::common::values;
 fn check(c: &Case, asynchronous: bool) -> Result<(), TestCaseError> {
     let outputs = launch(c.world, |ctx| {
         let world = ctx.world()?;
-        Ok::<_, burn_parallel::dist::CollectiveError>(run_all(c, &world, asynchronous))
+        Ok::<_, burn_parallel::comm::CollectiveError>(run_all(c, &world, asynchronous))
     })
     .map_err(|e| TestCaseError::fail(e.to_string()))?;
     for (rank, outs) in outputs.iter().enumerate() {
@@ -69,7 +69,7 @@ fn counters_follow_the_direct_exchange_model() {
         // 7 rows over 3 ranks: chunks of 3, 3, 1.
         world.reduce_scatter(TensorData::new(vec![0f32; 28], [7, 4]), 0, ReduceOp::Sum)?;
         world.broadcast(Some(TensorData::new(vec![0f32; 4], [4])), 0)?;
-        Ok::<_, burn_parallel::dist::CollectiveError>((world.stats(), ctx.stats()))
+        Ok::<_, burn_parallel::comm::CollectiveError>((world.stats(), ctx.stats()))
     })
     .unwrap();
     let rows = [1u64, 2, 3];

@@ -2,9 +2,9 @@
 //! math, and against central finite differences of the distributed loss.
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use burn_parallel::dist::chunk::{chunk_range, chunk_sizes};
-use burn_parallel::dist::collectives as coll;
-use burn_parallel::dist::{CollectiveError, ProcessGroup, launch};
+use burn_parallel::comm::chunk::{chunk_range, chunk_sizes};
+use burn_parallel::comm::collectives as coll;
+use burn_parallel::comm::{CollectiveError, ProcessGroup, launch};
 
 use crate::common::{assert_close, flex_ad, ndarray, ndarray_ad, tensor, values, vec_of};
 
@@ -146,30 +146,13 @@ fn input(case: &FdCase, rank: usize, bump: Option<(usize, usize, f32)>) -> Vec<f
     v
 }
 
-/// Runs the op on every rank; returns the total loss and each rank's input gradient.
-fn run(case: &FdCase, bump: Option<(usize, usize, f32)>) -> LossAndGrads {
-    run_on(case, bump, Path::Host).0
-}
-
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Path {
-    Host,
-    /// The device path, with the threads engine exchanging (see `coll::force_device_path`).
-    Device,
-}
-
 /// The total loss and each rank's input gradient.
 type LossAndGrads = (f64, Vec<Vec<f32>>);
 
-/// [`run`] on either path; also returns each rank's output.
-fn run_on(
-    case: &FdCase,
-    bump: Option<(usize, usize, f32)>,
-    path: Path,
-) -> (LossAndGrads, Vec<Vec<f32>>) {
+/// Runs the op on every rank; returns the total loss and each rank's input gradient.
+fn run(case: &FdCase, bump: Option<(usize, usize, f32)>) -> LossAndGrads {
     let device = ndarray_ad();
     let out = launch(case.world, |ctx| {
-        let _forced = (path == Path::Device).then(coll::force_device_path);
         let group = ctx.world()?;
         let me = group.index();
         let x = Tensor::<2>::from_data(TensorData::new(input(case, me, bump), case.shape), &device)
@@ -183,19 +166,17 @@ fn run_on(
             TensorData::new(values(seed, y.dims().iter().product()), y.dims()),
             &device,
         );
-        let y_values = vec_of(&y);
         let loss = (y * c).sum();
         let counted = match case.mode {
             Mode::ReplicatedOutput if me != 0 => 0.0,
             _ => vec_of(&loss)[0] as f64,
         };
         let grads = loss.backward();
-        Ok::<_, CollectiveError>((counted, vec_of(&x.grad(&grads).unwrap()), y_values))
+        Ok::<_, CollectiveError>((counted, vec_of(&x.grad(&grads).unwrap())))
     })
     .unwrap();
-    let total = out.iter().map(|(l, _, _)| l).sum();
-    let grads = out.iter().map(|(_, g, _)| g.clone()).collect();
-    ((total, grads), out.into_iter().map(|(_, _, y)| y).collect())
+    let total = out.iter().map(|(l, _)| l).sum();
+    (total, out.into_iter().map(|(_, g)| g).collect())
 }
 
 fn finite_differences(case: &FdCase) {
@@ -279,23 +260,6 @@ fn cases() -> Vec<FdCase> {
             mode: Mode::ReplicatedOutput,
             op: |x, g| coll::gather_from_group(x, g, 0),
         },
-    ]
-}
-
-#[test]
-fn gradients_match_finite_differences() {
-    for case in &cases() {
-        finite_differences(case);
-    }
-}
-
-/// The device path (what CUDA tensors on NCCL groups take) computes what the host path does:
-/// the same outputs and input gradients, bit for bit, with the same engine exchanging. Covers
-/// its steps (casts, pieces, adjoints, sizes learned forward and used backward), not NCCL.
-#[test]
-fn device_path_matches_host_path() {
-    let mut cases = cases();
-    cases.extend([
         FdCase {
             name: "all_gather dim 0, uneven pieces",
             world: 3,
@@ -328,15 +292,15 @@ fn device_path_matches_host_path() {
             world: 2,
             shape: [3, 2],
             mode: Mode::Independent,
-            op: |x, g| coll::start_all_gather(x, g, 1, Default::default())?.finish(),
+            op: |x, g| Ok(coll::start_all_gather(x, g, 1, Default::default())?.finish()),
         },
-    ]);
-    for case in &cases {
-        let (host, host_y) = run_on(case, None, Path::Host);
-        let (device, device_y) = run_on(case, None, Path::Device);
-        assert_eq!(host_y, device_y, "{}: outputs", case.name);
-        assert_eq!(host.1, device.1, "{}: input gradients", case.name);
-        assert_eq!(host.0, device.0, "{}: loss", case.name);
+    ]
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    for case in &cases() {
+        finite_differences(case);
     }
 }
 
@@ -423,35 +387,51 @@ fn bf16_all_gather_on_flex() {
 }
 
 /// FSDP2's mixed-precision gather (bf16 compute, f32 reduce, the gradient back in the input's
-/// f32) on both paths, on flex: the same outputs and gradients, and the dtypes the policy says.
+/// f32) on flex, uneven rows: the dtypes the policy says, the gathered values are the bf16
+/// inputs, and each rank's gradient is the f32 sum of every rank's bf16 output gradient rows.
 #[test]
-fn mixed_precision_gather_is_the_same_on_both_paths() {
+fn mixed_precision_gather_casts_reduces_in_f32_and_returns_the_input_dtype() {
+    use burn::tensor::FloatDType::BF16;
     let device = flex_ad();
     let options = coll::GatherOptions {
         compute_dtype: Some(DType::BF16),
         reduce_dtype: Some(DType::F32),
         ..Default::default()
     };
-    let run = |path: Path| {
-        launch(3, |ctx| {
-            let _forced = (path == Path::Device).then(coll::force_device_path);
-            let group = ctx.world()?;
-            let me = group.index();
-            let x = tensor(60 + me as u64, [3 - me, 4], &device).require_grad();
-            let y = coll::all_gather_with(x.clone(), &group, 0, options)?;
-            let c = tensor(70 + me as u64, [6, 4], &device).cast(burn::tensor::FloatDType::BF16);
-            let grads = (y.clone() * c).sum().backward();
-            let grad = x.grad(&grads).unwrap();
-            Ok::<_, CollectiveError>((y.dtype(), grad.dtype(), vec_of(&y), vec_of(&grad)))
-        })
-        .unwrap()
+    let world = 3;
+    let rows = |r: usize| 3 - r;
+    let got = launch(world, |ctx| {
+        let group = ctx.world()?;
+        let me = group.index();
+        let x = tensor(60 + me as u64, [rows(me), 4], &device).require_grad();
+        let y = coll::all_gather_with(x.clone(), &group, 0, options)?;
+        let c = tensor(70 + me as u64, [6, 4], &device).cast(BF16);
+        let grads = (y.clone() * c).sum().backward();
+        let grad = x.grad(&grads).unwrap();
+        Ok::<_, CollectiveError>((y.dtype(), grad.dtype(), vec_of(&y), vec_of(&grad)))
+    })
+    .unwrap();
+    let bf16 = |v: Vec<f32>, shape: [usize; 2]| {
+        vec_of(&Tensor::<2>::from_data(TensorData::new(v, shape), &Device::flex()).cast(BF16))
     };
-    let (host, device_path) = (run(Path::Host), run(Path::Device));
-    for (h, d) in host.iter().zip(&device_path) {
-        assert_eq!((h.0, h.1), (DType::BF16, DType::F32), "host dtypes");
-        assert_eq!((d.0, d.1), (DType::BF16, DType::F32), "device dtypes");
-        assert_eq!(h.2, d.2, "gathered values");
-        assert_eq!(h.3, d.3, "gradients");
+    let gathered: Vec<f32> = (0..world)
+        .flat_map(|r| bf16(values(60 + r as u64, rows(r) * 4), [rows(r), 4]))
+        .collect();
+    let cs: Vec<Vec<f32>> = (0..world)
+        .map(|r| bf16(values(70 + r as u64, 24), [6, 4]))
+        .collect();
+    for (me, (y_dtype, g_dtype, y, grad)) in got.iter().enumerate() {
+        assert_eq!(
+            (*y_dtype, *g_dtype),
+            (DType::BF16, DType::F32),
+            "rank {me} dtypes"
+        );
+        assert_eq!(y, &gathered, "rank {me} gathered values");
+        let start: usize = (0..me).map(rows).sum::<usize>() * 4;
+        let want: Vec<f32> = (0..rows(me) * 4)
+            .map(|k| cs.iter().map(|c| c[start + k]).sum())
+            .collect();
+        assert_close(grad, &want, 1e-6, &format!("rank {me} gradient"));
     }
 }
 
@@ -486,7 +466,7 @@ fn prefetched_gather_matches_blocking() {
         let shard = tensor(5 + me as u64, [2, 3], &device).require_grad();
         let pending = coll::start_all_gather(shard.clone(), &group, 0, Default::default())?;
         let other = coll::all_gather(shard.clone(), &group, 0)?; // overlaps the pending one
-        let gathered = pending.finish()?;
+        let gathered = pending.finish();
         let loss = (gathered.clone() * 2.0).sum() + other.sum();
         let grads = loss.backward();
         Ok::<_, CollectiveError>((vec_of(&gathered), vec_of(&shard.grad(&grads).unwrap())))

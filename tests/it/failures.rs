@@ -3,8 +3,8 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::{TensorData, bf16};
-use burn_parallel::dist::collectives as coll;
-use burn_parallel::dist::{CollectiveError, Launcher, ReduceOp, launch};
+use burn_parallel::comm::collectives as coll;
+use burn_parallel::comm::{CollectiveError, Launcher, ReduceOp, launch};
 
 fn f32s(n: usize) -> TensorData {
     TensorData::new(vec![1.0f32; n], [n])

@@ -7,9 +7,8 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Device, FloatDType, Gradients, Tensor, TensorData};
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::collectives::force_device_path;
-use burn_parallel::dist::{DeviceMesh, MeshShape, OpKind, ReduceOp, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::{DeviceMesh, MeshShape, OpKind, ReduceOp, launch};
 use burn_parallel::fsdp::{
     FsdpConfig, MixedPrecisionPolicy, clip_grad_norm, fully_shard, gather_full, with_gathered_unit,
 };
@@ -93,8 +92,6 @@ struct Opts {
     micro_batches: usize,
     /// Gather the whole model as one FSDP unit (one all-gather) before each forward.
     unit: bool,
-    /// Force the device path (CUDA's), with the threads engine exchanging.
-    device_path: bool,
 }
 
 const PLAIN: Opts = Opts {
@@ -105,7 +102,6 @@ const PLAIN: Opts = Opts {
     checkpointing: None,
     micro_batches: 1,
     unit: false,
-    device_path: false,
 };
 
 impl Opts {
@@ -220,7 +216,6 @@ fn clip_single(model: &Mlp, grads: &mut Gradients, max: f32) -> f32 {
 fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 4])> {
     let world = replicas * shard;
     launch(world, |ctx| {
-        let _forced = opts.device_path.then(force_device_path);
         let device = opts.device();
         let mesh = DeviceMesh::new(
             &ctx,
@@ -276,7 +271,7 @@ fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 
         }
         // Shards (and so the optimizer's state) stay f32 whatever the compute dtype.
         assert_eq!(model.a.weight.base().dtype(), DType::F32);
-        let full = gather_full(model);
+        let full = gather_full(model)?;
         assert_eq!(full.b.weight.val().dtype(), DType::F32, "full state in f32");
         let stats = mesh.group("dp_shard")?.stats();
         let replica_stats = mesh.group("dp_replicate")?.stats();
@@ -480,7 +475,7 @@ fn a_dtype_the_device_cannot_run_is_rejected() {
     let msgs = launch(2, |ctx| {
         let config = FsdpConfig::new(ctx.world()?).mixed_precision(MixedPrecisionPolicy::bf16());
         let err = fully_shard(Mlp::new(&ndarray_ad()), &config).unwrap_err();
-        Ok::<_, burn_parallel::dist::CollectiveError>(err.to_string())
+        Ok::<_, burn_parallel::comm::CollectiveError>(err.to_string())
     })
     .unwrap();
     assert!(
@@ -575,19 +570,12 @@ fn one_unit_gathers_and_reduces_with_one_collective_each() {
     }
 }
 
-/// The device path that CUDA shards on NCCL groups take, run here with the threads engine
-/// exchanging: the same training and the same communication as the host path, for every
-/// option that changes its steps (uneven and empty shards, HSDP, mixed precision, clipping,
-/// frozen parameters, resharding and recomputation, deferred sync, units).
+/// Options combined (HSDP with mixed precision, resharding, deferred sync and units; sharding
+/// over 3 with clipping, frozen parameters and units): each the same training and the same
+/// communication as one device.
 #[test]
-fn the_device_path_trains_like_the_host_path() {
-    let device = Opts {
-        device_path: true,
-        ..PLAIN
-    };
-    for world in 1..=4 {
-        check(1, world, device);
-    }
+fn combined_options_match_single_device() {
+    let device = PLAIN;
     let cases = [
         (
             2,

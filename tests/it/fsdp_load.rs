@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use burn::module::{Module, Param, ParamId};
 use burn::nn::Linear;
 use burn::tensor::{Device, Shape, Tensor, TensorData};
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::launch;
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{
     FsdpConfig, FsdpError, RowRequest, StateDictRanks, full_state_dict, fully_shard,
     fully_shard_from,
@@ -169,7 +169,7 @@ fn a_source_returning_the_wrong_rows_is_an_error_naming_the_parameter() {
             Err(format!("{} is not in the file", r.path))
         })
         .unwrap_err();
-        Ok::<_, burn_parallel::dist::CollectiveError>((err, missing))
+        Ok::<_, burn_parallel::comm::CollectiveError>((err, missing))
     })
     .unwrap();
     let (err, missing) = &errors[1];

@@ -5,9 +5,11 @@
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_parallel::dist::chunk::{chunk_range, padded_chunk};
-use burn_parallel::dist::launch;
-use burn_parallel::fsdp::memory::{self, ADAMW_MOMENTS, MemoryReport};
+use burn_parallel::comm::chunk::{chunk_range, padded_chunk};
+use burn_parallel::comm::launch;
+use burn_parallel::fsdp::memory::{
+    ADAMW_MOMENTS, MemoryReport, MemoryTracker, grad_bytes, optimizer_state_bytes, param_bytes,
+};
 use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard};
 
 use crate::common::{ndarray_ad, values};
@@ -55,9 +57,9 @@ fn own_elems(world: usize, rank: usize) -> usize {
 fn single_device_peak() -> usize {
     launch(1, |_| {
         let device = ndarray_ad();
-        memory::reset();
+        let memory = MemoryTracker::new();
         let mut model = stack(&device);
-        memory::set_params(memory::param_bytes(&model));
+        memory.set_params(param_bytes(&model));
         let mut optim = AdamWConfig::new().init();
         for step in 0..STEPS {
             let out = model
@@ -65,12 +67,12 @@ fn single_device_peak() -> usize {
                 .iter()
                 .fold(input(step, 0..BATCH, &device), |x, l| layer(l, x));
             let grads = GradientsParams::from_grads(out.powi_scalar(2).mean().backward(), &model);
-            memory::set_grads(memory::grad_bytes(&model, &grads));
+            memory.set_grads(grad_bytes(&model, &grads));
             model = optim.step(0.01, model, grads);
-            memory::set_optimizer(memory::optimizer_state_bytes(&model, ADAMW_MOMENTS));
-            memory::release_grads();
+            memory.set_optimizer(optimizer_state_bytes(&model, ADAMW_MOMENTS));
+            memory.release_grads();
         }
-        Ok::<_, std::convert::Infallible>(memory::peak_model_state_bytes())
+        Ok::<_, std::convert::Infallible>(memory.peak_model_state_bytes())
     })
     .unwrap()[0]
 }
@@ -88,25 +90,21 @@ fn fsdp(world: usize, checkpointing: bool) -> Vec<Trace> {
             ndarray_ad()
         };
         let group = ctx.world()?;
-        memory::reset();
-        let mut model = fully_shard(stack(&device), &FsdpConfig::new(group.clone()))?;
-        memory::set_params(memory::param_bytes(&model));
+        let config = FsdpConfig::new(group.clone());
+        let memory = config.memory();
+        let mut model = fully_shard(stack(&device), &config)?;
+        memory.set_params(param_bytes(&model));
         let mut optim = AdamWConfig::new().init();
         let rows = chunk_range(BATCH, world, group.index());
         let mut trace = Vec::new();
         let mut peak_total = 0;
         for step in 0..STEPS {
-            peak_total = peak_total.max(memory::peak_model_state_bytes());
-            memory::reset_peak();
-            let out = forward_units(
-                &model.layers,
-                input(step, rows.clone(), &device),
-                true,
-                layer,
-            )?;
-            let forward = memory::report();
+            peak_total = peak_total.max(memory.peak_model_state_bytes());
+            memory.reset_peak();
+            let out = forward_units(&model.layers, input(step, rows.clone(), &device), layer)?;
+            let forward = memory.report();
             let grads = out.powi_scalar(2).mean().backward();
-            let now = memory::report().current;
+            let now = memory.report().current;
             trace.push([
                 forward.current.gathered,
                 forward.peak.gathered,
@@ -115,11 +113,11 @@ fn fsdp(world: usize, checkpointing: bool) -> Vec<Trace> {
             ]);
             let grads = GradientsParams::from_grads(grads, &model);
             model = optim.step(0.01, model, grads);
-            memory::set_optimizer(memory::optimizer_state_bytes(&model, ADAMW_MOMENTS));
-            memory::release_grads();
+            memory.set_optimizer(optimizer_state_bytes(&model, ADAMW_MOMENTS));
+            memory.release_grads();
         }
-        let peak_total = peak_total.max(memory::peak_model_state_bytes());
-        Ok::<_, Box<dyn std::error::Error>>((memory::report(), peak_total, trace))
+        let peak_total = peak_total.max(memory.peak_model_state_bytes());
+        Ok::<_, Box<dyn std::error::Error>>((memory.report(), peak_total, trace))
     })
     .unwrap()
 }

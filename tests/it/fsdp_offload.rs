@@ -4,8 +4,8 @@
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::{ReduceOp, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::{ReduceOp, launch};
 use burn_parallel::fsdp::{FsdpConfig, OffloadPolicy, forward_units, fully_shard, gather_full};
 
 use crate::common::{assert_close, flex_ad, ndarray_ad, vec_of};
@@ -58,12 +58,7 @@ fn sharded(world: usize, offload: bool) -> Vec<RankOutcome> {
         let mut optim = AdamWConfig::new().init();
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            let out = forward_units(
-                &model.layers,
-                input(step, rows.clone(), &compute),
-                true,
-                layer,
-            )?;
+            let out = forward_units(&model.layers, input(step, rows.clone(), &compute), layer)?;
             checks.push((format!("step {step}: activations"), out.device() == compute));
             let loss = out.powi_scalar(2).sum() / BATCH as f32;
             let global = group.all_reduce(loss.to_data(), ReduceOp::Sum)?;
@@ -88,7 +83,7 @@ fn sharded(world: usize, offload: bool) -> Vec<RankOutcome> {
                 on(&model, stored_on),
             ));
         }
-        let full = gather_full(model);
+        let full = gather_full(model)?;
         Ok::<_, Box<dyn std::error::Error>>((losses, full.flat(), checks))
     })
     .unwrap()

@@ -3,8 +3,8 @@
 //! of the global batch. Trained with SGD against the same MLP on one device.
 
 use burn::tensor::Tensor;
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::{DeviceMesh, MeshShape, RankContext, ReduceOp, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::{DeviceMesh, MeshShape, RankContext, ReduceOp, launch};
 use burn_parallel::fsdp::{FsdpConfig, fully_shard, gather_full};
 use burn_parallel_tp::{TpModule, apply_plan};
 
@@ -69,7 +69,7 @@ pub fn train_on_mesh(
         model.sync_tp_grads(&mut grads)?;
         model = sgd(model, &grads, LR);
     }
-    let full = gather_full(model);
+    let full = gather_full(model)?;
     Ok((
         losses,
         mesh.coord("tp")?,

@@ -3,9 +3,11 @@
 //! single-device training.
 
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::{OpKind, ReduceOp, launch};
-use burn_parallel::fsdp::{FsdpConfig, forward_units_prefetching, fully_shard, gather_full};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::{OpKind, ReduceOp, launch};
+use burn_parallel::fsdp::{
+    FsdpConfig, forward_units, fully_shard, gather_full, with_gathered_unit,
+};
 
 use crate::common::{assert_close, ndarray_ad, sgd, values, vec_of};
 
@@ -55,12 +57,13 @@ fn sharded(world: usize, depth: usize) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> {
     launch(world, |ctx| {
         let device = ndarray_ad();
         let group = ctx.world()?;
-        let mut model = fully_shard(stack(&device), &FsdpConfig::new(group.clone()))?;
+        let config = FsdpConfig::new(group.clone()).forward_prefetch_depth(depth);
+        let mut model = fully_shard(stack(&device), &config)?;
         let rows = chunk_range(BATCH, world, group.index());
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let (x, y) = batch(step, rows.clone(), &device);
-            let out = forward_units_prefetching(&model.layers, x, depth, layer)?;
+            let out = forward_units(&model.layers, x, layer)?;
             let l = (out - y).powi_scalar(2).sum() / BATCH as f32;
             let global = group.all_reduce(l.to_data(), ReduceOp::Sum)?;
             losses.push(global.try_to_vec::<f32>()?[0]);
@@ -71,7 +74,7 @@ fn sharded(world: usize, depth: usize) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> {
             stats.calls(OpKind::AllGather),
             stats.calls(OpKind::ReduceScatter),
         );
-        let full = gather_full(model);
+        let full = gather_full(model)?;
         Ok::<_, Box<dyn std::error::Error>>((losses, full.flat(), counts.0, counts.1))
     })
     .unwrap()
@@ -110,9 +113,9 @@ fn layers_as_units_with_any_prefetch_depth_match_single_device() {
 fn a_unit_mixing_shard_groups_is_an_error() {
     let msgs = launch(4, |ctx| {
         let device = ndarray_ad();
-        let mesh = burn_parallel::dist::DeviceMesh::new(
+        let mesh = burn_parallel::comm::DeviceMesh::new(
             &ctx,
-            burn_parallel::dist::MeshShape::new(&[("a", 2), ("b", 2)])?,
+            burn_parallel::comm::MeshShape::new(&[("a", 2), ("b", 2)])?,
         )?;
         let mut model = stack(&device);
         let second = model.layers.split_off(1);
@@ -124,7 +127,7 @@ fn a_unit_mixing_shard_groups_is_an_error() {
         let mixed = Stack {
             layers: [first.layers, second.layers].concat(),
         };
-        let err = burn_parallel::fsdp::with_gathered_unit(&mixed, || ()).unwrap_err();
+        let err = with_gathered_unit(&mixed, || ()).unwrap_err();
         Ok::<_, Box<dyn std::error::Error>>(err.to_string())
     })
     .unwrap();
@@ -133,4 +136,93 @@ fn a_unit_mixing_shard_groups_is_an_error() {
         "{}",
         msgs[0]
     );
+}
+
+/// The prefetch depth belongs to each sharded model: two models parallelized on one thread
+/// with depths 0 and 2 keep theirs. What is gathered when the first unit runs shows it (each
+/// gather counts in its model's memory tracker from the moment it is issued): one unit's buffer
+/// at depth 0, three at depth 2.
+#[test]
+fn two_models_on_one_thread_keep_their_own_prefetch_depth() {
+    let world = 2;
+    let unit_bytes = |i: usize| {
+        let padded = |rows| burn_parallel::comm::chunk::padded_chunk(rows, world);
+        world * (padded(DIMS[i]) * DIMS[i + 1] + padded(DIMS[i + 1])) * 4
+    };
+    let seen = launch(world, |ctx| {
+        let device = ndarray_ad();
+        let group = ctx.world()?;
+        let shallow = FsdpConfig::new(group.clone()).forward_prefetch_depth(0);
+        let deep = FsdpConfig::new(group.clone()).forward_prefetch_depth(2);
+        let a = fully_shard(stack(&device), &shallow)?;
+        let b = fully_shard(stack(&device), &deep)?;
+        let mut seen = Vec::new();
+        for (model, config) in [(&a, &shallow), (&b, &deep), (&a, &shallow)] {
+            // Burn keeps an unused graph (and the gathers it holds) alive: count what is new.
+            let before = config.memory().report().current.gathered;
+            let mut first = None;
+            let x = batch(0, 0..1, &device).0;
+            drop(forward_units(&model.layers, x, |l, x| {
+                first.get_or_insert(config.memory().report().current.gathered - before);
+                layer(l, x)
+            })?);
+            seen.push(first.unwrap());
+        }
+        Ok::<_, Box<dyn std::error::Error>>(seen)
+    })
+    .unwrap();
+    let one = unit_bytes(0);
+    let three = unit_bytes(0) + unit_bytes(1) + unit_bytes(2);
+    for (rank, seen) in seen.into_iter().enumerate() {
+        assert_eq!(
+            seen,
+            vec![one, three, one],
+            "rank {rank}: gathered when unit 0 runs"
+        );
+    }
+}
+
+/// A panic inside a unit's forward (while its parameters are served from the unit's gather)
+/// leaves nothing behind: the next step on the same thread gathers afresh and trains exactly
+/// as a run without the panic.
+#[test]
+fn a_panic_inside_a_gathered_forward_leaves_no_state_behind() {
+    let runs = launch(2, |ctx| {
+        let device = ndarray_ad();
+        let group = ctx.world()?;
+        let config = FsdpConfig::new(group.clone());
+        let model = fully_shard(stack(&device), &config)?;
+        let x = || batch(0, 0..2, &device).0;
+        let clean = forward_units(&model.layers, x(), layer)?;
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            forward_units(&model.layers, x(), |l, x| {
+                let y = layer(l, x);
+                panic!(
+                    "a forward that fails after using its weights: {}",
+                    y.dims()[0]
+                );
+            })
+        }));
+        assert!(caught.is_err(), "the panic propagates");
+        // Outside any unit every parameter gathers on its own: the served slices are gone.
+        let before = group.stats().calls(OpKind::AllGather);
+        let per_param = model.layers[0].weight.val();
+        let after = group.stats().calls(OpKind::AllGather);
+        let again = forward_units(&model.layers, x(), layer)?;
+        Ok::<_, Box<dyn std::error::Error>>((
+            after - before,
+            per_param.dims(),
+            vec_of(&clean),
+            vec_of(&again),
+        ))
+    })
+    .unwrap();
+    for (rank, (gathers, dims, clean, again)) in runs.into_iter().enumerate() {
+        assert_eq!(
+            gathers, 1,
+            "rank {rank}: a per-parameter gather, nothing served"
+        );
+        assert_eq!(dims, [DIMS[0], DIMS[1]], "rank {rank}: the full weight");
+        assert_eq!(clean, again, "rank {rank}: the next forward is unchanged");
+    }
 }

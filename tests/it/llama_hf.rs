@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Int, Tensor, TensorData};
-use burn_parallel::dist::chunk::chunk_range;
+use burn_parallel::comm::chunk::chunk_range;
 use burn_parallel::models::ParamKind;
 use burn_parallel::models::checkpoint::{
     HfCheckpoint, SaveDtype, hf_tensors, load_llama, save_llama,
@@ -201,7 +201,7 @@ fn llama_checkpoint_errors_name_the_problem() {
 /// gathered model equals the full load.
 #[test]
 fn llama_lazy_sharded_load_reads_only_each_ranks_rows() {
-    use burn_parallel::dist::launch;
+    use burn_parallel::comm::launch;
     use burn_parallel::fsdp::{RowRequest, gather_full};
     use burn_parallel::models::checkpoint::lazy_llama;
     use burn_parallel::parallelizer::{
@@ -233,7 +233,7 @@ fn llama_lazy_sharded_load_reads_only_each_ranks_rows() {
                     ));
                     rows.read(r.id, r.rows.clone())
                 })?;
-                let full = hf_tensors(&gather_full(model))?;
+                let full = hf_tensors(&gather_full(model)?)?;
                 let (shard_rank, shards) = (mesh.dp_rank(), mesh.dp_size());
                 Ok::<_, Box<dyn std::error::Error>>((asked, full, shard_rank, shards))
             })

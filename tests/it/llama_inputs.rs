@@ -88,7 +88,7 @@ fn llama_bad_inputs_are_named_errors() {
                 dp_replicate: Some(2),
                 ..base.clone()
             },
-            "does not divide",
+            "world size 3 is not divisible by dp_replicate_size 2",
         ),
         (
             TrainConfig {

@@ -4,7 +4,7 @@
 
 use burn_parallel::models::LlamaConfig;
 use burn_parallel::train::{
-    Backend, OptimizerKind, Precision, StepReport, Strategy, TrainConfig, TrainSummary, train,
+    Backend, OptimizerKind, Precision, StepLog, Strategy, TrainConfig, TrainSummary, train,
 };
 
 /// Small sizes none of 2, 3, 4 all divide: vocab 67, hidden 20, intermediate 27.
@@ -43,7 +43,7 @@ pub fn small_run(strategy: Strategy, world: usize, optimizer: OptimizerKind) -> 
 }
 
 pub fn run(cfg: &TrainConfig) -> TrainSummary {
-    train(cfg, &|_: &StepReport| {}).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
+    train(cfg, &|_: &StepLog| {}).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
 }
 
 #[track_caller]
@@ -51,8 +51,8 @@ fn assert_curves(got: &TrainSummary, want: &TrainSummary, tol: f32, what: &str) 
     assert_eq!(got.steps.len(), want.steps.len(), "{what}");
     for (g, w) in got.steps.iter().zip(&want.steps) {
         for (name, a, b) in [
-            ("loss", g.loss, w.loss),
-            ("grad norm", g.grad_norm, w.grad_norm),
+            ("loss", g.report.loss, w.report.loss),
+            ("grad norm", g.report.grad_norm, w.report.grad_norm),
         ] {
             let rel = (a - b).abs() / b.abs().max(1e-6);
             assert!(
@@ -134,13 +134,13 @@ fn llama_bf16_on_flex_is_close_to_f32() {
         let got = run(&cfg);
         let what = format!("bf16 {strategy} on {world}");
         for (g, w) in got.steps.iter().zip(&want.steps) {
-            let rel = (g.loss - w.loss).abs() / w.loss;
+            let rel = (g.report.loss - w.report.loss).abs() / w.report.loss;
             assert!(
                 rel <= 1e-2,
                 "{what}: step {} loss {} vs f32 {}",
                 g.step,
-                g.loss,
-                w.loss
+                g.report.loss,
+                w.report.loss
             );
         }
     }

@@ -3,9 +3,9 @@
 
 use burn::tensor::Tensor;
 use burn::tensor::activation::gelu;
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::collectives as coll;
-use burn_parallel::dist::{CollectiveError, ReduceOp, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::collectives as coll;
+use burn_parallel::comm::{CollectiveError, ReduceOp, launch};
 
 use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
 

@@ -2,7 +2,7 @@
 //! sub-meshes, and groups of different dimensions working at the same time.
 
 use burn::tensor::TensorData;
-use burn_parallel::dist::{DeviceMesh, MeshError, MeshShape, ReduceOp, launch};
+use burn_parallel::comm::{DeviceMesh, MeshError, MeshShape, ReduceOp, launch};
 
 use crate::common::to_vec;
 
@@ -137,7 +137,7 @@ fn parallel_launches_are_independent() {
                     let world = ctx.world()?;
                     let v =
                         world.all_reduce(TensorData::new(vec![k as f32], [1]), ReduceOp::Sum)?;
-                    Ok::<_, burn_parallel::dist::CollectiveError>(to_vec(&v)[0])
+                    Ok::<_, burn_parallel::comm::CollectiveError>(to_vec(&v)[0])
                 })
                 .unwrap()
             })

@@ -3,10 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use burn_parallel::dist::launch;
+use burn_parallel::comm::launch;
 use burn_parallel::parallelizer::{
-    DistributedConfig, Dtype, MeshContext, MeshSizes, MixedPrecisionConfig, ParallelError,
-    Strategy, TpShardPlan,
+    DistributedConfig, Dtype, MeshContext, MeshSizes, MixedPrecisionConfig, ModelDescription,
+    ParallelError, Parallelize, Strategy, TpShardPlan,
 };
 
 use crate::common::ndarray_ad;
@@ -30,13 +30,8 @@ fn defaults_are_nemos() {
     assert!(!c.mp_policy.cast_forward_inputs);
     assert!(!c.sequence_parallel && !c.activation_checkpointing);
     assert!(c.enable_fsdp2_prefetch);
-    assert_eq!(
-        (
-            c.fsdp2_forward_prefetch_depth,
-            c.fsdp2_backward_prefetch_depth
-        ),
-        (1, 2)
-    );
+    assert_eq!(c.fsdp2_forward_prefetch_depth, 1);
+    assert_eq!(c.fsdp2_backward_prefetch_depth, None);
     assert_eq!(c.reshard_after_forward, None);
     assert_eq!(c.mesh_names.dp_shard, "dp_shard_cp");
 }
@@ -137,7 +132,32 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
                 ..base()
             },
             2,
-            "enable_async_tensor_parallel requires sequence_parallel",
+            "enable_async_tensor_parallel is not yet supported",
+        ),
+        (
+            DistributedConfig {
+                strategy: Strategy::Tp,
+                tp_size: 2,
+                ..base()
+            },
+            4,
+            "strategy tp: tp_size 2 must equal the world size 4",
+        ),
+        (
+            DistributedConfig {
+                strategy: Strategy::Single,
+                ..base()
+            },
+            2,
+            "strategy single: runs on 1 rank, not 2",
+        ),
+        (
+            DistributedConfig {
+                strategy: Strategy::Fsdp2Tp,
+                ..base()
+            },
+            2,
+            "strategy fsdp2_tp: needs tp_size > 1",
         ),
         (
             DistributedConfig {
@@ -154,7 +174,7 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
                 ..base()
             },
             4,
-            "strategy ddp cannot use tp_size 2",
+            "strategy ddp: cannot use tp_size 2",
         ),
         (
             DistributedConfig {
@@ -162,7 +182,7 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
                 ..base()
             },
             4,
-            "strategy hsdp needs dp_replicate_size >= 2",
+            "strategy hsdp: needs dp_replicate_size >= 2",
         ),
         (
             DistributedConfig {
@@ -230,12 +250,31 @@ fn mesh_sizes_are_inferred_from_the_world() {
 
 #[test]
 fn unknown_plan_names_and_styles_are_errors() {
+    let llama = burn_parallel::models::Llama::seeded(
+        &burn_parallel::models::LlamaConfig::tiny(),
+        0,
+        &ndarray_ad(),
+    );
+    let mut description = ModelDescription::default();
+    llama.describe("", &mut description);
     let c = DistributedConfig {
         tp_shard_plan: Some(TpShardPlan::Named("gpt9".into())),
         ..DistributedConfig::default()
     };
-    let err = c.tp_plan_override().unwrap_err().to_string();
+    let err = c.tp_plan_override(&description).unwrap_err().to_string();
     assert!(err.contains("gpt9") && err.contains("llama"), "{err}");
+    let named = |name: &str| DistributedConfig {
+        tp_shard_plan: Some(TpShardPlan::Named(name.into())),
+        ..DistributedConfig::default()
+    };
+    // The `-sp` name and `sequence_parallel` select the same sequence-parallel variant.
+    let sp = named("llama-sp").tp_plan_override(&description).unwrap();
+    let flag = DistributedConfig {
+        sequence_parallel: true,
+        ..named("llama")
+    };
+    assert_eq!(sp, flag.tp_plan_override(&description).unwrap());
+    assert_ne!(sp, named("llama").tp_plan_override(&description).unwrap());
     let c = DistributedConfig {
         tp_shard_plan: Some(TpShardPlan::Map(BTreeMap::from([(
             "lm_head".to_string(),
@@ -243,8 +282,148 @@ fn unknown_plan_names_and_styles_are_errors() {
         )]))),
         ..DistributedConfig::default()
     };
-    let err = c.tp_plan_override().unwrap_err().to_string();
+    let err = c.tp_plan_override(&description).unwrap_err().to_string();
     assert!(err.contains("colwize") && err.contains("colwise"), "{err}");
+}
+
+/// What a config field did on a 2-rank mesh, read off the context it built (or its error).
+fn effect(config: DistributedConfig) -> String {
+    let out = launch(2, |rank| {
+        let ctx = match MeshContext::new(&rank, config.clone(), ndarray_ad()) {
+            Ok(ctx) => ctx,
+            Err(e) => return Ok::<_, String>(format!("error: {e}")),
+        };
+        let fsdp = ctx.fsdp_config();
+        ctx.set_requires_gradient_sync(false);
+        let groups: Vec<String> = ctx
+            .mesh()
+            .shape()
+            .dims()
+            .iter()
+            .map(|(n, s)| format!("{n}={s}"))
+            .collect();
+        Ok(format!(
+            "sizes {:?} groups {groups:?} checkpointing {} policy {:?} offload {} prefetch {} \
+             defers {} ddp {}",
+            ctx.sizes(),
+            ctx.on_checkpointing_device(),
+            fsdp.mixed_precision,
+            fsdp.offload.is_some(),
+            fsdp.forward_prefetch_depth,
+            !fsdp.requires_gradient_sync(),
+            ctx.uses_ddp(),
+        ))
+    })
+    .unwrap();
+    out[0].clone()
+}
+
+/// Every field of `DistributedConfig` does something: set to something other than its default,
+/// it changes the context a 2-rank job builds, or it is rejected before any communication. A
+/// field added without a row here fails the test (the rows are checked against the fields a
+/// config serializes).
+#[test]
+fn every_config_field_has_an_effect_or_is_rejected() {
+    let base = || DistributedConfig {
+        mp_policy: MixedPrecisionConfig::full_precision(),
+        ..DistributedConfig::default()
+    };
+    type Change = fn(&mut DistributedConfig);
+    let none: Change = |_| {};
+    // (field, what both runs share, the change to that field alone)
+    let rows: Vec<(&str, Change, Change)> = vec![
+        ("strategy", none, |c| c.strategy = Strategy::Ddp),
+        ("world_size", none, |c| c.world_size = Some(3)),
+        ("dp_size", none, |c| c.dp_size = Some(1)),
+        ("dp_replicate_size", none, |c| c.dp_replicate_size = 2),
+        ("tp_size", none, |c| c.tp_size = 2),
+        ("cp_size", none, |c| c.cp_size = 2),
+        ("ep_size", none, |c| c.ep_size = 2),
+        ("mesh_names", none, |c| {
+            c.mesh_names.dp_shard = "shards".into()
+        }),
+        (
+            "sequence_parallel",
+            |c| c.tp_shard_plan = Some(TpShardPlan::Named("llama".into())),
+            |c| c.sequence_parallel = true,
+        ),
+        (
+            "activation_checkpointing",
+            |c| c.reshard_after_forward = Some(false),
+            |c| c.activation_checkpointing = true,
+        ),
+        ("activation_checkpointing_scope", none, |c| {
+            c.activation_checkpointing_scope = "layers".into()
+        }),
+        ("mp_policy", none, |c| {
+            c.mp_policy.param_dtype = Some(burn_parallel::parallelizer::Dtype::Bf16)
+        }),
+        ("offload_policy", none, |c| {
+            c.offload_policy = Some(burn_parallel::parallelizer::OffloadConfig {
+                offload_params: true,
+            })
+        }),
+        ("tp_shard_plan", none, |c| {
+            c.tp_shard_plan = Some(TpShardPlan::Named("llama".into()))
+        }),
+        ("reshard_after_forward", none, |c| {
+            c.reshard_after_forward = Some(false)
+        }),
+        ("enable_fsdp2_prefetch", none, |c| {
+            c.enable_fsdp2_prefetch = false
+        }),
+        ("fsdp2_forward_prefetch_depth", none, |c| {
+            c.fsdp2_forward_prefetch_depth = 3
+        }),
+        ("fsdp2_backward_prefetch_depth", none, |c| {
+            c.fsdp2_backward_prefetch_depth = Some(2)
+        }),
+        ("enable_compile", none, |c| c.enable_compile = true),
+        (
+            "enable_async_tensor_parallel",
+            |c| c.tp_size = 2,
+            |c| c.enable_async_tensor_parallel = true,
+        ),
+        ("defer_fsdp_grad_sync", none, |c| {
+            c.defer_fsdp_grad_sync = false
+        }),
+        ("ddp_bucket_cap_mb", none, |c| c.ddp_bucket_cap_mb = 0.0),
+    ];
+    let fields = serde_json::to_value(base()).unwrap();
+    let mut fields: Vec<&str> = fields
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(|k| k.as_str())
+        .collect();
+    let mut named: Vec<&str> = rows.iter().map(|(f, _, _)| *f).collect();
+    fields.sort();
+    named.sort();
+    assert_eq!(named, fields, "one row per field");
+
+    let llama = burn_parallel::models::Llama::seeded(
+        &burn_parallel::models::LlamaConfig::tiny(),
+        0,
+        &ndarray_ad(),
+    );
+    let mut llama_plans = ModelDescription::default();
+    llama.describe("", &mut llama_plans);
+    for (field, setup, change) in rows {
+        let mut config = base();
+        setup(&mut config);
+        let before = config.clone();
+        change(&mut config);
+        let [unchanged, changed] = [before, config].map(|c| match field {
+            // The plan and its variant take effect when a model is parallelized: the plan the
+            // Llama's description resolves to, not the mesh.
+            "tp_shard_plan" | "sequence_parallel" => match c.tp_plan_override(&llama_plans) {
+                Err(e) => format!("error: {e}"),
+                Ok(plan) => format!("{plan:?}"),
+            },
+            _ => effect(c),
+        });
+        assert_ne!(changed, unchanged, "{field} changed nothing");
+    }
 }
 
 #[test]

@@ -1,12 +1,13 @@
 //! What `#[parallelize]` generates: the `ModelDescription` (units, tp styles, named plans, head
-//! counts, checkpoints), the order and paths `map_units` and `apply_tp` visit, and the local
+//! counts), the order and paths `map_units` and `apply_tp` visit, and the local
 //! head counts, on annotated models covering both attribute orders, a generic struct, nested
 //! structs, `Vec` and `Option` fields, a named plan and a custom sidecar.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Tensor};
-use burn_parallel::dist::launch;
+use burn_parallel::comm::launch;
+use burn_parallel::models::LLAMA_PLAN;
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
     DefaultParallelizer, HeadCount, ModelDescription, ModelParallelizer, ParallelError,
@@ -57,11 +58,10 @@ pub struct Block {
     mlp: Mlp,
 }
 
-/// A generic stack: each element is a unit and a checkpoint, and recursed into.
+/// A generic stack: each element is a unit, and recursed into.
 #[parallelize]
 #[derive(Module, Debug)]
 pub struct Stack<B: Module> {
-    #[checkpoint]
     #[nested]
     #[fsdp(unit)]
     blocks: Vec<B>,
@@ -74,7 +74,7 @@ pub struct TinySidecar;
 
 impl ModelParallelizer for TinySidecar {}
 
-#[parallelize(plan = "llama", sidecar = TinySidecar)]
+#[parallelize(plan = LLAMA_PLAN, sidecar = TinySidecar)]
 #[derive(Module, Debug)]
 pub struct Model {
     #[tp(vocab_parallel)]
@@ -82,7 +82,6 @@ pub struct Model {
     #[nested]
     stack: Stack<Block>,
     #[fsdp(unit)]
-    #[checkpoint]
     extra: Option<Linear>,
     #[nested]
     #[fsdp(unit)]
@@ -158,7 +157,7 @@ fn block_tp(p: &str) -> Vec<(String, ParallelStyle)> {
 }
 
 #[test]
-fn describe_lists_units_styles_plans_heads_and_checkpoints() {
+fn describe_lists_units_styles_plans_and_heads() {
     let d = ndarray();
     let got = describe(&model(&d, true), "");
     let mut tp_entries = vec![tp("embed", ParallelStyle::vocab_parallel())];
@@ -178,13 +177,12 @@ fn describe_lists_units_styles_plans_heads_and_checkpoints() {
             "maybe_block.mlp",
         ]),
         tp_entries,
-        named_plans: vec![(String::new(), "llama".to_string())],
+        named_plans: vec![(String::new(), LLAMA_PLAN)],
         heads: vec![
             heads("stack.blocks.0.attn"),
             heads("stack.blocks.1.attn"),
             heads("maybe_block.attn"),
         ],
-        checkpoint_units: strings(&["stack.blocks.0", "stack.blocks.1", "extra"]),
         absent: Vec::new(),
     };
     assert_eq!(got, want);
@@ -203,14 +201,7 @@ fn describe_skips_absent_options_and_prefixes_the_root_path() {
             "net.stack.blocks.1.mlp"
         ])
     );
-    assert_eq!(
-        got.checkpoint_units,
-        strings(&["net.stack.blocks.0", "net.stack.blocks.1"])
-    );
-    assert_eq!(
-        got.named_plans,
-        vec![("net".to_string(), "llama".to_string())]
-    );
+    assert_eq!(got.named_plans, vec![("net".to_string(), LLAMA_PLAN)]);
     assert!(
         got.tp_entries
             .iter()
@@ -220,14 +211,13 @@ fn describe_skips_absent_options_and_prefixes_the_root_path() {
     // The absent optional Tp head drops out of the named plan (it has an `lm_head` entry).
     assert_eq!(got.absent, strings(&["net.head"]), "{got:?}");
     let with_lm_head = ModelDescription {
-        named_plans: vec![(String::new(), "llama".into())],
+        named_plans: vec![(String::new(), LLAMA_PLAN)],
         ..ModelDescription::default()
     };
     let mut without = with_lm_head.clone();
     without.absent = strings(&["lm_head"]);
     let has_lm_head = |d: &ModelDescription| {
-        d.tp_plan()
-            .unwrap()
+        d.tp_plan(false)
             .entries()
             .iter()
             .any(|(p, _)| p == "lm_head")
@@ -267,6 +257,8 @@ fn count<M: Module>(m: &M) -> usize {
 }
 
 impl UnitMap for Recorder {
+    type Error = ParallelError;
+
     fn unit<M: Module>(&mut self, path: &str, module: M) -> Result<M, ParallelError> {
         self.0.push((path.to_string(), count(&module)));
         Ok(module)
@@ -299,6 +291,8 @@ fn map_units_visits_inner_units_before_outer_in_declaration_order() {
 struct FailAt(&'static str);
 
 impl UnitMap for FailAt {
+    type Error = ParallelError;
+
     fn unit<M: Module>(&mut self, path: &str, module: M) -> Result<M, ParallelError> {
         if path == self.0 {
             Err(ParallelError::NotSupported(format!("unit {path}")))

@@ -3,9 +3,9 @@
 //! gather. Gradients are identical either way.
 
 use burn::tensor::Device;
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::collectives as coll;
-use burn_parallel::dist::{CollectiveError, OpKind, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::collectives as coll;
+use burn_parallel::comm::{CollectiveError, OpKind, launch};
 
 use crate::common::{ndarray_ad, tensor, vec_of};
 

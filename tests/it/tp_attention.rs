@@ -6,8 +6,8 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 use burn::tensor::activation::softmax;
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::{OpKind, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::{OpKind, launch};
 use burn_parallel_tp::{
     ParallelStyle, Tp, TpApplier, TpError, TpModule, TpPlan, child_path, local_heads,
 };
@@ -152,7 +152,7 @@ fn run(a: &Attention) -> Run {
 fn apply(
     a: Attention,
     plan: &TpPlan,
-    group: &burn_parallel::dist::ProcessGroup,
+    group: &burn_parallel::comm::ProcessGroup,
 ) -> Result<Attention, TpError> {
     let mut cx = TpApplier::new(plan, group);
     let a = a.apply_tp("self_attn", &mut cx)?;

@@ -6,8 +6,8 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 use burn::tensor::activation::gelu;
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::{OpKind, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::{OpKind, launch};
 use burn_parallel_tp::{
     ParallelStyle, Tp, TpApplier, TpError, TpModule, TpPlan, apply_plan, child_path,
 };

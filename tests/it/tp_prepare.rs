@@ -1,12 +1,10 @@
 //! PrepareModuleInput / PrepareModuleOutput: every layout conversion against slicing the full
 //! tensor, at 2 and 3 ranks with sizes they do not divide, and the gradients of the round trips
-//! that are identities. Both on the host path and on the device path (CUDA's, here with the
-//! threads engine exchanging).
+//! that are identities.
 
 use burn::tensor::Tensor;
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::collectives::force_device_path;
-use burn_parallel::dist::launch;
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::launch;
 use burn_parallel_tp::{Layout, PrepareModuleInput, redistribute};
 
 use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
@@ -41,11 +39,10 @@ const LAYOUTS: [Layout; 3] = [
 
 #[test]
 fn every_conversion_matches_slicing_the_full_tensor() {
-    for (world, device_path) in [(2, false), (3, false), (2, true), (3, true)] {
+    for world in [2, 3] {
         for from in LAYOUTS {
             for to in LAYOUTS {
                 let got = launch(world, |ctx| {
-                    let _forced = device_path.then(force_device_path);
                     let group = ctx.world()?;
                     let x = part(full(), from, group.index(), world);
                     let prepare = PrepareModuleInput::new(from, to);
@@ -58,7 +55,7 @@ fn every_conversion_matches_slicing_the_full_tensor() {
                         got,
                         &want,
                         0.0,
-                        &format!("{world} ranks, {from:?} -> {to:?}, rank {r}, {device_path}"),
+                        &format!("{world} ranks, {from:?} -> {to:?}, rank {r}"),
                     );
                 }
             }
@@ -74,10 +71,9 @@ fn identity_round_trips_pass_gradients_through() {
         (Layout::SequenceSharded { dim: 0 }, Layout::Sharded),
         (Layout::Sharded, Layout::SequenceSharded { dim: 0 }),
     ];
-    for (world, device_path) in [(2, false), (3, false), (2, true), (3, true)] {
+    for world in [2, 3] {
         for (a, b) in pairs {
             let got = launch(world, |ctx| {
-                let _forced = device_path.then(force_device_path);
                 let group = ctx.world()?;
                 let me = group.index();
                 let d = ndarray_ad();
@@ -95,7 +91,7 @@ fn identity_round_trips_pass_gradients_through() {
             })
             .unwrap();
             for (r, (back, x, grad, c)) in got.iter().enumerate() {
-                let ctx = format!("{world} ranks, {a:?} -> {b:?} -> back, rank {r}, {device_path}");
+                let ctx = format!("{world} ranks, {a:?} -> {b:?} -> back, rank {r}");
                 assert_close(back, x, 0.0, &format!("{ctx}: values"));
                 assert_close(grad, c, 1e-6, &format!("{ctx}: gradient"));
             }

@@ -7,14 +7,14 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::activation::gelu;
 use burn::tensor::{DType, Device, Gradients, Tensor};
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::{OpKind, ProcessGroup, launch};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::{OpKind, ProcessGroup, launch};
 use burn_parallel_tp::{
     ParallelStyle, ShardSpec, Tp, TpApplier, TpError, TpLayer, TpModule, TpPlan, child_path,
 };
 
-use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
-use crate::tp_common::{MlpGrads, TOL, grad, linear, mid, tensor_grad};
+use crate::common::{assert_close, flex_ad, ndarray_ad, tensor, vec_of};
+use crate::tp_common::{MlpGrads, TOL, grad, linear_on, mid, tensor_grad};
 
 const MODEL: usize = 4;
 const HIDDEN: usize = 7;
@@ -27,10 +27,6 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn seeded(seed: u64, dim: usize) -> Self {
-        Self::seeded_on(&ndarray_ad(), seed, dim)
-    }
-
     pub fn seeded_on(d: &Device, seed: u64, dim: usize) -> Self {
         Self {
             weight: Param::from_tensor(tensor(seed, [dim], d)),
@@ -79,11 +75,11 @@ struct Block {
 }
 
 impl Block {
-    fn new() -> Self {
+    fn new(d: &Device) -> Self {
         Self {
-            norm: Tp::new(RmsNorm::seeded(60, MODEL)),
-            up: Tp::new(linear(61, MODEL, HIDDEN)),
-            down: Tp::new(linear(62, HIDDEN, MODEL)),
+            norm: Tp::new(RmsNorm::seeded_on(d, 60, MODEL)),
+            up: Tp::new(linear_on(d, 61, MODEL, HIDDEN)),
+            down: Tp::new(linear_on(d, 62, HIDDEN, MODEL)),
         }
     }
 
@@ -130,8 +126,8 @@ struct Run {
 }
 
 /// Forward and backward on the tokens `toks` of a `[BATCH, seq, MODEL]` input.
-fn run(b: &Block, seq: usize, toks: std::ops::Range<usize>) -> Run {
-    let d = ndarray_ad();
+fn run(b: &Block, seq: usize, toks: std::ops::Range<usize>, d: &Device) -> Run {
+    let d = d.clone();
     let x = tensor(63, [BATCH, seq, MODEL], &d)
         .narrow(1, toks.start, toks.len())
         .detach()
@@ -149,30 +145,30 @@ fn run(b: &Block, seq: usize, toks: std::ops::Range<usize>) -> Run {
 }
 
 /// The block under the sequence-parallel plan on this rank, with the gradient reduce dtype.
-fn sp_block(group: &ProcessGroup, reduce: Option<DType>) -> Result<Block, TpError> {
+fn sp_block(group: &ProcessGroup, reduce: Option<DType>, d: &Device) -> Result<Block, TpError> {
     let plan = sp_plan();
     let mut cx = TpApplier::new(&plan, group);
     if let Some(dtype) = reduce {
         cx = cx.with_reduce_dtype(dtype);
     }
-    let b = Block::new().apply_tp("", &mut cx)?;
+    let b = Block::new(d).apply_tp("", &mut cx)?;
     assert!(cx.finish().is_complete());
     Ok(b)
 }
 
-fn parallel(tp: usize, seq: usize, reduce: Option<DType>) -> Vec<Run> {
+fn parallel(tp: usize, seq: usize, reduce: Option<DType>, d: &Device) -> Vec<Run> {
     launch(tp, |ctx| {
         let group = ctx.world()?;
-        let b = sp_block(&group, reduce)?;
-        Ok::<_, TpError>(run(&b, seq, chunk_range(seq, tp, group.index())))
+        let b = sp_block(&group, reduce, d)?;
+        Ok::<_, TpError>(run(&b, seq, chunk_range(seq, tp, group.index()), d))
     })
     .unwrap()
 }
 
-fn check(tp: usize, reduce: Option<DType>, tol: f32) {
+fn check(tp: usize, reduce: Option<DType>, tol: f32, d: &Device) {
     const SEQ: usize = 7;
-    let want = run(&Block::new(), SEQ, 0..SEQ);
-    for (me, got) in parallel(tp, SEQ, reduce).iter().enumerate() {
+    let want = run(&Block::new(d), SEQ, 0..SEQ, d);
+    for (me, got) in parallel(tp, SEQ, reduce, d).iter().enumerate() {
         let toks = chunk_range(SEQ, tp, me);
         let cols = chunk_range(HIDDEN, tp, me);
         let ctx = |w: &str| format!("sp tp={tp} rank {me}: {w}");
@@ -197,14 +193,34 @@ fn check(tp: usize, reduce: Option<DType>, tol: f32) {
 #[test]
 fn tp_sequence_parallel_matches_single_device() {
     for tp in [2, 4] {
-        check(tp, None, TOL);
+        check(tp, None, TOL, &ndarray_ad());
     }
 }
 
 #[test]
 fn tp_sequence_parallel_grad_reduce_in_bf16() {
-    // bf16 keeps 8 bits of mantissa: the reduced grads agree to ~1e-2.
-    check(2, Some(DType::BF16), 2e-2);
+    // bf16 keeps 8 bits of mantissa: the reduced grads agree to ~1e-2. On flex, the CPU
+    // backend with bf16.
+    check(2, Some(DType::BF16), 2e-2, &flex_ad());
+}
+
+/// A reduce dtype the device cannot compute in is an error naming it, not a panic in Burn.
+#[test]
+fn tp_grad_reduce_in_a_dtype_the_device_lacks_is_an_error() {
+    let errors = launch(2, |ctx| {
+        let group = ctx.world()?;
+        let d = ndarray_ad();
+        let b = sp_block(&group, Some(DType::BF16), &d)?;
+        let x = tensor(63, [BATCH, 4, MODEL], &d)
+            .narrow(1, 2 * group.index(), 2)
+            .require_grad();
+        let mut grads = b.forward(x).sum().backward();
+        Ok::<_, TpError>(b.sync_tp_grads(&mut grads).unwrap_err().to_string())
+    })
+    .unwrap();
+    for e in errors {
+        assert!(e.contains("BF16") && e.contains("use flex"), "{e}");
+    }
 }
 
 /// Megatron-SP moves the same bytes as TP: all-gather + reduce-scatter of the activation in
@@ -214,11 +230,16 @@ fn tp_sequence_parallel_grad_reduce_in_bf16() {
 fn tp_sequence_parallel_communication_matches_megatron() {
     const SEQ: usize = 8;
     for (tp, reduce) in [(2usize, None), (4, None), (2, Some(DType::BF16))] {
+        let d = if reduce.is_some() {
+            flex_ad()
+        } else {
+            ndarray_ad()
+        };
         let stats = launch(tp, |ctx| {
             let group = ctx.world()?;
-            let b = sp_block(&group, reduce)?;
+            let b = sp_block(&group, reduce, &d)?;
             let before = group.stats();
-            run(&b, SEQ, chunk_range(SEQ, tp, group.index()));
+            run(&b, SEQ, chunk_range(SEQ, tp, group.index()), &d);
             Ok::<_, TpError>(group.stats().since(&before))
         })
         .unwrap();

@@ -6,8 +6,8 @@ use burn::module::Module;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Gradients, Int, Tensor};
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::launch;
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::launch;
 use burn_parallel_tp::{
     ParallelStyle, Tp, TpApplier, TpError, TpModule, TpPlan, apply_plan, child_path, loss_parallel,
 };

@@ -2,8 +2,8 @@
 //! ranks hold uneven and empty shards), trained with SGD on the global batch split over ranks,
 //! against the same training on one device, and against the threads engine (same bits).
 
-use burn_parallel::dist::chunk::chunk_range;
-use burn_parallel::dist::{RankContext, ReduceOp};
+use burn_parallel::comm::chunk::chunk_range;
+use burn_parallel::comm::{RankContext, ReduceOp};
 use burn_parallel::fsdp::{FsdpConfig, MixedPrecisionPolicy, fully_shard, gather_full};
 
 use crate::common::{assert_close, ndarray_ad, sgd, to_vec, vec_of};
@@ -49,7 +49,7 @@ pub fn sharded(ctx: &RankContext) -> Result<Run, Box<dyn std::error::Error>> {
         let grads = l.backward();
         model = sgd(model, &grads, LR);
     }
-    Ok((losses, flat(&gather_full(model))))
+    Ok((losses, flat(&gather_full(model)?)))
 }
 
 /// Checks this rank's run against one device (round-off) and the threads engine (same bits).

@@ -35,8 +35,8 @@ mod train;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use burn_parallel::dist::launch::started_by_mpi_launcher;
-use burn_parallel::dist::run_ranks;
+use burn_parallel::comm::launch::started_by_mpi_launcher;
+use burn_parallel::comm::run_ranks;
 
 /// The argument that selects the failure check.
 const FAIL_ARG: &str = "--fail";
@@ -102,7 +102,7 @@ fn mpirun(np: usize, extra: &[&str]) -> Result<Command, String> {
     ])
     .arg(me)
     .args(extra)
-    .env_remove(burn_parallel::dist::ENGINE_ENV);
+    .env_remove(burn_parallel::comm::ENGINE_ENV);
     Ok(cmd)
 }
 

@@ -2,7 +2,7 @@
 //! force and with the threads engine running the same calls inside this process.
 
 use burn::tensor::{DType, TensorData};
-use burn_parallel::dist::{
+use burn_parallel::comm::{
     CollectiveError, DeviceMesh, MeshShape, ProcessGroup, RankContext, ReduceOp, launch,
 };
 use proptest::strategy::{Just, Strategy, ValueTree};

@@ -50,7 +50,7 @@ pub fn run(world: usize, strategy: &str, tp: Option<usize>) -> Result<(), String
     let curve = |s: &TrainSummary| -> Vec<(u32, u32)> {
         s.steps
             .iter()
-            .map(|r| (r.loss.to_bits(), r.grad_norm.to_bits()))
+            .map(|r| (r.report.loss.to_bits(), r.report.grad_norm.to_bits()))
             .collect()
     };
     if curve(&on_mpi) != curve(&on_threads) {

@@ -14,5 +14,5 @@ pub enum FsdpError {
     #[error("loading {path}: {message}")]
     Load { path: String, message: String },
     #[error(transparent)]
-    Collective(#[from] burn_parallel_dist::CollectiveError),
+    Collective(#[from] burn_parallel_comm::CollectiveError),
 }

@@ -15,16 +15,21 @@
 //! of a module gathered by ONE all-gather and reduced by ONE reduce-scatter; parameters outside
 //! any running unit are gathered one by one.
 //!
-//! [`forward_units`] runs a sequence of units (a decoder's layers) with forward prefetch: the
-//! next unit's gather is in flight while the current one computes, and each unit's gather is
-//! tied to the unit's input ([`UnitInput`]) so that backward reduce-scatters each unit's
-//! gradient right after running through it. Burn's backward has no hooks, so there is no
-//! backward prefetch: a resharded unit is gathered again when autodiff first needs it.
+//! [`forward_units`] runs a sequence of units (a decoder's layers) with forward prefetch (the
+//! depth the units were sharded with, [`FsdpConfig::forward_prefetch_depth`]): the next units'
+//! gathers are in flight while the current one computes, and each unit's gather is tied to the
+//! unit's input ([`UnitInput`]) so that backward reduce-scatters each unit's gradient right after
+//! running through it. Burn's backward has no hooks, so there is no backward prefetch: a
+//! resharded unit is gathered again when autodiff first needs it.
+//!
+//! State is owned: each `fully_shard` call is one unit ([`UnitState`]: groups, policy,
+//! resharding, prefetch depth) and each sharded parameter has a [`ParamState`] (global shape,
+//! rows), held by its [`ShardGather`] reparameterization, so both travel with the model.
 //!
 //! Memory accounting ([`memory`]): per-rank live and peak bytes of parameters, gathered
-//! weights, gradients and optimizer state; FSDP records what it gathers and the gradient
-//! shards its reduce-scatters hand out, the training loop reports parameters and optimizer
-//! state (the module documents exactly what is counted when).
+//! weights, gradients and optimizer state in the config's [`MemoryTracker`]; FSDP records what
+//! it gathers and the gradient shards its reduce-scatters hand out, the training loop reports
+//! parameters and optimizer state (the module documents exactly what is counted when).
 //!
 //! State: [`fully_shard_from`] shards a lazily initialized module by asking a source for each
 //! rank's rows of one parameter at a time (no rank materializes a full parameter);
@@ -37,10 +42,7 @@
 //! backends).
 //!
 //! Not done: backward prefetch (Burn 0.22's backward has no hooks, so a unit's re-gather
-//! cannot be issued before autodiff reaches it). Burn runs backward steps by graph depth and a
-//! unit's gather sits next to the leaves, so every unit's reduce-scatter runs at the end of
-//! backward and each unit's unsharded gradient lives until then (the backward peak holds every
-//! unit, not the two forward prefetch holds); a sharded (per-rank) checkpoint format and
+//! cannot be issued before autodiff reaches it); a sharded (per-rank) checkpoint format and
 //! loading at another world size; loading into an already-sharded module (build it lazily and
 //! use [`fully_shard_from`] instead).
 //!
@@ -48,22 +50,28 @@
 //! their graphs); build it from the same seeds or record on each rank, then shard it.
 
 mod clip;
+mod config;
 mod error;
 mod gather;
 mod load;
 pub mod memory;
 mod offload;
 mod policy;
+mod reparam;
 mod shard;
+mod state;
 mod unit;
 
-pub use clip::{clip_grad_norm, scale_grads};
+pub use clip::{SquareSums, clip_grad_norm, clip_to_norm, grad_square_sums, scale_grads};
+pub use config::FsdpConfig;
 pub use error::FsdpError;
 pub use load::{
-    RowRequest, StateDictRanks, for_each_full_param, full_state_dict, fully_shard_from,
+    StateDictRanks, for_each_full_param, full_state_dict, fully_shard_from, gather_full,
 };
-pub use memory::{MemoryKind, MemoryReport, ModelStateBytes, peak_model_state_bytes};
+pub use memory::{MemoryKind, MemoryReport, MemoryTracker, ModelStateBytes};
 pub use offload::OffloadPolicy;
 pub use policy::MixedPrecisionPolicy;
-pub use shard::{FsdpConfig, ShardGather, fully_shard, gather_full};
-pub use unit::{UnitInput, forward_units, forward_units_prefetching, with_gathered_unit};
+pub use reparam::ShardGather;
+pub use shard::{RowRequest, fully_shard};
+pub use state::{ParamState, UnitState};
+pub use unit::{UnitInput, forward_units, with_gathered_unit};

@@ -10,28 +10,16 @@
 //! [`full_state_dict`] collects them.
 
 use std::collections::{BTreeMap, HashMap};
-use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 
+use burn_parallel_comm::collectives as coll;
+
+use crate::config::FsdpConfig;
 use crate::error::FsdpError;
-use crate::shard::{FsdpConfig, shard_module};
-use crate::unit::collect;
-
-/// What a sharded load asks its source for: rows `rows` (along dim 0) of the full parameter at
-/// `path` (Burn's module path, e.g. `layers.0.weight`), whose full shape is `shape`. `rows` is
-/// empty on a rank that holds no rows of a small parameter: return a `[0, ...]` tensor of the
-/// parameter's dtype.
-#[derive(Debug, Clone)]
-pub struct RowRequest<'a> {
-    pub path: &'a str,
-    pub id: ParamId,
-    pub shape: &'a [usize],
-    pub rows: Range<usize>,
-}
-
-pub(crate) type Source<'a> = &'a mut dyn FnMut(&RowRequest) -> Result<TensorData, String>;
+use crate::reparam::collect;
+use crate::shard::{RowRequest, shard_module};
 
 /// As [`fully_shard`](crate::fully_shard), but each rank's shard of every parameter comes from
 /// `source` (its rows of the full tensor), called once per parameter, in module order, and
@@ -131,15 +119,15 @@ pub fn for_each_full_param<M: Module>(
 ) -> Result<(), FsdpError> {
     let sharded: HashMap<ParamId, _> = collect(module)
         .into_iter()
-        .map(|c| (c.id, (c.plan, c.full_rows)))
+        .map(|c| (c.state.id, c.state))
         .collect();
     for param in stored_params(module) {
         let (path, stored) = (&param.path, param.data());
-        let Some((plan, full_rows)) = sharded.get(&param.id) else {
+        let Some(state) = sharded.get(&param.id) else {
             f(path, stored);
             continue;
         };
-        let group = &plan.group;
+        let group = &state.unit.group;
         let full = match ranks {
             StateDictRanks::All => Some(group.all_gather(stored, 0)?),
             StateDictRanks::First if group.index() == 0 => {
@@ -155,7 +143,7 @@ pub fn for_each_full_param<M: Module>(
             }
         };
         if let Some(full) = full {
-            debug_assert_eq!(full.shape()[0], *full_rows);
+            debug_assert_eq!(full.shape().to_vec(), state.global_shape);
             f(path, full);
         }
     }
@@ -173,4 +161,28 @@ pub fn full_state_dict<M: Module>(
         state.insert(path.to_string(), data);
     })?;
     Ok(state)
+}
+
+/// The full (gathered) module, with plain parameters in the shards' dtype: collective, so every
+/// rank of each parameter's shard group calls it. Each parameter is gathered on its own device
+/// (no host round trip on a GPU) and served to Burn's `materialize`, which folds the
+/// reparameterizations into plain parameters.
+pub fn gather_full<M: Module>(module: M) -> Result<M, FsdpError> {
+    struct Unserve(Vec<std::sync::Arc<crate::state::ParamState>>);
+    impl Drop for Unserve {
+        fn drop(&mut self) {
+            self.0.iter().for_each(|s| s.serve(None));
+        }
+    }
+    let mut served = Unserve(Vec::new());
+    for c in collect(&module) {
+        let shard = match &c.state.unit.compute {
+            Some(device) => c.shard.detach().to_device(device),
+            None => c.shard.detach(),
+        };
+        let full = coll::all_gather(shard, &c.state.unit.group, 0)?;
+        c.state.serve(Some(full));
+        served.0.push(c.state);
+    }
+    Ok(module.materialize())
 }

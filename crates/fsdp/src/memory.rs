@@ -1,9 +1,9 @@
 //! Per-rank accounting of model-state memory: live bytes of parameters (shards under FSDP),
 //! gathered weights, gradients and optimizer state, current and peak.
 //!
-//! A rank is one thread (the threads engine) or one process, so the counters are per thread.
-//! They are a model of what is alive, kept at the points where FSDP knows it, not a
-//! measurement of the allocator:
+//! The counters are a [`MemoryTracker`], owned by the [`FsdpConfig`](crate::FsdpConfig) a model
+//! was sharded with (one per rank; clones share it) and reachable from it. They are a model of
+//! what is alive, kept at the points where FSDP knows it, not a measurement of the allocator:
 //!
 //! - **gathered** (recorded by FSDP): an all-gather's full buffer (a unit's coalesced buffer or
 //!   one parameter), in the compute dtype, from the moment the gather is issued (a prefetched
@@ -24,21 +24,22 @@
 //! - **grads** (recorded by FSDP): each gradient shard backward hands to a parameter (the
 //!   reduce-scatter's output, in the shard dtype; zeros while gradient sync is off), plus the
 //!   full-size accumulators that deferred gradient sync keeps. The caller says when it has
-//!   dropped the gradients ([`release_grads`], typically after the optimizer step). Outside
-//!   FSDP (a single-device baseline) the caller sets them with [`set_grads`].
+//!   dropped the gradients ([`MemoryTracker::release_grads`], typically after the optimizer
+//!   step). Outside FSDP (a single-device baseline) the caller sets them with
+//!   [`MemoryTracker::set_grads`].
 //! - **params** and **optimizer** (set by the caller, who owns them): levels set with
-//!   [`set_params`] and [`set_optimizer`], computed by [`param_bytes`] and
-//!   [`optimizer_state_bytes`].
+//!   [`MemoryTracker::set_params`] and [`MemoryTracker::set_optimizer`], computed by
+//!   [`param_bytes`] and [`optimizer_state_bytes`].
 //!
 //! Every change updates the peak of each kind and the peak of their sum
-//! ([`peak_model_state_bytes`]).
+//! ([`MemoryTracker::peak_model_state_bytes`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 
 /// What a byte count is of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -120,7 +121,7 @@ impl State {
     }
 }
 
-/// One rank's counters. Holds keep an `Arc` to them, so a release always reaches the rank
+/// One rank's counters. Holds keep an `Arc` to them, so a release always reaches the tracker
 /// that counted the bytes.
 #[derive(Default)]
 pub(crate) struct Counters(Mutex<State>);
@@ -169,16 +170,85 @@ impl Counters {
     }
 }
 
-thread_local! {
-    static COUNTERS: Arc<Counters> = Arc::new(Counters::default());
+/// One rank's model-state counters. Cheap to clone: clones count into the same counters. FSDP
+/// records into the tracker of the config a model was sharded with
+/// ([`FsdpConfig::memory`](crate::FsdpConfig::memory)); a loop without FSDP makes its own.
+#[derive(Clone, Default)]
+pub struct MemoryTracker(Arc<Counters>);
+
+impl std::fmt::Debug for MemoryTracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MemoryTracker({:?})", self.report())
+    }
 }
 
-/// This rank's counters.
-pub(crate) fn counters() -> Arc<Counters> {
-    COUNTERS.with(Arc::clone)
+impl MemoryTracker {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn counters(&self) -> &Arc<Counters> {
+        &self.0
+    }
+
+    /// Bytes counted under `kind` until released (explicitly, or when the hold is dropped).
+    pub(crate) fn hold(&self, kind: MemoryKind, bytes: usize) -> Arc<Hold> {
+        self.0.add(kind, bytes);
+        Arc::new(Hold {
+            counters: self.0.clone(),
+            kind,
+            bytes: AtomicUsize::new(bytes),
+        })
+    }
+
+    /// This rank's model-state bytes.
+    pub fn report(&self) -> MemoryReport {
+        self.0.report()
+    }
+
+    /// The peak of params + gathered + grads + optimizer bytes.
+    pub fn peak_model_state_bytes(&self) -> usize {
+        self.report().peak_total
+    }
+
+    /// Zeroes the counters (current and peak).
+    pub fn reset(&self) {
+        self.0.with(|s| *s = State::default());
+    }
+
+    /// Restarts the peaks from the current levels (e.g. after warm-up steps).
+    pub fn reset_peak(&self) {
+        self.0.with(|s| {
+            s.report.peak = s.report.current;
+            s.report.peak_total = s.report.current.total();
+        });
+    }
+
+    /// Sets the bytes of parameters this rank stores (see [`param_bytes`]).
+    pub fn set_params(&self, bytes: usize) {
+        self.0.set(MemoryKind::Params, bytes);
+    }
+
+    /// Sets the bytes of optimizer state this rank holds (see [`optimizer_state_bytes`]).
+    pub fn set_optimizer(&self, bytes: usize) {
+        self.0.set(MemoryKind::Optimizer, bytes);
+    }
+
+    /// Sets the gradient bytes this rank holds (deferred-sync accumulators, which FSDP counts,
+    /// come on top); for training that FSDP does not run, such as a single-device baseline.
+    pub fn set_grads(&self, bytes: usize) {
+        self.0.set_grad_shards(bytes);
+    }
+
+    /// The caller has dropped its gradients (typically after the optimizer step): gradient
+    /// shards no longer count. Deferred-sync accumulators still do until the sync step reduces
+    /// them.
+    pub fn release_grads(&self) {
+        self.set_grads(0);
+    }
 }
 
-/// Bytes counted under `kind` until released (explicitly, or when the hold is dropped).
+/// Bytes counted under one kind until released (explicitly, or when the hold is dropped).
 pub(crate) struct Hold {
     counters: Arc<Counters>,
     kind: MemoryKind,
@@ -186,16 +256,6 @@ pub(crate) struct Hold {
 }
 
 impl Hold {
-    pub(crate) fn new(kind: MemoryKind, bytes: usize) -> Arc<Self> {
-        let counters = counters();
-        counters.add(kind, bytes);
-        Arc::new(Self {
-            counters,
-            kind,
-            bytes: AtomicUsize::new(bytes),
-        })
-    }
-
     pub(crate) fn add(&self, bytes: usize) {
         self.bytes.fetch_add(bytes, Ordering::SeqCst);
         self.counters.add(self.kind, bytes);
@@ -211,56 +271,6 @@ impl Drop for Hold {
     fn drop(&mut self) {
         self.release();
     }
-}
-
-/// The bytes of a tensor's data.
-pub(crate) fn data_bytes(data: &TensorData) -> usize {
-    data.num_elements() * data.dtype().size()
-}
-
-/// This rank's model-state bytes.
-pub fn report() -> MemoryReport {
-    counters().report()
-}
-
-/// The peak, on this rank, of params + gathered + grads + optimizer bytes.
-pub fn peak_model_state_bytes() -> usize {
-    report().peak_total
-}
-
-/// Zeroes this rank's counters (current and peak).
-pub fn reset() {
-    counters().with(|s| *s = State::default());
-}
-
-/// Restarts the peaks from the current levels (e.g. after warm-up steps).
-pub fn reset_peak() {
-    counters().with(|s| {
-        s.report.peak = s.report.current;
-        s.report.peak_total = s.report.current.total();
-    });
-}
-
-/// Sets the bytes of parameters this rank stores (see [`param_bytes`]).
-pub fn set_params(bytes: usize) {
-    counters().set(MemoryKind::Params, bytes);
-}
-
-/// Sets the bytes of optimizer state this rank holds (see [`optimizer_state_bytes`]).
-pub fn set_optimizer(bytes: usize) {
-    counters().set(MemoryKind::Optimizer, bytes);
-}
-
-/// Sets the gradient bytes this rank holds (deferred-sync accumulators, which FSDP counts,
-/// come on top); for training that FSDP does not run, such as a single-device baseline.
-pub fn set_grads(bytes: usize) {
-    counters().set_grad_shards(bytes);
-}
-
-/// The caller has dropped its gradients (typically after the optimizer step): gradient shards
-/// no longer count. Deferred-sync accumulators still do until the sync step reduces them.
-pub fn release_grads() {
-    set_grads(0);
 }
 
 /// Sums `f(bytes, trainable)` over a module's stored float parameters.

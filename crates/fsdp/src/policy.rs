@@ -11,9 +11,11 @@ use crate::error::FsdpError;
 pub struct MixedPrecisionPolicy {
     pub param_dtype: Option<FloatDType>,
     pub reduce_dtype: Option<FloatDType>,
-    /// The dtype `cast_output` gives the model's outputs.
+    /// The dtype each unit's output takes: `forward_units` casts every unit's output (FSDP2
+    /// casts each sharded module's), `cast_output` any other value.
     pub output_dtype: Option<FloatDType>,
-    /// Whether `cast_input` casts floating-point inputs to `param_dtype`.
+    /// Whether inputs are cast to `param_dtype`: `forward_units` casts every unit's input
+    /// (FSDP2 casts each sharded module's), `cast_input` any other value.
     pub cast_forward_inputs: bool,
 }
 
@@ -29,7 +31,8 @@ impl MixedPrecisionPolicy {
     }
 
     /// Casts a forward input to `param_dtype` when the policy asks for it. Burn has no forward
-    /// hooks, so the caller (or the parallelizer) applies this at the model's entry.
+    /// hooks: `forward_units` applies it to each unit's input, and code that runs a sharded
+    /// module otherwise calls this at the module's entry.
     pub fn cast_input<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         match (self.cast_forward_inputs, self.param_dtype) {
             (true, Some(dtype)) => x.cast(dtype),

@@ -1,163 +1,38 @@
-//! Per-parameter sharding through Burn's `Reparameterization`.
+//! `fully_shard`: per-parameter sharding through Burn's `Reparameterization`. One call is one
+//! unit ([`UnitState`]); each parameter it shards gets a [`ParamState`] in its
+//! [`ShardGather`].
 
 use std::collections::HashSet;
+use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::module::{Module, Param, ParamId, Reparameterization, Reparameterizer};
-use burn::tensor::{DType, Tensor, TensorData};
-use burn_parallel_dist::ProcessGroup;
-use burn_parallel_dist::chunk::chunk_range;
-use burn_parallel_dist::collectives::GatherOptions;
+use burn::module::{Module, Param, ParamId, Reparameterizer};
+use burn::tensor::{Tensor, TensorData};
+use burn_parallel_comm::chunk::chunk_range;
 
+use crate::config::FsdpConfig;
 use crate::error::FsdpError;
-use crate::gather::{Accumulator, GatherPlan, gather_param};
-use crate::load::{RowRequest, Source};
-use crate::offload::OffloadPolicy;
-use crate::policy::MixedPrecisionPolicy;
-use crate::unit::{COLLECTING, Collected, SERVED};
+use crate::reparam::{ShardGather, collect, is_marker};
+use crate::state::{ParamState, UnitState};
 
-/// How [`fully_shard`] shards and gathers.
+/// What a sharded load asks its source for: rows `rows` (along dim 0) of the full parameter at
+/// `path` (Burn's module path, e.g. `layers.0.weight`), whose full shape is `shape`. `rows` is
+/// empty on a rank that holds no rows of a small parameter: return a `[0, ...]` tensor of the
+/// parameter's dtype.
 #[derive(Debug, Clone)]
-pub struct FsdpConfig {
-    /// The group the parameters are sharded over (FSDP2's shard mesh dimension).
-    pub group: ProcessGroup,
-    /// HSDP: the group of replicas of this shard (`dp_replicate`). Gradients are
-    /// reduce-scattered within `group`, then all-reduced across replicas.
-    pub replicate_group: Option<ProcessGroup>,
-    /// Drop gathered weights after forward and gather again in backward. Takes effect on a
-    /// device with gradient checkpointing (`Device::autodiff().gradient_checkpointing()`);
-    /// otherwise the gathered weights are kept until backward.
-    pub reshard_after_forward: bool,
-    pub mixed_precision: MixedPrecisionPolicy,
-    /// Shards, gradients and optimizer step on a host device (`None`: on the compute device).
-    pub offload: Option<OffloadPolicy>,
-    /// Shared by every parameter sharded with this config (and its clones).
-    sync: Arc<AtomicBool>,
+pub struct RowRequest<'a> {
+    pub path: &'a str,
+    pub id: ParamId,
+    pub shape: &'a [usize],
+    pub rows: Range<usize>,
 }
 
-impl FsdpConfig {
-    pub fn new(group: ProcessGroup) -> Self {
-        Self {
-            group,
-            replicate_group: None,
-            reshard_after_forward: true,
-            mixed_precision: MixedPrecisionPolicy::default(),
-            offload: None,
-            sync: Arc::new(AtomicBool::new(true)),
-        }
-    }
-
-    /// FSDP2's `set_requires_gradient_sync`: with `false`, backward adds each parameter's
-    /// full gradient to a local accumulator and communicates nothing (the shards get zeros);
-    /// the next backward with `true` reduce-scatters the accumulated sum once. Under HSDP it
-    /// also skips the replica all-reduce.
-    pub fn set_requires_gradient_sync(&self, sync: bool) {
-        self.sync.store(sync, Ordering::SeqCst);
-    }
-
-    pub fn mixed_precision(mut self, policy: MixedPrecisionPolicy) -> Self {
-        self.mixed_precision = policy;
-        self
-    }
-
-    /// HSDP over `replicate` x `group`.
-    pub fn hybrid(group: ProcessGroup, replicate: ProcessGroup) -> Self {
-        Self {
-            replicate_group: Some(replicate),
-            ..Self::new(group)
-        }
-    }
-
-    pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
-        self.reshard_after_forward = reshard;
-        self
-    }
-
-    /// Keeps shards, their gradients and the optimizer step on `policy.host`.
-    pub fn offload(mut self, policy: OffloadPolicy) -> Self {
-        self.offload = Some(policy);
-        self
-    }
-}
-
-/// The reparameterization FSDP attaches to each sharded parameter: its effective value is the
-/// all-gather of the shards along dim 0.
-#[derive(Module, Debug)]
-pub struct ShardGather {
-    #[module(skip)]
-    plan: Option<GatherPlan>,
-    #[module(skip)]
-    accumulator: Accumulator,
-    /// The parameter's id and full size along dim 0, for coalesced unit gathers.
-    #[module(skip)]
-    id: Option<ParamId>,
-    #[module(skip)]
-    full_rows: usize,
-}
-
-/// The gather options in force: the shard dtype while `gather_full` materializes.
-pub(crate) fn effective_options(options: GatherOptions) -> GatherOptions {
-    if GATHER_IN_SHARD_DTYPE.get() {
-        GatherOptions {
-            compute_dtype: None,
-            ..options
-        }
-    } else {
-        options
-    }
-}
-
-impl Reparameterization for ShardGather {
-    const NAME: &'static str = "fsdp_shard";
-
-    fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
-        let plan = self.plan.as_ref().expect("set by fully_shard");
-        let id = self.id.expect("set by fully_shard");
-        let collecting = COLLECTING.with(|c| match c.borrow_mut().as_mut() {
-            Some(collected) => {
-                let dims = base.dims();
-                collected.push(Collected {
-                    id,
-                    shard: base.clone().reshape([dims.iter().product::<usize>()]),
-                    full_rows: self.full_rows,
-                    row_len: dims[1..].iter().product(),
-                    plan: plan.clone(),
-                    accumulator: self.accumulator.clone(),
-                });
-                true
-            }
-            None => false,
-        });
-        if collecting {
-            return base;
-        }
-        let served = SERVED.with(|s| {
-            s.borrow().get(&id).map(|flat| {
-                let mut shape = base.dims();
-                shape[0] = self.full_rows;
-                flat.clone().reshape(shape)
-            })
-        });
-        if let Some(value) = served {
-            return value;
-        }
-        // `Param::val` cannot return an error; the launcher reports the panic as this rank's
-        // failure and releases the others.
-        let gathered_elems = self.full_rows * base.dims()[1..].iter().product::<usize>();
-        gather_param(
-            base,
-            plan,
-            effective_options(plan.options),
-            &self.accumulator,
-            gathered_elems,
-        )
-        .unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"))
-    }
-}
+pub(crate) type Source<'a> = &'a mut dyn FnMut(&RowRequest) -> Result<TensorData, String>;
 
 struct Sharder<'a> {
     config: &'a FsdpConfig,
+    /// The unit this call makes, once its first parameter (and so its compute device) is seen.
+    unit: Option<Arc<UnitState>>,
     /// Parameters an earlier `fully_shard` (an inner unit) already sharded.
     already_sharded: HashSet<ParamId>,
     /// Where a sharded load takes each shard's rows from (`None`: from the module itself).
@@ -228,6 +103,14 @@ impl Sharder<'_> {
         // Takes the parameter's device and gradient setting without running its initializer.
         Ok(param.transform_for_load(shard, id))
     }
+
+    /// The unit of this call, made on the first parameter (whose device computes).
+    fn unit(&mut self, compute: &burn::tensor::Device) -> Arc<UnitState> {
+        let config = self.config;
+        self.unit
+            .get_or_insert_with(|| Arc::new(UnitState::new(config, compute)))
+            .clone()
+    }
 }
 
 impl Reparameterizer for &mut Sharder<'_> {
@@ -240,16 +123,15 @@ impl Reparameterizer for &mut Sharder<'_> {
     ) -> (Param<Tensor<D>>, Option<ShardGather>) {
         // FSDP2 shards inner units first and the root last: the root keeps only what no
         // unit took (Burn does not nest reparameterizations). Burn hands the mapper the base
-        // without its reparameterization, so sharded ones are recognised by id.
-        if self.already_sharded.contains(&param.id) {
+        // without its reparameterization, so sharded ones are recognised by id; the markers
+        // that carry their state (see `reparam`) are passed through.
+        if is_marker(&param) || self.already_sharded.contains(&param.id) {
             return (param, None);
         }
-        let group = &self.config.group;
-        let policy = self.config.mixed_precision;
-        let (id, full_rows) = (param.id, param.lazy_shape()[0]);
+        let (id, shape) = (param.id, param.lazy_shape().to_vec());
         let compute = param.lazy_device();
         if self.error.is_none()
-            && let Err(e) = policy.check(&compute)
+            && let Err(e) = self.config.mixed_precision.check(&compute)
         {
             self.error = Some(e);
         }
@@ -274,30 +156,16 @@ impl Reparameterizer for &mut Sharder<'_> {
             Some(offload) => shard.map(|s| offload.place(s)),
             None => shard,
         };
-        let gather = ShardGather {
-            plan: Some(GatherPlan {
-                group: group.clone(),
-                replicate_group: self.config.replicate_group.clone(),
-                options: GatherOptions {
-                    recompute: self.config.reshard_after_forward,
-                    compute_dtype: policy.param_dtype.map(DType::from),
-                    reduce_dtype: policy.reduce_dtype.map(DType::from),
-                },
-                sync: self.config.sync.clone(),
-                compute: self.config.offload.as_ref().map(|_| compute),
-            }),
-            accumulator: Accumulator::default(),
-            id: Some(id),
-            full_rows,
-        };
+        let unit = self.unit(&compute);
+        let gather = ShardGather::new(ParamState::new(id, shape, unit), &shard.lazy_device());
         (shard, Some(gather))
     }
 }
 
-/// Shards every float parameter of `module` on dim 0 over `config.group`. Every rank calls
-/// it with the same (replicated) module; each keeps its own chunk. Parameter ids are kept.
-/// Parameters already sharded (by an earlier call on a submodule, FSDP2's inner units) keep
-/// their own config.
+/// Shards every float parameter of `module` on dim 0 over `config.group`: one FSDP unit. Every
+/// rank calls it with the same (replicated) module; each keeps its own chunk. Parameter ids are
+/// kept. Parameters already sharded (by an earlier call on a submodule, FSDP2's inner units)
+/// keep their own unit.
 /// Fails, before any communication, on a mixed-precision dtype the device cannot run.
 pub fn fully_shard<M: Module>(module: M, config: &FsdpConfig) -> Result<M, FsdpError> {
     shard_module(module, config, None)
@@ -308,11 +176,11 @@ pub(crate) fn shard_module<'a, M: Module>(
     config: &'a FsdpConfig,
     source: Option<Source<'a>>,
 ) -> Result<M, FsdpError> {
-    let mut sharded = ShardedIds::default();
-    module.visit(&mut sharded);
+    let already_sharded = collect(&module).iter().map(|c| c.state.id).collect();
     let mut sharder = Sharder {
         config,
-        already_sharded: sharded.ids,
+        unit: None,
+        already_sharded,
         source,
         error: None,
     };
@@ -320,43 +188,5 @@ pub(crate) fn shard_module<'a, M: Module>(
     match sharder.error {
         Some(e) => Err(e),
         None => Ok(sharded),
-    }
-}
-
-thread_local! {
-    /// Set while `gather_full` materializes, so that a full state keeps the shards' dtype
-    /// (f32) instead of the mixed-precision compute dtype. A rank is one thread (or process).
-    static GATHER_IN_SHARD_DTYPE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// The full (gathered) module, with plain parameters in the shards' dtype: collective, so every
-/// rank of the group calls it.
-pub fn gather_full<M: Module>(module: M) -> M {
-    GATHER_IN_SHARD_DTYPE.set(true);
-    let full = module.materialize();
-    GATHER_IN_SHARD_DTYPE.set(false);
-    full
-}
-
-/// Collects the ids of parameters that carry a [`ShardGather`]: a visitor sees a parameter's
-/// base first, then enters its reparameterization as a module named after it.
-#[derive(Default)]
-struct ShardedIds {
-    last: Option<ParamId>,
-    ids: HashSet<ParamId>,
-}
-
-impl burn::module::ModuleVisitor for ShardedIds {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        self.last = Some(param.id);
-    }
-
-    fn enter_module(&mut self, name: &str, container_type: &str) {
-        if container_type == "Reparameterization"
-            && name == <ShardGather as Reparameterization>::NAME
-            && let Some(id) = self.last.take()
-        {
-            self.ids.insert(id);
-        }
     }
 }

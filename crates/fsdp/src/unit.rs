@@ -1,80 +1,36 @@
 //! Coalesced unit gathers: FSDP2's one all-gather per unit. [`with_gathered_unit`] gathers
 //! every sharded parameter of a module with a single collective (each rank contributes its
 //! shards, each padded to the pad-to-ceil chunk, concatenated) and, while its closure runs,
-//! `param.val()` of those parameters returns their slice of that buffer; backward
-//! reduce-scatters the whole unit's gradient once.
+//! `param.val()` of those parameters returns their slice of that buffer (served from each
+//! parameter's own state); backward reduce-scatters the whole unit's gradient once.
 //!
-//! Burn's `Reparameterization::apply` sees one parameter at a time, so the shards are first
-//! collected by a `materialize()` pass over a clone of the module (no communication). The
-//! served slices are not re-wrapped by `materialize`, which would make them new leaves and cut
-//! the gradient's path to the shards.
+//! [`forward_units`] runs a stack of units with forward prefetch, at the depth the units were
+//! sharded with.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-
-use burn::module::{Module, ParamId};
-use burn::tensor::{DType, Tensor, TensorData};
-use burn_parallel_dist::chunk::padded_chunk;
-
+use std::collections::VecDeque;
 use std::sync::Arc;
 
+use burn::module::Module;
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+
 use crate::error::FsdpError;
-use crate::gather::{Accumulator, GatherPlan, PendingGather, start_gather};
+use crate::gather::{PendingGather, start_gather};
 use crate::memory::Hold;
-
-/// One sharded parameter as the collecting pass saw it.
-pub(crate) struct Collected {
-    pub id: ParamId,
-    /// The shard, flattened.
-    pub shard: Tensor<1>,
-    pub full_rows: usize,
-    /// Elements per row (the product of dims 1..).
-    pub row_len: usize,
-    pub plan: GatherPlan,
-    pub accumulator: Accumulator,
-}
-
-thread_local! {
-    /// While a unit is being collected: the shards seen so far (no communication).
-    pub(crate) static COLLECTING: RefCell<Option<Vec<Collected>>> = const { RefCell::new(None) };
-    /// Parameters of the units being run, served from their unit's one gathered buffer.
-    pub(crate) static SERVED: RefCell<HashMap<ParamId, Tensor<1>>> = RefCell::new(HashMap::new());
-}
+use crate::policy::MixedPrecisionPolicy;
+use crate::reparam::{Collected, collect};
+use crate::state::{ParamState, UnitState};
 
 /// Stops serving a unit's parameters when its scope ends, even by panic; when resharding
 /// after forward, that is also when its gathered bytes are released.
 struct ServeGuard {
-    ids: Vec<ParamId>,
+    served: Vec<Arc<ParamState>>,
     _gathered: Option<Arc<Hold>>,
 }
 
 impl Drop for ServeGuard {
     fn drop(&mut self) {
-        SERVED.with(|s| {
-            let mut served = s.borrow_mut();
-            self.ids.iter().for_each(|id| {
-                served.remove(id);
-            });
-        });
+        self.served.iter().for_each(|p| p.serve(None));
     }
-}
-
-/// Ends a collecting pass, even by panic.
-struct CollectGuard;
-
-impl Drop for CollectGuard {
-    fn drop(&mut self) {
-        COLLECTING.with(|c| c.borrow_mut().take());
-    }
-}
-
-pub(crate) fn collect<M: Module>(unit: &M) -> Vec<Collected> {
-    let _guard = CollectGuard;
-    COLLECTING.with(|c| *c.borrow_mut() = Some(Vec::new()));
-    drop(unit.clone().materialize());
-    COLLECTING
-        .with(|c| c.borrow_mut().take())
-        .unwrap_or_default()
 }
 
 fn zeros(n: usize, dtype: DType, device: &burn::tensor::Device) -> Tensor<1> {
@@ -86,50 +42,60 @@ fn zeros(n: usize, dtype: DType, device: &burn::tensor::Device) -> Tensor<1> {
 struct PendingUnit {
     gather: PendingGather<1>,
     world: usize,
-    offset: usize,
-    /// (id, start, padded length, full length) of each parameter in the buffer.
-    params: Vec<(ParamId, usize, usize, usize)>,
+    /// Elements each rank contributes.
+    per_rank: usize,
+    /// Each parameter's state and its padded chunk's start in a rank's contribution.
+    params: Vec<(Arc<ParamState>, usize)>,
 }
 
-/// Collects `unit`'s shards and starts their one gather; `None` when it has nothing to gather.
-/// `after`: see [`start_gather`].
-fn start_unit<M: Module>(
-    unit: &M,
-    after: Option<Tensor<1>>,
-) -> Result<Option<PendingUnit>, FsdpError> {
-    let collected = collect(unit);
+/// The unit state shared by `collected`, or an error naming two groups that differ.
+fn common_unit(collected: &[Collected]) -> Result<Option<Arc<UnitState>>, FsdpError> {
     let Some(first) = collected.first() else {
         return Ok(None);
     };
-    let plan = first.plan.clone();
+    let unit = first.state.unit.clone();
     if let Some(other) = collected
         .iter()
-        .find(|c| c.plan.group.ranks() != plan.group.ranks())
+        .find(|c| c.state.unit.group.ranks() != unit.group.ranks())
     {
         return Err(FsdpError::MixedGroups {
-            first: plan.group.label().to_string(),
-            other: other.plan.group.label().to_string(),
+            first: unit.group.label().to_string(),
+            other: other.state.unit.group.label().to_string(),
         });
     }
-    let world = plan.group.size();
+    Ok(Some(unit))
+}
+
+/// Collects `module`'s shards and starts their one gather; `None` when it has nothing to
+/// gather. `after`: see [`start_gather`].
+fn start_unit<M: Module>(
+    module: &M,
+    after: Option<Tensor<1>>,
+) -> Result<Option<PendingUnit>, FsdpError> {
+    let collected = collect(module);
+    let Some(unit) = common_unit(&collected)? else {
+        return Ok(None);
+    };
+    let world = unit.group.size();
+    let first = &collected[0];
     let device = first.shard.device();
     let dtype = first.shard.dtype();
 
     // Each parameter's padded chunk, concatenated: every rank contributes the same length.
     let mut pieces = Vec::new();
     let mut params = Vec::new();
-    let mut offset = 0;
+    let mut per_rank = 0;
     for c in &collected {
-        let padded = padded_chunk(c.full_rows, world) * c.row_len;
+        let padded = c.state.padded_rows() * c.state.row_len();
         let own = c.shard.dims()[0];
         pieces.push(c.shard.clone());
         if padded > own {
             pieces.push(zeros(padded - own, dtype, &device));
         }
-        params.push((c.id, offset, padded, c.full_rows * c.row_len));
-        offset += padded;
+        params.push((c.state.clone(), per_rank));
+        per_rank += padded;
     }
-    if offset == 0 {
+    if per_rank == 0 {
         return Ok(None);
     }
     let mut local = Tensor::cat(pieces, 0);
@@ -146,48 +112,45 @@ fn start_unit<M: Module>(
             local = local + zero;
         }
     }
-    let options = crate::shard::effective_options(plan.options);
     let gather = start_gather(
         local,
-        &plan,
-        options,
-        &first.accumulator,
-        world * offset,
+        &unit,
+        &first.state.accumulator,
+        world * per_rank,
         after,
     )?;
     Ok(Some(PendingUnit {
         gather,
         world,
-        offset,
+        per_rank,
         params,
     }))
 }
 
 impl PendingUnit {
     /// Waits for the gather and serves the unit's parameters until the guard drops.
-    fn serve(self) -> Result<ServeGuard, FsdpError> {
-        let (gathered, forward_hold) = self.gather.finish()?;
-        let by_rank = gathered.reshape([self.world, self.offset]);
-        let mut ids = Vec::new();
-        SERVED.with(|s| {
-            let mut served = s.borrow_mut();
-            for (id, start, padded, len) in self.params {
-                if padded == 0 {
-                    continue;
-                }
-                let rows = by_rank
-                    .clone()
-                    .narrow(1, start, padded)
-                    .reshape([self.world * padded]);
-                // Padding sits after the last rows, so the first `len` values are the parameter.
-                served.insert(id, rows.narrow(0, 0, len));
-                ids.push(id);
+    fn serve(self) -> ServeGuard {
+        let (gathered, forward_hold) = self.gather.finish();
+        let by_rank = gathered.reshape([self.world, self.per_rank]);
+        let mut served = Vec::new();
+        for (state, start) in self.params {
+            let padded = state.padded_rows() * state.row_len();
+            if padded == 0 {
+                continue;
             }
-        });
-        Ok(ServeGuard {
-            ids,
+            let rows = by_rank
+                .clone()
+                .narrow(1, start, padded)
+                .reshape([self.world * padded]);
+            // Padding sits after the last rows, so the first values are the parameter.
+            let len = state.global_shape.iter().product();
+            state.serve(Some(rows.narrow(0, 0, len)));
+            served.push(state);
+        }
+        ServeGuard {
+            served,
             _gathered: forward_hold,
-        })
+        }
     }
 }
 
@@ -197,33 +160,22 @@ impl PendingUnit {
 /// each other: parameters outside every running unit are gathered one by one. Collective:
 /// every rank of the shard group runs the same units in the same order.
 pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Result<R, FsdpError> {
-    let _guard = match start_unit(unit, None)? {
-        Some(pending) => Some(pending.serve()?),
-        None => None,
-    };
+    let _guard = start_unit(unit, None)?.map(PendingUnit::serve);
     Ok(f())
 }
 
-/// Runs `units` in order as FSDP units (a decoder's layers), threading `input` through
-/// `f(unit, x)`. With `prefetch`, the next unit's all-gather is started before the current
-/// unit computes (FSDP2's forward prefetch, depth 1), so communication overlaps compute.
-pub fn forward_units<U: Module, T: UnitInput>(
-    units: &[U],
-    input: T,
-    prefetch: bool,
-    f: impl FnMut(&U, T) -> T,
-) -> Result<T, FsdpError> {
-    forward_units_prefetching(units, input, usize::from(prefetch), f)
-}
-
 /// What a stack of units passes from one unit to the next (an activation tensor).
-pub trait UnitInput {
+pub trait UnitInput: Sized {
     /// An exact zero `[1]` computed from this input, or `None` when the input is not part of
     /// the autodiff graph. Each unit's gather is tied to the input current when it is issued,
     /// so that backward reduce-scatters a unit's gradient right after running through the unit
     /// (and through the units prefetched with it), rather than every unit's at the end of
     /// backward, keeping the unsharded gradients of at most the prefetched units alive.
     fn order_anchor(&self) -> Option<Tensor<1>>;
+
+    /// This value with its floating-point tensors cast to `dtype` (the mixed-precision
+    /// policy's `cast_forward_inputs` and `output_dtype`).
+    fn cast(self, dtype: FloatDType) -> Self;
 }
 
 impl<const D: usize> UnitInput for Tensor<D> {
@@ -236,19 +188,63 @@ impl<const D: usize> UnitInput for Tensor<D> {
         // adds an exact zero to the input's).
         Some(self.clone().reshape([n]).narrow(0, 0, 1).mul_scalar(0.0))
     }
+
+    fn cast(self, dtype: FloatDType) -> Self {
+        match self.dtype() == DType::from(dtype) {
+            true => self,
+            false => Tensor::<D>::cast(self, dtype),
+        }
+    }
 }
 
-/// [`forward_units`] with the all-gathers of the next `depth` units in flight while one
-/// computes (0: no prefetch). Each prefetched unit holds its gathered weights until it runs.
-pub fn forward_units_prefetching<U: Module, T: UnitInput>(
+/// The unit's input and output casts, as FSDP2 applies them around each `fully_shard` module's
+/// forward: inputs to `param_dtype` when `cast_forward_inputs`, outputs to `output_dtype`.
+fn unit_forward<U, T: UnitInput>(
+    policy: Option<MixedPrecisionPolicy>,
+    unit: &U,
+    x: T,
+    f: &mut impl FnMut(&U, T) -> T,
+) -> T {
+    let Some(policy) = policy else {
+        return f(unit, x);
+    };
+    let x = match (policy.cast_forward_inputs, policy.param_dtype) {
+        (true, Some(dtype)) => x.cast(dtype),
+        _ => x,
+    };
+    let y = f(unit, x);
+    match policy.output_dtype {
+        Some(dtype) => y.cast(dtype),
+        None => y,
+    }
+}
+
+/// The state of a stack's first sharded unit, whose prefetch depth and policy the stack runs
+/// with (`None` when nothing in it is sharded).
+fn first_unit<U: Module>(units: &[U]) -> Option<Arc<UnitState>> {
+    units
+        .iter()
+        .find_map(|u| collect(u).first().map(|c| c.state.unit.clone()))
+}
+
+/// Runs `units` in order as FSDP units (a decoder's layers), threading `input` through
+/// `f(unit, x)`. The next units' all-gathers are in flight while one computes, as many as the
+/// units' [`FsdpConfig::forward_prefetch_depth`](crate::FsdpConfig) says (FSDP2's forward
+/// prefetch; each prefetched unit holds its gathered weights until it runs), and each unit's
+/// input and output take the casts of the units' mixed-precision policy
+/// (`cast_forward_inputs`, `output_dtype`), as FSDP2 applies them around each sharded module.
+/// Units that are not sharded run as a plain loop.
+pub fn forward_units<U: Module, T: UnitInput>(
     units: &[U],
     input: T,
-    depth: usize,
     mut f: impl FnMut(&U, T) -> T,
 ) -> Result<T, FsdpError> {
+    let unit_state = first_unit(units);
+    let depth = unit_state.as_ref().map_or(0, |u| u.prefetch_depth);
+    let policy = unit_state.map(|u| u.policy);
     let mut x = input;
     // Gathers issued ahead, in unit order: units[started - in_flight.len() .. started].
-    let mut in_flight = std::collections::VecDeque::new();
+    let mut in_flight = VecDeque::new();
     let mut started = 0;
     for (i, unit) in units.iter().enumerate() {
         // Keep `depth` units after this one in flight (this one's gather, when not
@@ -257,12 +253,8 @@ pub fn forward_units_prefetching<U: Module, T: UnitInput>(
             in_flight.push_back(start_unit(&units[started], x.order_anchor())?);
             started += 1;
         }
-        let current = in_flight.pop_front().flatten();
-        let _guard = match current {
-            Some(pending) => Some(pending.serve()?),
-            None => None,
-        };
-        x = f(unit, x);
+        let _guard = in_flight.pop_front().flatten().map(PendingUnit::serve);
+        x = unit_forward(policy, unit, x, &mut f);
     }
     Ok(x)
 }

@@ -1,12 +1,13 @@
-//! Struct-level arguments: `#[parallelize(plan = "NAME", sidecar = Type)]`.
+//! Struct-level arguments: `#[parallelize(plan = PLAN, sidecar = Type)]`, where `PLAN` is the path
+//! of a `NamedPlan` constant the model provides.
 
 use syn::parse::{ParseStream, Parser};
 use syn::spanned::Spanned;
-use syn::{Lit, LitStr, Token, Type};
+use syn::{Path, Token, Type};
 
 #[derive(Default)]
 pub struct StructArgs {
-    pub plan: Option<LitStr>,
+    pub plan: Option<Path>,
     pub sidecar: Option<Type>,
 }
 
@@ -22,7 +23,7 @@ pub fn parser() -> impl Parser<Output = StructArgs> {
                     if args.plan.is_some() {
                         return Err(syn::Error::new(key.span(), "duplicate `plan` argument"));
                     }
-                    args.plan = Some(plan_name(input)?);
+                    args.plan = Some(plan_path(input)?);
                 }
                 "sidecar" => {
                     if args.sidecar.is_some() {
@@ -34,7 +35,7 @@ pub fn parser() -> impl Parser<Output = StructArgs> {
                     return Err(syn::Error::new(
                         key.span(),
                         format!(
-                            "unknown #[parallelize] argument `{other}`; expected `plan = \"NAME\"` or `sidecar = Type`"
+                            "unknown #[parallelize] argument `{other}`; expected `plan = PLAN` or `sidecar = Type`"
                         ),
                     ));
                 }
@@ -48,18 +49,13 @@ pub fn parser() -> impl Parser<Output = StructArgs> {
     }
 }
 
-fn plan_name(input: ParseStream) -> syn::Result<LitStr> {
+fn plan_path(input: ParseStream) -> syn::Result<Path> {
     let span = input.span();
-    match input.parse::<Lit>() {
-        Ok(Lit::Str(s)) => Ok(s),
-        Ok(other) => Err(syn::Error::new(
-            other.span(),
-            "`plan` must be a string literal, e.g. `plan = \"llama\"`",
-        )),
-        Err(_) => Err(syn::Error::new(
-            span,
-            "`plan` must be a string literal, e.g. `plan = \"llama\"`",
-        )),
+    let message = "`plan` must be the path of a `NamedPlan` constant the model provides, \
+                   e.g. `plan = LLAMA_PLAN`";
+    match input.parse::<Path>() {
+        Ok(path) => Ok(path),
+        Err(_) => Err(syn::Error::new(span, message)),
     }
 }
 

@@ -70,7 +70,7 @@ pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> Tok
                 self,
                 path: &str,
                 f: &mut __F,
-            ) -> ::core::result::Result<Self, #p::ParallelError> {
+            ) -> ::core::result::Result<Self, __F::Error> {
                 #map_units
             }
         }
@@ -147,16 +147,15 @@ fn describe_body(args: &StructArgs, specs: &[FieldSpec], p: &TokenStream) -> Tok
         let key = ident.to_string();
         let field = quote!(self.#ident);
         let mut parts = Vec::new();
-        // Units and checkpoints, with nested content after each (forward order).
+        // Units, with nested content after each (forward order).
         let per_element = |e: TokenStream, at: TokenStream| {
             let unit = s.unit.then(|| quote!(out.add_unit(#at);));
-            let ckpt = s.checkpoint.then(|| quote!(out.add_checkpoint(#at);));
             let nested = s
                 .nested
                 .then(|| quote!(#p::Parallelize::describe(#e, #at, out);));
-            quote!(#unit #ckpt #nested)
+            quote!(#unit #nested)
         };
-        if s.unit || s.checkpoint {
+        if s.unit {
             parts.push(match s.shape {
                 Shape::One => per_element(quote!(&#field), quote!(&__p)),
                 Shape::Vec => {
@@ -242,7 +241,7 @@ fn map_units_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
                             let __e = #p::Parallelize::map_units(__e, &__pi, f)?;
                             #p::UnitMap::unit(f, &__pi, __e)
                         })
-                        .collect::<::core::result::Result<_, #p::ParallelError>>()?
+                        .collect::<::core::result::Result<_, __F::Error>>()?
                 },
                 (Shape::Option, true) => quote! {
                     match #field {

@@ -1,5 +1,6 @@
-//! One field's `#[tp(..)]`, `#[nested]`, `#[fsdp(unit)]` and `#[checkpoint]` attributes, and
-//! the syntactic shape of its type (`Tp<..>`, `Vec<..>`, `Option<..>`).
+//! One field's `#[tp(..)]`, `#[nested]` and `#[fsdp(unit)]` attributes, and the syntactic shape
+//! of its type (`Tp<..>`, `Vec<..>`, `Option<..>`). `#[checkpoint]` is recognised only to say
+//! that it is not supported.
 
 use syn::parse::ParseStream;
 use syn::{
@@ -35,7 +36,6 @@ pub struct FieldSpec {
     pub heads: Option<HeadRole>,
     pub nested: bool,
     pub unit: bool,
-    pub checkpoint: bool,
 }
 
 /// What one `#[tp(..)]` says.
@@ -57,7 +57,6 @@ impl FieldSpec {
             heads: None,
             nested: false,
             unit: false,
-            checkpoint: false,
         };
         let mut seen: Vec<&str> = Vec::new();
         for attr in &field.attrs {
@@ -97,8 +96,12 @@ impl FieldSpec {
                     spec.unit = true;
                 }
                 _ => {
-                    no_args(attr, "checkpoint")?;
-                    spec.checkpoint = true;
+                    return Err(syn::Error::new_spanned(
+                        attr,
+                        "#[checkpoint] is not supported: Burn 0.22 selects gradient checkpointing \
+                         per device, not per layer; set `activation_checkpointing = true` in the \
+                         DistributedConfig to checkpoint every layer",
+                    ));
                 }
             }
         }

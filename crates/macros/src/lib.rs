@@ -1,8 +1,8 @@
 //! `#[parallelize]`: implements `Parallelize` and `TpModule` for a model struct from its field
-//! attributes (`#[tp(..)]`, `#[nested]`, `#[fsdp(unit)]`, `#[checkpoint]`).
+//! attributes (`#[tp(..)]`, `#[nested]`, `#[fsdp(unit)]`).
 //!
 //! ```ignore
-//! #[parallelize(plan = "llama", sidecar = MySidecar)]
+//! #[parallelize(plan = LLAMA_PLAN, sidecar = MySidecar)]
 //! #[derive(Module, Debug)]
 //! pub struct Model {
 //!     #[tp(vocab_parallel)]

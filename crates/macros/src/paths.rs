@@ -1,6 +1,6 @@
 //! Where the generated code finds the runtime items: the facade's
-//! `burn_parallel::parallelizer::__private` when the user depends on `burn-parallel`, else
-//! `burn_parallel_parallelizer::__private`.
+//! `burn_parallel::describe::__private` when the user depends on `burn-parallel`, else
+//! `burn_parallel_describe::__private`.
 
 use proc_macro_crate::{FoundCrate, crate_name};
 use proc_macro2::{Span, TokenStream};
@@ -12,17 +12,17 @@ pub fn private() -> TokenStream {
     match crate_name("burn-parallel") {
         // Inside the facade package's own tests, examples and benches the crate is still
         // reachable under its name (the facade library itself never uses the macro).
-        Ok(FoundCrate::Itself) => quote!(::burn_parallel::parallelizer::__private),
+        Ok(FoundCrate::Itself) => quote!(::burn_parallel::describe::__private),
         Ok(FoundCrate::Name(n)) => {
             let n = named(&n);
-            quote!(::#n::parallelizer::__private)
+            quote!(::#n::describe::__private)
         }
-        Err(_) => match crate_name("burn-parallel-parallelizer") {
+        Err(_) => match crate_name("burn-parallel-describe") {
             Ok(FoundCrate::Name(n)) => {
                 let n = named(&n);
                 quote!(::#n::__private)
             }
-            _ => quote!(::burn_parallel_parallelizer::__private),
+            _ => quote!(::burn_parallel_describe::__private),
         },
     }
 }

@@ -34,7 +34,7 @@ pub enum ModelError {
     #[error(transparent)]
     Fsdp(#[from] burn_parallel_fsdp::FsdpError),
     #[error(transparent)]
-    Parallel(#[from] burn_parallel_parallelizer::ParallelError),
+    Plan(#[from] burn_parallel_describe::DescribeError),
 }
 
 impl ModelError {

@@ -21,3 +21,4 @@ pub use config::{LlamaConfig, RopeScaling};
 pub use error::ModelError;
 pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal};
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm, Rope};
+pub use parallel::{LLAMA_PLAN, llama_plan};

@@ -7,7 +7,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
-use burn_parallel_dist::collectives as coll;
+use burn_parallel_comm::collectives as coll;
 use burn_parallel_macros::parallelize;
 use burn_parallel_tp::{Layout, ParallelStyle, Tp};
 
@@ -239,9 +239,9 @@ impl DecoderLayer {
     }
 }
 
-/// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied. Its tp plan is the
-/// named `llama` plan (`llama-sp` with sequence parallelism).
-#[parallelize(plan = "llama")]
+/// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied. Its tp plan is
+/// [`LLAMA_PLAN`](crate::LLAMA_PLAN) (`llama`, `llama-sp` with sequence parallelism).
+#[parallelize(plan = crate::parallel::LLAMA_PLAN)]
 #[derive(Module, Debug)]
 pub struct Llama {
     pub embed_tokens: Tp<Embedding>,
@@ -445,7 +445,7 @@ impl Llama {
         let (cos, sin) = self.rope.cos_sin(seq, &x.device(), x.dtype());
         let layer = |l: &DecoderLayer, x: Tensor<3>| l.forward(x, &cos, &sin);
         // Each decoder layer is one FSDP unit when sharded; a plain loop otherwise.
-        let x = burn_parallel_parallelizer::forward_units(&self.layers, x, layer)?;
+        let x = burn_parallel_fsdp::forward_units(&self.layers, x, layer)?;
         let x = norm(&self.norm, x);
         match &self.lm_head {
             Some(head) => Ok(head.try_forward(x)?),

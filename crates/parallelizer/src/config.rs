@@ -5,25 +5,86 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::tensor::FloatDType;
+use burn_parallel_describe::{ModelDescription, SEQUENCE_PARALLEL_SUFFIX, plan_name};
 use burn_parallel_fsdp::MixedPrecisionPolicy;
 use burn_parallel_tp::ParallelStyle;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ParallelError;
 
-/// The data-parallel strategy. Tensor parallelism composes with FSDP2/HSDP through `tp_size`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+/// How the model and the batch are spread over the ranks. Config files and the trainer's
+/// `--strategy` use the snake_case names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Strategy {
-    /// Replicated parameters, gradients all-reduced (bucketed) after backward.
+    /// One rank. The model stays plain unless the mixed-precision policy casts (then it runs as
+    /// unsharded FSDP2, which applies the policy).
+    Single,
+    /// Replicated parameters, gradients all-reduced (bucketed) after backward. With a
+    /// mixed-precision policy that casts, it runs as FSDP2 replicated over every rank with
+    /// one-rank shards (PyTorch's `replicate`), which applies the policy.
     Ddp,
-    /// Fully sharded over dp_shard (HSDP when `dp_replicate_size > 1`).
+    /// Fully sharded over dp_shard (HSDP when `dp_replicate_size > 1`), with tensor
+    /// parallelism inside when `tp_size > 1` (NeMo's meaning).
     #[default]
     Fsdp2,
     /// FSDP2 sharded within dp_shard and replicated across `dp_replicate_size` groups.
     Hsdp,
-    /// Megatron-style FSDP: not implemented yet.
+    /// Tensor parallelism over every rank (`tp_size` = the world size; 1 means "all").
+    Tp,
+    /// FSDP2 over `world / tp_size` ranks with tensor parallelism over `tp_size` inside.
+    Fsdp2Tp,
+    /// Megatron-style flat-buffer FSDP: not implemented yet.
     MegatronFsdp,
+}
+
+impl Strategy {
+    /// Every strategy, in the order the names are listed.
+    pub const ALL: [Strategy; 7] = [
+        Strategy::Single,
+        Strategy::Ddp,
+        Strategy::Fsdp2,
+        Strategy::Hsdp,
+        Strategy::Tp,
+        Strategy::Fsdp2Tp,
+        Strategy::MegatronFsdp,
+    ];
+
+    /// The name config files and `--strategy` use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Single => "single",
+            Strategy::Ddp => "ddp",
+            Strategy::Fsdp2 => "fsdp2",
+            Strategy::Hsdp => "hsdp",
+            Strategy::Tp => "tp",
+            Strategy::Fsdp2Tp => "fsdp2_tp",
+            Strategy::MegatronFsdp => "megatron_fsdp",
+        }
+    }
+}
+
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = ParallelError;
+
+    fn from_str(s: &str) -> Result<Self, ParallelError> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Self::ALL.iter().map(|k| k.name()).collect();
+                invalid(format!(
+                    "unknown strategy `{s}` (expected one of: {})",
+                    names.join(", ")
+                ))
+            })
+    }
 }
 
 /// A float dtype in a config file: `f32`/`float32`, `bf16`/`bfloat16`, `f16`/`float16`.
@@ -81,6 +142,12 @@ impl MixedPrecisionConfig {
         }
     }
 
+    /// Whether the policy changes any dtype (f32 everywhere is no policy at all).
+    pub fn casts(&self) -> bool {
+        let casts = |d: Option<Dtype>| d.is_some_and(|d| d != Dtype::F32);
+        casts(self.param_dtype) || casts(self.reduce_dtype) || casts(self.output_dtype)
+    }
+
     pub fn policy(&self) -> MixedPrecisionPolicy {
         MixedPrecisionPolicy {
             param_dtype: self.param_dtype.map(Into::into),
@@ -91,7 +158,9 @@ impl MixedPrecisionConfig {
     }
 }
 
-/// CPU offload of shards, gradients and the optimizer step.
+/// FSDP2's CPU offload: with `offload_params`, shards, their gradients and the optimizer step
+/// live on the host (a CPU device); each gather first copies the shard to the compute device.
+/// On a CPU compute device the host is the compute device itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct OffloadConfig {
@@ -147,18 +216,22 @@ pub struct DistributedConfig {
     pub tp_shard_plan: Option<TpShardPlan>,
     /// `None`: NeMo's policy, every unit but the last reshards and the root never does.
     pub reshard_after_forward: Option<bool>,
+    /// Forward prefetch on (`fsdp2_forward_prefetch_depth` units) or off.
     pub enable_fsdp2_prefetch: bool,
-    /// Units whose all-gather is in flight ahead of the one computing (`forward_units`).
+    /// Units whose all-gather is in flight ahead of the one computing (`fsdp::forward_units`).
     pub fsdp2_forward_prefetch_depth: usize,
-    /// Accepted for NeMo configs; no effect: Burn 0.22 has no backward hooks to issue a
-    /// unit's gather ahead of its backward.
-    pub fsdp2_backward_prefetch_depth: usize,
-    /// Kernel fusion; no effect on the CPU backends (see `compile_parallelized_model`).
+    /// Not supported: Burn 0.22's backward has no hooks to issue a unit's gather ahead of its
+    /// backward (a resharded unit is gathered again when backward first needs it). Setting it
+    /// is an error; leave it out.
+    pub fsdp2_backward_prefetch_depth: Option<usize>,
+    /// Not supported (an error when true): the CPU backends have no kernel fusion, and the
+    /// CUDA build does not include Burn's fusion.
     pub enable_compile: bool,
+    /// Not supported (an error when true).
     pub enable_async_tensor_parallel: bool,
-    /// Accumulate gradients locally on micro-steps and reduce once on the last: a training
-    /// loop that accumulates calls `MeshContext::set_requires_gradient_sync(false)` around
-    /// its micro-steps' backward when this is set.
+    /// With `true` (the default), `MeshContext::set_requires_gradient_sync(false)` around the
+    /// micro-steps of gradient accumulation keeps FSDP from reducing until the synced step;
+    /// with `false` every micro-step reduces its gradients (the switch is ignored).
     pub defer_fsdp_grad_sync: bool,
     /// DDP all-reduce bucket size in MiB (PyTorch DDP's `bucket_cap_mb`).
     pub ddp_bucket_cap_mb: f64,
@@ -184,7 +257,7 @@ impl Default for DistributedConfig {
             reshard_after_forward: None,
             enable_fsdp2_prefetch: true,
             fsdp2_forward_prefetch_depth: 1,
-            fsdp2_backward_prefetch_depth: 2,
+            fsdp2_backward_prefetch_depth: None,
             enable_compile: false,
             enable_async_tensor_parallel: false,
             defer_fsdp_grad_sync: true,
@@ -193,12 +266,24 @@ impl Default for DistributedConfig {
     }
 }
 
-/// The sizes of the mesh a config asks for.
+/// The sizes of the mesh a config asks for: `dp_replicate x dp_shard x tp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MeshSizes {
     pub dp_replicate: usize,
     pub dp_shard: usize,
     pub tp: usize,
+}
+
+impl MeshSizes {
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.dp_replicate * self.dp_shard * self.tp
+    }
+
+    /// The data-parallel size: the number of distinct slices of a batch.
+    pub fn dp(&self) -> usize {
+        self.dp_replicate * self.dp_shard
+    }
 }
 
 fn invalid(message: impl Into<String>) -> ParallelError {
@@ -258,35 +343,7 @@ impl DistributedConfig {
                 "world_size is {expected} but the job has {world_size} ranks"
             )));
         }
-        match self.strategy {
-            Strategy::MegatronFsdp => {
-                return Err(ParallelError::NotSupported("strategy megatron_fsdp".into()));
-            }
-            Strategy::Ddp if self.tp_size > 1 => {
-                return Err(invalid(format!(
-                    "strategy ddp cannot use tp_size {} (use fsdp2 with tp_size)",
-                    self.tp_size
-                )));
-            }
-            _ => {}
-        }
-        if self.ep_size > 1 {
-            return Err(ParallelError::NotSupported(format!(
-                "expert parallelism (ep_size {})",
-                self.ep_size
-            )));
-        }
-        if self.cp_size > 1 {
-            return Err(ParallelError::NotSupported(format!(
-                "context parallelism (cp_size {})",
-                self.cp_size
-            )));
-        }
-        if self.offload_policy.is_some_and(|o| o.offload_params) {
-            return Err(ParallelError::NotSupported(
-                "offload_policy.offload_params".into(),
-            ));
-        }
+        self.check_supported()?;
         for (name, size) in [
             ("tp_size", self.tp_size),
             ("dp_replicate_size", self.dp_replicate_size),
@@ -297,42 +354,17 @@ impl DistributedConfig {
                 return Err(invalid(format!("{name} must be at least 1")));
             }
         }
-        if self.enable_async_tensor_parallel && !self.sequence_parallel {
-            return Err(invalid(
-                "enable_async_tensor_parallel requires sequence_parallel",
-            ));
+        if self.dp_size == Some(0) {
+            return Err(invalid("dp_size must be at least 1"));
         }
-        if self.enable_async_tensor_parallel {
-            return Err(ParallelError::NotSupported(
-                "enable_async_tensor_parallel".into(),
-            ));
-        }
-        if self.sequence_parallel && self.tp_size == 1 {
+        if self.sequence_parallel && self.tp_size == 1 && self.strategy != Strategy::Tp {
             return Err(invalid("sequence_parallel requires tp_size > 1"));
-        }
-        if self.activation_checkpointing_scope != "all" {
-            return Err(ParallelError::NotSupported(format!(
-                "activation_checkpointing_scope {:?} (only \"all\")",
-                self.activation_checkpointing_scope
-            )));
         }
         // Written so NaN is rejected too.
         if self.ddp_bucket_cap_mb.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(invalid("ddp_bucket_cap_mb must be positive"));
         }
-        let model_parallel = self.tp_size * self.cp_size * self.dp_replicate_size;
-        if !world_size.is_multiple_of(model_parallel) {
-            return Err(invalid(format!(
-                "world size {world_size} is not divisible by dp_replicate_size {} x tp_size {} x cp_size {}",
-                self.dp_replicate_size, self.tp_size, self.cp_size
-            )));
-        }
-        let dp_shard = self.dp_size.unwrap_or(world_size / model_parallel);
-        let sizes = MeshSizes {
-            dp_replicate: self.dp_replicate_size,
-            dp_shard,
-            tp: self.tp_size,
-        };
+        let sizes = self.strategy_sizes(world_size)?;
         let total = sizes.dp_replicate * sizes.dp_shard * sizes.tp;
         if total != world_size {
             return Err(invalid(format!(
@@ -340,31 +372,127 @@ impl DistributedConfig {
                 sizes.dp_replicate, sizes.dp_shard, sizes.tp
             )));
         }
-        match self.strategy {
-            Strategy::Hsdp if sizes.dp_replicate < 2 => Err(invalid(
-                "strategy hsdp needs dp_replicate_size >= 2 (with 1 it is fsdp2)",
+        if self.sequence_parallel && sizes.tp == 1 {
+            return Err(invalid("sequence_parallel requires more than one tp rank"));
+        }
+        Ok(sizes)
+    }
+
+    /// Options of the reference systems that do not exist here, each an error naming it.
+    fn check_supported(&self) -> Result<(), ParallelError> {
+        let unsupported = |what: String| Err(ParallelError::NotSupported(what));
+        if self.strategy == Strategy::MegatronFsdp {
+            return unsupported("strategy megatron_fsdp".into());
+        }
+        if self.ep_size > 1 {
+            return unsupported(format!("expert parallelism (ep_size {})", self.ep_size));
+        }
+        if self.cp_size > 1 {
+            return unsupported(format!("context parallelism (cp_size {})", self.cp_size));
+        }
+        if self.enable_async_tensor_parallel {
+            return unsupported("enable_async_tensor_parallel".into());
+        }
+        if self.enable_compile {
+            return unsupported(
+                "enable_compile (the CPU backends have no kernel fusion and the CUDA build does \
+                 not include Burn's fusion; leave it false)"
+                    .into(),
+            );
+        }
+        if let Some(depth) = self.fsdp2_backward_prefetch_depth {
+            return unsupported(format!(
+                "fsdp2_backward_prefetch_depth {depth} (Burn 0.22's backward has no hooks: a \
+                 resharded unit is gathered again when backward first needs it; leave the key out)"
+            ));
+        }
+        if self.activation_checkpointing_scope != "all" {
+            return unsupported(format!(
+                "activation_checkpointing_scope {:?} (only \"all\")",
+                self.activation_checkpointing_scope
+            ));
+        }
+        Ok(())
+    }
+
+    /// What the strategy makes of the sizes: the mesh `dp_replicate x dp_shard x tp`.
+    fn strategy_sizes(&self, world: usize) -> Result<MeshSizes, ParallelError> {
+        let s = self.strategy;
+        let bad = |m: String| Err(invalid(format!("strategy {s}: {m}")));
+        let (replicate, tp) = (self.dp_replicate_size, self.tp_size);
+        if matches!(s, Strategy::Single | Strategy::Ddp | Strategy::Tp) && replicate > 1 {
+            return bad(format!(
+                "dp_replicate_size {replicate} applies to hsdp and fsdp2 only: leave it at 1"
+            ));
+        }
+        let sizes = |dp_replicate, dp_shard, tp| MeshSizes {
+            dp_replicate,
+            dp_shard,
+            tp,
+        };
+        match s {
+            Strategy::Single if world != 1 => bad(format!("runs on 1 rank, not {world}")),
+            Strategy::Single if tp > 1 => bad(format!("cannot use tp_size {tp} (use tp)")),
+            Strategy::Single => Ok(sizes(1, 1, 1)),
+            Strategy::Ddp if tp > 1 => bad(format!(
+                "cannot use tp_size {tp} (use fsdp2_tp or fsdp2 with tp_size)"
             )),
-            Strategy::Ddp if sizes.dp_replicate > 1 => Err(invalid(
-                "strategy ddp replicates over every rank: leave dp_replicate_size at 1",
-            )),
-            _ => Ok(sizes),
+            // A casting policy runs DDP as FSDP2 replicated over every rank (see `Strategy`).
+            Strategy::Ddp if self.mp_policy.casts() => Ok(sizes(world, 1, 1)),
+            Strategy::Ddp => Ok(sizes(1, self.dp_size.unwrap_or(world), 1)),
+            Strategy::Tp => {
+                let t = if tp == 1 { world } else { tp };
+                if t != world {
+                    return bad(format!(
+                        "tp_size {t} must equal the world size {world} (use fsdp2_tp to combine \
+                         with data parallelism)"
+                    ));
+                }
+                Ok(sizes(1, 1, t))
+            }
+            Strategy::Fsdp2Tp if tp == 1 => bad("needs tp_size > 1".into()),
+            Strategy::Fsdp2 | Strategy::Fsdp2Tp | Strategy::Hsdp => {
+                let model_parallel = tp * self.cp_size * replicate;
+                if !world.is_multiple_of(model_parallel) {
+                    return Err(invalid(format!(
+                        "world size {world} is not divisible by dp_replicate_size {replicate} x \
+                         tp_size {tp} x cp_size {}",
+                        self.cp_size
+                    )));
+                }
+                if s == Strategy::Hsdp && replicate < 2 {
+                    return bad("needs dp_replicate_size >= 2 (with 1 it is fsdp2)".into());
+                }
+                let dp_shard = self.dp_size.unwrap_or(world / model_parallel);
+                Ok(sizes(replicate, dp_shard, tp))
+            }
+            Strategy::MegatronFsdp => unreachable!("rejected by check_supported"),
         }
     }
 
-    /// The TP plan the config names, if any; styles by name (`colwise`, `rowwise`,
-    /// `colwise_sp`, ...; sequence-parallel styles shard dim 1).
-    pub fn tp_plan_override(&self) -> Result<Option<burn_parallel_tp::TpPlan>, ParallelError> {
+    /// The TP plan the config names, if any: a plan the model provides by name (`llama`, or
+    /// `llama-sp` for its sequence-parallel variant; `sequence_parallel` selects the variant
+    /// too), or a map of module paths to style names (`colwise`, `rowwise`, `colwise_sp`, ...;
+    /// sequence-parallel styles shard dim 1).
+    pub fn tp_plan_override(
+        &self,
+        description: &ModelDescription,
+    ) -> Result<Option<burn_parallel_tp::TpPlan>, ParallelError> {
         let Some(plan) = &self.tp_shard_plan else {
             return Ok(None);
         };
         match plan {
             TpShardPlan::Named(name) => {
-                let name = if self.sequence_parallel && !name.ends_with("-sp") {
-                    format!("{name}-sp")
+                let (base, sp) = plan_name(name);
+                let name = if sp || self.sequence_parallel {
+                    format!("{base}{SEQUENCE_PARALLEL_SUFFIX}")
                 } else {
-                    name.clone()
+                    base.to_string()
                 };
-                Ok(Some(burn_parallel_tp::TpPlan::named(&name)?))
+                let plan = description
+                    .named_plan(&name)
+                    .map_err(|e| invalid(format!("tp_shard_plan: {e}")))?;
+                Ok(Some(plan))
             }
             TpShardPlan::Map(entries) => {
                 let mut plan = burn_parallel_tp::TpPlan::new();

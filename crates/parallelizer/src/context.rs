@@ -1,10 +1,9 @@
 //! `MeshContext`: one rank's view of the job: its config, mesh, groups and device.
 
-use std::cell::Cell;
-
 use burn::tensor::Device;
-use burn_parallel_dist::{DeviceMesh, MeshShape, ProcessGroup, RankContext};
-use burn_parallel_fsdp::FsdpConfig;
+use burn_parallel_comm::collectives::is_cuda_device;
+use burn_parallel_comm::{DeviceMesh, MeshShape, ProcessGroup, RankContext};
+use burn_parallel_fsdp::{FsdpConfig, MemoryTracker, OffloadPolicy};
 
 use crate::config::{DistributedConfig, MeshSizes, Strategy};
 use crate::error::ParallelError;
@@ -48,9 +47,8 @@ impl MeshContext {
         // operation must agree: inputs are built on `device()`, parameters are moved there.
         // FSDP frees gathered weights after forward only on such a device (the gather is
         // recomputed in backward), so resharding units need it too.
-        let fsdp_reshards = config.strategy != Strategy::Ddp
-            && sizes.dp_shard > 1
-            && config.reshard_after_forward != Some(false);
+        let fsdp_reshards =
+            !uses_ddp(&config) && sizes.dp_shard > 1 && config.reshard_after_forward != Some(false);
         let checkpointing = config.activation_checkpointing || fsdp_reshards;
         let device = if checkpointing {
             device.gradient_checkpointing()
@@ -58,12 +56,20 @@ impl MeshContext {
             device
         };
         let shard = mesh.group(&names.dp_shard)?.clone();
-        let fsdp = if sizes.dp_replicate > 1 {
+        let mut fsdp = if sizes.dp_replicate > 1 {
             FsdpConfig::hybrid(shard, mesh.group(&names.dp_replicate)?.clone())
         } else {
             FsdpConfig::new(shard)
         }
-        .mixed_precision(config.mp_policy.policy());
+        .mixed_precision(config.mp_policy.policy())
+        .forward_prefetch_depth(if config.enable_fsdp2_prefetch {
+            config.fsdp2_forward_prefetch_depth
+        } else {
+            0
+        });
+        if config.offload_policy.is_some_and(|o| o.offload_params) {
+            fsdp = fsdp.offload(OffloadPolicy::new(offload_host(&device)));
+        }
         Ok(Self {
             config,
             sizes,
@@ -106,9 +112,22 @@ impl MeshContext {
     /// FSDP2's `set_requires_gradient_sync` for every model parallelized with this context:
     /// with `false`, backward adds each unit's gradients to a local unsharded accumulator
     /// and communicates nothing; the next backward with `true` reduces the accumulated sum
-    /// once (gradient accumulation over micro-steps, `defer_fsdp_grad_sync`).
+    /// once (gradient accumulation over micro-steps). Ignored (every backward reduces) when the
+    /// config's `defer_fsdp_grad_sync` is false.
     pub fn set_requires_gradient_sync(&self, sync: bool) {
-        self.fsdp.set_requires_gradient_sync(sync);
+        self.fsdp
+            .set_requires_gradient_sync(sync || !self.config.defer_fsdp_grad_sync);
+    }
+
+    /// This rank's model-state counters (what FSDP gathers and reduces; see `fsdp::memory`).
+    pub fn memory(&self) -> &MemoryTracker {
+        self.fsdp.memory()
+    }
+
+    /// Whether data parallelism runs as DDP (replicated parameters, bucketed gradient
+    /// all-reduce) rather than through FSDP.
+    pub fn uses_ddp(&self) -> bool {
+        uses_ddp(&self.config)
     }
 
     /// Whether [`device`](Self::device) is the gradient-checkpointing variant.
@@ -159,34 +178,18 @@ impl MeshContext {
     }
 }
 
-thread_local! {
-    /// How many units ahead `forward_units` gathers on this rank (a rank is one thread or one
-    /// process); set by `parallelize_model` from `enable_fsdp2_prefetch` and
-    /// `fsdp2_forward_prefetch_depth`.
-    static PREFETCH_DEPTH: Cell<usize> = const { Cell::new(1) };
+/// DDP proper: the ddp strategy without a casting mixed-precision policy (with one, DDP runs as
+/// FSDP2 replicated over every rank).
+fn uses_ddp(config: &DistributedConfig) -> bool {
+    config.strategy == Strategy::Ddp && !config.mp_policy.casts()
 }
 
-pub(crate) fn set_prefetch(config: &DistributedConfig) {
-    let depth = if config.enable_fsdp2_prefetch {
-        config.fsdp2_forward_prefetch_depth
+/// Where offloaded shards live: a CPU device with autodiff (flex) for a GPU compute device, the
+/// compute device itself for a CPU one (offloading is then a no-op).
+fn offload_host(compute: &Device) -> Device {
+    if is_cuda_device(compute) {
+        Device::flex().autodiff()
     } else {
-        0
-    };
-    PREFETCH_DEPTH.set(depth);
-}
-
-/// Runs `units` (a decoder's layers, each an FSDP unit) in order, threading `input` through
-/// `f`, with the forward prefetch `parallelize_model` chose for this rank. Without FSDP it is a
-/// plain loop.
-pub fn forward_units<U: burn::module::Module, T: burn_parallel_fsdp::UnitInput>(
-    units: &[U],
-    input: T,
-    f: impl FnMut(&U, T) -> T,
-) -> Result<T, ParallelError> {
-    Ok(burn_parallel_fsdp::forward_units_prefetching(
-        units,
-        input,
-        PREFETCH_DEPTH.get(),
-        f,
-    )?)
+        compute.clone()
+    }
 }

@@ -4,8 +4,8 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, FloatDType, Gradients, Tensor};
-use burn_parallel_dist::collectives as coll;
-use burn_parallel_dist::{CollectiveError, ProcessGroup, ReduceOp};
+use burn_parallel_comm::collectives as coll;
+use burn_parallel_comm::{CollectiveError, ProcessGroup, ReduceOp};
 
 use crate::context::MeshContext;
 use crate::error::ParallelError;

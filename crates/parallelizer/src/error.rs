@@ -1,4 +1,4 @@
-use burn_parallel_dist::{CollectiveError, MeshError};
+use burn_parallel_comm::{CollectiveError, MeshError};
 use burn_parallel_fsdp::FsdpError;
 use burn_parallel_tp::TpError;
 

@@ -1,8 +1,8 @@
 //! burn-parallel-parallelizer: the model-owned parallelizer contract and the dispatcher.
 //!
-//! - [`Parallelize`]: what a model tells the parallelizer (its FSDP units, TP styles and named
-//!   plans, head counts, checkpoint units, and its sidecar type). `#[parallelize]` implements
-//!   it from field attributes.
+//! - [`Parallelize`] (from `burn-parallel-describe`, re-exported here): what a model tells the
+//!   parallelizer (its FSDP units, TP styles, the plans it provides, head counts, and its
+//!   sidecar type). `#[parallelize]` implements it from field attributes.
 //! - [`ModelParallelizer`]: NeMo AutoModel's sidecar hooks as default methods;
 //!   [`DefaultParallelizer`] is the shared default, and a model names its own with
 //!   `#[parallelize(sidecar = MySidecar)]` to override any hook.
@@ -10,39 +10,47 @@
 //! - [`parallelize_model`]: DDP, FSDP2, HSDP, TP, FSDP2 + TP, unsharded FSDP2 on one rank.
 //! - [`train_step`]: backward, gradient sync, global-norm clipping and the optimizer step.
 //!
-//! A model's forward runs its FSDP units through [`forward_units`] (a stack of layers with
-//! prefetch) or `fsdp::with_gathered_unit`, so each unit gathers with one collective: Burn has
-//! no forward hooks to do it behind the model's back.
+//! A model's forward runs its FSDP units through `fsdp::forward_units` (a stack of layers with
+//! the prefetch depth the config sets) or `fsdp::with_gathered_unit`, so each unit gathers with
+//! one collective: Burn has no forward hooks to do it behind the model's back.
 
 mod config;
 mod context;
 pub mod ddp;
-mod describe;
 mod error;
 mod sidecar;
 mod step;
 
+pub use burn_parallel_describe::{
+    DefaultParallelizer, HeadCount, ModelDescription, NamedPlan, Parallelize, UnitMap,
+    describe_unit_vec, map_unit_option, map_unit_vec,
+};
 pub use config::{
     DistributedConfig, Dtype, MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig, Strategy,
     TpShardPlan, style_by_name,
 };
-pub use context::{DP, MeshContext, forward_units};
-pub use describe::{
-    HeadCount, ModelDescription, Parallelize, UnitMap, describe_unit_vec, map_unit_option,
-    map_unit_vec,
-};
+pub use context::{DP, MeshContext};
 pub use error::ParallelError;
-pub use sidecar::{DefaultParallelizer, ModelParallelizer, fsdp_config};
+pub use sidecar::{ModelParallelizer, fsdp_config};
 pub use step::{StepReport, global_grad_norm, train_step, train_step_with};
 
+/// A model whose sidecar implements the parallelizer's hooks: every `#[parallelize]` model
+/// with the default sidecar, or with `sidecar = T` where `T: ModelParallelizer`.
+pub trait ParallelizableModel: Parallelize<Sidecar: ModelParallelizer> {}
+
+impl<M: Parallelize<Sidecar: ModelParallelizer>> ParallelizableModel for M {}
+
 /// The model's own sidecar, or the default one.
-pub fn get_model_parallelizer<M: Parallelize>(_model: &M) -> M::Sidecar {
+pub fn get_model_parallelizer<M: ParallelizableModel>(_model: &M) -> M::Sidecar {
     M::Sidecar::default()
 }
 
 /// Applies every parallelism the context asks for through the model's sidecar. Collective:
 /// every rank calls it with the same (replicated) model.
-pub fn parallelize_model<M: Parallelize>(model: M, ctx: &MeshContext) -> Result<M, ParallelError> {
+pub fn parallelize_model<M: ParallelizableModel>(
+    model: M,
+    ctx: &MeshContext,
+) -> Result<M, ParallelError> {
     get_model_parallelizer(&model).parallelize(model, ctx)
 }
 
@@ -54,17 +62,19 @@ pub fn parallelize_model<M: Parallelize>(model: M, ctx: &MeshContext) -> Result<
 /// every rank materializes everything. FSDP units are the model's declared ones (a sidecar's
 /// `apply_fsdp_sharding` and `fully_shard_module` overrides are not used on this path). Build
 /// the lazy model on [`MeshContext::device`].
-pub fn parallelize_model_from<M: Parallelize, E: std::fmt::Display>(
+pub fn parallelize_model_from<M: ParallelizableModel, E: std::fmt::Display>(
     model: M,
     ctx: &MeshContext,
     mut source: impl FnMut(&burn_parallel_fsdp::RowRequest) -> Result<burn::tensor::TensorData, E>,
 ) -> Result<M, ParallelError> {
     let sidecar = get_model_parallelizer(&model);
-    context::set_prefetch(ctx.config());
     match ctx.strategy() {
-        Strategy::Ddp => ddp::replicate(model, ctx),
+        Strategy::Ddp if ctx.uses_ddp() => {
+            let model = sidecar::move_to_context_device(&sidecar, model, ctx)?;
+            ddp::replicate(model, ctx)
+        }
         Strategy::MegatronFsdp => Err(ParallelError::NotSupported("strategy megatron_fsdp".into())),
-        Strategy::Fsdp2 | Strategy::Hsdp => {
+        _ => {
             let (model, description) = sidecar::tp_then_device(&sidecar, model, ctx)?;
             let mut source =
                 |r: &burn_parallel_fsdp::RowRequest| source(r).map_err(|e| e.to_string());
@@ -76,20 +86,6 @@ pub fn parallelize_model_from<M: Parallelize, E: std::fmt::Display>(
 /// Burn fuses kernels when the backend has fusion (CUDA through burn-fusion). The CPU backends
 /// (ndarray, flex) have none: there it returns the model unchanged, as it does when
 /// `enable_compile` is off.
-pub fn compile_parallelized_model<M: Parallelize>(model: M, _ctx: &MeshContext) -> M {
+pub fn compile_parallelized_model<M: ParallelizableModel>(model: M, _ctx: &MeshContext) -> M {
     model
-}
-
-/// Re-exported for code generated by `#[parallelize]`.
-#[doc(hidden)]
-pub mod __private {
-    pub use crate::{
-        DefaultParallelizer, ModelDescription, ParallelError, Parallelize, UnitMap,
-        map_unit_option, map_unit_vec,
-    };
-    pub use burn::module::{Module, ModuleVisitor};
-    pub use burn::tensor::Gradients;
-    pub use burn_parallel_tp::{
-        ParallelStyle, TpApplier, TpError, TpModule, child_path, local_heads,
-    };
 }

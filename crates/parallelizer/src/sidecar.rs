@@ -4,13 +4,13 @@
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Tensor, TensorData};
+use burn_parallel_describe::{DefaultParallelizer, ModelDescription, Parallelize, UnitMap};
 use burn_parallel_fsdp::{FsdpConfig, RowRequest, fully_shard, fully_shard_from};
-use burn_parallel_tp::{TpApplier, TpModule, TpPlan, local_heads};
+use burn_parallel_tp::{TpApplier, TpModule, local_heads};
 
 use crate::config::Strategy;
-use crate::context::{MeshContext, set_prefetch};
+use crate::context::MeshContext;
 use crate::ddp;
-use crate::describe::{ModelDescription, Parallelize, UnitMap};
 use crate::error::ParallelError;
 
 /// The parallelizer hooks, narrowest first: `fully_shard_module` (the FSDP primitive),
@@ -18,19 +18,21 @@ use crate::error::ParallelError;
 /// `validate_tp_mesh`, `apply_tp`, `use_full_layer_activation_checkpointing`, `apply` (the
 /// whole dense flow) and `parallelize` (the dispatch).
 pub trait ModelParallelizer {
-    /// Dispatches on the strategy: DDP, or the dense flow (FSDP2, HSDP, TP, FSDP2 + TP,
-    /// unsharded FSDP2 on one rank).
+    /// Dispatches on the strategy: DDP, or the dense flow (FSDP2, HSDP, TP, FSDP2 + TP, and
+    /// unsharded FSDP2 where a mixed-precision policy needs it: one rank, or DDP that casts).
     fn parallelize<M: Parallelize>(&self, model: M, ctx: &MeshContext) -> Result<M, ParallelError>
     where
         Self: Sized,
     {
-        set_prefetch(ctx.config());
         match ctx.strategy() {
-            Strategy::Ddp => ddp::replicate(model, ctx),
-            Strategy::Fsdp2 | Strategy::Hsdp => self.apply(model, ctx),
+            Strategy::Ddp if ctx.uses_ddp() => {
+                let model = move_to_context_device(self, model, ctx)?;
+                ddp::replicate(model, ctx)
+            }
             Strategy::MegatronFsdp => {
                 Err(ParallelError::NotSupported("strategy megatron_fsdp".into()))
             }
+            _ => self.apply(model, ctx),
         }
     }
 
@@ -70,9 +72,9 @@ pub trait ModelParallelizer {
         description: &ModelDescription,
         ctx: &MeshContext,
     ) -> Result<M, ParallelError> {
-        let plan = match ctx.config().tp_plan_override()? {
+        let plan = match ctx.config().tp_plan_override(description)? {
             Some(plan) => plan,
-            None => sequence_parallel_variant(description, ctx)?,
+            None => description.tp_plan(ctx.config().sequence_parallel),
         };
         if plan.entries().is_empty() {
             return Err(ParallelError::Config(format!(
@@ -137,31 +139,12 @@ pub trait ModelParallelizer {
     }
 }
 
-/// The shared default sidecar.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct DefaultParallelizer;
-
+/// The default sidecar runs every hook as defined above.
 impl ModelParallelizer for DefaultParallelizer {}
 
 /// The FSDP config of a context (see [`MeshContext::fsdp_config`]).
 pub fn fsdp_config(ctx: &MeshContext) -> FsdpConfig {
     ctx.fsdp_config().clone()
-}
-
-/// The model's declared plan, switched to its sequence-parallel variant when asked.
-fn sequence_parallel_variant(
-    description: &ModelDescription,
-    ctx: &MeshContext,
-) -> Result<TpPlan, ParallelError> {
-    let mut description = description.clone();
-    if ctx.config().sequence_parallel {
-        for (_, name) in &mut description.named_plans {
-            if !name.ends_with("-sp") {
-                name.push_str("-sp");
-            }
-        }
-    }
-    description.tp_plan()
 }
 
 /// Where a sharded load gets each rank's rows of a parameter that is still lazy.
@@ -187,7 +170,7 @@ pub(crate) fn tp_then_device<S: ModelParallelizer, M: Parallelize>(
 
 /// Activation checkpointing when asked, else the move to the context's checkpointing device
 /// that resharding FSDP units need (Burn frees a gathered weight after forward only there).
-fn move_to_context_device<S: ModelParallelizer, M: Module>(
+pub(crate) fn move_to_context_device<S: ModelParallelizer, M: Module>(
     sidecar: &S,
     model: M,
     ctx: &MeshContext,
@@ -201,6 +184,18 @@ fn move_to_context_device<S: ModelParallelizer, M: Module>(
     }
 }
 
+/// Whether the context needs FSDP at all: sharded or replicated data parallelism, or a
+/// mixed-precision or offload policy that only FSDP applies. Plain tensor parallelism (or one
+/// rank) in f32 leaves the parameters as they are.
+fn needs_fsdp(ctx: &MeshContext) -> bool {
+    let sizes = ctx.sizes();
+    let offload = ctx
+        .config()
+        .offload_policy
+        .is_some_and(|o| o.offload_params);
+    sizes.dp_shard * sizes.dp_replicate > 1 || ctx.config().mp_policy.casts() || offload
+}
+
 /// The default unit boundaries (see [`ModelParallelizer::apply_fsdp_sharding`]). With a row
 /// source, lazy parameters are read rather than sliced, bypassing `fully_shard_module`.
 pub(crate) fn shard_units<S: ModelParallelizer, M: Parallelize>(
@@ -210,6 +205,10 @@ pub(crate) fn shard_units<S: ModelParallelizer, M: Parallelize>(
     ctx: &MeshContext,
     mut source: Option<RowSource>,
 ) -> Result<M, ParallelError> {
+    if !needs_fsdp(ctx) {
+        // Nothing shards: a lazy parameter reads its whole tensor when first used.
+        return Ok(model);
+    }
     let base = fsdp_config(ctx);
     let explicit = ctx.config().reshard_after_forward;
     let last = description.units.last().cloned();
@@ -257,6 +256,8 @@ where
     R: Fn(&str) -> bool,
     F: FnMut(&RowRequest) -> Result<TensorData, String> + ?Sized,
 {
+    type Error = ParallelError;
+
     fn unit<N: Module>(&mut self, path: &str, module: N) -> Result<N, ParallelError> {
         let config = self
             .base

@@ -6,17 +6,16 @@ use std::collections::HashSet;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{DType, Gradients, Tensor, TensorData};
-use burn_parallel_dist::ReduceOp;
-use burn_parallel_fsdp::scale_grads;
+use burn_parallel_comm::ReduceOp;
+use burn_parallel_fsdp::{clip_to_norm, grad_square_sums, scale_grads};
 use burn_parallel_tp::TpModule;
 
-use crate::config::Strategy;
 use crate::context::MeshContext;
 use crate::ddp;
 use crate::error::ParallelError;
 
 /// What one step did.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct StepReport {
     /// The loss averaged over the data-parallel ranks: the global loss when each rank's loss
     /// is its share of the global mean (see [`train_step`]).
@@ -63,19 +62,16 @@ pub fn train_step_with<M: Module + TpModule>(
     model.sync_tp_grads(&mut grads)?;
     // FSDP's reduce-scatter (and HSDP's replica all-reduce) sum over the data-parallel ranks;
     // every strategy here averages, as DDP and PyTorch's FSDP2 do.
-    if ctx.strategy() != Strategy::Ddp && ctx.dp_size() > 1 {
+    if !ctx.uses_ddp() && ctx.dp_size() > 1 {
         scale_grads(&model, &mut grads, 1.0 / ctx.dp_size() as f32);
     }
-    if ctx.strategy() == Strategy::Ddp {
+    if ctx.uses_ddp() {
         let bucket = (ctx.config().ddp_bucket_cap_mb * 1024.0 * 1024.0) as usize;
         ddp::all_reduce_gradients(&model, &mut grads, ctx.dp_group(), bucket)?;
     }
     let grad_norm = global_grad_norm(&model, &grads, ctx)?;
     if let Some(max) = max_grad_norm {
-        let coef = max / (grad_norm + 1e-6);
-        if coef < 1.0 {
-            scale_grads(&model, &mut grads, coef);
-        }
+        clip_to_norm(&model, &mut grads, grad_norm, max);
     }
     let loss = scalar(
         ctx.dp_group()
@@ -93,7 +89,8 @@ fn scalar(data: TensorData) -> f32 {
 
 /// The global gradient norm: FSDP shards hold disjoint elements (summed over the shard group),
 /// HSDP and DDP replicas identical ones (counted once), tp-sharded parameters disjoint elements
-/// (summed over tp) and tp-replicated ones identical elements (counted once).
+/// (summed over tp) and tp-replicated ones identical elements (counted once). The squares are
+/// summed on the gradients' device; only the sums cross to the host.
 pub fn global_grad_norm<M: Module + TpModule>(
     model: &M,
     grads: &Gradients,
@@ -101,17 +98,11 @@ pub fn global_grad_norm<M: Module + TpModule>(
 ) -> Result<f32, ParallelError> {
     let mut tp_sharded = CollectIds(HashSet::new());
     model.visit_tp_sharded(&mut tp_sharded);
-    let mut sums = SumSquares {
-        grads,
-        tp_sharded: &tp_sharded.0,
-        sharded: 0.0,
-        replicated: 0.0,
-    };
-    model.visit(&mut sums);
+    let sums = grad_square_sums(model, grads, |id| tp_sharded.0.contains(&id));
     let tp = ctx.sizes().tp as f64;
-    let mut total = sums.sharded + sums.replicated / tp;
+    let mut total = sums.marked + sums.other / tp;
     let mut reduce_over = Vec::new();
-    if ctx.strategy() != Strategy::Ddp {
+    if !ctx.uses_ddp() {
         reduce_over.push(ctx.dp_shard_group());
     }
     if ctx.sizes().tp > 1 {
@@ -131,31 +122,5 @@ struct CollectIds(HashSet<ParamId>);
 impl ModuleVisitor for CollectIds {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         self.0.insert(param.id);
-    }
-}
-
-struct SumSquares<'a> {
-    grads: &'a Gradients,
-    tp_sharded: &'a HashSet<ParamId>,
-    sharded: f64,
-    replicated: f64,
-}
-
-impl ModuleVisitor for SumSquares<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let Some(grad) = param.val().grad(self.grads) else {
-            return;
-        };
-        let values = grad
-            .into_data()
-            .convert_dtype(DType::F64)
-            .try_into_vec::<f64>()
-            .expect("an f64 gradient");
-        let sum: f64 = values.iter().map(|v| v * v).sum();
-        if self.tp_sharded.contains(&param.id) {
-            self.sharded += sum;
-        } else {
-            self.replicated += sum;
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! Errors of tensor parallelism: each names the module path, the sizes or the head counts.
 
-use burn_parallel_dist::CollectiveError;
+use burn_parallel_comm::CollectiveError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TpError {
@@ -35,6 +35,16 @@ pub enum TpError {
         rank: usize,
     },
 
+    #[error(
+        "`{path}`: gradients are reduced in {dtype}, which device {device} cannot compute in \
+         (ndarray has no bf16/f16: use flex, or reduce in f32)"
+    )]
+    UnsupportedReduceDtype {
+        path: String,
+        dtype: String,
+        device: String,
+    },
+
     #[error("`{path}` is already sharded with style {style}; a module is parallelized once")]
     AlreadySharded { path: String, style: String },
 
@@ -51,9 +61,6 @@ pub enum TpError {
 
     #[error("loss_parallel: {0}")]
     Loss(String),
-
-    #[error("unknown named tp plan `{name}` (known: {known})")]
-    UnknownPlan { name: String, known: String },
 
     #[error("tp plan entries matched no Tp module: {0}")]
     UnmatchedEntries(String),

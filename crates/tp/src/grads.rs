@@ -3,8 +3,8 @@
 
 use burn::module::{ModuleVisitor, Param};
 use burn::tensor::{DType, FloatDType, Gradients, Tensor};
-use burn_parallel_dist::collectives as coll;
-use burn_parallel_dist::{ProcessGroup, ReduceOp};
+use burn_parallel_comm::collectives as coll;
+use burn_parallel_comm::{ProcessGroup, ReduceOp};
 
 use crate::error::TpError;
 
@@ -24,25 +24,23 @@ impl GradAllReduce<'_> {
             Some(g) => g,
             None => value.clone().inner().zeros_like(),
         };
-        let (device, dtype) = (grad.device(), grad.dtype());
-        let summed = if coll::route(&device, self.group).is_some() {
-            // On the device: the reduce dtype is one the device computes in.
-            let grad = match self.reduce_dtype {
-                Some(reduce) => grad.cast(FloatDType::from(reduce)),
-                None => grad,
-            };
-            coll::all_reduce(grad, self.group, ReduceOp::Sum)
-                .map_err(TpError::collective(self.path))?
-                .cast(FloatDType::from(dtype))
-        } else {
-            // Through the host, where any reduce dtype works (ndarray has no bf16 tensors).
-            let data = coll::to_dtype(grad.into_data(), self.reduce_dtype);
-            let summed = self
-                .group
-                .all_reduce(data, ReduceOp::Sum)
-                .map_err(TpError::collective(self.path))?;
-            Tensor::from_data(summed.convert_dtype(dtype), &device)
+        // The reduce dtype is one the device computes in: the mixed-precision policy was
+        // checked against it when the model was sharded.
+        let dtype = FloatDType::from(grad.dtype());
+        let grad = match self.reduce_dtype {
+            Some(reduce) if !grad.device().supports_dtype(reduce) => {
+                return Err(TpError::UnsupportedReduceDtype {
+                    path: self.path.to_string(),
+                    dtype: format!("{reduce:?}"),
+                    device: format!("{:?}", grad.device()),
+                });
+            }
+            Some(reduce) => grad.cast(FloatDType::from(reduce)),
+            None => grad,
         };
+        let summed = coll::all_reduce(grad, self.group, ReduceOp::Sum)
+            .map_err(TpError::collective(self.path))?
+            .cast(dtype);
         value.grad_replace(self.grads, summed);
         Ok(())
     }

@@ -3,7 +3,7 @@
 
 use burn::module::{Module, ModuleVisitor};
 use burn::nn::{Embedding, Linear};
-use burn_parallel_dist::ProcessGroup;
+use burn_parallel_comm::ProcessGroup;
 
 use crate::error::TpError;
 use crate::shard::{ShardSpec, narrow_param};

@@ -2,7 +2,7 @@
 //!
 //! - [`Tp`] wraps a module (`nn::Linear`, `nn::Embedding`, or any [`TpLayer`]). Without a
 //!   style it is exactly the inner module; [`Tp::parallelize`] shards its weights over a tp
-//!   [`ProcessGroup`](burn_parallel_dist::ProcessGroup) and inserts the differentiable
+//!   [`ProcessGroup`](burn_parallel_comm::ProcessGroup) and inserts the differentiable
 //!   collectives of its [`ParallelStyle`] around the forward.
 //! - [`TpPlan`] maps module paths (with `*` wildcards) to styles; [`apply_plan`] walks a
 //!   model's [`TpModule`] tree and reports unmatched entries and uncovered modules.
@@ -43,7 +43,8 @@
 //! }
 //!
 //! // On every rank: build the same model (from the same record), then
-//! let (model, report) = apply_plan(model, &TpPlan::named("llama")?, &mesh.group("tp")?)?;
+//! let plan = TpPlan::new().with("gate_proj", ParallelStyle::colwise()); // ... or a plan the model provides
+//! let (model, report) = apply_plan(model, &plan, &mesh.group("tp")?)?;
 //! report.check_entries()?;
 //! let loss = loss_parallel(model.forward(ids).reshape([tokens, -1]), targets, &tp, vocab)?;
 //! let mut grads = loss.backward();

@@ -4,8 +4,8 @@
 //! exact because every rank computes the same replicated loss from them.
 
 use burn::tensor::{FloatDType, Int, Tensor};
-use burn_parallel_dist::collectives as coll;
-use burn_parallel_dist::{ProcessGroup, ReduceOp};
+use burn_parallel_comm::collectives as coll;
+use burn_parallel_comm::{ProcessGroup, ReduceOp};
 
 use crate::error::TpError;
 use crate::shard::ShardSpec;

@@ -4,7 +4,7 @@
 
 use burn::module::ModuleVisitor;
 use burn::tensor::{DType, Gradients};
-use burn_parallel_dist::ProcessGroup;
+use burn_parallel_comm::ProcessGroup;
 
 use crate::error::TpError;
 use crate::grads::GradAllReduce;
@@ -20,8 +20,6 @@ pub struct TpPlan {
 }
 
 impl TpPlan {
-    pub const NAMED: [&'static str; 2] = ["llama", "llama-sp"];
-
     pub fn new() -> Self {
         Self::default()
     }
@@ -33,61 +31,6 @@ impl TpPlan {
 
     pub fn entries(&self) -> &[(String, ParallelStyle)] {
         &self.entries
-    }
-
-    /// A named plan: `llama` (q/k/v/gate/up colwise, o/down rowwise, vocab-parallel
-    /// `embed_tokens`, colwise `lm_head` for `loss_parallel`) or `llama-sp` (the same with
-    /// sequence parallelism on dim 1 of `[batch, seq, hidden]`, norms included).
-    pub fn named(name: &str) -> Result<Self, TpError> {
-        match name {
-            "llama" => Ok(Self::llama(false)),
-            "llama-sp" => Ok(Self::llama(true)),
-            _ => Err(TpError::UnknownPlan {
-                name: name.to_string(),
-                known: Self::NAMED.join(", "),
-            }),
-        }
-    }
-
-    /// The Llama plan; `sequence_parallel` shards activations on the sequence dim (1)
-    /// between the tp regions.
-    pub fn llama(sequence_parallel: bool) -> Self {
-        use ParallelStyle as S;
-        const SEQ: usize = 1;
-        let (col, row, embed, head) = if sequence_parallel {
-            (
-                S::colwise_sp(SEQ),
-                S::rowwise_sp(SEQ),
-                S::vocab_parallel_sp(SEQ),
-                S::colwise_sp(SEQ),
-            )
-        } else {
-            (
-                S::colwise(),
-                S::rowwise(),
-                S::vocab_parallel(),
-                S::colwise(),
-            )
-        };
-        let mut plan = Self::new().with("embed_tokens", embed);
-        for p in ["q_proj", "k_proj", "v_proj"] {
-            plan = plan.with(format!("layers.*.self_attn.{p}"), col);
-        }
-        plan = plan.with("layers.*.self_attn.o_proj", row);
-        for p in ["gate_proj", "up_proj"] {
-            plan = plan.with(format!("layers.*.mlp.{p}"), col);
-        }
-        plan = plan.with("layers.*.mlp.down_proj", row);
-        if sequence_parallel {
-            for p in [
-                "layers.*.input_layernorm",
-                "layers.*.post_attention_layernorm",
-                "norm",
-            ] {
-                plan = plan.with(p, S::sequence_parallel(SEQ));
-            }
-        }
-        plan.with("lm_head", head)
     }
 }
 
@@ -295,42 +238,6 @@ pub fn apply_plan<M: TpModule>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn llama_plans_name_the_llama_modules() {
-        let plan = TpPlan::named("llama").unwrap();
-        let style = |p: &str| plan.entries().iter().find(|(k, _)| k == p).map(|(_, s)| *s);
-        assert_eq!(
-            style("layers.*.self_attn.k_proj"),
-            Some(ParallelStyle::colwise())
-        );
-        assert_eq!(
-            style("layers.*.mlp.down_proj"),
-            Some(ParallelStyle::rowwise())
-        );
-        assert_eq!(style("embed_tokens"), Some(ParallelStyle::vocab_parallel()));
-        assert_eq!(style("lm_head"), Some(ParallelStyle::colwise()));
-        assert_eq!(style("norm"), None);
-
-        let sp = TpPlan::named("llama-sp").unwrap();
-        assert_eq!(sp.entries().len(), plan.entries().len() + 3);
-        let style = |p: &str| sp.entries().iter().find(|(k, _)| k == p).map(|(_, s)| *s);
-        assert_eq!(style("norm"), Some(ParallelStyle::sequence_parallel(1)));
-        assert_eq!(
-            style("layers.*.self_attn.o_proj"),
-            Some(ParallelStyle::rowwise_sp(1))
-        );
-        assert_eq!(
-            style("layers.*.self_attn.o_proj").unwrap().to_string(),
-            "Rowwise(Sharded(-1) -> Sharded(1))"
-        );
-    }
-
-    #[test]
-    fn unknown_plan_lists_the_known_ones() {
-        let msg = TpPlan::named("gpt").unwrap_err().to_string();
-        assert_eq!(msg, "unknown named tp plan `gpt` (known: llama, llama-sp)");
-    }
 
     #[test]
     fn unmatched_entries_are_an_error_on_request() {

@@ -13,9 +13,9 @@
 //!   in Ulysses sequence parallelism); its backward is the inverse all-to-all.
 
 use burn::tensor::Tensor;
-use burn_parallel_dist::ProcessGroup;
-use burn_parallel_dist::chunk::chunk_sizes;
-use burn_parallel_dist::collectives as coll;
+use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::chunk::chunk_sizes;
+use burn_parallel_comm::collectives as coll;
 
 use crate::error::TpError;
 use crate::style::Layout;
@@ -55,7 +55,7 @@ pub fn redistribute<const D: usize>(
     from: Layout,
     to: Layout,
     group: &ProcessGroup,
-) -> Result<Tensor<D>, burn_parallel_dist::CollectiveError> {
+) -> Result<Tensor<D>, burn_parallel_comm::CollectiveError> {
     let last = D - 1;
     match (from, to) {
         (a, b) if a == b => Ok(x),

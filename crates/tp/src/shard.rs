@@ -4,8 +4,8 @@ use std::ops::Range;
 
 use burn::module::Param;
 use burn::tensor::Tensor;
-use burn_parallel_dist::ProcessGroup;
-use burn_parallel_dist::chunk::chunk_range;
+use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::chunk::chunk_range;
 
 use crate::error::TpError;
 

@@ -9,8 +9,8 @@ use burn::module::{
 };
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor};
-use burn_parallel_dist::ProcessGroup;
-use burn_parallel_dist::collectives as coll;
+use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::collectives as coll;
 
 use crate::error::TpError;
 use crate::layer::{TpLayer, unsupported};
@@ -139,7 +139,7 @@ impl<M: TpLayer> Tp<M> {
 }
 
 impl Sharding {
-    fn err(&self) -> impl FnOnce(burn_parallel_dist::CollectiveError) -> TpError + '_ {
+    fn err(&self) -> impl FnOnce(burn_parallel_comm::CollectiveError) -> TpError + '_ {
         TpError::collective(&self.path)
     }
 
@@ -346,7 +346,7 @@ mod tests {
     use burn::module::{Module, Param};
     use burn::nn::Linear;
     use burn::tensor::{Device, Tensor, TensorData};
-    use burn_parallel_dist::launch;
+    use burn_parallel_comm::launch;
 
     use super::Tp;
     use crate::{ParallelStyle, TpError};

@@ -5,8 +5,10 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use burn::tensor::Device;
-use burn_parallel_dist::EngineKind;
+use burn_parallel_comm::EngineKind;
+use burn_parallel_describe::plan_name;
 use burn_parallel_models::LlamaConfig;
+use burn_parallel_parallelizer::Strategy;
 
 use crate::error::TrainError;
 
@@ -42,18 +44,6 @@ macro_rules! named_enum {
         }
     };
 }
-
-named_enum!(
-    /// How the model and batch are spread over the ranks.
-    Strategy {
-        Single = "single",
-        Ddp = "ddp",
-        Fsdp2 = "fsdp2",
-        Hsdp = "hsdp",
-        Tp = "tp",
-        Fsdp2Tp = "fsdp2_tp",
-    }
-);
 
 named_enum!(
     /// The backend each rank computes on: a CPU backend, or one GPU per rank (`cuda`: Burn's
@@ -179,8 +169,20 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// Whether `tp_plan` names the sequence-parallel variant (`llama-sp`).
+    pub fn sequence_parallel(&self) -> bool {
+        plan_name(&self.tp_plan).1
+    }
+
     pub(crate) fn check(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Config(m));
+        let (plan, _) = plan_name(&self.tp_plan);
+        if plan != burn_parallel_models::LLAMA_PLAN.name {
+            return bad(format!(
+                "unknown tp plan `{}` (llama or llama-sp)",
+                self.tp_plan
+            ));
+        }
         if self.steps == 0 {
             return bad("--steps must be at least 1".into());
         }

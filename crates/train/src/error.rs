@@ -11,9 +11,9 @@ pub enum TrainError {
     #[error(transparent)]
     Fsdp(#[from] burn_parallel_fsdp::FsdpError),
     #[error(transparent)]
-    Collective(#[from] burn_parallel_dist::CollectiveError),
+    Collective(#[from] burn_parallel_comm::CollectiveError),
     #[error(transparent)]
-    Mesh(#[from] burn_parallel_dist::MeshError),
+    Mesh(#[from] burn_parallel_comm::MeshError),
     #[error(transparent)]
     Parallel(#[from] burn_parallel_parallelizer::ParallelError),
     #[error("training failed: {0}")]

@@ -3,7 +3,7 @@
 //! command line over [`train`].
 //!
 //! Strategies come from `burn_parallel_parallelizer`: the flags become a `DistributedConfig`
-//! ([`Layout::distributed_config`]), `parallelize_model` shards the model (lazily loaded from a
+//! ([`distributed_config`]), `parallelize_model` shards the model (lazily loaded from a
 //! checkpoint: each FSDP rank reads its own rows) and `train_step_with` runs backward, the
 //! gradient reductions, clipping and this crate's PyTorch-exact optimizers.
 //!
@@ -13,15 +13,16 @@
 
 mod config;
 mod error;
-mod layout;
+mod mesh;
 mod optim;
 mod state;
 mod trainer;
 
-pub use burn_parallel_dist::EngineKind;
-pub use config::{Backend, OptimizerKind, Precision, Strategy, TrainConfig};
+pub use burn_parallel_comm::EngineKind;
+pub use burn_parallel_parallelizer::{MeshSizes, StepReport, Strategy};
+pub use config::{Backend, OptimizerKind, Precision, TrainConfig};
 pub use error::TrainError;
-pub use layout::Layout;
+pub use mesh::{distributed_config, mesh_sizes};
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use state::model_state_bytes;
-pub use trainer::{StepReport, TrainSummary, train};
+pub use trainer::{StepLog, TrainSummary, train};

@@ -8,31 +8,31 @@ use std::time::Instant;
 use burn::tensor::Gradients;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData};
-use burn_parallel_dist::run_ranks_on;
+use burn_parallel_comm::run_ranks_on;
 use burn_parallel_fsdp::{RowRequest, gather_full};
-use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, load_llama, save_llama};
+use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, save_llama};
 use burn_parallel_models::data::{TokenData, dp_rows};
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
-    MeshContext, parallelize_model, parallelize_model_from, train_step_with,
+    MeshContext, MeshSizes, StepReport, parallelize_model, parallelize_model_from, train_step_with,
 };
 use burn_parallel_tp::loss_parallel;
 use serde::Serialize;
 
 use crate::config::{OptimizerKind, TrainConfig};
 use crate::error::TrainError;
-use crate::layout::Layout;
+use crate::mesh::{distributed_config, mesh_sizes};
 use crate::optim::{AdamW, Optimizer, Sgd};
 use crate::state::model_state_bytes;
 
-/// One step as rank 0 saw it; what `--json` prints.
+/// One step as rank 0 saw it; what `--json` prints (one flat object per step).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StepReport {
+pub struct StepLog {
     pub step: usize,
-    /// Mean token cross-entropy over the global batch.
-    pub loss: f32,
-    /// Global gradient L2 norm before clipping.
-    pub grad_norm: f32,
+    /// The loss (mean token cross-entropy over the global batch) and the global gradient L2
+    /// norm before clipping.
+    #[serde(flatten)]
+    pub report: StepReport,
     pub step_time_s: f64,
     pub tokens_per_s: f64,
     pub peak_model_state_bytes_per_rank: u64,
@@ -41,9 +41,10 @@ pub struct StepReport {
 /// A finished run.
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
-    pub layout: Layout,
+    /// The mesh the run used: `dp_replicate x dp_shard x tp`.
+    pub mesh: MeshSizes,
     pub model: LlamaConfig,
-    pub steps: Vec<StepReport>,
+    pub steps: Vec<StepLog>,
     /// The ranks this process ran, in order: all of them on the threads engine, one under MPI.
     pub ranks: Vec<usize>,
     /// Parameters + gradients + optimizer state of each of `ranks`.
@@ -66,7 +67,7 @@ impl TrainSummary {
     }
 
     pub fn losses(&self) -> Vec<f32> {
-        self.steps.iter().map(|s| s.loss).collect()
+        self.steps.iter().map(|s| s.report.loss).collect()
     }
 
     /// Whether this process ran rank 0 (the one that reports steps).
@@ -98,24 +99,24 @@ fn token_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<TokenData, Train
 /// strategy cannot use) is an error before any rank starts.
 pub fn train(
     cfg: &TrainConfig,
-    on_step: &(dyn Fn(&StepReport) + Sync),
+    on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainSummary, TrainError> {
     cfg.check()?;
     let model_cfg = model_config(cfg)?;
-    let layout = Layout::of(cfg, &model_cfg)?;
+    let mesh = mesh_sizes(cfg, &model_cfg)?;
     let data = token_data(cfg, &model_cfg)?;
     if let Some(dir) = &cfg.checkpoint {
         // Opens every file now, so that a broken checkpoint fails before training.
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
     }
-    let results = run_ranks_on(layout.world(), cfg.engine, |ctx| {
-        run_rank(cfg, &layout, &model_cfg, &data, ctx, on_step)
+    let results = run_ranks_on(cfg.world_size, cfg.engine, |ctx| {
+        run_rank(cfg, &model_cfg, &data, ctx, on_step)
     })
     .map_err(|e| TrainError::Ranks(e.to_string()))?;
     // Every rank holds the same (dp-averaged) reports; under MPI this process has one rank.
     let steps = results[0].1.0.clone();
     Ok(TrainSummary {
-        layout,
+        mesh,
         model: model_cfg,
         steps,
         ranks: results.iter().map(|r| r.0).collect(),
@@ -124,7 +125,7 @@ pub fn train(
     })
 }
 
-type RankResult = (Vec<StepReport>, u64, u64);
+type RankResult = (Vec<StepLog>, u64, u64);
 
 /// The GPU of `rank` on its node: the launcher's local rank when it sets one (one process per
 /// GPU), else the rank itself (one thread per GPU of this process).
@@ -138,21 +139,14 @@ fn gpu_of(rank: usize) -> usize {
 /// One optimizer step on the whole model.
 type StepFn = Box<dyn FnMut(Llama, &Gradients) -> Llama>;
 
-/// This rank's model: a plain one for an f32 `single` run, else parallelized. A checkpoint is
-/// loaded lazily, so each FSDP rank reads only its rows of each parameter.
+/// This rank's model, parallelized as the context says (an f32 `single` run stays plain). A
+/// checkpoint is loaded lazily, so each FSDP rank reads only its rows.
 fn build_model(
     cfg: &TrainConfig,
     model_cfg: &LlamaConfig,
-    layout: &Layout,
     mesh: &MeshContext,
 ) -> Result<Llama, TrainError> {
     let device = mesh.device();
-    if !layout.parallelized(cfg) {
-        return Ok(match &cfg.checkpoint {
-            Some(dir) => load_llama(dir, device)?,
-            None => Llama::seeded(model_cfg, cfg.seed, device),
-        });
-    }
     Ok(match &cfg.checkpoint {
         Some(dir) => {
             let (model, rows) = lazy_llama(dir, device)?;
@@ -166,19 +160,18 @@ fn build_model(
 
 fn run_rank(
     cfg: &TrainConfig,
-    layout: &Layout,
     model_cfg: &LlamaConfig,
     data: &TokenData,
-    ctx: burn_parallel_dist::RankContext,
-    on_step: &(dyn Fn(&StepReport) + Sync),
+    ctx: burn_parallel_comm::RankContext,
+    on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
     let mesh = MeshContext::new(
         &ctx,
-        layout.distributed_config(cfg),
+        distributed_config(cfg),
         cfg.backend.device(gpu_of(ctx.rank()))?,
     )?;
     let device = mesh.device().clone();
-    let mut model = build_model(cfg, model_cfg, layout, &mesh)?;
+    let mut model = build_model(cfg, model_cfg, &mesh)?;
 
     let mut optimizer: StepFn = match cfg.optimizer {
         OptimizerKind::Sgd => {
@@ -197,7 +190,7 @@ fn run_rank(
     let my_state = model_state_bytes(&model, states);
     let peak_state = max_over_world(&ctx, my_state)?;
 
-    let (dp, dp_rank) = (layout.dp(), mesh.dp_rank());
+    let (dp, dp_rank) = (mesh.dp_size(), mesh.dp_rank());
     let rows = dp_rows(cfg.global_batch, dp, dp_rank);
     let global_tokens = (cfg.global_batch * cfg.seq_len) as f32;
     let vocab = model_cfg.vocab_size;
@@ -216,7 +209,7 @@ fn run_rank(
         // This rank's tokens' share of the global mean, times dp: `train_step` averages the
         // data-parallel ranks, so the average is the global mean also with uneven rows.
         let share = b as f32 * t as f32 / global_tokens * dp as f32;
-        let loss = if layout.tp > 1 {
+        let loss = if mesh.sizes().tp > 1 {
             loss_parallel(logits, targets, mesh.tp_group(), vocab)?.mul_scalar(share)
         } else {
             log_softmax(logits, 1)
@@ -230,10 +223,9 @@ fn run_rank(
             train_step_with(model, loss, cfg.grad_clip, &mesh, |m, g| optimizer(m, &g))?;
         model = next;
         let step_time_s = start.elapsed().as_secs_f64();
-        let report = StepReport {
+        let report = StepLog {
             step,
-            loss: done.loss,
-            grad_norm: done.grad_norm,
+            report: done,
             step_time_s,
             tokens_per_s: global_tokens as f64 / step_time_s.max(1e-12),
             peak_model_state_bytes_per_rank: peak_state,
@@ -247,7 +239,7 @@ fn run_rank(
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / cfg.steps as u64;
 
     if let Some(dir) = &cfg.save {
-        save(model, layout.sharded(cfg), model_cfg, dir, ctx.rank() == 0)?;
+        save(model, model_cfg, dir, ctx.rank() == 0)?;
     }
     Ok((reports, my_state, comm_per_step))
 }
@@ -256,12 +248,11 @@ fn run_rank(
 /// rank 0 in the checkpoint's dtype.
 fn save(
     model: Llama,
-    fsdp: bool,
     model_cfg: &LlamaConfig,
     dir: &Path,
     is_root: bool,
 ) -> Result<(), TrainError> {
-    let full = if fsdp { gather_full(model) } else { model };
+    let full = gather_full(model)?;
     let tensors = hf_tensors(&full)?;
     if is_root {
         let dtype = SaveDtype::from_config_dtype(model_cfg.dtype.as_deref());
@@ -271,7 +262,7 @@ fn save(
 }
 
 /// The largest of every rank's `value`, exactly (as two f32 halves).
-fn max_over_world(ctx: &burn_parallel_dist::RankContext, value: u64) -> Result<u64, TrainError> {
+fn max_over_world(ctx: &burn_parallel_comm::RankContext, value: u64) -> Result<u64, TrainError> {
     let world = ctx.world()?;
     let all = world.all_gather(
         TensorData::new(

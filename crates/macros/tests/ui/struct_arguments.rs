@@ -10,8 +10,8 @@ struct UnknownKey {
     a: Linear,
 }
 
-#[parallelize(plan = llama)]
-struct PlanNotString {
+#[parallelize(plan = "llama")]
+struct PlanNotPath {
     a: Linear,
 }
 

@@ -1,0 +1,8 @@
+//! The autodiff layer: the Burn backend extension that runs step lists as autodiff ops
+//! ([`extension`]) and the differentiable collectives built from them ([`ops`]).
+
+pub mod extension;
+pub mod ops;
+
+pub use extension::CollectiveBackend;
+pub use ops::*;

@@ -1,0 +1,23 @@
+//! The device-ops layer: every collective as a list of steps on a backend tensor
+//! ([`steps`]), the lists of the differentiable collectives ([`pairs`]), which exchange a
+//! tensor takes ([`route`]), and the buffer adapters that run NCCL on CubeCL and LibTorch CUDA
+//! tensors (`cube`, `torch`, planned by `nccl`). It builds on the transport layer and knows
+//! nothing of autodiff.
+
+pub mod pairs;
+pub mod route;
+pub mod steps;
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cube;
+#[cfg(any(feature = "cuda", feature = "tch"))]
+pub(crate) mod nccl;
+#[cfg(feature = "tch")]
+pub(crate) mod torch;
+
+pub use pairs::MixedDtypes;
+pub use route::{is_cuda_device, route};
+pub use steps::{
+    Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, InFlight, NcclCall,
+    NcclStep, Observer, Phase, Sizes, no_nccl, piece, read_data, run_steps,
+};

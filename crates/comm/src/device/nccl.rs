@@ -1,0 +1,348 @@
+//! The backend-independent half of a device collective on NCCL: the ranks' agreement on op,
+//! dtype and shape, the output's shape, the NCCL calls on raw device pointers (with the strided
+//! copies that uneven pieces need) and the byte counters. The backends (`cube`, `torch`) only
+//! provide the pointers, allocate the output and order NCCL against their own kernels.
+//!
+//! The agreement costs a few bytes through NCCL per call, as on the engine's host path; it
+//! tells a gather every rank's length and turns a mismatch into an error naming both calls
+//! instead of a hang.
+
+use cudarc::driver::{CudaSlice, DevicePtr as _};
+
+use burn::tensor::DType;
+
+use super::steps::DeviceOp;
+use crate::transport::chunk::{chunk_sizes, offsets};
+use crate::transport::collective::OpKind;
+use crate::transport::error::CollectiveError;
+use crate::transport::group::ProcessGroup;
+
+use crate::transport::nccl::comm::{DevicePtr, NcclComm, NcclError};
+use crate::transport::nccl::engine::{NcclCommunicator, nccl_communicator};
+use crate::transport::nccl::layout::{AlongDim, gather_layout, scatter_layout};
+use crate::transport::nccl::types::{NcclDataType, nccl_dtype, nccl_reduce};
+
+/// A CUDA failure as an NCCL-engine error.
+pub(crate) fn cuda_err(call: &'static str) -> impl Fn(String) -> NcclError {
+    move |message| NcclError::Cuda { call, message }
+}
+
+/// One device collective of `group`.
+pub(crate) struct DeviceCall<'a> {
+    pub op: &'a DeviceOp,
+    group: &'a ProcessGroup,
+    engine: &'a NcclCommunicator,
+}
+
+/// A gather, reduce-scatter or all-reduce, agreed on: the output's shape and the pieces.
+pub(crate) struct Planned {
+    pub shape: Vec<usize>,
+    pub out_shape: Vec<usize>,
+    pub dtype: DType,
+    sizes: Vec<usize>,
+    op: DeviceOp,
+}
+
+impl Planned {
+    pub fn in_bytes(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size()
+    }
+
+    pub fn out_bytes(&self) -> usize {
+        self.out_shape.iter().product::<usize>() * self.dtype.size()
+    }
+}
+
+/// An all_to_all, agreed on: this rank's pieces along the split dim (start, length) and the
+/// shape of the piece each rank sends here.
+pub(crate) struct PlannedAllToAll {
+    pub split: usize,
+    pub concat: usize,
+    pub send: Vec<(usize, usize)>,
+    pub recv_shapes: Vec<Vec<usize>>,
+    pub dtype: DType,
+    /// Bytes of the piece this rank keeps for itself.
+    pub kept: usize,
+}
+
+impl<'a> DeviceCall<'a> {
+    pub fn new(op: &'a DeviceOp, group: &'a ProcessGroup) -> Result<Self, CollectiveError> {
+        let engine = nccl_communicator(group).ok_or_else(|| CollectiveError::InvalidArgument {
+            op: format!("{} (device)", op.kind()),
+            group: group.label().into(),
+            message: "the group does not belong to the nccl engine".into(),
+        })?;
+        Ok(Self { op, group, engine })
+    }
+
+    pub fn comm(&self) -> &NcclComm {
+        self.engine.comm()
+    }
+
+    /// Maps an NCCL or CUDA failure to the error that names this call and group.
+    pub fn fail(&self) -> impl Fn(NcclError) -> CollectiveError + '_ {
+        move |e| CollectiveError::GroupBroken {
+            group: self.group.label().into(),
+            reason: format!("{} (device) failed: {e}", self.op.kind()),
+        }
+    }
+
+    pub fn invalid(&self, message: String) -> CollectiveError {
+        CollectiveError::InvalidArgument {
+            op: format!("{} (device)", self.op.kind()),
+            group: self.group.label().into(),
+            message,
+        }
+    }
+
+    /// Agrees with the other ranks on a gather, reduce-scatter or all-reduce of a `dtype`
+    /// tensor of `shape`, and works out its output.
+    pub fn plan(&self, shape: &[usize], dtype: DType) -> Result<Planned, CollectiveError> {
+        let n = self.comm().size();
+        let me = self.comm().rank();
+        nccl_dtype(self.op.kind().name(), dtype)?;
+        let free: &[usize] = match self.op {
+            DeviceOp::AllGather { dim, .. } => std::slice::from_ref(dim),
+            _ => &[],
+        };
+        let shapes: Vec<Vec<usize>> = self
+            .engine
+            .agree_device(self.op.kind(), dtype, shape, free, &[])?
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        let mut out_shape = shape.to_vec();
+        let sizes = match self.op {
+            DeviceOp::AllReduce { .. } => Vec::new(),
+            DeviceOp::AllGather {
+                dim,
+                sizes: learned,
+            } => {
+                let sizes: Vec<usize> = shapes.iter().map(|s| s[*dim]).collect();
+                learned.set(sizes.clone());
+                out_shape[*dim] = sizes.iter().sum();
+                sizes
+            }
+            DeviceOp::ReduceScatter { dim, sizes, .. } => {
+                let sizes = sizes.get().unwrap_or_else(|| chunk_sizes(shape[*dim], n));
+                if sizes.len() != n || sizes.iter().sum::<usize>() != shape[*dim] {
+                    return Err(self.invalid(format!(
+                        "pieces {sizes:?} do not split {} rows over {n} ranks",
+                        shape[*dim]
+                    )));
+                }
+                out_shape[*dim] = sizes[me];
+                sizes
+            }
+            DeviceOp::AllToAll { .. } => {
+                return Err(self.invalid("all_to_all is planned by plan_all_to_all".into()));
+            }
+        };
+        Ok(Planned {
+            shape: shape.to_vec(),
+            out_shape,
+            dtype,
+            sizes,
+            op: self.op.clone(),
+        })
+    }
+
+    /// Agrees with the other ranks on an all_to_all of a `dtype` tensor of `shape`.
+    pub fn plan_all_to_all(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<PlannedAllToAll, CollectiveError> {
+        let DeviceOp::AllToAll {
+            split_dim: split,
+            concat_dim: concat,
+            send_sizes,
+            received,
+        } = self.op
+        else {
+            return Err(self.invalid("not an all_to_all".into()));
+        };
+        let (split, concat) = (*split, *concat);
+        let (n, me) = (self.comm().size(), self.comm().rank());
+        nccl_dtype(self.op.kind().name(), dtype)?;
+        let send = send_sizes
+            .get()
+            .ok_or_else(|| self.invalid("the send sizes are not known".into()))?;
+        if send.len() != n || send.iter().sum::<usize>() != shape[split] {
+            return Err(self.invalid(format!(
+                "send sizes {send:?} do not split {} rows over {n} ranks",
+                shape[split]
+            )));
+        }
+        let words: Vec<u64> = send.iter().map(|s| *s as u64).collect();
+        let all =
+            self.engine
+                .agree_device(OpKind::AllToAll, dtype, shape, &[split, concat], &words)?;
+        // The piece from rank j: its shape, with its send size for this rank along `split`.
+        let recv_shapes: Vec<Vec<usize>> = all
+            .iter()
+            .map(|(s, w)| {
+                let mut s = s.clone();
+                s[split] = w[me] as usize;
+                s
+            })
+            .collect();
+        received.set(recv_shapes.iter().map(|s| s[concat]).collect());
+        let row_bytes = shape.iter().product::<usize>() * dtype.size();
+        let kept = send[me] * row_bytes.checked_div(shape[split]).unwrap_or(0);
+        Ok(PlannedAllToAll {
+            split,
+            concat,
+            send: offsets(&send).into_iter().zip(send).collect(),
+            recv_shapes,
+            dtype,
+            kept,
+        })
+    }
+
+    /// Runs a planned gather, reduce-scatter or all-reduce from `src` into `dst` (of
+    /// `plan.out_bytes()`), then waits for the communicator's stream: the output is complete
+    /// when this returns.
+    ///
+    /// # Safety
+    /// `src` holds the planned input and `dst` the planned output, both live on this
+    /// communicator's GPU until this returns, and no other work writes them meanwhile.
+    pub unsafe fn exchange(
+        &self,
+        plan: &Planned,
+        src: DevicePtr,
+        dst: DevicePtr,
+    ) -> Result<(), CollectiveError> {
+        // SAFETY: the caller's contract.
+        unsafe { plan.run(self.comm(), src, dst) }.map_err(self.fail())?;
+        self.engine.record_device(
+            self.op.kind(),
+            plan.in_bytes(),
+            plan.dtype.size(),
+            plan.out_bytes(),
+            0,
+        );
+        Ok(())
+    }
+
+    /// Runs a planned all_to_all: `sends[j]` (pointer, elements) to rank `j`, `recvs[j]` from
+    /// it, then waits for the communicator's stream.
+    ///
+    /// # Safety
+    /// As [`Self::exchange`], for every buffer.
+    pub unsafe fn exchange_all_to_all(
+        &self,
+        plan: &PlannedAllToAll,
+        sends: &[(DevicePtr, usize)],
+        recvs: &[(DevicePtr, usize)],
+    ) -> Result<(), CollectiveError> {
+        let comm = self.comm();
+        let t = nccl_dtype(OpKind::AllToAll.name(), plan.dtype)?;
+        // SAFETY: the caller's contract.
+        unsafe { comm.all_to_all(sends, recvs, t) }.map_err(self.fail())?;
+        comm.stream()
+            .synchronize()
+            .map_err(|e| self.fail()(cuda_err("cuStreamSynchronize")(format!("{e:?}"))))?;
+        let eb = plan.dtype.size();
+        let sent: usize = sends.iter().map(|(_, n)| n * eb).sum();
+        let received: usize = recvs.iter().map(|(_, n)| n * eb).sum();
+        self.engine
+            .record_device(OpKind::AllToAll, sent, eb, received, plan.kept);
+        Ok(())
+    }
+}
+
+fn temp(comm: &NcclComm, len: usize) -> Result<CudaSlice<u8>, NcclError> {
+    comm.stream()
+        .alloc_zeros::<u8>(len.max(1))
+        .map_err(|e| cuda_err("cuMemAlloc")(format!("{e:?}")))
+}
+
+fn ptr(comm: &NcclComm, buf: &CudaSlice<u8>) -> DevicePtr {
+    buf.device_ptr(comm.stream()).0
+}
+
+impl Planned {
+    /// The NCCL calls, with the strided copies that uneven pieces need.
+    ///
+    /// # Safety
+    /// As [`DeviceCall::exchange`].
+    unsafe fn run(&self, comm: &NcclComm, src: DevicePtr, dst: DevicePtr) -> Result<(), NcclError> {
+        let me = comm.rank();
+        let eb = self.dtype.size();
+        let t: NcclDataType = nccl_dtype(self.op.kind().name(), self.dtype)
+            .map_err(|e| NcclError::InvalidArgument(e.to_string()))?;
+        // Temporaries stay alive until the stream is synchronised below.
+        let mut temps: Vec<CudaSlice<u8>> = Vec::new();
+        // SAFETY: the caller holds `src` and `dst` in place until this returns, and every plan
+        // stays inside the buffers it names (see `layout`).
+        unsafe {
+            match &self.op {
+                DeviceOp::AllReduce { op } => {
+                    let count = self.out_bytes() / eb;
+                    if count > 0 {
+                        comm.all_reduce(src, dst, count, t, nccl_reduce(*op))?;
+                    }
+                }
+                DeviceOp::AllGather { dim, .. } => {
+                    let l = gather_layout(AlongDim::new(&self.shape, *dim, eb), &self.sizes, me);
+                    let send = match l.pack {
+                        Some(c) => {
+                            temps.push(temp(comm, l.piece_bytes)?);
+                            let p = ptr(comm, temps.last().expect("pushed"));
+                            comm.copy_2d(src, p, c)?;
+                            p
+                        }
+                        None => src,
+                    };
+                    let gathered = match &l.unpack {
+                        Some(_) => {
+                            temps.push(temp(comm, l.piece_bytes * self.sizes.len())?);
+                            ptr(comm, temps.last().expect("pushed"))
+                        }
+                        None => dst,
+                    };
+                    if l.piece_bytes > 0 {
+                        comm.all_gather(send, gathered, l.piece_bytes / eb, t)?;
+                    }
+                    for c in l.unpack.iter().flatten() {
+                        comm.copy_2d(gathered, dst, *c)?;
+                    }
+                }
+                DeviceOp::AllToAll { .. } => unreachable!("all_to_all has its own exchange"),
+                DeviceOp::ReduceScatter { dim, op, .. } => {
+                    let l = scatter_layout(AlongDim::new(&self.shape, *dim, eb), &self.sizes, me);
+                    let send = match &l.pack {
+                        Some(copies) => {
+                            temps.push(temp(comm, l.piece_bytes * self.sizes.len())?);
+                            let p = ptr(comm, temps.last().expect("pushed"));
+                            for c in copies {
+                                comm.copy_2d(src, p, *c)?;
+                            }
+                            p
+                        }
+                        None => src,
+                    };
+                    let recv = match l.unpack {
+                        Some(_) => {
+                            temps.push(temp(comm, l.piece_bytes)?);
+                            ptr(comm, temps.last().expect("pushed"))
+                        }
+                        None => dst,
+                    };
+                    if l.piece_bytes > 0 {
+                        comm.reduce_scatter(send, recv, l.piece_bytes / eb, t, nccl_reduce(*op))?;
+                    }
+                    if let Some(c) = l.unpack {
+                        comm.copy_2d(recv, dst, c)?;
+                    }
+                }
+            }
+        }
+        comm.stream()
+            .synchronize()
+            .map_err(|e| cuda_err("cuStreamSynchronize")(format!("{e:?}")))?;
+        drop(temps);
+        Ok(())
+    }
+}

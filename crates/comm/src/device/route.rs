@@ -1,0 +1,67 @@
+//! Which exchange a collective of a group takes for a tensor on a device: NCCL on the buffer
+//! for a CUDA tensor on a group of the nccl engine, the group's engine for everything else.
+//! The only code besides the buffer adapters that knows backends.
+
+use burn::tensor::Device;
+
+use crate::transport::group::ProcessGroup;
+
+use super::steps::Exchange;
+
+/// How a collective of `group` exchanges a tensor on `device`.
+pub fn route(device: &Device, group: &ProcessGroup) -> Exchange {
+    #[cfg(feature = "nccl")]
+    if is_cuda_device(device) && crate::transport::nccl::nccl_comm(group).is_some() {
+        return Exchange::Nccl(group.clone());
+    }
+    let _ = device;
+    Exchange::Engine(group.clone())
+}
+
+/// Whether `device` is a CUDA device of Burn's CubeCL or LibTorch backend (with or without
+/// autodiff).
+pub fn is_cuda_device(device: &Device) -> bool {
+    #[cfg(any(feature = "cuda", feature = "tch"))]
+    {
+        use burn::backend::DispatchDevice;
+        let inner = device.clone().inner();
+        #[cfg(feature = "cuda")]
+        if matches!(
+            inner.as_dispatch(),
+            DispatchDevice::Cube(burn_cubecl::CubeDevice::Cuda(_))
+        ) {
+            return true;
+        }
+        #[cfg(feature = "tch")]
+        #[allow(deprecated)] // burn-tch is deprecated in Burn 0.22, still shipped
+        if matches!(
+            inner.as_dispatch(),
+            DispatchDevice::LibTorch(burn_tch::LibTorchDevice::Cuda(_))
+        ) {
+            return true;
+        }
+    }
+    let _ = device;
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(deprecated)]
+    use super::*;
+    use crate::transport::error::CollectiveError;
+    use crate::transport::threads::launch;
+
+    /// Without CUDA every tensor exchanges through the group's engine.
+    #[test]
+    fn cpu_tensors_exchange_through_the_engine() {
+        let errors = launch(2, |ctx| {
+            let group = ctx.world()?;
+            let cpu = Device::ndarray();
+            assert!(!is_cuda_device(&cpu));
+            assert!(matches!(route(&cpu, &group), Exchange::Engine(_)));
+            Ok::<_, CollectiveError>(())
+        });
+        assert!(errors.is_ok(), "{errors:?}");
+    }
+}

@@ -1,0 +1,563 @@
+//! A collective as a list of steps on a backend tensor: [`DeviceStep`]s to run forward and a
+//! list to run on the gradient in backward. Every differentiable collective and FSDP's
+//! parameter gather are such lists; [`run_steps`] interprets them. Only the innermost exchange
+//! ([`DeviceStep::Run`]) differs between machines: the group's engine on the tensor's data
+//! ([`Exchange::Engine`], every CPU backend), or NCCL on a CUDA buffer ([`Exchange::Nccl`]).
+
+use std::any::Any;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata};
+use burn::tensor::{DType, Slice, TensorData, try_read_sync};
+
+use crate::transport::chunk::{chunk_sizes, offsets};
+use crate::transport::collective::{Collective, CollectiveHandle, OpKind};
+use crate::transport::data::ReduceOp;
+use crate::transport::error::CollectiveError;
+use crate::transport::group::ProcessGroup;
+
+/// Every rank's length along a collective's dim: known up front (chunks of a known length), or
+/// learned by a forward all-gather and read by its backward.
+#[derive(Clone, Default)]
+pub struct Sizes(Arc<Mutex<Option<Vec<usize>>>>);
+
+impl Sizes {
+    pub fn known(sizes: Vec<usize>) -> Self {
+        Self(Arc::new(Mutex::new(Some(sizes))))
+    }
+
+    pub fn unknown() -> Self {
+        Self::default()
+    }
+
+    pub fn get(&self) -> Option<Vec<usize>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(crate) fn set(&self, sizes: Vec<usize>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(sizes);
+    }
+
+    /// The sizes, which the forward all-gather has learned by the time backward asks.
+    fn expect(&self, what: &str) -> Vec<usize> {
+        self.get()
+            .unwrap_or_else(|| panic!("{what}: the sizes were not learned by the forward gather"))
+    }
+}
+
+impl fmt::Debug for Sizes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.get() {
+            Some(s) => write!(f, "{s:?}"),
+            None => f.write_str("(unknown)"),
+        }
+    }
+}
+
+impl PartialEq for Sizes {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+/// One collective on a tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeviceOp {
+    /// Concatenation along `dim` of every rank's piece; rank `j` holds `sizes[j]` rows.
+    AllGather {
+        dim: usize,
+        sizes: Sizes,
+    },
+    /// Rank `i` keeps the reduction of every rank's slice `i` (of `sizes[i]` rows along `dim`).
+    ReduceScatter {
+        dim: usize,
+        sizes: Sizes,
+        op: ReduceOp,
+    },
+    AllReduce {
+        op: ReduceOp,
+    },
+    /// Slice `j` along `split_dim` (`send_sizes[j]` long) goes to rank `j`; the slices
+    /// received are concatenated along `concat_dim`, and their lengths there are learned.
+    AllToAll {
+        split_dim: usize,
+        concat_dim: usize,
+        send_sizes: Sizes,
+        received: Sizes,
+    },
+}
+
+impl DeviceOp {
+    pub fn kind(&self) -> OpKind {
+        match self {
+            DeviceOp::AllGather { .. } => OpKind::AllGather,
+            DeviceOp::ReduceScatter { .. } => OpKind::ReduceScatter,
+            DeviceOp::AllReduce { .. } => OpKind::AllReduce,
+            DeviceOp::AllToAll { .. } => OpKind::AllToAll,
+        }
+    }
+
+    /// The engine call that runs this op on `data`.
+    fn engine_call(&self, data: TensorData, group: &ProcessGroup) -> Collective {
+        match self {
+            DeviceOp::AllGather { dim, .. } => Collective::AllGather { data, dim: *dim },
+            DeviceOp::ReduceScatter { dim, sizes, op } => {
+                let sizes = sizes
+                    .get()
+                    .unwrap_or_else(|| chunk_sizes(data.shape()[*dim], group.size()));
+                Collective::ReduceScatter {
+                    data,
+                    dim: *dim,
+                    sizes,
+                    op: *op,
+                }
+            }
+            DeviceOp::AllReduce { op } => Collective::AllReduce { data, op: *op },
+            DeviceOp::AllToAll {
+                split_dim,
+                concat_dim,
+                send_sizes,
+                ..
+            } => Collective::AllToAll {
+                data,
+                split_dim: *split_dim,
+                concat_dim: *concat_dim,
+                send_sizes: send_sizes.expect("sending pieces of an all_to_all"),
+            },
+        }
+    }
+
+    /// Records what the exchange taught: every rank's rows of a gather, the lengths received
+    /// by an all_to_all.
+    fn learn(&self, sizes: Vec<usize>) {
+        match self {
+            DeviceOp::AllGather { sizes: s, .. } => s.set(sizes),
+            DeviceOp::AllToAll { received, .. } => received.set(sizes),
+            DeviceOp::ReduceScatter { .. } | DeviceOp::AllReduce { .. } => {}
+        }
+    }
+}
+
+/// What exchanges a step's bytes.
+#[derive(Clone)]
+pub enum Exchange {
+    /// The group's engine, on the tensor's data (threads, MPI; every CPU backend).
+    Engine(ProcessGroup),
+    /// NCCL on the CUDA buffer (the group belongs to the nccl engine).
+    #[cfg(feature = "nccl")]
+    Nccl(ProcessGroup),
+}
+
+impl Exchange {
+    pub fn group(&self) -> &ProcessGroup {
+        match self {
+            Exchange::Engine(g) => g,
+            #[cfg(feature = "nccl")]
+            Exchange::Nccl(g) => g,
+        }
+    }
+}
+
+impl fmt::Debug for Exchange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exchange::Engine(g) => write!(f, "engine({})", g.label()),
+            #[cfg(feature = "nccl")]
+            Exchange::Nccl(g) => write!(f, "nccl({})", g.label()),
+        }
+    }
+}
+
+/// Called with the bytes of the tensor at its step (memory accounting).
+#[derive(Clone)]
+pub struct Observer(Arc<dyn Fn(usize) + Send + Sync>);
+
+impl Observer {
+    pub fn new(f: impl Fn(usize) + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+}
+
+impl fmt::Debug for Observer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Observer")
+    }
+}
+
+/// A gradient summed over micro-steps on the device, of whatever backend produced it.
+#[derive(Clone, Default)]
+pub struct DevicePending(Arc<Mutex<Option<Box<dyn Any + Send>>>>);
+
+impl DevicePending {
+    fn take<B: Backend>(&self) -> Option<FloatTensor<B>> {
+        let held = self.0.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        Some(
+            *held
+                .downcast::<FloatTensor<B>>()
+                .unwrap_or_else(|_| panic!("a deferred gradient from another backend")),
+        )
+    }
+
+    fn put<B: Backend>(&self, x: FloatTensor<B>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(x));
+    }
+}
+
+impl fmt::Debug for DevicePending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DevicePending")
+    }
+}
+
+/// FSDP2's deferred gradient sync. While `sync` is off the gradient is added to `pending` and
+/// the steps after this one see zeros of `zeros` (shape, dtype) and run only their observers;
+/// on the sync step the pending sum joins the gradient.
+#[derive(Clone)]
+pub struct Deferral {
+    pub sync: Arc<AtomicBool>,
+    pub pending: DevicePending,
+    pub zeros: (Vec<usize>, DType),
+    /// Called with the pending bytes before and after the step.
+    pub on_change: Arc<dyn Fn(usize, usize) + Send + Sync>,
+}
+
+impl fmt::Debug for Deferral {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Deferral(zeros {:?})", self.zeros)
+    }
+}
+
+/// An engine collective issued ahead of its use (FSDP's prefetch): the exchange runs in the
+/// background while the rank computes, and [`DeviceStep::Await`] takes its result.
+#[derive(Clone)]
+pub struct InFlight {
+    op: DeviceOp,
+    group: ProcessGroup,
+    handle: Arc<Mutex<Option<CollectiveHandle>>>,
+}
+
+impl InFlight {
+    /// Issues `op` on `data` through `group`'s engine without waiting.
+    pub fn start(op: DeviceOp, data: TensorData, group: &ProcessGroup) -> Self {
+        let handle = group.start(op.engine_call(data, group));
+        Self::holding(op, group, handle)
+    }
+
+    /// Runs `op` on `data` through `group`'s engine now, so that its error is returned here (in
+    /// forward, where a caller can take it) instead of surfacing inside autodiff.
+    pub fn run(
+        op: DeviceOp,
+        data: TensorData,
+        group: &ProcessGroup,
+    ) -> Result<Self, CollectiveError> {
+        let out = group.run(op.engine_call(data, group))?;
+        let handle = CollectiveHandle::ready(op.kind(), group.label().to_string(), Ok(out));
+        Ok(Self::holding(op, group, handle))
+    }
+
+    fn holding(op: DeviceOp, group: &ProcessGroup, handle: CollectiveHandle) -> Self {
+        Self {
+            op,
+            group: group.clone(),
+            handle: Arc::new(Mutex::new(Some(handle))),
+        }
+    }
+
+    /// Whether the exchange has finished (waiting would not block).
+    pub fn is_done(&self) -> bool {
+        let handle = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+        handle.as_ref().is_none_or(CollectiveHandle::is_done)
+    }
+
+    /// The result, as the same op run now would give it (sizes learned included).
+    fn wait(&self) -> Result<TensorData, CollectiveError> {
+        let handle = self
+            .handle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .expect("an in-flight collective is awaited once");
+        let (data, sizes) = handle.wait_sized()?;
+        self.op.learn(sizes);
+        Ok(data)
+    }
+}
+
+impl fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "InFlight({} on {})", self.op.kind(), self.group.label())
+    }
+}
+
+/// One step of a device collective.
+#[derive(Debug, Clone)]
+pub enum DeviceStep {
+    /// To this dtype (nothing when the tensor has it already).
+    Cast(DType),
+    /// Piece `index` along `dim`, the pieces being `sizes` long.
+    Piece {
+        dim: usize,
+        sizes: Sizes,
+        index: usize,
+    },
+    /// A collective.
+    Run { op: DeviceOp, exchange: Exchange },
+    /// The result of a collective issued earlier; the tensor only gives its device.
+    Await(InFlight),
+    /// Reports the tensor's bytes; the tensor passes unchanged.
+    Observe(Observer),
+    /// Defers a gradient while sync is off (see [`Deferral`]).
+    Defer(Deferral),
+}
+
+/// A differentiable collective: `forward` runs on the input, `backward` on the gradient.
+/// With `recompute`, under gradient checkpointing the output is dropped after forward and these
+/// steps rebuild it from the input when backward needs it (FSDP's reshard-after-forward).
+#[derive(Debug, Clone, Default)]
+pub struct DeviceCollective {
+    pub forward: Vec<DeviceStep>,
+    pub backward: Vec<DeviceStep>,
+    pub recompute: Option<Vec<DeviceStep>>,
+}
+
+impl DeviceCollective {
+    /// Only `steps`, run forward.
+    pub fn steps(steps: Vec<DeviceStep>) -> Self {
+        Self {
+            forward: steps,
+            ..Self::default()
+        }
+    }
+
+    /// The backward steps as a collective of their own (what the autodiff node runs).
+    pub fn adjoint(&self) -> Option<DeviceCollective> {
+        (!self.backward.is_empty()).then(|| Self::steps(self.backward.clone()))
+    }
+
+    /// The forward split at its first engine collective, for issuing it ahead of its use: the
+    /// steps before it, the op and its group. `None` when the forward has no such step (or
+    /// exchanges through NCCL, which cannot be issued ahead: CubeCL and tch hide their streams).
+    pub fn engine_prefix(&self) -> Option<(&[DeviceStep], &DeviceOp, &ProcessGroup)> {
+        let at = self
+            .forward
+            .iter()
+            .position(|s| matches!(s, DeviceStep::Run { .. }))?;
+        match &self.forward[at] {
+            DeviceStep::Run {
+                op,
+                exchange: Exchange::Engine(group),
+            } => Some((&self.forward[..at], op, group)),
+            _ => None,
+        }
+    }
+
+    /// This collective with the forward's first collective (and the steps before it) replaced
+    /// by awaiting `started`, which must be that collective issued on the prefix's output.
+    pub fn awaiting(mut self, started: InFlight) -> Self {
+        let at = self
+            .forward
+            .iter()
+            .position(|s| matches!(s, DeviceStep::Run { .. }))
+            .expect("awaiting replaces a collective step");
+        self.forward.splice(..=at, [DeviceStep::Await(started)]);
+        self
+    }
+}
+
+/// One NCCL collective for a backend to run on its own buffer.
+#[derive(Debug, Clone)]
+pub struct NcclCall {
+    pub op: DeviceOp,
+    pub group: ProcessGroup,
+    pub phase: Phase,
+}
+
+impl NcclCall {
+    /// Unwraps the backend's result; a failure panics as every failing step does.
+    pub fn finish<T>(&self, result: Result<T, CollectiveError>) -> T {
+        result.unwrap_or_else(|e| failed(&self.op, &self.group, self.phase, e))
+    }
+}
+
+/// How a backend runs an NCCL step on its own buffer. Backends without NCCL use [`no_nccl`]
+/// (routing never sends them such a step).
+pub type NcclStep<B> = fn(FloatTensor<B>, NcclCall) -> FloatTensor<B>;
+
+/// The NCCL step of a backend that has none.
+pub fn no_nccl<B: Backend>(_x: FloatTensor<B>, call: NcclCall) -> FloatTensor<B> {
+    call.finish(Err(CollectiveError::InvalidArgument {
+        op: call.op.kind().name().into(),
+        group: call.group.label().into(),
+        message: "this backend has no NCCL path (only Burn's CUDA and LibTorch backends, with \
+                  the `cuda` / `tch` features, run one)"
+            .into(),
+    }))
+}
+
+/// Where steps run, for the message of a failing collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Forward,
+    Backward,
+    /// Gathering again in backward what resharding dropped after forward.
+    Recompute,
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Recompute => "backward (recompute)",
+        })
+    }
+}
+
+fn bytes_of<B: Backend>(x: &FloatTensor<B>) -> usize {
+    x.shape().num_elements() * x.dtype().size()
+}
+
+/// Runs `steps` on a backend tensor; NCCL steps go to `nccl`. A failing collective panics
+/// with the op, the group and the phase: Burn's autodiff cannot return errors, and the launcher
+/// turns the panic into this rank's failure (entry points check what they can first).
+pub fn run_steps<B: Backend>(
+    mut x: FloatTensor<B>,
+    steps: &[DeviceStep],
+    phase: Phase,
+    nccl: NcclStep<B>,
+) -> FloatTensor<B> {
+    let mut deferred = false;
+    for step in steps {
+        x = match step {
+            DeviceStep::Observe(Observer(f)) => {
+                f(bytes_of::<B>(&x));
+                x
+            }
+            _ if deferred => x,
+            DeviceStep::Defer(d) => {
+                let pending = d.pending.take::<B>();
+                let before = pending.as_ref().map_or(0, bytes_of::<B>);
+                let sum = match pending {
+                    Some(p) => B::float_add(p, x),
+                    None => x,
+                };
+                if d.sync.load(Ordering::SeqCst) {
+                    (d.on_change)(before, 0);
+                    sum
+                } else {
+                    (d.on_change)(before, bytes_of::<B>(&sum));
+                    let device = sum.device();
+                    d.pending.put::<B>(sum);
+                    deferred = true;
+                    let (shape, dtype) = &d.zeros;
+                    B::float_zeros(shape.clone().into(), &device, (*dtype).into())
+                }
+            }
+            DeviceStep::Cast(dtype) if x.dtype() == *dtype => x,
+            DeviceStep::Cast(dtype) => B::float_cast(x, (*dtype).into()),
+            DeviceStep::Piece { dim, sizes, index } => {
+                let sizes = sizes.expect("slicing this rank's piece");
+                piece::<B>(x, *dim, offsets(&sizes)[*index], sizes[*index])
+            }
+            DeviceStep::Run {
+                op,
+                exchange: Exchange::Engine(group),
+            } => run_on_engine::<B>(x, op, group).unwrap_or_else(|e| failed(op, group, phase, e)),
+            #[cfg(feature = "nccl")]
+            DeviceStep::Run {
+                op,
+                exchange: Exchange::Nccl(group),
+            } => nccl(
+                x,
+                NcclCall {
+                    op: op.clone(),
+                    group: group.clone(),
+                    phase,
+                },
+            ),
+            DeviceStep::Await(started) => {
+                let device = x.device();
+                let out = started
+                    .wait()
+                    .unwrap_or_else(|e| failed(&started.op, &started.group, phase, e));
+                B::float_from_data(out, &device)
+            }
+        };
+    }
+    let _ = nccl;
+    x
+}
+
+fn failed(op: &DeviceOp, group: &ProcessGroup, phase: Phase, e: CollectiveError) -> ! {
+    let hint = if phase != Phase::Forward && matches!(e, CollectiveError::Timeout { .. }) {
+        " (a common cause: two ranks share an autodiff tensor, which joins their graphs under \
+         one lock so one rank's backward blocks the other's; build each rank's tensors on that \
+         rank, or share TensorData)"
+    } else {
+        ""
+    };
+    panic!(
+        "{} in {phase} failed on group {}: {e}{hint}",
+        op.kind(),
+        group.label()
+    )
+}
+
+/// `x`'s piece along `dim` from `start`, `len` long.
+pub fn piece<B: Backend>(
+    x: FloatTensor<B>,
+    dim: usize,
+    start: usize,
+    len: usize,
+) -> FloatTensor<B> {
+    let ndim = x.shape().num_dims();
+    let slices: Vec<Slice> = (0..ndim)
+        .map(|d| match d == dim {
+            true => Slice::new(start as isize, Some((start + len) as isize), 1),
+            false => Slice::full(),
+        })
+        .collect();
+    B::float_slice(x, &slices)
+}
+
+/// A tensor's data on the host (a copy on GPU backends; CPU backends hand their buffer over).
+pub fn read_data<B: Backend>(x: FloatTensor<B>) -> TensorData {
+    try_read_sync(B::float_into_data(x))
+        .expect("synchronous read is supported on the engine path")
+        .expect("reading a tensor for a collective")
+}
+
+/// A step exchanged by the group's engine, on the tensor's data.
+fn run_on_engine<B: Backend>(
+    x: FloatTensor<B>,
+    op: &DeviceOp,
+    group: &ProcessGroup,
+) -> Result<FloatTensor<B>, CollectiveError> {
+    let device = x.device();
+    let out = group.run(op.engine_call(read_data::<B>(x), group))?;
+    let data = out.data.ok_or_else(|| CollectiveError::InvalidArgument {
+        op: op.kind().name().into(),
+        group: group.label().into(),
+        message: "the engine returned no tensor".into(),
+    })?;
+    op.learn(out.sizes);
+    Ok(B::float_from_data(data, &device))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_learned_forward_are_read_backward() {
+        let s = Sizes::unknown();
+        let t = s.clone();
+        assert_eq!(s.get(), None);
+        s.set(vec![3, 1]);
+        assert_eq!(t.get(), Some(vec![3, 1]));
+        assert_eq!(t, Sizes::known(vec![3, 1]));
+    }
+}

@@ -1,0 +1,449 @@
+//! The engine-facing side of a collective: the request a rank issues, its description for
+//! matching and error messages, and the `Communicator` trait every engine implements.
+
+use std::fmt;
+use std::thread::JoinHandle;
+
+use burn::tensor::{DType, TensorData};
+
+use crate::transport::data::ReduceOp;
+use crate::transport::error::CollectiveError;
+use crate::transport::stats::CommStats;
+
+/// The kinds of operation, as counted in [`CommStats`].
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub enum OpKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    AllToAll,
+    Send,
+    Recv,
+    Barrier,
+}
+
+impl OpKind {
+    pub const ALL: [OpKind; 8] = [
+        OpKind::AllReduce,
+        OpKind::AllGather,
+        OpKind::ReduceScatter,
+        OpKind::Broadcast,
+        OpKind::AllToAll,
+        OpKind::Send,
+        OpKind::Recv,
+        OpKind::Barrier,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::Barrier => "barrier",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One request to a communicator. Indices (`root`, `dst`, `src`) are positions in the group.
+#[derive(Debug, Clone)]
+pub enum Collective {
+    AllReduce {
+        data: TensorData,
+        op: ReduceOp,
+    },
+    /// Concatenation along `dim` of every rank's tensor; sizes along `dim` may differ.
+    AllGather {
+        data: TensorData,
+        dim: usize,
+    },
+    /// Rank `i` receives the reduction of every rank's slice `i` along `dim`, where slice sizes
+    /// are `sizes` (one per rank, summing to the dimension).
+    ReduceScatter {
+        data: TensorData,
+        dim: usize,
+        sizes: Vec<usize>,
+        op: ReduceOp,
+    },
+    /// `data` is required on the root; elsewhere it is optional and, when given, checked.
+    Broadcast {
+        data: Option<TensorData>,
+        root: usize,
+    },
+    /// Slice `j` (of `send_sizes[j]` along `split_dim`) goes to rank `j`; the received slices
+    /// are concatenated along `concat_dim` in source-rank order.
+    AllToAll {
+        data: TensorData,
+        split_dim: usize,
+        concat_dim: usize,
+        send_sizes: Vec<usize>,
+    },
+    Send {
+        data: TensorData,
+        dst: usize,
+    },
+    Recv {
+        src: usize,
+    },
+    Barrier,
+}
+
+impl Collective {
+    pub fn kind(&self) -> OpKind {
+        match self {
+            Collective::AllReduce { .. } => OpKind::AllReduce,
+            Collective::AllGather { .. } => OpKind::AllGather,
+            Collective::ReduceScatter { .. } => OpKind::ReduceScatter,
+            Collective::Broadcast { .. } => OpKind::Broadcast,
+            Collective::AllToAll { .. } => OpKind::AllToAll,
+            Collective::Send { .. } => OpKind::Send,
+            Collective::Recv { .. } => OpKind::Recv,
+            Collective::Barrier => OpKind::Barrier,
+        }
+    }
+
+    /// What must agree across ranks for this call to be matched with theirs.
+    pub fn signature(&self) -> Signature {
+        let meta = |d: &TensorData| (d.dtype(), d.shape().to_vec());
+        let (dtype, shape) = match self {
+            Collective::AllReduce { data, .. }
+            | Collective::AllGather { data, .. }
+            | Collective::ReduceScatter { data, .. }
+            | Collective::AllToAll { data, .. }
+            | Collective::Send { data, .. } => {
+                let (d, s) = meta(data);
+                (Some(d), Some(s))
+            }
+            Collective::Broadcast { data, .. } => match data {
+                Some(d) => {
+                    let (d, s) = meta(d);
+                    (Some(d), Some(s))
+                }
+                None => (None, None),
+            },
+            Collective::Recv { .. } | Collective::Barrier => (None, None),
+        };
+        Signature {
+            kind: self.kind(),
+            dtype,
+            shape,
+            dim: match self {
+                Collective::AllGather { dim, .. } | Collective::ReduceScatter { dim, .. } => {
+                    Some(*dim)
+                }
+                _ => None,
+            },
+            reduce: match self {
+                Collective::AllReduce { op, .. } | Collective::ReduceScatter { op, .. } => {
+                    Some(*op)
+                }
+                _ => None,
+            },
+            sizes: match self {
+                Collective::ReduceScatter { sizes, .. } => Some(sizes.clone()),
+                _ => None,
+            },
+            root: match self {
+                Collective::Broadcast { root, .. } => Some(*root),
+                _ => None,
+            },
+            dims: match self {
+                Collective::AllToAll {
+                    split_dim,
+                    concat_dim,
+                    ..
+                } => Some((*split_dim, *concat_dim)),
+                _ => None,
+            },
+        }
+    }
+}
+
+/// The parts of a call that other ranks' calls in the same slot must agree with. Serializable,
+/// so that engines whose ranks do not share memory can exchange and compare them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Signature {
+    pub kind: OpKind,
+    pub dtype: Option<DType>,
+    pub shape: Option<Vec<usize>>,
+    pub dim: Option<usize>,
+    pub reduce: Option<ReduceOp>,
+    pub sizes: Option<Vec<usize>>,
+    pub root: Option<usize>,
+    pub dims: Option<(usize, usize)>,
+}
+
+impl Signature {
+    /// Whether two ranks' calls can be executed together. Shapes must match except along the
+    /// dimension that the op lets vary.
+    pub fn compatible(&self, other: &Signature) -> bool {
+        if self.kind != other.kind
+            || self.dim != other.dim
+            || self.reduce != other.reduce
+            || self.sizes != other.sizes
+            || self.root != other.root
+            || self.dims != other.dims
+        {
+            return false;
+        }
+        if let (Some(a), Some(b)) = (self.dtype, other.dtype)
+            && a != b
+        {
+            return false;
+        }
+        let (Some(a), Some(b)) = (&self.shape, &other.shape) else {
+            return true;
+        };
+        match self.kind {
+            OpKind::AllGather => {
+                let dim = self.dim.unwrap_or(0);
+                a.len() == b.len()
+                    && a.iter()
+                        .zip(b)
+                        .enumerate()
+                        .all(|(i, (x, y))| i == dim || x == y)
+            }
+            OpKind::AllToAll => {
+                let (split, concat) = self.dims.unwrap_or((0, 0));
+                a.len() == b.len()
+                    && a.iter()
+                        .zip(b)
+                        .enumerate()
+                        .all(|(i, (x, y))| i == split || i == concat || x == y)
+            }
+            _ => a == b,
+        }
+    }
+}
+
+/// The error for two members (positions `a` and `b` in the group) that issued incompatible calls
+/// in call `seq`: every engine reports a mismatch in these words.
+pub(crate) fn mismatch(
+    info: &GroupInfo,
+    seq: u64,
+    (a, call_a): (usize, &Signature),
+    (b, call_b): (usize, &Signature),
+) -> CollectiveError {
+    CollectiveError::Mismatch {
+        group: info.label.clone(),
+        seq,
+        rank_a: info.ranks[a],
+        call_a: call_a.to_string(),
+        rank_b: info.ranks[b],
+        call_b: call_b.to_string(),
+    }
+}
+
+/// Checks that the slices an all_to_all delivers to one member (`shapes`, in source order) can
+/// be concatenated along `concat_dim`: they must agree on every other dimension.
+pub(crate) fn check_all_to_all_pieces(
+    info: &GroupInfo,
+    seq: u64,
+    shapes: &[&[usize]],
+    concat_dim: usize,
+) -> Result<(), CollectiveError> {
+    let reference = shapes[0];
+    for (src, shape) in shapes.iter().enumerate() {
+        let agrees = shape
+            .iter()
+            .zip(reference)
+            .enumerate()
+            .all(|(d, (a, b))| d == concat_dim || a == b);
+        if !agrees {
+            return Err(CollectiveError::Mismatch {
+                group: info.label.clone(),
+                seq,
+                rank_a: info.ranks[0],
+                call_a: format!("all_to_all sending a slice of shape {reference:?}"),
+                rank_b: info.ranks[src],
+                call_b: format!(
+                    "all_to_all sending a slice of shape {shape:?}, which cannot be concatenated along dim {concat_dim}"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+impl fmt::Display for Signature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}(", self.kind)?;
+        let mut parts = Vec::new();
+        if let Some(d) = self.dim {
+            parts.push(format!("dim={d}"));
+        }
+        if let Some((s, c)) = self.dims {
+            parts.push(format!("split_dim={s}, concat_dim={c}"));
+        }
+        if let Some(op) = self.reduce {
+            parts.push(format!("op={op}"));
+        }
+        if let Some(r) = self.root {
+            parts.push(format!("root={r}"));
+        }
+        if let Some(s) = &self.sizes {
+            parts.push(format!("sizes={s:?}"));
+        }
+        if let (Some(dtype), Some(shape)) = (self.dtype, &self.shape) {
+            parts.push(format!("{dtype:?} {shape:?}"));
+        }
+        write!(f, "{})", parts.join(", "))
+    }
+}
+
+/// Identity of one group as a rank sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GroupInfo {
+    /// A readable name, e.g. `tp[2, 3]`.
+    pub label: String,
+    /// Global ranks of the members, in group order.
+    pub ranks: Vec<usize>,
+    /// This rank's position in `ranks`.
+    pub index: usize,
+}
+
+impl GroupInfo {
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+}
+
+/// What a collective produced on one rank.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CollectiveOutput {
+    /// The tensor, for ops that produce one.
+    pub data: Option<TensorData>,
+    /// all_gather and all_to_all: the size along the concatenated dimension of each source
+    /// rank's piece, in group order (what the op's inverse needs). Empty for other ops.
+    pub sizes: Vec<usize>,
+}
+
+impl CollectiveOutput {
+    pub fn tensor(data: TensorData) -> Self {
+        Self {
+            data: Some(data),
+            sizes: Vec::new(),
+        }
+    }
+
+    pub fn none() -> Self {
+        Self::default()
+    }
+}
+
+/// The result of a collective on one rank.
+pub type CollectiveResult = Result<CollectiveOutput, CollectiveError>;
+
+/// One engine's connection to one group, as held by one rank.
+///
+/// A call takes its place in the group's sequence when it is issued: every member must issue
+/// the same calls in the same order, and `start` returns only after that place is taken, so a
+/// rank can start several calls and wait for them in any order.
+pub trait Communicator: Send + Sync + fmt::Debug {
+    fn info(&self) -> &GroupInfo;
+
+    /// Runs the call to completion.
+    fn run(&self, call: Collective) -> CollectiveResult;
+
+    /// Issues the call and returns at once; the call progresses in the background.
+    fn start(&self, call: Collective) -> CollectiveHandle;
+
+    /// This rank's counters for this group.
+    fn stats(&self) -> CommStats;
+
+    /// The engine's own type, for engine-specific paths (the NCCL device collectives need the
+    /// group's NCCL communicator). `None` when the engine offers none.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+}
+
+/// A collective in flight. Dropping it without waiting still lets the call complete.
+#[must_use = "wait() on a started collective to get its result and errors"]
+pub struct CollectiveHandle {
+    state: HandleState,
+    kind: OpKind,
+    group: String,
+}
+
+enum HandleState {
+    Ready(CollectiveResult),
+    Running(JoinHandle<CollectiveResult>),
+}
+
+impl CollectiveHandle {
+    pub fn ready(kind: OpKind, group: String, result: CollectiveResult) -> Self {
+        Self {
+            state: HandleState::Ready(result),
+            kind,
+            group,
+        }
+    }
+
+    pub fn running(kind: OpKind, group: String, thread: JoinHandle<CollectiveResult>) -> Self {
+        Self {
+            state: HandleState::Running(thread),
+            kind,
+            group,
+        }
+    }
+
+    /// Whether `wait` would return without blocking.
+    pub fn is_done(&self) -> bool {
+        match &self.state {
+            HandleState::Ready(_) => true,
+            HandleState::Running(t) => t.is_finished(),
+        }
+    }
+
+    pub fn kind(&self) -> OpKind {
+        self.kind
+    }
+
+    /// Blocks until the call completes.
+    pub fn wait(self) -> CollectiveResult {
+        match self.state {
+            HandleState::Ready(r) => r,
+            HandleState::Running(t) => t.join().unwrap_or_else(|_| {
+                Err(CollectiveError::GroupBroken {
+                    group: self.group,
+                    reason: format!("the background {} panicked", self.kind),
+                })
+            }),
+        }
+    }
+
+    /// Waits for a call that produces a tensor.
+    pub fn wait_data(self) -> Result<TensorData, CollectiveError> {
+        self.wait_sized().map(|(data, _)| data)
+    }
+
+    /// Waits for a call that produces a tensor, with the per-source sizes.
+    pub fn wait_sized(self) -> Result<(TensorData, Vec<usize>), CollectiveError> {
+        let kind = self.kind;
+        let group = self.group.clone();
+        let out = self.wait()?;
+        let data = out.data.ok_or(CollectiveError::InvalidArgument {
+            op: kind.name().into(),
+            group,
+            message: "this call produces no tensor".into(),
+        })?;
+        Ok((data, out.sizes))
+    }
+}

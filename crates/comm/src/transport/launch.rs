@@ -1,0 +1,332 @@
+//! One entry point for every kind of launch: the same program runs its ranks as threads of one
+//! process (the threads engine), as the processes of an MPI job (the `mpi` engine, cargo
+//! feature `mpi`), or as GPUs talking NCCL (the `nccl` engine, cargo feature `nccl`). Each
+//! rank's closure gets a [`RankContext`] either way.
+//!
+//! The engine is chosen by [`ENGINE_ENV`] (`threads`, `mpi` or `nccl`) when set, else `mpi`
+//! when the process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun --mpi=pmix`),
+//! else `threads`. Programs with an `--engine` flag pass their choice to [`run_ranks_on`].
+
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::str::FromStr;
+use std::sync::Mutex;
+
+use crate::transport::engine::RankContext;
+use crate::transport::error::{LaunchError, RankFailure};
+
+/// Environment variable that picks the engine: `threads` or `mpi`.
+pub const ENGINE_ENV: &str = "BURN_PARALLEL_ENGINE";
+
+/// The engines a launch can run ranks on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EngineKind {
+    /// Ranks are threads of this process.
+    Threads,
+    /// Each process of an MPI job runs one rank.
+    Mpi,
+    /// Ranks are GPUs talking NCCL: one process per GPU when the launcher sets `RANK`
+    /// (`torchrun`-style environment, see `nccl::LaunchEnv`), else one thread per GPU of this
+    /// process.
+    Nccl,
+}
+
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Threads => "threads",
+            EngineKind::Mpi => "mpi",
+            EngineKind::Nccl => "nccl",
+        }
+    }
+
+    /// Whether this build includes the engine (`mpi` needs the cargo feature `mpi`).
+    pub fn available(self) -> bool {
+        match self {
+            EngineKind::Threads => true,
+            EngineKind::Mpi => cfg!(feature = "mpi"),
+            EngineKind::Nccl => cfg!(feature = "nccl"),
+        }
+    }
+
+    /// The engine [`ENGINE_ENV`] names, else `Mpi` under an MPI launcher, else `Threads`.
+    pub fn detect() -> Result<Self, LaunchError> {
+        match std::env::var(ENGINE_ENV) {
+            Ok(value) if !value.trim().is_empty() => value
+                .parse()
+                .map_err(|e: UnknownEngine| launch_error(format!("{ENGINE_ENV}: {e}"))),
+            _ if started_by_mpi_launcher() => Ok(EngineKind::Mpi),
+            _ => Ok(EngineKind::Threads),
+        }
+    }
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An engine name that is neither `threads` nor `mpi`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown engine {0:?}: expected \"threads\", \"mpi\" or \"nccl\"")]
+pub struct UnknownEngine(pub String);
+
+impl FromStr for EngineKind {
+    type Err = UnknownEngine;
+    fn from_str(s: &str) -> Result<Self, UnknownEngine> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "threads" => Ok(EngineKind::Threads),
+            "mpi" => Ok(EngineKind::Mpi),
+            "nccl" => Ok(EngineKind::Nccl),
+            _ => Err(UnknownEngine(s.into())),
+        }
+    }
+}
+
+/// Whether this process was started by an MPI launcher: Open MPI's `mpirun`, MPICH's
+/// `mpiexec` (PMI), or Slurm's `srun --mpi=pmix`.
+pub fn started_by_mpi_launcher() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Runs `world_size` ranks on the engine [`EngineKind::detect`] picks. See [`run_ranks_on`].
+pub fn run_ranks<T, E, F>(world_size: usize, f: F) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    run_ranks_on(world_size, EngineKind::detect()?, f)
+}
+
+/// Runs `f` on every rank this process hosts and returns their `(rank, result)` pairs in rank
+/// order: all `world_size` ranks with `Threads`; this process's one rank with `Mpi`, where
+/// `world_size` must equal the job's process count.
+///
+/// Failures: with `Threads`, a rank that errors or panics makes the others' collectives fail
+/// and the launch returns every failure (see [`Launcher::run`](crate::Launcher::run)). With
+/// `Mpi`, it prints the rank and the error (which names the collective and its group) and
+/// aborts the whole job (`MPI_Abort`), so no process waits forever.
+pub fn run_ranks_on<T, E, F>(
+    world_size: usize,
+    engine: EngineKind,
+    f: F,
+) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    match engine {
+        EngineKind::Threads => {
+            let results = crate::transport::threads::launch(world_size, f)?;
+            Ok(results.into_iter().enumerate().collect())
+        }
+        #[cfg(feature = "mpi")]
+        EngineKind::Mpi => crate::transport::mpi::run(world_size, f),
+        #[cfg(not(feature = "mpi"))]
+        EngineKind::Mpi => Err(launch_error(
+            "the mpi engine is not in this build: enable the cargo feature `mpi` \
+             (it needs Open MPI and libclang installed)"
+                .into(),
+        )),
+        #[cfg(feature = "nccl")]
+        EngineKind::Nccl => run_nccl(world_size, f),
+        #[cfg(not(feature = "nccl"))]
+        EngineKind::Nccl => Err(launch_error(
+            "the nccl engine is not in this build: enable the cargo feature `nccl` (or `cuda`)"
+                .into(),
+        )),
+    }
+}
+
+/// One process per GPU under a launcher that sets `RANK` (its world must be `world_size`),
+/// else `world_size` rank threads on GPUs `0..world_size`. A process whose rank fails exits
+/// with the error; the launcher (`torchrun`, `mpirun`, `srun`) then ends the job.
+#[cfg(feature = "nccl")]
+fn run_nccl<T, E, F>(world_size: usize, f: F) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    use crate::transport::nccl::{LaunchEnv, NcclEngine, launch_local};
+    if std::env::var_os("RANK").is_none() {
+        let ordinals: Vec<usize> = (0..world_size).collect();
+        return Ok(launch_local(&ordinals, f)?
+            .into_iter()
+            .enumerate()
+            .collect());
+    }
+    let env = LaunchEnv::from_env().map_err(|e| launch_error(e.to_string()))?;
+    if env.world_size != world_size {
+        return Err(launch_error(format!(
+            "the launcher started {} processes (WORLD_SIZE) but the job asks for {world_size} ranks",
+            env.world_size
+        )));
+    }
+    let engine = NcclEngine::from_env().map_err(|e| launch_error(e.to_string()))?;
+    let ctx = RankContext::new(std::sync::Arc::new(engine));
+    f(ctx)
+        .map(|v| vec![(env.rank, v)])
+        .map_err(|e| LaunchError {
+            failures: vec![RankFailure {
+                rank: env.rank,
+                message: e.to_string(),
+                panicked: false,
+            }],
+        })
+}
+
+fn launch_error(message: String) -> LaunchError {
+    LaunchError {
+        failures: vec![RankFailure {
+            rank: 0,
+            message,
+            panicked: false,
+        }],
+    }
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".into()
+    }
+}
+
+/// How [`run_on_threads`] starts each rank and tells its engine how the rank ended.
+pub(crate) trait RankThreads: Sync {
+    /// The context of `rank`, built on the rank's own thread.
+    fn context(&self, rank: usize) -> RankContext;
+
+    /// Called on the rank's thread when it ends: `None` when it returned a value, else its
+    /// failure (the engine releases or aborts the other ranks).
+    fn finished(&self, rank: usize, failure: Option<&str>);
+
+    /// The rank whose failure came first (listed first), when the engine knows it.
+    fn root_cause(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// Stack of a rank thread: Burn's backward recurses through the graph.
+const RANK_STACK_BYTES: usize = 64 << 20;
+
+/// Runs `f` on one scoped thread per rank and returns the ranks' results in rank order, or
+/// every failure: an error returned or a panic, the root cause first. The one
+/// failure-collection routine of every engine that runs ranks as threads.
+pub(crate) fn run_on_threads<T, E, F>(
+    world_size: usize,
+    ranks: &impl RankThreads,
+    f: &F,
+) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    let failures = Mutex::new(Vec::new());
+    let results: Vec<Option<T>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..world_size)
+            .map(|rank| {
+                let failures = &failures;
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .stack_size(RANK_STACK_BYTES)
+                    .spawn_scoped(scope, move || {
+                        let outcome = catch_unwind(AssertUnwindSafe(|| f(ranks.context(rank))));
+                        let (message, panicked) = match outcome {
+                            Ok(Ok(value)) => {
+                                ranks.finished(rank, None);
+                                return Some(value);
+                            }
+                            Ok(Err(e)) => (e.to_string(), false),
+                            Err(payload) => (panic_message(payload.as_ref()), true),
+                        };
+                        ranks.finished(rank, Some(&message));
+                        failures
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(RankFailure {
+                                rank,
+                                message,
+                                panicked,
+                            });
+                        None
+                    })
+                    .expect("spawning a rank thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank threads catch their panics"))
+            .collect()
+    });
+    let mut failures = failures.into_inner().unwrap_or_else(|e| e.into_inner());
+    if let Some(first) = ranks.root_cause() {
+        failures.sort_by_key(|f| f.rank != first);
+    }
+    if !failures.is_empty() {
+        return Err(LaunchError { failures });
+    }
+    Ok(results
+        .into_iter()
+        .map(|r| r.expect("no failure"))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_names_parse_and_print() {
+        for kind in [EngineKind::Threads, EngineKind::Mpi, EngineKind::Nccl] {
+            assert_eq!(kind.name().parse::<EngineKind>(), Ok(kind));
+            assert_eq!(kind.to_string(), kind.name());
+        }
+        assert_eq!(" MPI ".parse::<EngineKind>(), Ok(EngineKind::Mpi));
+        let err = "gloo".parse::<EngineKind>().unwrap_err();
+        assert!(err.to_string().contains("\"gloo\""), "{err}");
+    }
+
+    #[test]
+    fn threads_launch_reports_every_rank_in_order() {
+        let results = run_ranks_on(3, EngineKind::Threads, |ctx| {
+            Ok::<_, String>(ctx.rank() * 10)
+        })
+        .unwrap();
+        assert_eq!(results, vec![(0, 0), (1, 10), (2, 20)]);
+    }
+
+    #[test]
+    fn nccl_without_the_feature_or_a_gpu_is_a_clear_error() {
+        assert_eq!("nccl".parse::<EngineKind>(), Ok(EngineKind::Nccl));
+        let err = run_ranks_on(2, EngineKind::Nccl, |_| Ok::<_, String>(()))
+            .unwrap_err()
+            .to_string();
+        if EngineKind::Nccl.available() {
+            // No GPU or CUDA driver on the machines that run this test.
+            assert!(err.contains("libcuda") || err.contains("CUDA"), "{err}");
+        } else {
+            assert!(err.contains("feature `nccl`"), "{err}");
+        }
+    }
+
+    #[test]
+    fn mpi_without_the_feature_is_a_clear_error() {
+        if EngineKind::Mpi.available() {
+            return;
+        }
+        let err = run_ranks_on(2, EngineKind::Mpi, |_| Ok::<_, String>(())).unwrap_err();
+        assert!(err.to_string().contains("feature `mpi`"), "{err}");
+    }
+}

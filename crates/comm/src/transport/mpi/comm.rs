@@ -1,0 +1,276 @@
+//! One group as an MPI communicator, with the worker threads that run its calls in order.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::mem::ManuallyDrop;
+use std::ops::Deref;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use mpi::Rank;
+use mpi::topology::{Communicator as _, Group as _, SimpleCommunicator};
+
+use crate::transport::collective::{
+    Collective, CollectiveHandle, CollectiveResult, Communicator, GroupInfo, OpKind,
+};
+use crate::transport::error::CollectiveError;
+use crate::transport::stats::{CallBytes, CommStats};
+
+use super::{ops, p2p};
+
+/// Locks ignoring poisoning: no lock is held across user code.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An MPI communicator that worker threads share. The MPI library is initialized with
+/// `MPI_THREAD_MULTIPLE`, so a communicator may be used from any thread.
+pub(crate) struct Comm(ManuallyDrop<SimpleCommunicator>);
+
+// SAFETY: MPI handles are plain identifiers; with MPI_THREAD_MULTIPLE the library allows calls
+// on them from any thread, concurrently.
+unsafe impl Send for Comm {}
+unsafe impl Sync for Comm {}
+
+impl Deref for Comm {
+    type Target = SimpleCommunicator;
+    fn deref(&self) -> &SimpleCommunicator {
+        &self.0
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // A group that outlives the launch (kept in a result) cannot be freed once MPI is
+        // finalized; the process is ending then anyway.
+        if !mpi::is_finalized() {
+            // SAFETY: dropped once, here.
+            unsafe { ManuallyDrop::drop(&mut self.0) }
+        }
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The worker threads of every group of one process, joined before MPI is finalized.
+#[derive(Debug, Default)]
+pub(crate) struct WorkerRegistry {
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl WorkerRegistry {
+    /// Waits until `deadline` for the workers to stop (they stop when their group is dropped).
+    pub fn join(self, deadline: Instant) {
+        let threads = self.threads.into_inner().unwrap_or_else(|e| e.into_inner());
+        for thread in threads {
+            while !thread.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
+        }
+    }
+}
+
+/// A thread that runs jobs one at a time, in the order they were queued.
+struct Worker {
+    queue: mpsc::Sender<Job>,
+}
+
+impl Worker {
+    fn spawn(name: String, registry: &WorkerRegistry) -> Self {
+        let (queue, jobs) = mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || jobs.into_iter().for_each(|job| job()))
+            .expect("spawning an MPI worker thread");
+        lock(&registry.threads).push(thread);
+        Self { queue }
+    }
+}
+
+/// Where a group's collectives stand: the next call number, and the error that broke the group.
+#[derive(Default)]
+struct Progress {
+    seq: u64,
+    broken: Option<String>,
+}
+
+/// What the jobs of one group share.
+pub(crate) struct GroupState {
+    pub info: GroupInfo,
+    /// Collectives run here.
+    pub comm: Comm,
+    /// Point-to-point messages use a duplicate, so they never interfere with collectives.
+    pub p2p: Comm,
+    progress: Mutex<Progress>,
+    stats: Mutex<CommStats>,
+    rank_stats: Arc<Mutex<CommStats>>,
+}
+
+pub(crate) struct MpiCommunicator {
+    state: Arc<GroupState>,
+    collectives: Worker,
+    sends: Worker,
+    recvs: Worker,
+}
+
+impl std::fmt::Debug for MpiCommunicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MpiCommunicator({})", self.state.info.label)
+    }
+}
+
+/// A tag for `MPI_Comm_create_group` that tells apart groups created at the same time.
+fn creation_tag(info: &GroupInfo) -> Rank {
+    let mut hasher = DefaultHasher::new();
+    info.label.hash(&mut hasher);
+    info.ranks.hash(&mut hasher);
+    // 32767 is the smallest tag upper bound MPI allows.
+    (hasher.finish() % 32767) as Rank
+}
+
+impl MpiCommunicator {
+    /// Creates the group's communicator; only its members take part.
+    pub fn new(
+        info: GroupInfo,
+        rank_stats: Arc<Mutex<CommStats>>,
+        registry: &WorkerRegistry,
+    ) -> Result<Self, CollectiveError> {
+        let world = SimpleCommunicator::world();
+        let members: Vec<Rank> = info.ranks.iter().map(|r| *r as Rank).collect();
+        let group = world.group().include(&members);
+        let comm = world
+            .split_by_subgroup_with_tag(&group, creation_tag(&info))
+            .ok_or_else(|| CollectiveError::InvalidArgument {
+                op: "new_group".into(),
+                group: info.label.clone(),
+                message: "MPI did not create the communicator".into(),
+            })?;
+        let p2p = comm.duplicate();
+        let label = info.label.clone();
+        let state = Arc::new(GroupState {
+            info,
+            comm: Comm(ManuallyDrop::new(comm)),
+            p2p: Comm(ManuallyDrop::new(p2p)),
+            progress: Mutex::new(Progress::default()),
+            stats: Mutex::new(CommStats::default()),
+            rank_stats,
+        });
+        Ok(Self {
+            state,
+            collectives: Worker::spawn(format!("mpi-{label}"), registry),
+            sends: Worker::spawn(format!("mpi-send-{label}"), registry),
+            recvs: Worker::spawn(format!("mpi-recv-{label}"), registry),
+        })
+    }
+
+    /// Queues the call on its worker; the result arrives on the returned channel.
+    fn submit(&self, call: Collective) -> mpsc::Receiver<CollectiveResult> {
+        let (reply, result) = mpsc::channel();
+        let worker = match call.kind() {
+            OpKind::Send => &self.sends,
+            OpKind::Recv => &self.recvs,
+            _ => &self.collectives,
+        };
+        let state = self.state.clone();
+        let job: Job = Box::new(move || {
+            let _ = reply.send(state.execute(call));
+        });
+        // The worker lives as long as this communicator, so the queue is open.
+        let _ = worker.queue.send(job);
+        result
+    }
+
+    fn stopped(&self, kind: OpKind) -> CollectiveError {
+        CollectiveError::GroupBroken {
+            group: self.state.info.label.clone(),
+            reason: format!("the MPI worker stopped during a {kind}"),
+        }
+    }
+}
+
+impl GroupState {
+    /// Runs one call on the worker thread and records its traffic.
+    fn execute(&self, call: Collective) -> CollectiveResult {
+        let kind = call.kind();
+        let bytes = CallBytes::of(&call, &self.info);
+        let result = match kind {
+            OpKind::Send | OpKind::Recv => p2p::execute(self, call),
+            _ => self.collective(call),
+        };
+        if let Ok(out) = &result {
+            let produced = out.data.as_ref().map_or(0, |d| d.as_bytes().len());
+            let (sent, received) = bytes.traffic(produced);
+            lock(&self.stats).record(kind, sent, received);
+            lock(&self.rank_stats).record(kind, sent, received);
+        }
+        result
+    }
+
+    /// A collective takes the next call number; an error that leaves the members out of step
+    /// (a mismatch, a panic) breaks the group, as in the threads engine.
+    fn collective(&self, call: Collective) -> CollectiveResult {
+        let kind = call.kind();
+        let seq = {
+            let mut progress = lock(&self.progress);
+            if let Some(reason) = &progress.broken {
+                return Err(CollectiveError::GroupBroken {
+                    group: self.info.label.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            progress.seq += 1;
+            progress.seq - 1
+        };
+        let break_group = |e: &CollectiveError| lock(&self.progress).broken = Some(e.to_string());
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            ops::execute(&self.comm, &self.info, seq, call, break_group)
+        }))
+        .unwrap_or_else(|payload| {
+            Err(CollectiveError::GroupBroken {
+                group: self.info.label.clone(),
+                reason: format!(
+                    "{kind} panicked: {}",
+                    crate::transport::launch::panic_message(payload.as_ref())
+                ),
+            })
+        });
+        if let Err(e @ CollectiveError::GroupBroken { .. }) = &result {
+            lock(&self.progress).broken = Some(e.to_string());
+        }
+        result
+    }
+}
+
+impl Communicator for MpiCommunicator {
+    fn info(&self) -> &GroupInfo {
+        &self.state.info
+    }
+
+    fn run(&self, call: Collective) -> CollectiveResult {
+        let kind = call.kind();
+        self.submit(call)
+            .recv()
+            .unwrap_or_else(|_| Err(self.stopped(kind)))
+    }
+
+    fn start(&self, call: Collective) -> CollectiveHandle {
+        let kind = call.kind();
+        let result = self.submit(call);
+        let stopped = self.stopped(kind);
+        let waiter = std::thread::Builder::new()
+            .name(format!("{kind}-{}", self.state.info.label))
+            .spawn(move || result.recv().unwrap_or(Err(stopped)))
+            .expect("spawning a collective thread");
+        CollectiveHandle::running(kind, self.state.info.label.clone(), waiter)
+    }
+
+    fn stats(&self) -> CommStats {
+        lock(&self.state.stats).clone()
+    }
+}

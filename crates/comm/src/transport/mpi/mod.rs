@@ -1,0 +1,176 @@
+//! The `mpi` engine: one process per rank, over the system's MPI library (Open MPI) through
+//! rsmpi. Every group is an MPI communicator made with `MPI_Comm_create_group` (only its members
+//! take part, so groups of any rank subset work, e.g. one per mesh dimension). Tensors travel as
+//! bytes, so every dtype works, half precision included; reductions run in this crate in rank
+//! order, as in the threads engine, so both engines give bit-identical results.
+//!
+//! Each group runs its calls on a worker thread of its own, in issue order, so async calls and
+//! calls on several groups proceed as in the threads engine. MPI must provide
+//! `MPI_THREAD_MULTIPLE` (Open MPI does).
+//!
+//! A rank whose work fails calls `MPI_Abort` with a message naming the rank and the error
+//! (which names the collective and its group), so that no rank waits forever on a dead peer.
+
+mod comm;
+mod ops;
+mod p2p;
+
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mpi::Threading;
+use mpi::topology::{Communicator as _, SimpleCommunicator};
+
+use crate::transport::collective::Communicator;
+use crate::transport::engine::{Engine, RankContext, group_info};
+use crate::transport::error::{CollectiveError, LaunchError, RankFailure};
+use crate::transport::stats::CommStats;
+
+use comm::MpiCommunicator;
+
+/// The exit status of a process that aborts the job because its rank failed.
+pub const ABORT_EXIT_CODE: i32 = 3;
+
+/// How long `run` waits, after the rank's work returned, for groups still in use elsewhere
+/// (e.g. one returned inside the result) to shut down before MPI is finalized.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// A group is identified by its label and its members in order.
+type GroupKey = (String, Vec<usize>);
+
+/// One process's connection to the MPI job.
+#[derive(Debug)]
+pub(crate) struct MpiEngine {
+    rank: usize,
+    size: usize,
+    stats: Arc<Mutex<CommStats>>,
+    /// Asking again for a group returns the same communicator, with one call sequence, as the
+    /// threads engine does.
+    groups: Mutex<HashMap<GroupKey, Arc<MpiCommunicator>>>,
+    workers: comm::WorkerRegistry,
+}
+
+impl Engine for MpiEngine {
+    fn name(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn new_group(
+        &self,
+        label: &str,
+        ranks: &[usize],
+    ) -> Result<Arc<dyn Communicator>, CollectiveError> {
+        let mut groups = comm::lock(&self.groups);
+        let key = (label.to_string(), ranks.to_vec());
+        if let Some(comm) = groups.get(&key) {
+            return Ok(comm.clone());
+        }
+        let info = group_info(label, ranks, self.rank);
+        let comm = Arc::new(MpiCommunicator::new(
+            info,
+            self.stats.clone(),
+            &self.workers,
+        )?);
+        groups.insert(key, comm.clone());
+        Ok(comm)
+    }
+
+    fn stats(&self) -> CommStats {
+        comm::lock(&self.stats).clone()
+    }
+}
+
+/// Runs this process's rank of an MPI job: initializes MPI, runs `f` with this rank's context,
+/// and finalizes MPI. Returns `[(rank, result)]`. `world_size` must equal the number of
+/// processes of the job. MPI can be initialized once per process, so this runs once.
+///
+/// If `f` returns an error or panics, the process prints which rank failed and why, and aborts
+/// the whole job (`MPI_Abort`): this call then never returns, and the job's processes exit
+/// with a failure status.
+pub fn run<T, E, F>(world_size: usize, f: F) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    E: std::fmt::Display,
+    F: FnOnce(RankContext) -> Result<T, E>,
+{
+    let launch_error = |rank: usize, message: String| LaunchError {
+        failures: vec![RankFailure {
+            rank,
+            message,
+            panicked: false,
+        }],
+    };
+    if mpi::is_initialized() {
+        return Err(launch_error(
+            0,
+            "MPI was already initialized in this process: the mpi engine runs one launch per process"
+                .into(),
+        ));
+    }
+    let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)
+        .ok_or_else(|| launch_error(0, "MPI could not be initialized".into()))?;
+    let world = universe.world();
+    let (rank, size) = (world.rank() as usize, world.size() as usize);
+    // Every rank sees the same job, so every rank returns the same error: nobody is left waiting.
+    if threading != Threading::Multiple {
+        return Err(launch_error(
+            rank,
+            format!(
+                "the MPI library provides thread support {threading:?}, the mpi engine needs Multiple"
+            ),
+        ));
+    }
+    if world_size != size {
+        return Err(launch_error(
+            rank,
+            format!(
+                "the program asks for {world_size} ranks but the MPI job has {size} processes (mpirun -np {world_size})"
+            ),
+        ));
+    }
+    let engine = Arc::new(MpiEngine {
+        rank,
+        size,
+        stats: Arc::new(Mutex::new(CommStats::default())),
+        groups: Mutex::new(HashMap::new()),
+        workers: comm::WorkerRegistry::default(),
+    });
+    let ctx = RankContext::new(engine.clone());
+    let outcome = catch_unwind(AssertUnwindSafe(|| f(ctx)));
+    let value = match outcome {
+        Ok(Ok(value)) => value,
+        Ok(Err(e)) => abort_job(rank, size, &e.to_string()),
+        Err(payload) => abort_job(
+            rank,
+            size,
+            &crate::transport::launch::panic_message(payload.as_ref()),
+        ),
+    };
+    // Dropping the groups stops their workers; MPI is finalized once they have stopped.
+    if let Ok(engine) = Arc::try_unwrap(engine) {
+        let MpiEngine {
+            groups, workers, ..
+        } = engine;
+        drop(groups);
+        workers.join(Instant::now() + SHUTDOWN_GRACE);
+    }
+    drop(world);
+    drop(universe);
+    Ok(vec![(rank, value)])
+}
+
+/// Ends the whole job: the failure of one rank would leave the others blocked in collectives.
+fn abort_job(rank: usize, size: usize, message: &str) -> ! {
+    eprintln!("burn-parallel: rank {rank} of {size} failed: {message}");
+    eprintln!("burn-parallel: aborting the MPI job (MPI_Abort) so that no rank waits forever");
+    SimpleCommunicator::world().abort(ABORT_EXIT_CODE)
+}

@@ -1,0 +1,657 @@
+//! One rank's NCCL communicator and the collectives on raw device buffers.
+//!
+//! Built on cudarc's `result`/`sys` layer rather than its `Comm`: `Comm` hides the raw handle
+//! that `ncclCommSplit` needs (the safe split is missing for CUDA 12.8/13.x), is not `Send`,
+//! and takes only cudarc's own slices, while Burn's CUDA tensors live in CubeCL's allocations.
+//! Every call runs on the communicator's own CUDA stream; [`NcclComm::wait_for`] orders it after
+//! work on another stream and [`DeviceWork`] lets other streams (or the host) wait for it.
+
+use std::ffi::CStr;
+use std::sync::{Arc, OnceLock};
+use std::thread::ThreadId;
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, sys as cuda};
+use cudarc::nccl::{result, sys};
+
+use super::layout::Copy2d;
+use super::library::{LibraryMissing, check_libraries};
+use super::split::{SplitError, SplitKey};
+use super::types::{NcclDataType, NcclRedOp};
+use super::unique_id::{IdError, UniqueIdBytes};
+
+/// A device address (`CUdeviceptr`).
+pub type DevicePtr = u64;
+
+/// What the NCCL engine can fail with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NcclError {
+    #[error(transparent)]
+    Library(#[from] LibraryMissing),
+    #[error(transparent)]
+    Id(#[from] IdError),
+    #[error(transparent)]
+    Split(#[from] SplitError),
+    #[error("{call} failed: {message}")]
+    Nccl { call: &'static str, message: String },
+    #[error("CUDA {call} failed: {message}")]
+    Cuda { call: &'static str, message: String },
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("not supported yet: {0}")]
+    Unsupported(String),
+}
+
+fn nccl_err(call: &'static str) -> impl Fn(result::NcclError) -> NcclError {
+    move |e| {
+        // SAFETY: ncclGetErrorString returns a static C string for every result code.
+        let text = unsafe { CStr::from_ptr(sys::ncclGetErrorString(e.0)) };
+        NcclError::Nccl {
+            call,
+            message: format!("{:?}: {}", e.0, text.to_string_lossy()),
+        }
+    }
+}
+
+fn cuda_err(call: &'static str) -> impl Fn(DriverError) -> NcclError {
+    move |e| NcclError::Cuda {
+        call,
+        message: format!("{e:?}"),
+    }
+}
+
+fn check_cuda(call: &'static str, r: cuda::CUresult) -> Result<(), NcclError> {
+    r.result().map_err(cuda_err(call))
+}
+
+pub(crate) fn to_sys_dtype(t: NcclDataType) -> sys::ncclDataType_t {
+    use sys::ncclDataType_t as T;
+    match t {
+        NcclDataType::Int8 => T::ncclInt8,
+        NcclDataType::Uint8 => T::ncclUint8,
+        NcclDataType::Int32 => T::ncclInt32,
+        NcclDataType::Uint32 => T::ncclUint32,
+        NcclDataType::Int64 => T::ncclInt64,
+        NcclDataType::Uint64 => T::ncclUint64,
+        NcclDataType::Float16 => T::ncclFloat16,
+        NcclDataType::Float32 => T::ncclFloat32,
+        NcclDataType::Float64 => T::ncclFloat64,
+        NcclDataType::Bfloat16 => T::ncclBfloat16,
+    }
+}
+
+pub(crate) fn to_sys_op(op: NcclRedOp) -> sys::ncclRedOp_t {
+    use sys::ncclRedOp_t as O;
+    match op {
+        NcclRedOp::Sum => O::ncclSum,
+        NcclRedOp::Prod => O::ncclProd,
+        NcclRedOp::Max => O::ncclMax,
+        NcclRedOp::Min => O::ncclMin,
+        NcclRedOp::Avg => O::ncclAvg,
+    }
+}
+
+/// A fresh NCCL unique id (rank 0 creates it and hands it to the others).
+pub fn new_unique_id() -> Result<UniqueIdBytes, NcclError> {
+    check_libraries()?;
+    let id = result::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
+    Ok(UniqueIdBytes(id.internal.map(|c| c as u8)))
+}
+
+/// The NCCL version as `major * 10000 + minor * 100 + patch` (2.27.5 is 22705).
+pub fn nccl_version() -> Result<i32, NcclError> {
+    check_libraries()?;
+    result::get_nccl_version().map_err(nccl_err("ncclGetVersion"))
+}
+
+/// One rank's communicator on one GPU, with the stream its collectives run on.
+pub struct NcclComm {
+    raw: sys::ncclComm_t,
+    rank: usize,
+    size: usize,
+    stream: Arc<CudaStream>,
+    /// The thread that issues this communicator's calls: the first to use it, its rank's.
+    /// NCCL matches collectives across ranks by issue order, so a rank must issue them from
+    /// one thread in program order; a second thread (a lock would only serialise it) could
+    /// interleave differently on different ranks and hang them.
+    owner: OnceLock<ThreadId>,
+}
+
+// SAFETY: an NCCL communicator may move to another thread before its first call; the CUDA
+// context is bound before every call.
+unsafe impl Send for NcclComm {}
+// SAFETY: shared references issue calls only from the owning thread (`enter` checks it), so
+// calls are never concurrent.
+unsafe impl Sync for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclComm(rank {} of {}, GPU {})",
+            self.rank,
+            self.size,
+            self.stream.context().ordinal()
+        )
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // Errors cannot be reported from drop; a failed destroy leaks the communicator only.
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: `raw` came from a successful init or split and is destroyed once.
+        let _ = unsafe { result::comm_destroy(self.raw) };
+    }
+}
+
+fn context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>), NcclError> {
+    let count = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
+    if ordinal >= count as usize {
+        return Err(NcclError::InvalidArgument(format!(
+            "GPU {ordinal} does not exist: this machine has {count} CUDA device(s)"
+        )));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuCtxCreate"))?;
+    let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+    Ok((ctx, stream))
+}
+
+impl NcclComm {
+    /// Joins the communicator of `world_size` ranks named by `id` as `rank`, on GPU `ordinal`
+    /// (one process per GPU). Blocks until every rank has joined.
+    pub fn init_rank(
+        ordinal: usize,
+        rank: usize,
+        world_size: usize,
+        id: &UniqueIdBytes,
+    ) -> Result<Self, NcclError> {
+        check_libraries()?;
+        if rank >= world_size {
+            return Err(NcclError::InvalidArgument(format!(
+                "rank {rank} is outside a world of {world_size}"
+            )));
+        }
+        let (ctx, stream) = context(ordinal)?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let id = sys::ncclUniqueId {
+            internal: id.0.map(|b| b as std::ffi::c_char),
+        };
+        let mut raw = std::mem::MaybeUninit::uninit();
+        // SAFETY: `raw` is written by a successful call, which `?` checks before reading it.
+        let raw = unsafe {
+            result::comm_init_rank(raw.as_mut_ptr(), world_size as i32, id, rank as i32)
+                .map_err(nccl_err("ncclCommInitRank"))?;
+            raw.assume_init()
+        };
+        Ok(Self {
+            raw,
+            rank,
+            size: world_size,
+            stream,
+            owner: OnceLock::new(),
+        })
+    }
+
+    /// One communicator per GPU of `ordinals`, all in this process (`ncclCommInitAll`, what
+    /// cudarc's `Comm::from_devices` calls); rank `i` runs on `ordinals[i]`. Hand each to its
+    /// rank's thread.
+    pub fn init_local(ordinals: &[usize]) -> Result<Vec<Self>, NcclError> {
+        check_libraries()?;
+        if ordinals.is_empty() {
+            return Err(NcclError::InvalidArgument("no GPU given".into()));
+        }
+        let streams = ordinals
+            .iter()
+            .map(|o| context(*o).map(|(_, s)| s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut raws = vec![std::ptr::null_mut(); ordinals.len()];
+        let devs: Vec<i32> = ordinals.iter().map(|o| *o as i32).collect();
+        // SAFETY: `raws` has one slot per device in `devs`.
+        unsafe {
+            result::comm_init_all(raws.as_mut_ptr(), devs.len() as i32, devs.as_ptr())
+                .map_err(nccl_err("ncclCommInitAll"))?;
+        }
+        let size = ordinals.len();
+        Ok(raws
+            .into_iter()
+            .zip(streams)
+            .enumerate()
+            .map(|(rank, (raw, stream))| Self {
+                raw,
+                rank,
+                size,
+                stream,
+                owner: OnceLock::new(),
+            })
+            .collect())
+    }
+
+    /// The communicator of the ranks that pass the same `key.color` (ordered by `key.key`):
+    /// collective over this communicator, every rank calls it. See [`super::split`].
+    pub fn split(&self, key: SplitKey) -> Result<Self, NcclError> {
+        self.enter()?;
+        let stream = self
+            .stream
+            .context()
+            .new_stream()
+            .map_err(cuda_err("cuStreamCreate"))?;
+        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `self.raw` is live; a null config inherits the parent's.
+        unsafe {
+            sys::ncclCommSplit(self.raw, key.color, key.key, &mut raw, std::ptr::null_mut())
+                .result()
+                .map_err(nccl_err("ncclCommSplit"))?;
+        }
+        // SAFETY: `raw` is the communicator the split just created.
+        let (rank, size) = unsafe {
+            (
+                result::comm_user_rank(raw).map_err(nccl_err("ncclCommUserRank"))?,
+                result::comm_count(raw).map_err(nccl_err("ncclCommCount"))?,
+            )
+        };
+        Ok(Self {
+            raw,
+            rank: rank as usize,
+            size: size as usize,
+            stream,
+            owner: OnceLock::new(),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The stream every collective of this communicator runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Checks that the calling thread owns the communicator (the first caller does) and binds
+    /// its CUDA context, before any call.
+    fn enter(&self) -> Result<(), NcclError> {
+        let me = std::thread::current().id();
+        let owner = *self.owner.get_or_init(|| me);
+        if owner != me {
+            return Err(NcclError::InvalidArgument(format!(
+                "the NCCL communicator of rank {} of {} is used from thread {me:?} but belongs \
+                 to {owner:?}, which used it first: issue every collective of a rank from that \
+                 rank's own thread (two threads could issue them in different orders on \
+                 different ranks and hang them)",
+                self.rank, self.size
+            )));
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))
+    }
+
+    fn cu_stream(&self) -> sys::cudaStream_t {
+        self.stream.cu_stream() as _
+    }
+
+    /// Makes the communicator's stream wait for the work issued so far on `producer` (the
+    /// kernels that wrote the buffers about to be sent), without blocking the host.
+    pub fn wait_for(&self, producer: &CudaStream) -> Result<(), NcclError> {
+        self.stream
+            .join(producer)
+            .map_err(cuda_err("cuStreamWaitEvent"))
+    }
+
+    /// Marks the end of the work issued so far, for other streams or the host to wait on.
+    pub fn record(&self) -> Result<DeviceWork, NcclError> {
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(cuda_err("cuEventRecord"))?;
+        Ok(DeviceWork { event })
+    }
+
+    /// `all_gather`: `count` elements from every rank, rank-major into `recv`
+    /// (`count * size` elements).
+    ///
+    /// # Safety
+    /// `send` and `recv` are live allocations on this communicator's GPU of the stated sizes,
+    /// not written by other work until the collective has finished on [`Self::stream`].
+    pub unsafe fn all_gather(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: NcclDataType,
+    ) -> Result<(), NcclError> {
+        self.enter()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            result::all_gather(
+                send as _,
+                recv as _,
+                count,
+                to_sys_dtype(dtype),
+                self.raw,
+                self.cu_stream(),
+            )
+        }
+        .map(drop)
+        .map_err(nccl_err("ncclAllGather"))
+    }
+
+    /// `reduce_scatter`: rank `i` receives the reduction of every rank's piece `i` of
+    /// `recv_count` elements.
+    ///
+    /// # Safety
+    /// As [`Self::all_gather`]; `send` holds `recv_count * size` elements.
+    pub unsafe fn reduce_scatter(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        recv_count: usize,
+        dtype: NcclDataType,
+        op: NcclRedOp,
+    ) -> Result<(), NcclError> {
+        self.enter()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            result::reduce_scatter(
+                send as _,
+                recv as _,
+                recv_count,
+                to_sys_dtype(dtype),
+                to_sys_op(op),
+                self.raw,
+                self.cu_stream(),
+            )
+        }
+        .map(drop)
+        .map_err(nccl_err("ncclReduceScatter"))
+    }
+
+    /// `all_reduce` of `count` elements (`send == recv` reduces in place).
+    ///
+    /// # Safety
+    /// As [`Self::all_gather`].
+    pub unsafe fn all_reduce(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: NcclDataType,
+        op: NcclRedOp,
+    ) -> Result<(), NcclError> {
+        self.enter()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            result::all_reduce(
+                send as _,
+                recv as _,
+                count,
+                to_sys_dtype(dtype),
+                to_sys_op(op),
+                self.raw,
+                self.cu_stream(),
+            )
+        }
+        .map(drop)
+        .map_err(nccl_err("ncclAllReduce"))
+    }
+
+    /// `broadcast` of `count` elements from `root`'s `send` into every rank's `recv`
+    /// (`send` is read on the root only).
+    ///
+    /// # Safety
+    /// As [`Self::all_gather`].
+    pub unsafe fn broadcast(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: NcclDataType,
+        root: usize,
+    ) -> Result<(), NcclError> {
+        self.enter()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            result::broadcast(
+                send as _,
+                recv as _,
+                count,
+                to_sys_dtype(dtype),
+                root as i32,
+                self.raw,
+                self.cu_stream(),
+            )
+        }
+        .map(drop)
+        .map_err(nccl_err("ncclBroadcast"))
+    }
+
+    /// Sends `count` elements to `peer`, which must post the matching [`Self::recv`].
+    ///
+    /// # Safety
+    /// As [`Self::all_gather`].
+    pub unsafe fn send(
+        &self,
+        buf: DevicePtr,
+        count: usize,
+        dtype: NcclDataType,
+        peer: usize,
+    ) -> Result<(), NcclError> {
+        self.enter()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            result::send(
+                buf as _,
+                count,
+                to_sys_dtype(dtype),
+                peer as i32,
+                self.raw,
+                self.cu_stream(),
+            )
+        }
+        .map(drop)
+        .map_err(nccl_err("ncclSend"))
+    }
+
+    /// Receives `count` elements from `peer`.
+    ///
+    /// # Safety
+    /// As [`Self::all_gather`].
+    pub unsafe fn recv(
+        &self,
+        buf: DevicePtr,
+        count: usize,
+        dtype: NcclDataType,
+        peer: usize,
+    ) -> Result<(), NcclError> {
+        self.enter()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            result::recv(
+                buf as _,
+                count,
+                to_sys_dtype(dtype),
+                peer as i32,
+                self.raw,
+                self.cu_stream(),
+            )
+        }
+        .map(drop)
+        .map_err(nccl_err("ncclRecv"))
+    }
+
+    /// all_to_all as one group of sends and receives (some NCCL builds, such as the 2.27
+    /// wheel, lack `ncclAlltoAll`, and pieces may differ in size): `sends[j]` goes to rank `j`,
+    /// `recvs[j]` comes from rank `j`, each as (buffer, element count); empty pieces are
+    /// skipped.
+    ///
+    /// # Safety
+    /// As [`Self::all_gather`], for every buffer.
+    pub unsafe fn all_to_all(
+        &self,
+        sends: &[(DevicePtr, usize)],
+        recvs: &[(DevicePtr, usize)],
+        dtype: NcclDataType,
+    ) -> Result<(), NcclError> {
+        if sends.len() != self.size || recvs.len() != self.size {
+            return Err(NcclError::InvalidArgument(format!(
+                "all_to_all needs one send and one receive per rank ({}), got {} and {}",
+                self.size,
+                sends.len(),
+                recvs.len()
+            )));
+        }
+        self.enter()?;
+        let t = to_sys_dtype(dtype);
+        result::group_start().map_err(nccl_err("ncclGroupStart"))?;
+        let mut first_error = None;
+        for peer in 0..self.size {
+            let (s, sc) = sends[peer];
+            let (r, rc) = recvs[peer];
+            // SAFETY: the caller's contract.
+            let issued = unsafe {
+                let sent = if sc > 0 {
+                    result::send(s as _, sc, t, peer as i32, self.raw, self.cu_stream()).map(drop)
+                } else {
+                    Ok(())
+                };
+                sent.and_then(|()| {
+                    if rc > 0 {
+                        result::recv(r as _, rc, t, peer as i32, self.raw, self.cu_stream())
+                            .map(drop)
+                    } else {
+                        Ok(())
+                    }
+                })
+            };
+            if let Err(e) = issued {
+                first_error = Some(nccl_err("ncclSend/ncclRecv")(e));
+                break;
+            }
+        }
+        // The group is closed even after an error, so NCCL's group state stays balanced.
+        let ended = result::group_end().map_err(nccl_err("ncclGroupEnd"));
+        match first_error {
+            Some(e) => Err(e),
+            None => ended.map(drop),
+        }
+    }
+
+    /// A strided device-to-device copy on the communicator's stream (packing and unpacking
+    /// uneven pieces, see [`super::layout`]).
+    ///
+    /// # Safety
+    /// The copy's source and destination ranges lie inside live allocations at `src`/`dst`.
+    pub unsafe fn copy_2d(
+        &self,
+        src: DevicePtr,
+        dst: DevicePtr,
+        copy: Copy2d,
+    ) -> Result<(), NcclError> {
+        if copy.is_empty() {
+            return Ok(());
+        }
+        self.enter()?;
+        let params = cuda::CUDA_MEMCPY2D {
+            srcXInBytes: copy.src_offset,
+            srcY: 0,
+            srcMemoryType: cuda::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: copy.src_pitch.max(copy.width),
+            dstXInBytes: copy.dst_offset,
+            dstY: 0,
+            dstMemoryType: cuda::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: copy.dst_pitch.max(copy.width),
+            WidthInBytes: copy.width,
+            Height: copy.height,
+        };
+        // SAFETY: the caller's contract; `params` lives through the call.
+        check_cuda("cuMemcpy2DAsync", unsafe {
+            cuda::cuMemcpy2DAsync_v2(&params, self.stream.cu_stream())
+        })
+    }
+}
+
+/// Collective work issued on a communicator's stream: other streams can wait for it without
+/// blocking the host, or the host can block on it.
+#[derive(Debug)]
+pub struct DeviceWork {
+    event: CudaEvent,
+}
+
+impl DeviceWork {
+    /// Orders everything issued later on `stream` after this work.
+    pub fn wait_on(&self, stream: &CudaStream) -> Result<(), NcclError> {
+        stream
+            .wait(&self.event)
+            .map_err(cuda_err("cuStreamWaitEvent"))
+    }
+
+    /// Blocks the calling thread until the work is done.
+    pub fn synchronize(&self) -> Result<(), NcclError> {
+        self.event
+            .synchronize()
+            .map_err(cuda_err("cuEventSynchronize"))
+    }
+
+    /// Whether the work is done (never blocks).
+    pub fn is_done(&self) -> bool {
+        self.event.is_complete()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::nccl::types::NcclDataType;
+
+    #[test]
+    fn our_nccl_codes_equal_cudarcs() {
+        for t in [
+            NcclDataType::Int8,
+            NcclDataType::Uint8,
+            NcclDataType::Int32,
+            NcclDataType::Uint32,
+            NcclDataType::Int64,
+            NcclDataType::Uint64,
+            NcclDataType::Float16,
+            NcclDataType::Float32,
+            NcclDataType::Float64,
+            NcclDataType::Bfloat16,
+        ] {
+            assert_eq!(to_sys_dtype(t) as u32, t as u32, "{t:?}");
+        }
+        for op in [
+            NcclRedOp::Sum,
+            NcclRedOp::Prod,
+            NcclRedOp::Max,
+            NcclRedOp::Min,
+            NcclRedOp::Avg,
+        ] {
+            assert_eq!(to_sys_op(op) as u32, op as u32, "{op:?}");
+        }
+    }
+
+    /// Without CUDA (CI), creating a communicator is a clear error, never a panic in cudarc.
+    #[test]
+    fn communicators_need_the_libraries() {
+        if check_libraries().is_ok() {
+            return;
+        }
+        let e = NcclComm::init_local(&[0]).unwrap_err();
+        assert!(matches!(e, NcclError::Library(_)), "{e}");
+        assert!(matches!(new_unique_id(), Err(NcclError::Library(_))));
+        let id = UniqueIdBytes([0; 128]);
+        let e = NcclComm::init_rank(0, 0, 1, &id).unwrap_err();
+        assert!(e.to_string().contains("lib"), "{e}");
+    }
+}

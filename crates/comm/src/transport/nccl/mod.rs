@@ -1,0 +1,36 @@
+//! The NCCL engine: collectives on GPU buffers through cudarc's NCCL bindings (cargo feature
+//! `nccl`; the CUDA libraries load at run time, so it builds without CUDA or a GPU).
+//!
+//! - [`comm`]: one rank's communicator and every collective on raw device buffers, ordered on
+//!   CUDA streams (all_to_all as grouped send/recv).
+//! - [`engine`]: the [`Engine`](crate::Engine) for a [`RankContext`](crate::RankContext): one
+//!   process per GPU from the launcher's environment, or one thread per GPU; one communicator
+//!   per group (mesh dimension) by `ncclCommSplit`.
+//!
+//! The planning around NCCL is pure and compiled without the feature, so it is tested on every
+//! machine: [`split`] (group -> `ncclCommSplit` color/key), [`unique_id`] (rank 0's id through
+//! the environment), [`types`] (dtype and reduce-op mapping), [`layout`] (uneven pieces as
+//! strided copies around NCCL's equal-sized collectives) and [`library`] (the messages for
+//! missing libraries).
+
+pub mod layout;
+pub mod library;
+pub mod split;
+pub mod types;
+pub mod unique_id;
+
+#[cfg(feature = "nccl")]
+pub mod comm;
+#[cfg(feature = "nccl")]
+pub mod engine;
+
+#[cfg(feature = "nccl")]
+pub use comm::{DeviceWork, NcclComm, NcclError, nccl_version, new_unique_id};
+/// The cudarc this engine is built on (the copy Burn's CUDA backend uses).
+#[cfg(feature = "nccl")]
+pub use cudarc;
+#[cfg(feature = "nccl")]
+pub use engine::{NcclCommunicator, NcclEngine, launch_local, nccl_comm};
+pub use library::{CudaLibrary, LibraryMissing};
+pub use split::{SplitKey, mesh_split_key, split_key};
+pub use unique_id::{ID_ENV, LaunchEnv, UniqueIdBytes};

@@ -1,0 +1,108 @@
+//! The `threads` engine: ranks are threads of one process that exchange tensors through shared
+//! memory. Deterministic (reductions run in rank order) and never silently stuck: a rank that
+//! fails stops the others at their next collective, and a wait past the timeout is an error
+//! that names the missing ranks.
+
+mod compute;
+mod engine;
+mod group;
+mod world;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::transport::engine::RankContext;
+use crate::transport::error::{LaunchError, RankFailure};
+use crate::transport::launch::{RankThreads, run_on_threads};
+
+use engine::ThreadEngine;
+use world::World;
+
+/// Environment variable that overrides the default collective timeout, in seconds.
+pub const TIMEOUT_ENV: &str = "BURN_PARALLEL_TIMEOUT_SECS";
+
+/// The default time a rank waits for the others in one collective.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Runs `world_size` ranks as threads. Configure with the builder methods, then `run`.
+#[derive(Debug, Clone)]
+pub struct Launcher {
+    world_size: usize,
+    timeout: Duration,
+}
+
+impl Launcher {
+    pub fn new(world_size: usize) -> Self {
+        let timeout = std::env::var(TIMEOUT_ENV)
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .map(Duration::from_secs_f64)
+            .unwrap_or(DEFAULT_TIMEOUT);
+        Self {
+            world_size,
+            timeout,
+        }
+    }
+
+    /// How long a rank waits for the others in one collective before giving up.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs `f` on every rank and returns the ranks' results in rank order, or every failure,
+    /// the first one first. A rank that returns an error or panics makes the others' pending
+    /// and later collectives fail.
+    pub fn run<T, E, F>(&self, f: F) -> Result<Vec<T>, LaunchError>
+    where
+        T: Send,
+        E: std::fmt::Display,
+        F: Fn(RankContext) -> Result<T, E> + Sync,
+    {
+        if self.world_size == 0 {
+            return Err(LaunchError {
+                failures: vec![RankFailure {
+                    rank: 0,
+                    message: "world size must be at least 1".into(),
+                    panicked: false,
+                }],
+            });
+        }
+        let world = Arc::new(World::new(self.world_size, self.timeout));
+        run_on_threads(self.world_size, &ThreadRanks(world), &f)
+    }
+}
+
+/// The threads engine's ranks: each a `ThreadEngine` on the shared world, which learns how
+/// each rank ended.
+struct ThreadRanks(Arc<World>);
+
+impl RankThreads for ThreadRanks {
+    fn context(&self, rank: usize) -> RankContext {
+        RankContext::new(Arc::new(ThreadEngine {
+            world: self.0.clone(),
+            rank,
+        }))
+    }
+
+    fn finished(&self, rank: usize, failure: Option<&str>) {
+        match failure {
+            None => self.0.exit(rank),
+            Some(message) => self.0.fail(rank, message.to_string()),
+        }
+    }
+
+    fn root_cause(&self) -> Option<usize> {
+        self.0.failure().map(|(first, _)| first)
+    }
+}
+
+/// Runs `world_size` ranks as threads with the default settings. See [`Launcher::run`].
+pub fn launch<T, E, F>(world_size: usize, f: F) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    E: std::fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    Launcher::new(world_size).run(f)
+}

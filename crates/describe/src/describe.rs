@@ -1,0 +1,209 @@
+//! What a model tells the parallelizer about itself: the contract `#[parallelize]` implements.
+
+use burn::module::Module;
+use burn_parallel_tp::{ParallelStyle, TpModule, TpPlan, child_path};
+
+use crate::plan::{NamedPlan, plan_name};
+
+/// A model's parallel structure, collected by [`Parallelize::describe`] with full module paths
+/// (`layers.3.self_attn.q_proj`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ModelDescription {
+    /// FSDP units in forward order (a `Vec` field contributes one per element).
+    pub units: Vec<String>,
+    /// TP styles declared on `Tp` fields by `#[tp(style)]`.
+    pub tp_entries: Vec<(String, ParallelStyle)>,
+    /// Plans declared by `#[parallelize(plan = ...)]`, with the path of the struct that
+    /// declared them (the plan's patterns are relative to it).
+    pub named_plans: Vec<(String, NamedPlan)>,
+    /// Attention head counts declared by `#[tp(heads)]` / `#[tp(kv_heads)]`.
+    pub heads: Vec<HeadCount>,
+    /// Optional `Tp` modules this instance does not have (`None`, as a tied LM head): entries
+    /// of a named plan that address exactly one of them are left out.
+    pub absent: Vec<String>,
+}
+
+/// The head counts of one attention module, validated against the tp size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadCount {
+    pub path: String,
+    pub heads: Option<usize>,
+    pub kv_heads: Option<usize>,
+}
+
+/// A plan name the model does not provide.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the model provides no tp plan named `{name}` (it provides: {known})")]
+pub struct DescribeError {
+    pub name: String,
+    pub known: String,
+}
+
+impl ModelDescription {
+    pub fn add_unit(&mut self, path: &str) {
+        self.units.push(path.to_string());
+    }
+
+    pub fn add_tp(&mut self, path: &str, style: ParallelStyle) {
+        self.tp_entries.push((path.to_string(), style));
+    }
+
+    pub fn add_named_plan(&mut self, path: &str, plan: NamedPlan) {
+        self.named_plans.push((path.to_string(), plan));
+    }
+
+    pub fn add_heads(&mut self, path: &str, heads: Option<usize>, kv_heads: Option<usize>) {
+        self.heads.push(HeadCount {
+            path: path.to_string(),
+            heads,
+            kv_heads,
+        });
+    }
+
+    pub fn add_absent(&mut self, path: &str) {
+        self.absent.push(path.to_string());
+    }
+
+    /// The TP plan the model declares: its named plans (patterns prefixed by the declaring
+    /// struct's path, without entries for absent optional modules; their sequence-parallel
+    /// variants when asked) followed by its per-field styles.
+    pub fn tp_plan(&self, sequence_parallel: bool) -> TpPlan {
+        let mut plan = TpPlan::new();
+        for (path, named) in &self.named_plans {
+            plan = self.add_named(plan, path, named, sequence_parallel);
+        }
+        for (path, style) in &self.tp_entries {
+            plan = plan.with(path.clone(), *style);
+        }
+        plan
+    }
+
+    /// The plan the model provides under `name` (`llama`, or `llama-sp` for its
+    /// sequence-parallel variant), rooted where it was declared.
+    pub fn named_plan(&self, name: &str) -> Result<TpPlan, DescribeError> {
+        let (base, sequence_parallel) = plan_name(name);
+        let mut found = self
+            .named_plans
+            .iter()
+            .filter(|(_, named)| named.name == base)
+            .peekable();
+        if found.peek().is_none() {
+            let known: Vec<_> = self.named_plans.iter().map(|(_, n)| n.name).collect();
+            return Err(DescribeError {
+                name: name.to_string(),
+                known: if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                },
+            });
+        }
+        Ok(found.fold(TpPlan::new(), |plan, (path, named)| {
+            self.add_named(plan, path, named, sequence_parallel)
+        }))
+    }
+
+    fn add_named(
+        &self,
+        mut plan: TpPlan,
+        path: &str,
+        named: &NamedPlan,
+        sequence_parallel: bool,
+    ) -> TpPlan {
+        for (pattern, style) in named.plan(sequence_parallel).entries() {
+            let full = child_path(path, pattern);
+            if !self.absent.contains(&full) {
+                plan = plan.with(full, *style);
+            }
+        }
+        plan
+    }
+}
+
+/// Rebuilds one FSDP unit (or any submodule) during [`Parallelize::map_units`]. Generic over the
+/// unit's type, so it cannot be a closure.
+pub trait UnitMap {
+    type Error;
+
+    fn unit<M: Module>(&mut self, path: &str, module: M) -> Result<M, Self::Error>;
+}
+
+/// The sidecar a model gets when it names none: the parallelizer's default hooks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultParallelizer;
+
+/// A model the parallelizer understands. `#[parallelize]` implements it (and [`TpModule`]) from
+/// field attributes; it can also be written by hand.
+pub trait Parallelize: Module + TpModule {
+    /// The sidecar that parallelizes this model: [`DefaultParallelizer`] unless the struct
+    /// names its own with `#[parallelize(sidecar = Type)]` (a type implementing the
+    /// parallelizer's `ModelParallelizer`).
+    type Sidecar: Default;
+
+    /// Appends this module's structure, rooted at `path`, to `out`.
+    fn describe(&self, path: &str, out: &mut ModelDescription);
+
+    /// Passes every FSDP unit to `f`, innermost first (a unit nested in another is mapped
+    /// before its parent), and rebuilds the module from the results.
+    fn map_units<F: UnitMap>(self, path: &str, f: &mut F) -> Result<Self, F::Error>;
+}
+
+impl<T: Parallelize> Parallelize for Vec<T> {
+    type Sidecar = T::Sidecar;
+
+    fn describe(&self, path: &str, out: &mut ModelDescription) {
+        for (i, m) in self.iter().enumerate() {
+            m.describe(&child_path(path, &i.to_string()), out);
+        }
+    }
+
+    fn map_units<F: UnitMap>(self, path: &str, f: &mut F) -> Result<Self, F::Error> {
+        self.into_iter()
+            .enumerate()
+            .map(|(i, m)| m.map_units(&child_path(path, &i.to_string()), f))
+            .collect()
+    }
+}
+
+impl<T: Parallelize> Parallelize for Option<T> {
+    type Sidecar = T::Sidecar;
+
+    fn describe(&self, path: &str, out: &mut ModelDescription) {
+        if let Some(m) = self {
+            m.describe(path, out);
+        }
+    }
+
+    fn map_units<F: UnitMap>(self, path: &str, f: &mut F) -> Result<Self, F::Error> {
+        self.map(|m| m.map_units(path, f)).transpose()
+    }
+}
+
+/// Maps a `#[fsdp(unit)]` field of type `Vec<M>`: each element is a unit (`path.i`).
+pub fn map_unit_vec<M: Module, F: UnitMap>(
+    path: &str,
+    units: Vec<M>,
+    f: &mut F,
+) -> Result<Vec<M>, F::Error> {
+    units
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| f.unit(&child_path(path, &i.to_string()), m))
+        .collect()
+}
+
+/// Maps a `#[fsdp(unit)]` field of type `Option<M>`.
+pub fn map_unit_option<M: Module, F: UnitMap>(
+    path: &str,
+    unit: Option<M>,
+    f: &mut F,
+) -> Result<Option<M>, F::Error> {
+    unit.map(|m| f.unit(path, m)).transpose()
+}
+
+/// Describes a `#[fsdp(unit)]` field of type `Vec<M>`.
+pub fn describe_unit_vec<M>(path: &str, units: &[M], out: &mut ModelDescription) {
+    for i in 0..units.len() {
+        out.add_unit(&child_path(path, &i.to_string()));
+    }
+}

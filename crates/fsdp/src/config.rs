@@ -1,0 +1,101 @@
+//! [`FsdpConfig`]: how `fully_shard` shards and gathers, shared by every unit sharded with it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn_parallel_comm::ProcessGroup;
+
+use crate::memory::MemoryTracker;
+use crate::offload::OffloadPolicy;
+use crate::policy::MixedPrecisionPolicy;
+
+/// How [`fully_shard`](crate::fully_shard) shards and gathers. Clones share the gradient-sync
+/// switch and the memory tracker, so one call reaches every unit sharded with them.
+#[derive(Debug, Clone)]
+pub struct FsdpConfig {
+    /// The group the parameters are sharded over (FSDP2's shard mesh dimension).
+    pub group: ProcessGroup,
+    /// HSDP: the group of replicas of this shard (`dp_replicate`). Gradients are
+    /// reduce-scattered within `group`, then all-reduced across replicas.
+    pub replicate_group: Option<ProcessGroup>,
+    /// Drop gathered weights after forward and gather again in backward. Takes effect on a
+    /// device with gradient checkpointing (`Device::autodiff().gradient_checkpointing()`);
+    /// otherwise the gathered weights are kept until backward.
+    pub reshard_after_forward: bool,
+    pub mixed_precision: MixedPrecisionPolicy,
+    /// Shards, gradients and optimizer step on a host device (`None`: on the compute device).
+    pub offload: Option<OffloadPolicy>,
+    /// How many units after the computing one [`forward_units`](crate::forward_units) keeps
+    /// gathering (FSDP2's forward prefetch; 0: none).
+    pub forward_prefetch_depth: usize,
+    sync: Arc<AtomicBool>,
+    memory: MemoryTracker,
+}
+
+impl FsdpConfig {
+    pub fn new(group: ProcessGroup) -> Self {
+        Self {
+            group,
+            replicate_group: None,
+            reshard_after_forward: true,
+            mixed_precision: MixedPrecisionPolicy::default(),
+            offload: None,
+            forward_prefetch_depth: 1,
+            sync: Arc::new(AtomicBool::new(true)),
+            memory: MemoryTracker::new(),
+        }
+    }
+
+    /// HSDP over `replicate` x `group`.
+    pub fn hybrid(group: ProcessGroup, replicate: ProcessGroup) -> Self {
+        Self {
+            replicate_group: Some(replicate),
+            ..Self::new(group)
+        }
+    }
+
+    /// FSDP2's `set_requires_gradient_sync`: with `false`, backward adds each parameter's
+    /// full gradient to a local accumulator and communicates nothing (the shards get zeros);
+    /// the next backward with `true` reduce-scatters the accumulated sum once. Under HSDP it
+    /// also skips the replica all-reduce.
+    pub fn set_requires_gradient_sync(&self, sync: bool) {
+        self.sync.store(sync, Ordering::SeqCst);
+    }
+
+    /// Whether backward reduces gradients now (see [`Self::set_requires_gradient_sync`]).
+    pub fn requires_gradient_sync(&self) -> bool {
+        self.sync.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn sync_switch(&self) -> &Arc<AtomicBool> {
+        &self.sync
+    }
+
+    /// This rank's model-state counters: what units sharded with this config gather and reduce
+    /// is recorded here (see [`memory`](crate::memory)).
+    pub fn memory(&self) -> &MemoryTracker {
+        &self.memory
+    }
+
+    pub fn mixed_precision(mut self, policy: MixedPrecisionPolicy) -> Self {
+        self.mixed_precision = policy;
+        self
+    }
+
+    pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.reshard_after_forward = reshard;
+        self
+    }
+
+    /// Keeps shards, their gradients and the optimizer step on `policy.host`.
+    pub fn offload(mut self, policy: OffloadPolicy) -> Self {
+        self.offload = Some(policy);
+        self
+    }
+
+    /// Units gathered ahead by [`forward_units`](crate::forward_units) (0: no prefetch).
+    pub fn forward_prefetch_depth(mut self, depth: usize) -> Self {
+        self.forward_prefetch_depth = depth;
+        self
+    }
+}

@@ -1,0 +1,82 @@
+//! What a run's flags mean for the parallelizer: the `DistributedConfig` it runs with and the
+//! mesh that gives on `--world-size` ranks, checked (with the model's shapes) before any rank
+//! starts.
+
+use burn_parallel_models::LlamaConfig;
+use burn_parallel_parallelizer::{
+    DistributedConfig, Dtype, MeshSizes, MixedPrecisionConfig, Strategy,
+};
+use burn_parallel_tp::local_heads;
+
+use crate::config::{Precision, TrainConfig};
+use crate::error::TrainError;
+
+/// The parallelizer's config for a run.
+pub fn distributed_config(cfg: &TrainConfig) -> DistributedConfig {
+    let dtype = |p: Precision| match p {
+        Precision::F32 => None,
+        Precision::Bf16 => Some(Dtype::Bf16),
+    };
+    let tp_size = match cfg.strategy {
+        Strategy::Fsdp2Tp => cfg.tp.unwrap_or(2),
+        _ => cfg.tp.unwrap_or(1),
+    };
+    DistributedConfig {
+        strategy: cfg.strategy,
+        world_size: Some(cfg.world_size),
+        dp_replicate_size: match cfg.strategy {
+            Strategy::Hsdp => cfg.dp_replicate.unwrap_or(2),
+            _ => cfg.dp_replicate.unwrap_or(1),
+        },
+        tp_size,
+        sequence_parallel: cfg.sequence_parallel(),
+        mp_policy: MixedPrecisionConfig {
+            param_dtype: dtype(cfg.param_dtype),
+            reduce_dtype: dtype(cfg.reduce_dtype),
+            output_dtype: None,
+            cast_forward_inputs: true,
+        },
+        reshard_after_forward: Some(cfg.reshard_after_forward),
+        enable_fsdp2_prefetch: cfg.prefetch,
+        ..DistributedConfig::default()
+    }
+}
+
+/// The mesh `cfg` runs on, or an error naming the flag or size it cannot use.
+pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, TrainError> {
+    let s = cfg.strategy;
+    let bad = |m: String| Err(TrainError::Config(format!("--strategy {s}: {m}")));
+    if cfg.world_size == 0 {
+        return bad("--world-size must be at least 1".into());
+    }
+    if cfg.tp.is_some() && !matches!(s, Strategy::Tp | Strategy::Fsdp2Tp) {
+        return bad("--tp applies to tp and fsdp2_tp only".into());
+    }
+    if cfg.dp_replicate.is_some() && s != Strategy::Hsdp {
+        return bad("--dp-replicate applies to hsdp only".into());
+    }
+    let sizes = distributed_config(cfg)
+        .validate(cfg.world_size)
+        .map_err(|e| TrainError::Config(format!("--strategy {s}: {e}")))?;
+    if sizes.tp > 1 {
+        local_heads(
+            model.num_attention_heads,
+            model.num_key_value_heads,
+            sizes.tp,
+        )?;
+        if model.vocab_size < sizes.tp || model.intermediate_size < sizes.tp {
+            return bad(format!(
+                "tp = {} leaves a rank an empty vocab or MLP shard",
+                sizes.tp
+            ));
+        }
+    }
+    if cfg.global_batch < sizes.dp() {
+        return bad(format!(
+            "--global-batch {} gives some of the {} data-parallel ranks no rows",
+            cfg.global_batch,
+            sizes.dp()
+        ));
+    }
+    Ok(sizes)
+}
