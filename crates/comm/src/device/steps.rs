@@ -230,20 +230,25 @@ impl fmt::Debug for Deferral {
     }
 }
 
-/// An engine collective issued ahead of its use (FSDP's prefetch): the exchange runs in the
-/// background while the rank computes, and [`DeviceStep::Await`] takes its result.
+/// An engine collective issued ahead of its use (FSDP's prefetch), or run before its op is
+/// attached (so that its error reaches the caller): [`DeviceStep::Await`] takes its result.
 #[derive(Clone)]
 pub struct InFlight {
     op: DeviceOp,
     group: ProcessGroup,
-    handle: Arc<Mutex<Option<CollectiveHandle>>>,
+    state: Arc<Mutex<Option<Exchanged>>>,
+}
+
+enum Exchanged {
+    Running(CollectiveHandle),
+    Done(TensorData),
 }
 
 impl InFlight {
     /// Issues `op` on `data` through `group`'s engine without waiting.
     pub fn start(op: DeviceOp, data: TensorData, group: &ProcessGroup) -> Self {
         let handle = group.start(op.engine_call(data, group));
-        Self::holding(op, group, handle)
+        Self::holding(op, group, Exchanged::Running(handle))
     }
 
     /// Runs `op` on `data` through `group`'s engine now, so that its error is returned here (in
@@ -253,36 +258,43 @@ impl InFlight {
         data: TensorData,
         group: &ProcessGroup,
     ) -> Result<Self, CollectiveError> {
-        let out = group.run(op.engine_call(data, group))?;
-        let handle = CollectiveHandle::ready(op.kind(), group.label().to_string(), Ok(out));
-        Ok(Self::holding(op, group, handle))
+        let out = engine_exchange(&op, data, group)?;
+        Ok(Self::holding(op, group, Exchanged::Done(out)))
     }
 
-    fn holding(op: DeviceOp, group: &ProcessGroup, handle: CollectiveHandle) -> Self {
+    fn holding(op: DeviceOp, group: &ProcessGroup, state: Exchanged) -> Self {
         Self {
             op,
             group: group.clone(),
-            handle: Arc::new(Mutex::new(Some(handle))),
+            state: Arc::new(Mutex::new(Some(state))),
         }
     }
 
     /// Whether the exchange has finished (waiting would not block).
     pub fn is_done(&self) -> bool {
-        let handle = self.handle.lock().unwrap_or_else(|e| e.into_inner());
-        handle.as_ref().is_none_or(CollectiveHandle::is_done)
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match state.as_ref() {
+            Some(Exchanged::Running(handle)) => handle.is_done(),
+            _ => true,
+        }
     }
 
     /// The result, as the same op run now would give it (sizes learned included).
     fn wait(&self) -> Result<TensorData, CollectiveError> {
-        let handle = self
-            .handle
+        let state = self
+            .state
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .expect("an in-flight collective is awaited once");
-        let (data, sizes) = handle.wait_sized()?;
-        self.op.learn(sizes);
-        Ok(data)
+        match state {
+            Exchanged::Done(data) => Ok(data),
+            Exchanged::Running(handle) => {
+                let (data, sizes) = handle.wait_sized()?;
+                self.op.learn(sizes);
+                Ok(data)
+            }
+        }
     }
 }
 
@@ -537,14 +549,24 @@ fn run_on_engine<B: Backend>(
     group: &ProcessGroup,
 ) -> Result<FloatTensor<B>, CollectiveError> {
     let device = x.device();
-    let out = group.run(op.engine_call(read_data::<B>(x), group))?;
+    let out = engine_exchange(op, read_data::<B>(x), group)?;
+    Ok(B::float_from_data(out, &device))
+}
+
+/// The one place a step's data goes through a group's engine (blocking).
+fn engine_exchange(
+    op: &DeviceOp,
+    data: TensorData,
+    group: &ProcessGroup,
+) -> Result<TensorData, CollectiveError> {
+    let out = group.run(op.engine_call(data, group))?;
     let data = out.data.ok_or_else(|| CollectiveError::InvalidArgument {
         op: op.kind().name().into(),
         group: group.label().into(),
         message: "the engine returned no tensor".into(),
     })?;
     op.learn(out.sizes);
-    Ok(B::float_from_data(data, &device))
+    Ok(data)
 }
 
 #[cfg(test)]
