@@ -16,9 +16,10 @@ mod error;
 mod init;
 mod llama;
 mod parallel;
+mod plan;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use error::ModelError;
 pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal};
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm, Rope};
-pub use parallel::{LLAMA_PLAN, llama_plan};
+pub use plan::{LLAMA_PLAN, llama_plan};

@@ -241,7 +241,7 @@ impl DecoderLayer {
 
 /// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied. Its tp plan is
 /// [`LLAMA_PLAN`](crate::LLAMA_PLAN) (`llama`, `llama-sp` with sequence parallelism).
-#[parallelize(plan = crate::parallel::LLAMA_PLAN)]
+#[parallelize(plan = crate::plan::LLAMA_PLAN)]
 #[derive(Module, Debug)]
 pub struct Llama {
     pub embed_tokens: Tp<Embedding>,

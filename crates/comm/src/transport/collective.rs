@@ -9,57 +9,7 @@ use burn::tensor::{DType, TensorData};
 use crate::transport::data::ReduceOp;
 use crate::transport::error::CollectiveError;
 use crate::transport::stats::CommStats;
-
-/// The kinds of operation, as counted in [`CommStats`].
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
-pub enum OpKind {
-    AllReduce,
-    AllGather,
-    ReduceScatter,
-    Broadcast,
-    AllToAll,
-    Send,
-    Recv,
-    Barrier,
-}
-
-impl OpKind {
-    pub const ALL: [OpKind; 8] = [
-        OpKind::AllReduce,
-        OpKind::AllGather,
-        OpKind::ReduceScatter,
-        OpKind::Broadcast,
-        OpKind::AllToAll,
-        OpKind::Send,
-        OpKind::Recv,
-        OpKind::Barrier,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            OpKind::AllReduce => "all_reduce",
-            OpKind::AllGather => "all_gather",
-            OpKind::ReduceScatter => "reduce_scatter",
-            OpKind::Broadcast => "broadcast",
-            OpKind::AllToAll => "all_to_all",
-            OpKind::Send => "send",
-            OpKind::Recv => "recv",
-            OpKind::Barrier => "barrier",
-        }
-    }
-
-    pub(crate) fn index(self) -> usize {
-        self as usize
-    }
-}
-
-impl fmt::Display for OpKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub use crate::transport::stats::OpKind;
 
 /// One request to a communicator. Indices (`root`, `dst`, `src`) are positions in the group.
 #[derive(Debug, Clone)]

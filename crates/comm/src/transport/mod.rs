@@ -16,5 +16,7 @@ pub mod mesh;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 pub mod nccl;
+pub(crate) mod rank_threads;
 pub mod stats;
 pub mod threads;
+pub(crate) mod traffic;

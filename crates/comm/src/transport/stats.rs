@@ -12,12 +12,59 @@
 //! - send / recv: the message bytes. barrier: 0.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::ops::AddAssign;
 
-use burn::tensor::TensorData;
+/// The kinds of operation, as counted in [`CommStats`].
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub enum OpKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    AllToAll,
+    Send,
+    Recv,
+    Barrier,
+}
 
-use crate::transport::chunk::chunk_range;
-use crate::transport::collective::{Collective, GroupInfo, OpKind};
+impl OpKind {
+    pub const ALL: [OpKind; 8] = [
+        OpKind::AllReduce,
+        OpKind::AllGather,
+        OpKind::ReduceScatter,
+        OpKind::Broadcast,
+        OpKind::AllToAll,
+        OpKind::Send,
+        OpKind::Recv,
+        OpKind::Barrier,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::Barrier => "barrier",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Counters for one kind of op.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -93,107 +140,5 @@ impl AddAssign<&CommStats> for CommStats {
         for (a, b) in self.by_op.iter_mut().zip(&o.by_op) {
             *a += *b;
         }
-    }
-}
-
-/// The sizes of one call that its traffic depends on, taken before the call consumes its input.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct CallBytes {
-    kind: OpKind,
-    group_size: usize,
-    index: usize,
-    input: usize,
-    elem: usize,
-    /// all_to_all: bytes of the slice a rank keeps for itself. broadcast: whether it is root.
-    own_slice: usize,
-    is_root: bool,
-}
-
-impl CallBytes {
-    pub(crate) fn of(call: &Collective, info: &GroupInfo) -> Self {
-        let bytes = |d: &TensorData| d.as_bytes().len();
-        let (input, elem) = match call {
-            Collective::AllReduce { data, .. }
-            | Collective::AllGather { data, .. }
-            | Collective::ReduceScatter { data, .. }
-            | Collective::AllToAll { data, .. }
-            | Collective::Send { data, .. } => (bytes(data), data.dtype().size()),
-            Collective::Broadcast { data: Some(d), .. } => (bytes(d), d.dtype().size()),
-            _ => (0, 1),
-        };
-        let own_slice = match call {
-            Collective::AllToAll {
-                data,
-                split_dim,
-                send_sizes,
-                ..
-            } => {
-                let len = data.shape()[*split_dim];
-                bytes(data)
-                    .checked_div(len)
-                    .map_or(0, |per_index| per_index * send_sizes[info.index])
-            }
-            _ => 0,
-        };
-        let is_root = matches!(call, Collective::Broadcast { root, .. } if *root == info.index);
-        Self {
-            kind: call.kind(),
-            group_size: info.size(),
-            index: info.index,
-            input,
-            elem,
-            own_slice,
-            is_root,
-        }
-    }
-
-    /// A call on `input` bytes of `elem`-byte elements with no root that keeps `own_slice`
-    /// bytes (all_to_all): the device path, which has no `Collective` to measure.
-    #[cfg(feature = "nccl")]
-    pub(crate) fn sized(
-        kind: OpKind,
-        info: &GroupInfo,
-        input: usize,
-        elem: usize,
-        own_slice: usize,
-    ) -> Self {
-        Self {
-            kind,
-            group_size: info.size(),
-            index: info.index,
-            input,
-            elem,
-            own_slice,
-            is_root: false,
-        }
-    }
-
-    /// (sent, received) once the call produced `output` bytes.
-    pub(crate) fn traffic(&self, output: usize) -> (u64, u64) {
-        let others = self.group_size - 1;
-        let (sent, received) = match self.kind {
-            OpKind::AllGather => (self.input * others, output - self.input),
-            OpKind::ReduceScatter => (self.input - output, output * others),
-            OpKind::AllReduce => {
-                let n = self.input / self.elem;
-                let mine = chunk_range(n, self.group_size, self.index).len() * self.elem;
-                let rest = self.input - mine;
-                (rest + mine * others, mine * others + rest)
-            }
-            OpKind::Broadcast if self.is_root => (output * others, 0),
-            OpKind::Broadcast => (0, output),
-            OpKind::AllToAll => {
-                // The slice kept for itself is the same size coming in and going out.
-                (self.input - self.own_slice, output - self.own_slice)
-            }
-            OpKind::Send => (self.input, 0),
-            OpKind::Recv => (0, output),
-            OpKind::Barrier => (0, 0),
-        };
-        (sent as u64, received as u64)
-    }
-
-    pub(crate) fn kind(&self) -> OpKind {
-        self.kind
     }
 }

@@ -17,7 +17,8 @@ use crate::transport::collective::{
     Collective, CollectiveHandle, CollectiveResult, Communicator, GroupInfo, OpKind,
 };
 use crate::transport::error::CollectiveError;
-use crate::transport::stats::{CallBytes, CommStats};
+use crate::transport::stats::CommStats;
+use crate::transport::traffic::CallBytes;
 
 use super::{ops, p2p};
 
@@ -236,7 +237,7 @@ impl GroupState {
                 group: self.info.label.clone(),
                 reason: format!(
                     "{kind} panicked: {}",
-                    crate::transport::launch::panic_message(payload.as_ref())
+                    crate::transport::rank_threads::panic_message(payload.as_ref())
                 ),
             })
         });

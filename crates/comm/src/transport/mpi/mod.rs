@@ -152,7 +152,7 @@ where
         Err(payload) => abort_job(
             rank,
             size,
-            &crate::transport::launch::panic_message(payload.as_ref()),
+            &crate::transport::rank_threads::panic_message(payload.as_ref()),
         ),
     };
     // Dropping the groups stops their workers; MPI is finalized once they have stopped.

@@ -24,8 +24,9 @@ use crate::transport::collective::{
 use crate::transport::data::reducible;
 use crate::transport::engine::{Engine, RankContext, group_info};
 use crate::transport::error::{CollectiveError, LaunchError, RankFailure};
-use crate::transport::launch::{RankThreads, run_on_threads};
-use crate::transport::stats::{CallBytes, CommStats};
+use crate::transport::rank_threads::{RankThreads, run_on_threads};
+use crate::transport::stats::CommStats;
+use crate::transport::traffic::CallBytes;
 
 use super::comm::{NcclComm, NcclError};
 use super::layout::{AlongDim, gather_layout, narrow_copy, place_copy, scatter_layout};

@@ -10,11 +10,14 @@ use crate::transport::collective::{
 };
 use crate::transport::engine::{Engine, group_info};
 use crate::transport::error::CollectiveError;
-use crate::transport::stats::{CallBytes, CommStats};
+use crate::transport::stats::CommStats;
+use crate::transport::traffic::CallBytes;
 
 use super::compute::output;
-use super::group::{GroupShared, Member};
-use super::world::{World, lock};
+use super::group::Member;
+use super::state::GroupShared;
+use super::state::lock;
+use super::world::World;
 
 #[derive(Debug)]
 pub(crate) struct ThreadEngine {

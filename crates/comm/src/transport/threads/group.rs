@@ -2,57 +2,21 @@
 //! the others, reads their inputs (shared memory, no copy until the output is built) and
 //! releases the slot; plus mailboxes for point-to-point messages.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
 
-use crate::transport::collective::{Collective, GroupInfo, OpKind, Signature, mismatch};
+use crate::transport::collective::{Collective, GroupInfo, OpKind, mismatch};
 use crate::transport::error::CollectiveError;
-use crate::transport::stats::CommStats;
 
-use super::world::{World, lock};
+use super::state::{GroupShared, GroupState, Slot, lock};
+use super::world::World;
 
 /// How often a waiting rank re-checks for failed or exited peers.
 const POLL: Duration = Duration::from_millis(10);
-
-pub(crate) struct GroupShared {
-    state: Mutex<GroupState>,
-    cv: Condvar,
-    next_seq: Vec<AtomicU64>,
-    pub stats: Vec<Mutex<CommStats>>,
-}
-
-#[derive(Default)]
-struct GroupState {
-    slots: HashMap<u64, Slot>,
-    mailboxes: HashMap<(usize, usize), VecDeque<TensorData>>,
-    broken: Option<String>,
-}
-
-struct Slot {
-    first: Option<(usize, Signature)>,
-    calls: Vec<Option<Arc<Collective>>>,
-    arrived: usize,
-    partials: Vec<Option<Arc<Vec<u8>>>>,
-    released: usize,
-    error: Option<CollectiveError>,
-}
-
-impl Slot {
-    fn new(n: usize) -> Self {
-        Self {
-            first: None,
-            calls: vec![None; n],
-            arrived: 0,
-            partials: vec![None; n],
-            released: 0,
-            error: None,
-        }
-    }
-}
 
 /// The inputs of a slot once every member has deposited.
 pub(crate) type Deposits = Vec<Arc<Collective>>;
@@ -62,22 +26,6 @@ pub(crate) struct Member<'a> {
     pub world: &'a World,
     pub group: &'a GroupShared,
     pub info: &'a GroupInfo,
-}
-
-impl GroupShared {
-    pub fn new(n: usize) -> Self {
-        Self {
-            state: Mutex::new(GroupState::default()),
-            cv: Condvar::new(),
-            next_seq: (0..n).map(|_| AtomicU64::new(0)).collect(),
-            stats: (0..n).map(|_| Mutex::new(CommStats::default())).collect(),
-        }
-    }
-
-    pub fn wake(&self) {
-        let _guard = lock(&self.state);
-        self.cv.notify_all();
-    }
 }
 
 impl Member<'_> {

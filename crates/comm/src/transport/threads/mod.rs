@@ -6,6 +6,7 @@
 mod compute;
 mod engine;
 mod group;
+mod state;
 mod world;
 
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use std::time::Duration;
 
 use crate::transport::engine::RankContext;
 use crate::transport::error::{LaunchError, RankFailure};
-use crate::transport::launch::{RankThreads, run_on_threads};
+use crate::transport::rank_threads::{RankThreads, run_on_threads};
 
 use engine::ThreadEngine;
 use world::World;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::transport::stats::CommStats;
 
-use super::group::GroupShared;
+use super::state::{GroupShared, lock};
 
 /// A group is identified by its label and its members in order.
 type GroupKey = (String, Vec<usize>);
@@ -78,10 +78,4 @@ impl World {
         let groups: Vec<Arc<GroupShared>> = lock(&self.groups).values().cloned().collect();
         groups.iter().for_each(|g| g.wake());
     }
-}
-
-/// Locks ignoring poisoning: a rank that panicked is reported through `World::fail`, and the
-/// protected state stays consistent because no lock is held across user code.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
