@@ -2,8 +2,9 @@
 
 #![allow(dead_code)]
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::Module;
 use burn::tensor::{DType, Device, Gradients, Tensor, TensorData};
+use burn_parallel::train::{Optimizer, Sgd};
 
 /// The default test backend.
 #[allow(deprecated)]
@@ -70,27 +71,9 @@ pub fn slice_dim<const D: usize>(t: &Tensor<D>, dim: usize, start: usize, len: u
 }
 
 /// Plain SGD on every parameter of any module: `p -= lr * g`, on the stored value (the shard
-/// under FSDP).
+/// under FSDP). The trainer's own optimizer, so the tests train the way `train` does.
 pub fn sgd<M: Module>(model: M, grads: &Gradients, lr: f32) -> M {
-    struct Step<'a> {
-        grads: &'a Gradients,
-        lr: f32,
-    }
-    impl ModuleMapper for Step<'_> {
-        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let grad = p.base().grad(self.grads);
-            let lr = self.lr;
-            p.map(|t| match grad {
-                // Rebuilt on the parameter's device, which carries its checkpointing strategy.
-                Some(g) => {
-                    let device = t.device();
-                    Tensor::from_data((t.inner() - g * lr).into_data(), &device).require_grad()
-                }
-                None => t,
-            })
-        }
-    }
-    model.map(&mut Step { grads, lr })
+    Sgd { lr }.step(model, grads)
 }
 
 /// A stack of `Linear` layers of widths `dims` with seeded weights (layer i from seeds

@@ -209,91 +209,94 @@ fn finite_differences(case: &FdCase) {
     }
 }
 
+/// A case of the table: `op` on `world` ranks, each input of `shape`.
+fn case(name: &'static str, world: usize, shape: [usize; 2], mode: Mode, op: Op) -> FdCase {
+    FdCase {
+        name,
+        world,
+        shape,
+        mode,
+        op,
+    }
+}
+
 fn cases() -> Vec<FdCase> {
     vec![
-        FdCase {
-            name: "all_gather dim 1",
-            world: 3,
-            shape: [2, 2],
-            mode: Mode::Independent,
-            op: |x, g| coll::all_gather(x, g, 1),
-        },
-        FdCase {
-            name: "reduce_scatter dim 0 (5 rows over 3)",
-            world: 3,
-            shape: [5, 2],
-            mode: Mode::Independent,
-            op: |x, g| coll::reduce_scatter(x, g, 0),
-        },
-        FdCase {
-            name: "all_to_all split 0 concat 1",
-            world: 2,
-            shape: [3, 2],
-            mode: Mode::Independent,
-            op: |x, g| coll::all_to_all(x, g, 0, 1, &[2, 1]),
-        },
-        FdCase {
-            name: "copy_to_group",
-            world: 3,
-            shape: [2, 3],
-            mode: Mode::ReplicatedInput,
-            op: |x, g| Ok(coll::copy_to_group(x, g)),
-        },
-        FdCase {
-            name: "scatter_to_group dim 1 (3 columns over 2)",
-            world: 2,
-            shape: [2, 3],
-            mode: Mode::ReplicatedInput,
-            op: |x, g| coll::scatter_to_group(x, g, 1),
-        },
-        FdCase {
-            name: "reduce_from_group",
-            world: 3,
-            shape: [2, 2],
-            mode: Mode::ReplicatedOutput,
-            op: |x, g| coll::reduce_from_group(x, g),
-        },
-        FdCase {
-            name: "gather_from_group dim 0",
-            world: 3,
-            shape: [1, 3],
-            mode: Mode::ReplicatedOutput,
-            op: |x, g| coll::gather_from_group(x, g, 0),
-        },
-        FdCase {
-            name: "all_gather dim 0, uneven pieces",
-            world: 3,
-            shape: [3, 2],
-            mode: Mode::Independent,
-            op: |x, g| {
+        case("all_gather dim 1", 3, [2, 2], Mode::Independent, |x, g| {
+            coll::all_gather(x, g, 1)
+        }),
+        case(
+            "reduce_scatter dim 0 (5 rows over 3)",
+            3,
+            [5, 2],
+            Mode::Independent,
+            |x, g| coll::reduce_scatter(x, g, 0),
+        ),
+        case(
+            "all_to_all split 0 concat 1",
+            2,
+            [3, 2],
+            Mode::Independent,
+            |x, g| coll::all_to_all(x, g, 0, 1, &[2, 1]),
+        ),
+        case("copy_to_group", 3, [2, 3], Mode::ReplicatedInput, |x, g| {
+            Ok(coll::copy_to_group(x, g))
+        }),
+        case(
+            "scatter_to_group dim 1 (3 columns over 2)",
+            2,
+            [2, 3],
+            Mode::ReplicatedInput,
+            |x, g| coll::scatter_to_group(x, g, 1),
+        ),
+        case(
+            "reduce_from_group",
+            3,
+            [2, 2],
+            Mode::ReplicatedOutput,
+            coll::reduce_from_group,
+        ),
+        case(
+            "gather_from_group dim 0",
+            3,
+            [1, 3],
+            Mode::ReplicatedOutput,
+            |x, g| coll::gather_from_group(x, g, 0),
+        ),
+        case(
+            "all_gather dim 0, uneven pieces",
+            3,
+            [3, 2],
+            Mode::Independent,
+            |x, g| {
                 let rows = [3, 1, 2][g.index()];
                 coll::all_gather(x.narrow(0, 0, rows), g, 0)
             },
-        },
-        FdCase {
-            name: "gather_from_group dim 1, uneven pieces",
-            world: 3,
-            shape: [2, 3],
-            mode: Mode::ReplicatedOutput,
-            op: |x, g| coll::gather_from_group(x.narrow(1, 0, 3 - g.index()), g, 1),
-        },
-        FdCase {
-            name: "all_to_all split 1 concat 1, uneven pieces",
-            world: 3,
-            shape: [2, 4],
-            mode: Mode::Independent,
-            op: |x, g| {
+        ),
+        case(
+            "gather_from_group dim 1, uneven pieces",
+            3,
+            [2, 3],
+            Mode::ReplicatedOutput,
+            |x, g| coll::gather_from_group(x.narrow(1, 0, 3 - g.index()), g, 1),
+        ),
+        case(
+            "all_to_all split 1 concat 1, uneven pieces",
+            3,
+            [2, 4],
+            Mode::Independent,
+            |x, g| {
                 let sizes = [[1, 2, 1], [0, 3, 1], [2, 2, 0]][g.index()];
                 coll::all_to_all(x, g, 1, 1, &sizes)
             },
-        },
-        FdCase {
-            name: "prefetched all_gather",
-            world: 2,
-            shape: [3, 2],
-            mode: Mode::Independent,
-            op: |x, g| Ok(coll::start_all_gather(x, g, 1, Default::default())?.finish()),
-        },
+        ),
+        case(
+            "prefetched all_gather",
+            2,
+            [3, 2],
+            Mode::Independent,
+            |x, g| Ok(coll::start_all_gather(x, g, 1, Default::default())?.finish()),
+        ),
     ]
 }
 

@@ -1,13 +1,14 @@
 //! A Megatron MLP (column-parallel then row-parallel, with copy_to / reduce_from) and its
 //! sequence-parallel variant against the same MLP on one device: outputs and every gradient.
 
-use burn::tensor::Tensor;
 use burn::tensor::activation::gelu;
+use burn::tensor::{Gradients, Tensor};
 use burn_parallel::comm::chunk::chunk_range;
 use burn_parallel::comm::collectives as coll;
 use burn_parallel::comm::{CollectiveError, ReduceOp, launch};
 
-use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
+use crate::common::{assert_close, ndarray_ad, tensor, to_vec, vec_of};
+use crate::tp_common::{MlpGrads, TOL, rows, tensor_grad};
 
 const TOKENS: usize = 5;
 const MODEL: usize = 4;
@@ -22,14 +23,34 @@ struct Weights {
 
 impl Weights {
     /// This rank's trainable leaves: w1 and b1 by columns, w2 by rows, b2 replicated.
-    fn shard(&self, cols: std::ops::Range<usize>) -> (Tensor<2>, Tensor<1>, Tensor<2>, Tensor<1>) {
+    fn shard(&self, cols: std::ops::Range<usize>) -> Leaves {
         let (start, len) = (cols.start, cols.len());
-        (
-            self.w1.clone().narrow(1, start, len).require_grad(),
-            self.b1.clone().narrow(0, start, len).require_grad(),
-            self.w2.clone().narrow(0, start, len).require_grad(),
-            self.b2.clone().require_grad(),
-        )
+        Leaves {
+            w1: self.w1.clone().narrow(1, start, len).require_grad(),
+            b1: self.b1.clone().narrow(0, start, len).require_grad(),
+            w2: self.w2.clone().narrow(0, start, len).require_grad(),
+            b2: self.b2.clone().require_grad(),
+        }
+    }
+}
+
+/// The MLP's trainable tensors on one rank (whole on one device).
+struct Leaves {
+    w1: Tensor<2>,
+    b1: Tensor<1>,
+    w2: Tensor<2>,
+    b2: Tensor<1>,
+}
+
+impl Leaves {
+    /// Their gradients: w1/b1 are the up projection, w2/b2 the down one.
+    fn grads(&self, grads: &Gradients) -> MlpGrads {
+        MlpGrads {
+            up_w: tensor_grad(&self.w1, grads),
+            up_b: tensor_grad(&self.b1, grads),
+            down_w: tensor_grad(&self.w2, grads),
+            down_b: tensor_grad(&self.b2, grads),
+        }
     }
 }
 
@@ -57,44 +78,49 @@ fn mlp(x: Tensor<2>, w1: Tensor<2>, b1: Tensor<1>) -> Tensor<2> {
 struct Grads {
     out: Vec<f32>,
     x: Vec<f32>,
-    w1: Vec<f32>,
-    b1: Vec<f32>,
-    w2: Vec<f32>,
-    b2: Vec<f32>,
+    params: MlpGrads,
     norm: Vec<f32>,
+}
+
+impl Grads {
+    /// The output and the gradients of the input and the leaves; no norm.
+    fn of(y: &Tensor<2>, x: &Tensor<2>, leaves: &Leaves, grads: &Gradients) -> Self {
+        Self {
+            out: vec_of(y),
+            x: tensor_grad(x, grads),
+            params: leaves.grads(grads),
+            norm: Vec::new(),
+        }
+    }
 }
 
 fn single_device(hidden: usize, with_norm: bool) -> Grads {
     let w = weights(hidden);
     let d = ndarray_ad();
     let x = tensor(6, [TOKENS, MODEL], &d).require_grad();
-    let (w1, b1, w2, b2, nw) = (
-        w.w1.require_grad(),
-        w.b1.require_grad(),
-        w.w2.require_grad(),
-        w.b2.require_grad(),
-        w.norm.require_grad(),
-    );
+    let l = Leaves {
+        w1: w.w1.require_grad(),
+        b1: w.b1.require_grad(),
+        w2: w.w2.require_grad(),
+        b2: w.b2.require_grad(),
+    };
+    let nw = w.norm.require_grad();
     let input = if with_norm {
         norm(x.clone(), nw.clone())
     } else {
         x.clone()
     };
-    let y = mlp(input, w1.clone(), b1.clone()).matmul(w2.clone()) + b2.clone().unsqueeze::<2>();
+    let y =
+        mlp(input, l.w1.clone(), l.b1.clone()).matmul(l.w2.clone()) + l.b2.clone().unsqueeze::<2>();
     let c = tensor(7, [TOKENS, MODEL], &d);
     let grads = (y.clone() * c).sum().backward();
     Grads {
-        out: vec_of(&y),
-        x: vec_of(&x.grad(&grads).unwrap()),
-        w1: vec_of(&w1.grad(&grads).unwrap()),
-        b1: vec_of(&b1.grad(&grads).unwrap()),
-        w2: vec_of(&w2.grad(&grads).unwrap()),
-        b2: vec_of(&b2.grad(&grads).unwrap()),
         norm: if with_norm {
-            vec_of(&nw.grad(&grads).unwrap())
+            tensor_grad(&nw, &grads)
         } else {
             Vec::new()
         },
+        ..Grads::of(&y, &x, &l, &grads)
     }
 }
 
@@ -108,26 +134,18 @@ fn tensor_parallel(tp: usize, hidden: usize) -> Vec<Grads> {
         let group = ctx.world()?;
         let cols = chunk_range(hidden, tp, group.index());
         let x = tensor(6, [TOKENS, MODEL], &d).require_grad();
-        let (w1, b1, w2, b2) = w.shard(cols.clone());
+        let l = w.shard(cols);
         let h = mlp(
             coll::copy_to_group(x.clone(), &group),
-            w1.clone(),
-            b1.clone(),
+            l.w1.clone(),
+            l.b1.clone(),
         );
-        let y =
-            coll::reduce_from_group(h.matmul(w2.clone()), &group)? + b2.clone().unsqueeze::<2>();
+        let y = coll::reduce_from_group(h.matmul(l.w2.clone()), &group)?
+            + l.b2.clone().unsqueeze::<2>();
         let grads = (y.clone() * tensor(7, [TOKENS, MODEL], &d))
             .sum()
             .backward();
-        Ok::<_, CollectiveError>(Grads {
-            out: vec_of(&y),
-            x: vec_of(&x.grad(&grads).unwrap()),
-            w1: vec_of(&w1.grad(&grads).unwrap()),
-            b1: vec_of(&b1.grad(&grads).unwrap()),
-            w2: vec_of(&w2.grad(&grads).unwrap()),
-            b2: vec_of(&b2.grad(&grads).unwrap()),
-            norm: Vec::new(),
-        })
+        Ok::<_, CollectiveError>(Grads::of(&y, &x, &l, &grads))
     })
     .unwrap()
 }
@@ -148,42 +166,24 @@ fn sequence_parallel(tp: usize, hidden: usize) -> Vec<Grads> {
             .narrow(0, rows.start, rows.len())
             .require_grad();
         let nw = w.norm.clone().require_grad();
-        let (w1, b1, w2, b2) = w.shard(cols.clone());
+        let l = w.shard(cols);
         let normed = coll::all_gather(norm(x.clone(), nw.clone()), &group, 0)?;
-        let h = mlp(normed, w1.clone(), b1.clone());
-        let y =
-            coll::reduce_scatter(h.matmul(w2.clone()), &group, 0)? + b2.clone().unsqueeze::<2>();
+        let h = mlp(normed, l.w1.clone(), l.b1.clone());
+        let y = coll::reduce_scatter(h.matmul(l.w2.clone()), &group, 0)?
+            + l.b2.clone().unsqueeze::<2>();
         let c = tensor(7, [TOKENS, MODEL], &d).narrow(0, rows.start, rows.len());
         let grads = (y.clone() * c).sum().backward();
         // Replicated parameters of the sequence-parallel region hold partial gradients.
         let sum = |t: Tensor<1>| group.all_reduce(t.to_data(), ReduceOp::Sum);
         let norm_grad = sum(nw.grad(&grads).unwrap())?;
-        let b2_grad = sum(b2.grad(&grads).unwrap())?;
-        Ok::<_, CollectiveError>(Grads {
-            out: vec_of(&y),
-            x: vec_of(&x.grad(&grads).unwrap()),
-            w1: vec_of(&w1.grad(&grads).unwrap()),
-            b1: vec_of(&b1.grad(&grads).unwrap()),
-            w2: vec_of(&w2.grad(&grads).unwrap()),
-            b2: crate::common::to_vec(&b2_grad),
-            norm: crate::common::to_vec(&norm_grad),
-        })
+        let b2_grad = sum(l.b2.grad(&grads).unwrap())?;
+        let mut out = Grads::of(&y, &x, &l, &grads);
+        out.params.down_b = to_vec(&b2_grad);
+        out.norm = to_vec(&norm_grad);
+        Ok::<_, CollectiveError>(out)
     })
     .unwrap()
 }
-
-/// Columns `range` of a row-major [rows, cols] matrix.
-fn columns(m: &[f32], cols: usize, range: std::ops::Range<usize>) -> Vec<f32> {
-    m.chunks(cols)
-        .flat_map(|row| row[range.clone()].to_vec())
-        .collect()
-}
-
-fn rows(m: &[f32], cols: usize, range: std::ops::Range<usize>) -> Vec<f32> {
-    m[range.start * cols..range.end * cols].to_vec()
-}
-
-const TOL: f32 = 1e-5;
 
 #[test]
 fn megatron_mlp_matches_single_device() {
@@ -194,15 +194,8 @@ fn megatron_mlp_matches_single_device() {
             let ctx = |what: &str| format!("tp={tp} rank {me}: {what}");
             assert_close(&got.out, &want.out, TOL, &ctx("output"));
             assert_close(&got.x, &want.x, TOL, &ctx("input grad"));
-            assert_close(
-                &got.w1,
-                &columns(&want.w1, hidden, cols.clone()),
-                TOL,
-                &ctx("w1 grad"),
-            );
-            assert_close(&got.b1, &want.b1[cols.clone()], TOL, &ctx("b1 grad"));
-            assert_close(&got.w2, &rows(&want.w2, MODEL, cols), TOL, &ctx("w2 grad"));
-            assert_close(&got.b2, &want.b2, TOL, &ctx("b2 grad"));
+            got.params
+                .assert_shard_of(&want.params, hidden, MODEL, cols, TOL, ctx);
         }
     }
 }
@@ -222,16 +215,9 @@ fn sequence_parallel_mlp_matches_single_device() {
                 &ctx("output"),
             );
             assert_close(&got.x, &rows(&want.x, MODEL, toks), TOL, &ctx("input grad"));
-            assert_close(
-                &got.w1,
-                &columns(&want.w1, hidden, cols.clone()),
-                TOL,
-                &ctx("w1 grad"),
-            );
-            assert_close(&got.b1, &want.b1[cols.clone()], TOL, &ctx("b1 grad"));
-            assert_close(&got.w2, &rows(&want.w2, MODEL, cols), TOL, &ctx("w2 grad"));
-            assert_close(&got.b2, &want.b2, TOL, &ctx("b2 grad"));
             assert_close(&got.norm, &want.norm, TOL, &ctx("norm weight grad"));
+            got.params
+                .assert_shard_of(&want.params, hidden, MODEL, cols, TOL, ctx);
         }
     }
 }

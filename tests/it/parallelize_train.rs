@@ -8,7 +8,7 @@
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::{Embedding, Linear};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
-use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{forward_units, gather_full};
@@ -21,50 +21,22 @@ use burn_parallel::parallelizer::{
 use burn_parallel::tp::{Tp, loss_parallel};
 
 use crate::common::{assert_close, ndarray_ad, to_vec};
-use crate::tp_common::{embedding_on, ids_on, linear_on};
+use crate::tp_common::{Attention, Heads, Mlp, embedding_on, ids_on, linear_on};
 use crate::tp_sp::RmsNorm;
 
 const VOCAB: usize = 37;
 const MODEL: usize = 12;
-const HEADS: usize = 4;
-const KV_HEADS: usize = 2;
-const HEAD_DIM: usize = 3;
+const HEADS: Heads = Heads {
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 3,
+};
 const INTER: usize = 14;
 const LAYERS: usize = 2;
 const BATCH: usize = 5;
 const SEQ: usize = 6;
 const STEPS: usize = 3;
 const LR: f64 = 0.05;
-
-#[parallelize]
-#[derive(Module, Debug)]
-pub struct Attention {
-    #[tp(colwise)]
-    q_proj: Tp<Linear>,
-    #[tp(colwise)]
-    k_proj: Tp<Linear>,
-    #[tp(colwise)]
-    v_proj: Tp<Linear>,
-    #[tp(rowwise)]
-    o_proj: Tp<Linear>,
-    #[module(skip)]
-    #[tp(heads)]
-    heads: usize,
-    #[module(skip)]
-    #[tp(kv_heads)]
-    kv_heads: usize,
-}
-
-#[derive(Module, Debug)]
-#[parallelize]
-pub struct Mlp {
-    #[tp(colwise)]
-    gate_proj: Tp<Linear>,
-    #[tp(colwise)]
-    up_proj: Tp<Linear>,
-    #[tp(rowwise)]
-    down_proj: Tp<Linear>,
-}
 
 #[parallelize]
 #[derive(Module, Debug)]
@@ -96,20 +68,9 @@ impl TinyLm {
             let s = 100 * (i + 1);
             Block {
                 input_layernorm: RmsNorm::seeded_on(d, s, MODEL),
-                self_attn: Attention {
-                    q_proj: Tp::new(linear_on(d, s + 1, MODEL, HEADS * HEAD_DIM)),
-                    k_proj: Tp::new(linear_on(d, s + 2, MODEL, KV_HEADS * HEAD_DIM)),
-                    v_proj: Tp::new(linear_on(d, s + 3, MODEL, KV_HEADS * HEAD_DIM)),
-                    o_proj: Tp::new(linear_on(d, s + 4, HEADS * HEAD_DIM, MODEL)),
-                    heads: HEADS,
-                    kv_heads: KV_HEADS,
-                },
+                self_attn: Attention::seeded(d, s + 1, MODEL, HEADS, true),
                 post_attention_layernorm: RmsNorm::seeded_on(d, s + 5, MODEL),
-                mlp: Mlp {
-                    gate_proj: Tp::new(linear_on(d, s + 6, MODEL, INTER)),
-                    up_proj: Tp::new(linear_on(d, s + 7, MODEL, INTER)),
-                    down_proj: Tp::new(linear_on(d, s + 8, INTER, MODEL)),
-                },
+                mlp: Mlp::seeded(d, s + 6, MODEL, INTER),
             }
         };
         Self {
@@ -134,43 +95,6 @@ impl Block {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let x = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x));
         x.clone() + self.mlp.forward(self.post_attention_layernorm.forward(x))
-    }
-}
-
-impl Attention {
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self.q_proj.prepare_input(x).unwrap();
-        let [b, s, _] = x.dims();
-        let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, HEAD_DIM]).swap_dims(1, 2);
-        let group = self.heads / self.kv_heads;
-        let repeat = |t: Tensor<4>| {
-            t.unsqueeze_dim::<5>(2)
-                .repeat_dim(2, group)
-                .reshape([b, self.heads, s, HEAD_DIM])
-        };
-        let q = split(self.q_proj.forward_prepared(x.clone()), self.heads);
-        let k = repeat(split(
-            self.k_proj.forward_prepared(x.clone()),
-            self.kv_heads,
-        ));
-        let v = repeat(split(self.v_proj.forward_prepared(x), self.kv_heads));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
-        let mask = Tensor::<2, burn::tensor::Bool>::tril_mask([s, s], 0, &scores.device());
-        let scores = scores.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY);
-        let out =
-            softmax(scores, 3)
-                .matmul(v)
-                .swap_dims(1, 2)
-                .reshape([b, s, self.heads * HEAD_DIM]);
-        self.o_proj.forward(out)
-    }
-}
-
-impl Mlp {
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self.gate_proj.prepare_input(x).unwrap();
-        let h = silu(self.gate_proj.forward_prepared(x.clone())) * self.up_proj.forward_prepared(x);
-        self.down_proj.forward(h)
     }
 }
 

@@ -5,7 +5,6 @@
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::Tensor;
-use burn::tensor::activation::softmax;
 use burn_parallel::comm::chunk::chunk_range;
 use burn_parallel::comm::{OpKind, launch};
 use burn_parallel_tp::{
@@ -13,15 +12,15 @@ use burn_parallel_tp::{
 };
 
 use crate::common::{assert_close, ndarray_ad, tensor, vec_of};
-use crate::tp_common::{TOL, columns, grad, linear, rows, tensor_grad};
+use crate::tp_common::{Heads, TOL, columns, grad, linear, rows, tensor_grad};
 
 const HEADS: usize = 8;
 const KV_HEADS: usize = 4;
 const HEAD_DIM: usize = 2;
 const MODEL: usize = HEADS * HEAD_DIM;
 const KV: usize = KV_HEADS * HEAD_DIM;
-const BATCH: usize = 2;
-const SEQ: usize = 3;
+/// The `[batch, seq, model]` input.
+const INPUT: [usize; 3] = [2, 3, MODEL];
 
 #[derive(Module, Debug)]
 struct Attention {
@@ -48,32 +47,18 @@ impl Attention {
         }
     }
 
-    fn split(x: Tensor<3>, heads: usize) -> Tensor<4> {
-        let [b, s, _] = x.dims();
-        x.reshape([b, s, heads, HEAD_DIM]).swap_dims(1, 2)
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let heads = Heads {
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: HEAD_DIM,
+        };
+        heads.attention(self.projections(), x, false)
     }
 
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let [b, s, _] = x.dims();
-        let group = self.heads / self.kv_heads;
-        // q, k and v read the same input: one input collective serves the three.
-        let x = self.q_proj.prepare_input(x).unwrap();
-        let q = Self::split(self.q_proj.forward_prepared(x.clone()), self.heads);
-        // Each kv head serves `group` consecutive query heads.
-        let repeat = |t: Tensor<4>| {
-            t.unsqueeze_dim::<5>(2)
-                .repeat_dim(2, group)
-                .reshape([b, self.heads, s, HEAD_DIM])
-        };
-        let k = repeat(Self::split(
-            self.k_proj.forward_prepared(x.clone()),
-            self.kv_heads,
-        ));
-        let v = repeat(Self::split(self.v_proj.forward_prepared(x), self.kv_heads));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
-        let out = softmax(scores, 3).matmul(v).swap_dims(1, 2);
-        self.o_proj
-            .forward(out.reshape([b, s, self.heads * HEAD_DIM]))
+    /// q, k, v and o, in that order.
+    fn projections(&self) -> [&Tp<Linear>; 4] {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
     }
 }
 
@@ -91,14 +76,14 @@ impl TpModule for Attention {
     }
 
     fn sync_tp_grads(&self, grads: &mut burn::tensor::Gradients) -> Result<(), TpError> {
-        for p in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
+        for p in self.projections() {
             p.sync_tp_grads(grads)?;
         }
         Ok(())
     }
 
     fn visit_tp_sharded<V: burn::module::ModuleVisitor>(&self, visitor: &mut V) {
-        for p in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
+        for p in self.projections() {
             p.visit_tp_sharded(visitor);
         }
     }
@@ -127,13 +112,12 @@ struct Run {
 
 fn run(a: &Attention) -> Run {
     let d = ndarray_ad();
-    let x = tensor(30, [BATCH, SEQ, MODEL], &d).require_grad();
+    let x = tensor(30, INPUT, &d).require_grad();
     let y = a.forward(x.clone());
-    let grads = (y.clone() * tensor(31, [BATCH, SEQ, MODEL], &d))
-        .sum()
-        .backward();
-    let params = [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]
-        .iter()
+    let grads = (y.clone() * tensor(31, INPUT, &d)).sum().backward();
+    let params = a
+        .projections()
+        .into_iter()
         .map(|p| {
             let l = p.inner();
             (
@@ -237,7 +221,7 @@ fn tp_attention_communication_matches_megatron() {
             Ok::<_, TpError>(group.stats().since(&before))
         })
         .unwrap();
-        let bytes = (BATCH * SEQ * MODEL * 4) as u64;
+        let bytes = (INPUT.iter().product::<usize>() * 4) as u64;
         for s in &stats {
             assert_eq!(s.total().calls, 2, "{:?}", s.summary());
             assert_eq!(s.calls(OpKind::AllReduce), 2, "{:?}", s.summary());

@@ -1,4 +1,5 @@
-//! Helpers of the tensor-parallel tests: seeded modules, shard slicing, param paths.
+//! Helpers of the tensor-parallel tests: seeded modules (down to a Llama's attention and MLP),
+//! shard slicing, param paths.
 
 #![allow(dead_code)]
 
@@ -6,7 +7,10 @@ use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{Device, Gradients, Int, Tensor, TensorData};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Bool, Device, Gradients, Int, Tensor, TensorData};
+use burn_parallel::parallelize;
+use burn_parallel::tp::Tp;
 
 use crate::common::{assert_close, ndarray_ad, tensor, values, vec_of};
 
@@ -31,6 +35,155 @@ pub fn embedding(seed: u64, vocab: usize, d_model: usize) -> Embedding {
 pub fn embedding_on(d: &Device, seed: u64, vocab: usize, d_model: usize) -> Embedding {
     Embedding {
         weight: Param::from_tensor(tensor(seed, [vocab, d_model], d)),
+    }
+}
+
+/// The head layout of a grouped-query attention: `heads` query heads and `kv_heads` key/value
+/// heads (each serving `heads / kv_heads` consecutive query heads) of `head_dim` features.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Heads {
+    /// The attention block `o(attend(q(x), k(x), v(x)))` of the projections `[q, k, v, o]`,
+    /// q, k and v sharing one input collective (Megatron's single all-reduce/all-gather).
+    pub fn attention(
+        self,
+        [q, k, v, o]: [&Tp<Linear>; 4],
+        x: Tensor<3>,
+        causal: bool,
+    ) -> Tensor<3> {
+        let x = q.prepare_input(x).unwrap();
+        let [q, k, v] = [q, k, v].map(|p| p.forward_prepared(x.clone()));
+        o.forward(self.attend(q, k, v, causal))
+    }
+
+    /// `softmax(q k^T / sqrt(head_dim)) v` of projected `[batch, seq, _]` q, k and v, heads
+    /// merged back; `causal` hides later positions. The one attention of the tp tests, so the
+    /// models they compare against one device compute it alike.
+    pub fn attend(self, q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, causal: bool) -> Tensor<3> {
+        let [b, s, _] = q.dims();
+        let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, self.head_dim]).swap_dims(1, 2);
+        // Each kv head serves `heads / kv_heads` consecutive query heads.
+        let repeat = |t: Tensor<4>| {
+            t.unsqueeze_dim::<5>(2)
+                .repeat_dim(2, self.heads / self.kv_heads)
+                .reshape([b, self.heads, s, self.head_dim])
+        };
+        let q = split(q, self.heads);
+        let k = repeat(split(k, self.kv_heads));
+        let v = repeat(split(v, self.kv_heads));
+        let mut scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f64).sqrt();
+        if causal {
+            let mask = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device());
+            scores = scores.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY);
+        }
+        softmax(scores, 3)
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, s, self.heads * self.head_dim])
+    }
+}
+
+/// A Llama's grouped-query attention, seeded, for the Llama-shaped test models; the `#[tp]`
+/// styles are its default plan (a plan given to `apply_plan` names its own).
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct Attention {
+    #[tp(colwise)]
+    q_proj: Tp<Linear>,
+    #[tp(colwise)]
+    k_proj: Tp<Linear>,
+    #[tp(colwise)]
+    v_proj: Tp<Linear>,
+    #[tp(rowwise)]
+    o_proj: Tp<Linear>,
+    /// Heads this rank runs (all of them until tp is applied).
+    #[module(skip)]
+    #[tp(heads)]
+    heads: usize,
+    #[module(skip)]
+    #[tp(kv_heads)]
+    kv_heads: usize,
+    #[module(skip)]
+    head_dim: usize,
+    /// Whether a position attends only to itself and earlier ones.
+    #[module(skip)]
+    causal: bool,
+}
+
+impl Attention {
+    /// q, k, v and o on `d_model` features from seeds `seed..seed + 4`.
+    pub fn seeded(d: &Device, seed: u64, d_model: usize, heads: Heads, causal: bool) -> Self {
+        let Heads {
+            heads,
+            kv_heads,
+            head_dim,
+        } = heads;
+        let (q, kv) = (heads * head_dim, kv_heads * head_dim);
+        Self {
+            q_proj: Tp::new(linear_on(d, seed, d_model, q)),
+            k_proj: Tp::new(linear_on(d, seed + 1, d_model, kv)),
+            v_proj: Tp::new(linear_on(d, seed + 2, d_model, kv)),
+            o_proj: Tp::new(linear_on(d, seed + 3, q, d_model)),
+            heads,
+            kv_heads,
+            head_dim,
+            causal,
+        }
+    }
+
+    /// q, k, v and o, in that order.
+    pub fn projections(&self) -> [&Tp<Linear>; 4] {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let heads = Heads {
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        };
+        heads.attention(self.projections(), x, self.causal)
+    }
+}
+
+/// A Llama's SwiGLU MLP, seeded, for the Llama-shaped test models; the `#[tp]` styles are its
+/// default plan.
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct Mlp {
+    #[tp(colwise)]
+    gate_proj: Tp<Linear>,
+    #[tp(colwise)]
+    up_proj: Tp<Linear>,
+    #[tp(rowwise)]
+    down_proj: Tp<Linear>,
+}
+
+impl Mlp {
+    /// gate, up and down between `d_model` and `inter` features from seeds `seed..seed + 3`.
+    pub fn seeded(d: &Device, seed: u64, d_model: usize, inter: usize) -> Self {
+        Self {
+            gate_proj: Tp::new(linear_on(d, seed, d_model, inter)),
+            up_proj: Tp::new(linear_on(d, seed + 1, d_model, inter)),
+            down_proj: Tp::new(linear_on(d, seed + 2, inter, d_model)),
+        }
+    }
+
+    /// gate, up and down, in that order.
+    pub fn projections(&self) -> [&Tp<Linear>; 3] {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        // gate and up share one input collective.
+        let x = self.gate_proj.prepare_input(x).unwrap();
+        let h = silu(self.gate_proj.forward_prepared(x.clone())) * self.up_proj.forward_prepared(x);
+        self.down_proj.forward(h)
     }
 }
 

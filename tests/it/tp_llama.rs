@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use burn::module::Module;
 use burn::nn::{Embedding, Linear};
-use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Gradients, Int, Tensor};
 use burn_parallel::comm::{OpKind, launch};
 use burn_parallel::models::llama_plan;
@@ -18,51 +18,33 @@ use burn_parallel_tp::{
 };
 
 use crate::common::{assert_close, flex_ad, ndarray_ad, vec_of};
-use crate::tp_common::{TOL, columns, embedding_on, grad, ids_on, linear, linear_on, rows};
+use crate::tp_common::{
+    Attention, Heads, Mlp, TOL, columns, embedding_on, grad, ids_on, linear, linear_on, rows,
+};
 use crate::tp_sp::RmsNorm;
 
 const VOCAB: usize = 101;
 const MODEL: usize = 16;
-const HEADS: usize = 8;
-const KV_HEADS: usize = 4;
-const HEAD_DIM: usize = 2;
 const INTER: usize = 22;
 const LAYERS: usize = 2;
-const BATCH: usize = 2;
-const SEQ: usize = 7;
-
-#[parallelize]
-#[derive(Module, Debug)]
-struct SelfAttn {
-    q_proj: Tp<Linear>,
-    k_proj: Tp<Linear>,
-    v_proj: Tp<Linear>,
-    o_proj: Tp<Linear>,
-    #[module(skip)]
-    #[tp(heads)]
-    heads: usize,
-    #[module(skip)]
-    #[tp(kv_heads)]
-    kv_heads: usize,
-}
-
-#[parallelize]
-#[derive(Module, Debug)]
-struct SwiGlu {
-    gate_proj: Tp<Linear>,
-    up_proj: Tp<Linear>,
-    down_proj: Tp<Linear>,
-}
+/// The `[batch, seq]` of the token ids.
+const TOKENS: [usize; 2] = [2, 7];
+/// tp = 2 and 4 divide both head counts.
+const HEADS: Heads = Heads {
+    heads: 8,
+    kv_heads: 4,
+    head_dim: 2,
+};
 
 #[parallelize]
 #[derive(Module, Debug)]
 struct Layer {
     input_layernorm: Tp<RmsNorm>,
     #[nested]
-    self_attn: SelfAttn,
+    self_attn: Attention,
     post_attention_layernorm: Tp<RmsNorm>,
     #[nested]
-    mlp: SwiGlu,
+    mlp: Mlp,
 }
 
 #[parallelize]
@@ -81,20 +63,9 @@ impl Llama {
             let s = 100 * (i + 1);
             Layer {
                 input_layernorm: Tp::new(RmsNorm::seeded_on(d, s, MODEL)),
-                self_attn: SelfAttn {
-                    q_proj: Tp::new(linear_on(d, s + 1, MODEL, HEADS * HEAD_DIM)),
-                    k_proj: Tp::new(linear_on(d, s + 2, MODEL, KV_HEADS * HEAD_DIM)),
-                    v_proj: Tp::new(linear_on(d, s + 3, MODEL, KV_HEADS * HEAD_DIM)),
-                    o_proj: Tp::new(linear_on(d, s + 4, HEADS * HEAD_DIM, MODEL)),
-                    heads: HEADS,
-                    kv_heads: KV_HEADS,
-                },
+                self_attn: Attention::seeded(d, s + 1, MODEL, HEADS, false),
                 post_attention_layernorm: Tp::new(RmsNorm::seeded_on(d, s + 5, MODEL)),
-                mlp: SwiGlu {
-                    gate_proj: Tp::new(linear_on(d, s + 6, MODEL, INTER)),
-                    up_proj: Tp::new(linear_on(d, s + 7, MODEL, INTER)),
-                    down_proj: Tp::new(linear_on(d, s + 8, INTER, MODEL)),
-                },
+                mlp: Mlp::seeded(d, s + 6, MODEL, INTER),
             }
         };
         Self {
@@ -116,42 +87,6 @@ impl Llama {
         let logits = self.lm_head.forward(norm(&self.norm, x));
         let [b, s, v] = logits.dims();
         logits.reshape([b * s, v])
-    }
-}
-
-impl SelfAttn {
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        // q, k and v share one input collective (Megatron's single all-reduce/all-gather).
-        let x = self.q_proj.prepare_input(x).unwrap();
-        let q = self.q_proj.forward_prepared(x.clone());
-        let [b, s, _] = q.dims();
-        let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, HEAD_DIM]).swap_dims(1, 2);
-        let group = self.heads / self.kv_heads;
-        let repeat = |t: Tensor<4>| {
-            t.unsqueeze_dim::<5>(2)
-                .repeat_dim(2, group)
-                .reshape([b, self.heads, s, HEAD_DIM])
-        };
-        let q = split(q, self.heads);
-        let k = repeat(split(
-            self.k_proj.forward_prepared(x.clone()),
-            self.kv_heads,
-        ));
-        let v = repeat(split(self.v_proj.forward_prepared(x), self.kv_heads));
-        let att = softmax(q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt(), 3);
-        let out = att
-            .matmul(v)
-            .swap_dims(1, 2)
-            .reshape([b, s, self.heads * HEAD_DIM]);
-        self.o_proj.forward(out)
-    }
-}
-
-impl SwiGlu {
-    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self.gate_proj.prepare_input(x).unwrap();
-        let h = silu(self.gate_proj.forward_prepared(x.clone())) * self.up_proj.forward_prepared(x);
-        self.down_proj.forward(h)
     }
 }
 
@@ -216,13 +151,10 @@ fn all_grads(m: &Llama, grads: &Gradients) -> Named {
     for (i, l) in m.layers.iter().enumerate() {
         let p = format!("layers.{i}");
         norm(&mut out, format!("{p}.input_layernorm"), &l.input_layernorm);
-        let a = &l.self_attn;
-        for (n, lin) in [
-            ("q", &a.q_proj),
-            ("k", &a.k_proj),
-            ("v", &a.v_proj),
-            ("o", &a.o_proj),
-        ] {
+        for (n, lin) in ["q", "k", "v", "o"]
+            .into_iter()
+            .zip(l.self_attn.projections())
+        {
             linear_grads(&mut out, &format!("{p}.{n}_proj"), lin, grads);
         }
         norm(
@@ -230,11 +162,7 @@ fn all_grads(m: &Llama, grads: &Gradients) -> Named {
             format!("{p}.post_attention_layernorm"),
             &l.post_attention_layernorm,
         );
-        for (n, lin) in [
-            ("gate", &l.mlp.gate_proj),
-            ("up", &l.mlp.up_proj),
-            ("down", &l.mlp.down_proj),
-        ] {
+        for (n, lin) in ["gate", "up", "down"].into_iter().zip(l.mlp.projections()) {
             linear_grads(&mut out, &format!("{p}.{n}_proj"), lin, grads);
         }
     }
@@ -243,13 +171,17 @@ fn all_grads(m: &Llama, grads: &Gradients) -> Named {
     out
 }
 
+fn inputs(d: &Device) -> Tensor<2, Int> {
+    ids_on(d, 8, TOKENS, VOCAB)
+}
+
 fn targets(d: &Device) -> Tensor<1, Int> {
-    ids_on(d, 9, [BATCH * SEQ], VOCAB)
+    ids_on(d, 9, [TOKENS[0] * TOKENS[1]], VOCAB)
 }
 
 fn single_device(d: &Device) -> (Vec<f32>, Named) {
     let m = Llama::new(d);
-    let logits = m.forward(ids_on(d, 8, [BATCH, SEQ], VOCAB));
+    let logits = m.forward(inputs(d));
     let loss = log_softmax(logits, 1)
         .gather(1, targets(d).unsqueeze_dim::<2>(1))
         .mean()
@@ -264,9 +196,8 @@ fn check_plan(name: &str, tp: usize, d: &Device) {
     let got = launch(tp, |ctx| {
         let group = ctx.world()?;
         let (m, report) = apply_plan(Llama::new(d), &llama_plan(name == "llama-sp"), &group)?;
-        let ids = ids_on(d, 8, [BATCH, SEQ], VOCAB);
         // Sequence parallel: the embedding's reduce-scatter leaves each rank its tokens.
-        let logits = m.forward(ids);
+        let logits = m.forward(inputs(d));
         let loss = loss_parallel(logits, targets(d), &group, VOCAB)?;
         let mut grads = loss.backward();
         m.sync_tp_grads(&mut grads)?;
@@ -418,7 +349,7 @@ fn tp_llama_communication_matches_megatron() {
             let group = ctx.world()?;
             let (m, _) = apply_plan(Llama::new(&d), &llama_plan(name == "llama-sp"), &group)?;
             let before = group.stats();
-            let logits = m.forward(ids_on(&d, 8, [BATCH, SEQ], VOCAB));
+            let logits = m.forward(inputs(&d));
             let mut grads = loss_parallel(logits, targets(&d), &group, VOCAB)?.backward();
             m.sync_tp_grads(&mut grads)?;
             Ok::<_, TpError>(group.stats().since(&before))

@@ -10,7 +10,7 @@ use burn::tensor::{DType, Device, Gradients, Tensor};
 use burn_parallel::comm::chunk::chunk_range;
 use burn_parallel::comm::{OpKind, ProcessGroup, launch};
 use burn_parallel_tp::{
-    ParallelStyle, ShardSpec, Tp, TpApplier, TpError, TpLayer, TpModule, TpPlan, child_path,
+    ParallelStyle, Tp, TpApplier, TpError, TpLayer, TpModule, TpPlan, child_path,
 };
 
 use crate::common::{assert_close, flex_ad, ndarray_ad, tensor, vec_of};
@@ -46,25 +46,9 @@ impl RmsNorm {
     }
 }
 
+/// Nothing to split: the trait's default `shard` takes the sequence-parallel style only.
 impl TpLayer for RmsNorm {
     const KIND: &'static str = "RmsNorm";
-
-    fn shard(
-        self,
-        style: &ParallelStyle,
-        _group: &ProcessGroup,
-        path: &str,
-    ) -> Result<(Self, Option<ShardSpec>), TpError> {
-        match style {
-            ParallelStyle::Sequence { .. } => Ok((self, None)),
-            _ => Err(TpError::UnsupportedStyle {
-                path: path.to_string(),
-                module: Self::KIND,
-                style: style.to_string(),
-                reason: "a norm has nothing to shard".into(),
-            }),
-        }
-    }
 }
 
 #[derive(Module, Debug)]

@@ -18,17 +18,15 @@ pub enum ParamKind {
     Norm,
 }
 
+/// A parameter's value in Burn's layout, or why it could not be had.
+pub type ParamValue = Result<TensorData, ModelError>;
+
 /// Reads a parameter's full value later, when (if ever) the lazy parameter is materialized.
-pub type DeferredRead = Box<dyn FnOnce() -> Result<TensorData, ModelError> + Send + Sync>;
+pub type DeferredRead = Box<dyn FnOnce() -> ParamValue + Send + Sync>;
 
 /// Gives each parameter its value, by Hugging Face name, in Burn's layout (`shape`).
 pub trait TensorSource {
-    fn tensor(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        kind: ParamKind,
-    ) -> Result<TensorData, ModelError>;
+    fn tensor(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> ParamValue;
 
     /// A source that defers returns how to read the parameter later (the model then holds a
     /// lazy parameter with id `id`, so that a sharded load can ask for its rows only); the
@@ -62,12 +60,7 @@ impl SeededInit {
 }
 
 impl TensorSource for SeededInit {
-    fn tensor(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        kind: ParamKind,
-    ) -> Result<TensorData, ModelError> {
+    fn tensor(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> ParamValue {
         let n = shape.iter().product();
         let values = match kind {
             ParamKind::Norm => vec![1.0; n],

@@ -9,6 +9,10 @@ use crate::error::TpError;
 use crate::shard::{ShardSpec, narrow_param};
 use crate::style::{Layout, ParallelStyle};
 
+/// What [`TpLayer::shard`] gives: this rank's shard of the module and the shard of the split
+/// dim (None when the style shards nothing).
+pub type Sharded<M> = Result<(M, Option<ShardSpec>), TpError>;
+
 /// A module that can be sharded by a [`ParallelStyle`]. Implement it for a user module to
 /// wrap it in [`Tp`](crate::Tp) and run it with [`Tp::forward_with`](crate::Tp::forward_with).
 pub trait TpLayer: Module + Sized {
@@ -17,12 +21,20 @@ pub trait TpLayer: Module + Sized {
 
     /// This rank's shard of the module for `style` over `group`, and the shard of the split
     /// dim (None when the style shards nothing). Unsupported styles are errors naming `path`.
-    fn shard(
-        self,
-        style: &ParallelStyle,
-        group: &ProcessGroup,
-        path: &str,
-    ) -> Result<(Self, Option<ShardSpec>), TpError>;
+    ///
+    /// Default: a module with nothing to split (a norm), which only the sequence-parallel style
+    /// applies to and which stays whole under it; such a module implements only [`Self::KIND`].
+    fn shard(self, style: &ParallelStyle, _group: &ProcessGroup, path: &str) -> Sharded<Self> {
+        match style {
+            ParallelStyle::Sequence { .. } => Ok((self, None)),
+            _ => Err(unsupported(
+                path,
+                Self::KIND,
+                style,
+                "it has nothing to shard; use sequence_parallel",
+            )),
+        }
+    }
 
     /// Visits the parameters that stay replicated but see only this rank's tokens under
     /// `style` (their gradients are partial sums). Default: every parameter of a
@@ -60,12 +72,7 @@ pub(crate) fn unsupported(
 impl TpLayer for Linear {
     const KIND: &'static str = "Linear";
 
-    fn shard(
-        mut self,
-        style: &ParallelStyle,
-        group: &ProcessGroup,
-        path: &str,
-    ) -> Result<(Self, Option<ShardSpec>), TpError> {
+    fn shard(mut self, style: &ParallelStyle, group: &ProcessGroup, path: &str) -> Sharded<Self> {
         // Burn's Linear weight is [d_in, d_out]: colwise splits dim 1, rowwise dim 0.
         let [d_in, d_out] = self.weight.shape().dims();
         match style {
@@ -113,12 +120,7 @@ impl TpLayer for Linear {
 impl TpLayer for Embedding {
     const KIND: &'static str = "Embedding";
 
-    fn shard(
-        mut self,
-        style: &ParallelStyle,
-        group: &ProcessGroup,
-        path: &str,
-    ) -> Result<(Self, Option<ShardSpec>), TpError> {
+    fn shard(mut self, style: &ParallelStyle, group: &ProcessGroup, path: &str) -> Sharded<Self> {
         // The table is [vocab, d_model]: rowwise splits the vocab, colwise the features.
         let [vocab, d_model] = self.weight.shape().dims();
         let (dim, size, what) = match style {

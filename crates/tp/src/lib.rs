@@ -65,7 +65,7 @@ mod tp;
 
 pub use error::TpError;
 pub use heads::{LocalHeads, local_heads};
-pub use layer::TpLayer;
+pub use layer::{Sharded, TpLayer};
 pub use loss::{loss_parallel, loss_parallel_ignoring};
 pub use pattern::path_matches;
 pub use plan::{TpApplier, TpModule, TpPlan, TpReport, apply_plan, child_path};

@@ -12,7 +12,7 @@ use burn::tensor::{Device, TensorData};
 
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
-use crate::init::{DeferredRead, ParamKind, TensorSource};
+use crate::init::{DeferredRead, ParamKind, ParamValue, TensorSource};
 use crate::llama::Llama;
 
 use super::{CheckpointSource, HfCheckpoint};
@@ -47,12 +47,7 @@ struct Deferred {
 }
 
 impl TensorSource for Deferred {
-    fn tensor(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        kind: ParamKind,
-    ) -> Result<TensorData, ModelError> {
+    fn tensor(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> ParamValue {
         let checkpoint = &self.checkpoint;
         CheckpointSource { checkpoint }.tensor(name, shape, kind)
     }

@@ -11,7 +11,7 @@ use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
-use crate::init::{ParamKind, TensorSource};
+use crate::init::{ParamKind, ParamValue, TensorSource};
 use crate::llama::Llama;
 
 struct MappedFile {
@@ -324,12 +324,7 @@ pub struct CheckpointSource<'a> {
 }
 
 impl TensorSource for CheckpointSource<'_> {
-    fn tensor(
-        &mut self,
-        name: &str,
-        shape: &[usize],
-        kind: ParamKind,
-    ) -> Result<TensorData, ModelError> {
+    fn tensor(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> ParamValue {
         self.checkpoint.check_param_shape(name, shape, kind)?;
         self.checkpoint.read_param(name, kind)
     }

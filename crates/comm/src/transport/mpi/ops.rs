@@ -84,34 +84,15 @@ pub(super) fn execute(
             split_dim,
             concat_dim,
             send_sizes,
-        } => {
-            let pieces: Vec<Vec<usize>> = headers
-                .iter()
-                .map(|h| {
-                    let mut shape = h.shape().to_vec();
-                    shape[split_dim] = h.send_sizes[me];
-                    shape
-                })
-                .collect();
-            let send = split_bytes(&data, split_dim, &send_sizes);
-            let send_counts = piece_bytes(&data, split_dim, &send_sizes);
-            let elem = data.dtype().size();
-            let recv_counts: Vec<usize> = pieces
-                .iter()
-                .map(|s| s.iter().product::<usize>() * elem)
-                .collect();
-            let recv = all_to_all_v(comm, &send, &send_counts, &recv_counts);
-            let shapes: Vec<&[usize]> = pieces.iter().map(Vec::as_slice).collect();
-            check_all_to_all_pieces(info, seq, &shapes, concat_dim)?;
-            let parts: Vec<(&[u8], &[usize])> = split_at(&recv, &recv_counts)
-                .into_iter()
-                .zip(shapes)
-                .collect();
-            CollectiveOutput {
-                data: Some(concat_bytes(&parts, concat_dim, data.dtype())),
-                sizes: pieces.iter().map(|s| s[concat_dim]).collect(),
-            }
-        }
+        } => all_to_all(
+            comm,
+            info,
+            seq,
+            &headers,
+            &data,
+            &send_sizes,
+            [split_dim, concat_dim],
+        )?,
         // The signature exchange already waited for every member.
         Collective::Barrier => CollectiveOutput::none(),
         Collective::Send { .. } | Collective::Recv { .. } => {
@@ -300,6 +281,47 @@ fn reduce_scatter(
     let mut shape = data.shape().to_vec();
     shape[dim] = sizes[me];
     into_tensor_data(reduced, shape, data.dtype())
+}
+
+/// An all_to_all of `data`'s slices along `split_dim` of `send_sizes` (slice `j` to member
+/// `j`), the received slices concatenated along `concat_dim` in member order; the headers say
+/// what every member sends this one, checked to concatenate before anything is joined.
+fn all_to_all(
+    comm: &SimpleCommunicator,
+    info: &GroupInfo,
+    seq: u64,
+    headers: &[Header],
+    data: &TensorData,
+    send_sizes: &[usize],
+    [split_dim, concat_dim]: [usize; 2],
+) -> CollectiveResult {
+    let me = info.index;
+    let pieces: Vec<Vec<usize>> = headers
+        .iter()
+        .map(|h| {
+            let mut shape = h.shape().to_vec();
+            shape[split_dim] = h.send_sizes[me];
+            shape
+        })
+        .collect();
+    let send = split_bytes(data, split_dim, send_sizes);
+    let send_counts = piece_bytes(data, split_dim, send_sizes);
+    let elem = data.dtype().size();
+    let recv_counts: Vec<usize> = pieces
+        .iter()
+        .map(|s| s.iter().product::<usize>() * elem)
+        .collect();
+    let recv = all_to_all_v(comm, &send, &send_counts, &recv_counts);
+    let shapes: Vec<&[usize]> = pieces.iter().map(Vec::as_slice).collect();
+    check_all_to_all_pieces(info, seq, &shapes, concat_dim)?;
+    let parts: Vec<(&[u8], &[usize])> = split_at(&recv, &recv_counts)
+        .into_iter()
+        .zip(shapes)
+        .collect();
+    Ok(CollectiveOutput {
+        data: Some(concat_bytes(&parts, concat_dim, data.dtype())),
+        sizes: pieces.iter().map(|s| s[concat_dim]).collect(),
+    })
 }
 
 fn broadcast(

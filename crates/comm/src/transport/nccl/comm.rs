@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::ThreadId;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, sys as cuda};
+use cudarc::nccl::result::NcclStatus;
 use cudarc::nccl::{result, sys};
 
 use super::layout::Copy2d;
@@ -312,6 +313,20 @@ impl NcclComm {
         Ok(DeviceWork { event })
     }
 
+    /// Issues one NCCL call on this communicator's stream: from the owning thread with the
+    /// context bound (`enter`), `call` gets the live raw communicator and its stream, and a
+    /// failure is named after `ffi_name`. Every single-call collective goes through here, so
+    /// none can skip those checks.
+    fn issue<F>(&self, ffi_name: &'static str, call: F) -> Result<(), NcclError>
+    where
+        F: FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<NcclStatus, result::NcclError>,
+    {
+        self.enter()?;
+        call(self.raw, self.cu_stream())
+            .map(drop)
+            .map_err(nccl_err(ffi_name))
+    }
+
     /// `all_gather`: `count` elements from every rank, rank-major into `recv`
     /// (`count * size` elements).
     ///
@@ -325,20 +340,11 @@ impl NcclComm {
         count: usize,
         dtype: NcclDataType,
     ) -> Result<(), NcclError> {
-        self.enter()?;
-        // SAFETY: the caller's contract.
-        unsafe {
-            result::all_gather(
-                send as _,
-                recv as _,
-                count,
-                to_sys_dtype(dtype),
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map(drop)
-        .map_err(nccl_err("ncclAllGather"))
+        let dtype = to_sys_dtype(dtype);
+        self.issue("ncclAllGather", |comm, stream| {
+            // SAFETY: the caller's contract; `comm` and `stream` are this communicator's.
+            unsafe { result::all_gather(send as _, recv as _, count, dtype, comm, stream) }
+        })
     }
 
     /// `reduce_scatter`: rank `i` receives the reduction of every rank's piece `i` of
@@ -354,21 +360,13 @@ impl NcclComm {
         dtype: NcclDataType,
         op: NcclRedOp,
     ) -> Result<(), NcclError> {
-        self.enter()?;
-        // SAFETY: the caller's contract.
-        unsafe {
-            result::reduce_scatter(
-                send as _,
-                recv as _,
-                recv_count,
-                to_sys_dtype(dtype),
-                to_sys_op(op),
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map(drop)
-        .map_err(nccl_err("ncclReduceScatter"))
+        let (dtype, op) = (to_sys_dtype(dtype), to_sys_op(op));
+        self.issue("ncclReduceScatter", |comm, stream| {
+            // SAFETY: the caller's contract; `comm` and `stream` are this communicator's.
+            unsafe {
+                result::reduce_scatter(send as _, recv as _, recv_count, dtype, op, comm, stream)
+            }
+        })
     }
 
     /// `all_reduce` of `count` elements (`send == recv` reduces in place).
@@ -383,21 +381,11 @@ impl NcclComm {
         dtype: NcclDataType,
         op: NcclRedOp,
     ) -> Result<(), NcclError> {
-        self.enter()?;
-        // SAFETY: the caller's contract.
-        unsafe {
-            result::all_reduce(
-                send as _,
-                recv as _,
-                count,
-                to_sys_dtype(dtype),
-                to_sys_op(op),
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map(drop)
-        .map_err(nccl_err("ncclAllReduce"))
+        let (dtype, op) = (to_sys_dtype(dtype), to_sys_op(op));
+        self.issue("ncclAllReduce", |comm, stream| {
+            // SAFETY: the caller's contract; `comm` and `stream` are this communicator's.
+            unsafe { result::all_reduce(send as _, recv as _, count, dtype, op, comm, stream) }
+        })
     }
 
     /// `broadcast` of `count` elements from `root`'s `send` into every rank's `recv`
@@ -413,21 +401,11 @@ impl NcclComm {
         dtype: NcclDataType,
         root: usize,
     ) -> Result<(), NcclError> {
-        self.enter()?;
-        // SAFETY: the caller's contract.
-        unsafe {
-            result::broadcast(
-                send as _,
-                recv as _,
-                count,
-                to_sys_dtype(dtype),
-                root as i32,
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map(drop)
-        .map_err(nccl_err("ncclBroadcast"))
+        let (dtype, root) = (to_sys_dtype(dtype), root as i32);
+        self.issue("ncclBroadcast", |comm, stream| {
+            // SAFETY: the caller's contract; `comm` and `stream` are this communicator's.
+            unsafe { result::broadcast(send as _, recv as _, count, dtype, root, comm, stream) }
+        })
     }
 
     /// Sends `count` elements to `peer`, which must post the matching [`Self::recv`].
@@ -436,25 +414,16 @@ impl NcclComm {
     /// As [`Self::all_gather`].
     pub unsafe fn send(
         &self,
-        buf: DevicePtr,
+        send: DevicePtr,
         count: usize,
         dtype: NcclDataType,
         peer: usize,
     ) -> Result<(), NcclError> {
-        self.enter()?;
-        // SAFETY: the caller's contract.
-        unsafe {
-            result::send(
-                buf as _,
-                count,
-                to_sys_dtype(dtype),
-                peer as i32,
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map(drop)
-        .map_err(nccl_err("ncclSend"))
+        let (dtype, peer) = (to_sys_dtype(dtype), peer as i32);
+        self.issue("ncclSend", |comm, stream| {
+            // SAFETY: the caller's contract; `comm` and `stream` are this communicator's.
+            unsafe { result::send(send as _, count, dtype, peer, comm, stream) }
+        })
     }
 
     /// Receives `count` elements from `peer`.
@@ -463,25 +432,16 @@ impl NcclComm {
     /// As [`Self::all_gather`].
     pub unsafe fn recv(
         &self,
-        buf: DevicePtr,
+        recv: DevicePtr,
         count: usize,
         dtype: NcclDataType,
         peer: usize,
     ) -> Result<(), NcclError> {
-        self.enter()?;
-        // SAFETY: the caller's contract.
-        unsafe {
-            result::recv(
-                buf as _,
-                count,
-                to_sys_dtype(dtype),
-                peer as i32,
-                self.raw,
-                self.cu_stream(),
-            )
-        }
-        .map(drop)
-        .map_err(nccl_err("ncclRecv"))
+        let (dtype, peer) = (to_sys_dtype(dtype), peer as i32);
+        self.issue("ncclRecv", |comm, stream| {
+            // SAFETY: the caller's contract; `comm` and `stream` are this communicator's.
+            unsafe { result::recv(recv as _, count, dtype, peer, comm, stream) }
+        })
     }
 
     /// all_to_all as one group of sends and receives (some NCCL builds, such as the 2.27

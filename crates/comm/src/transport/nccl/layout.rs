@@ -9,6 +9,8 @@
 //! engine runs them on device buffers, and the tests run them on host bytes against the threads
 //! engine's byte-level concat/narrow.
 
+use crate::transport::chunk::offsets;
+
 /// One strided copy: `height` rows of `width` bytes; row `r` goes from
 /// `src_offset + r * src_pitch` to `dst_offset + r * dst_pitch` (all in bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +96,27 @@ pub fn place_copy(view: AlongDim, len: usize, at: usize, out_len: usize) -> Copy
     }
 }
 
+/// Whether the rank-major NCCL buffer differs from the tensor (pieces of `sizes` rows, padded
+/// to `pad`), so that each piece needs its own copy: with equal pieces and a single outer run
+/// the two are the same bytes.
+fn needs_slot_copies(view: AlongDim, sizes: &[usize], pad: usize) -> bool {
+    let uniform = sizes.iter().all(|s| *s == pad);
+    !(uniform && view.outer <= 1)
+}
+
+/// One copy per rank between its piece of the tensor and its padded slot of the NCCL buffer,
+/// empty pieces left out: `copy(j, at, len)` is rank `j`'s, whose piece is rows `at..at + len`
+/// along the dimension. Gather and scatter differ only in the direction of `copy`.
+fn slot_copies(sizes: &[usize], copy: impl Fn(usize, usize, usize) -> Copy2d) -> Vec<Copy2d> {
+    offsets(sizes)
+        .into_iter()
+        .zip(sizes)
+        .enumerate()
+        .map(|(j, (at, len))| copy(j, at, *len))
+        .filter(|c| !c.is_empty())
+        .collect()
+}
+
 /// How an all_gather of pieces with `sizes` rows along the dimension runs as one padded NCCL
 /// all_gather.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -131,23 +154,14 @@ pub fn gather_layout(view: AlongDim, sizes: &[usize], rank: usize) -> GatherLayo
             dst_pitch: pad * view.row,
             ..c
         });
-    let uniform = sizes.iter().all(|s| *s == pad);
-    let unpack = (!(uniform && view.outer <= 1)).then(|| {
-        let mut at = 0;
-        sizes
-            .iter()
-            .enumerate()
-            .map(|(j, len)| {
-                let copy = Copy2d {
-                    src_pitch: pad * view.row,
-                    ..place_copy(view, *len, at, total)
-                }
-                .shifted(j * piece_bytes, 0);
-                at += len;
-                copy
-            })
-            .filter(|c| !c.is_empty())
-            .collect()
+    let unpack = needs_slot_copies(view, sizes, pad).then(|| {
+        slot_copies(sizes, |j, at, len| {
+            Copy2d {
+                src_pitch: pad * view.row,
+                ..place_copy(view, len, at, total)
+            }
+            .shifted(j * piece_bytes, 0)
+        })
     });
     GatherLayout {
         piece_bytes,
@@ -176,23 +190,14 @@ pub fn scatter_layout(view: AlongDim, sizes: &[usize], rank: usize) -> ScatterLa
     debug_assert_eq!(view.len, sizes.iter().sum::<usize>());
     let pad = sizes.iter().copied().max().unwrap_or(0);
     let piece_bytes = view.bytes_with(pad);
-    let uniform = sizes.iter().all(|s| *s == pad);
-    let pack = (!(uniform && view.outer <= 1)).then(|| {
-        let mut at = 0;
-        sizes
-            .iter()
-            .enumerate()
-            .map(|(j, len)| {
-                let copy = Copy2d {
-                    dst_pitch: pad * view.row,
-                    ..narrow_copy(view, at, *len)
-                }
-                .shifted(0, j * piece_bytes);
-                at += len;
-                copy
-            })
-            .filter(|c| !c.is_empty())
-            .collect()
+    let pack = needs_slot_copies(view, sizes, pad).then(|| {
+        slot_copies(sizes, |j, at, len| {
+            Copy2d {
+                dst_pitch: pad * view.row,
+                ..narrow_copy(view, at, len)
+            }
+            .shifted(0, j * piece_bytes)
+        })
     });
     let mine = sizes[rank];
     let unpack = (mine != pad && view.outer > 0).then(|| Copy2d {
@@ -212,7 +217,7 @@ mod tests {
     use burn::tensor::TensorData;
 
     use super::*;
-    use crate::transport::chunk::{chunk_sizes, offsets};
+    use crate::transport::chunk::chunk_sizes;
     use crate::transport::data::ReduceOp;
     use crate::transport::data::{concat, narrow, reduce_slice};
 
