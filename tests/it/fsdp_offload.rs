@@ -58,7 +58,7 @@ fn sharded(world: usize, offload: bool) -> Vec<RankOutcome> {
         let mut optim = AdamWConfig::new().init();
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            let out = forward_units(&model.layers, input(step, rows.clone(), &compute), layer)?;
+            let out = forward_units(&model.layers, input(step, rows.clone(), &compute), layer);
             checks.push((format!("step {step}: activations"), out.device() == compute));
             let loss = out.powi_scalar(2).sum() / BATCH as f32;
             let global = group.all_reduce(loss.to_data(), ReduceOp::Sum)?;

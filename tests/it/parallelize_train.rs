@@ -84,7 +84,7 @@ impl TinyLm {
     /// `[tokens, vocab or this rank's vocab chunk]` logits.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<2> {
         let x = self.embed_tokens.forward(ids);
-        let x = forward_units(&self.layers, x, |layer, x| layer.forward(x)).unwrap();
+        let x = forward_units(&self.layers, x, |layer, x| layer.forward(x));
         let logits = self.lm_head.forward(self.norm.forward(x));
         let [b, s, v] = logits.dims();
         logits.reshape([b * s, v])
@@ -249,7 +249,10 @@ fn run(
     reference: &Reference,
 ) -> Vec<RankRun> {
     launch(world, |rank| {
-        let ctx = MeshContext::new(&rank, cfg.clone(), ndarray_ad())?;
+        // Burn's checkpointing device: FSDP reshards after forward (and activation
+        // checkpointing, when asked, recomputes) only there.
+        let device = ndarray_ad().gradient_checkpointing();
+        let ctx = MeshContext::new(&rank, cfg.clone(), device)?;
         let d = ctx.device().clone();
         let mut model = parallelize_model(TinyLm::new(&d), &ctx)?;
         let mut optim = optimizer(opt);
@@ -416,7 +419,7 @@ fn gathers_and_losses<M: ParallelizableModel>(
             activation_checkpointing: true,
             ..config(Strategy::Fsdp2, 1, 1)
         };
-        let ctx = MeshContext::new(&rank, cfg, d)?;
+        let ctx = MeshContext::new(&rank, cfg, d.gradient_checkpointing())?;
         let d = ctx.device().clone();
         let mut model = parallelize_model(build(&d), &ctx)?;
         let mut optim = optimizer(Opt::Sgd);

@@ -29,7 +29,7 @@ pub mod collectives {
     pub use crate::device::pairs::MixedDtypes;
     pub use crate::device::{
         Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, Observer, Sizes,
-        is_cuda_device, route,
+        device_mismatch, is_cuda_device, route, same_device,
     };
 }
 

@@ -27,6 +27,8 @@ pub struct UnitState {
     pub(crate) policy: MixedPrecisionPolicy,
     /// Under an offload policy, the device that gathers and computes (shards live on the host).
     pub(crate) compute: Option<Device>,
+    /// The device the unit computes on (where its inputs must be).
+    pub(crate) device: Device,
     pub(crate) prefetch_depth: usize,
     pub(crate) sync: Arc<AtomicBool>,
     pub(crate) memory: MemoryTracker,
@@ -40,6 +42,7 @@ impl UnitState {
             reshard_after_forward: config.reshard_after_forward,
             policy: config.mixed_precision,
             compute: config.offload.as_ref().map(|_| compute.clone()),
+            device: compute.clone(),
             prefetch_depth: config.forward_prefetch_depth,
             sync: config.sync_switch().clone(),
             memory: config.memory().clone(),

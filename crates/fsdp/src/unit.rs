@@ -11,7 +11,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn_parallel_comm::collectives::device_mismatch;
 
 use crate::error::FsdpError;
 use crate::gather::{PendingGather, start_gather};
@@ -176,6 +177,9 @@ pub trait UnitInput: Sized {
     /// This value with its floating-point tensors cast to `dtype` (the mixed-precision
     /// policy's `cast_forward_inputs` and `output_dtype`).
     fn cast(self, dtype: FloatDType) -> Self;
+
+    /// The device of the value's tensors (checked against the units' device).
+    fn device(&self) -> Device;
 }
 
 impl<const D: usize> UnitInput for Tensor<D> {
@@ -194,6 +198,10 @@ impl<const D: usize> UnitInput for Tensor<D> {
             true => self,
             false => Tensor::<D>::cast(self, dtype),
         }
+    }
+
+    fn device(&self) -> Device {
+        Tensor::device(self)
     }
 }
 
@@ -234,12 +242,26 @@ fn first_unit<U: Module>(units: &[U]) -> Option<Arc<UnitState>> {
 /// input and output take the casts of the units' mixed-precision policy
 /// (`cast_forward_inputs`, `output_dtype`), as FSDP2 applies them around each sharded module.
 /// Units that are not sharded run as a plain loop.
+///
+/// Infallible, like Burn's own forward methods: the configuration errors a unit can meet are
+/// checked when the model is sharded, and what remains (an input on another device than the
+/// units, a rank that failed or disagrees in a collective) panics with a message naming it,
+/// which the launcher reports as this rank's failure while releasing the others. Burn 0.22
+/// has no module forward hooks, so the unit boundaries are this call, not the parameters'
+/// first use: a parameter cannot know when its unit's forward ends (to release the gathered
+/// weights) or the other parameters' current shards (to gather them in one collective).
 pub fn forward_units<U: Module, T: UnitInput>(
     units: &[U],
     input: T,
     mut f: impl FnMut(&U, T) -> T,
-) -> Result<T, FsdpError> {
+) -> T {
     let unit_state = first_unit(units);
+    if let Some(unit) = &unit_state
+        && let Some(message) =
+            device_mismatch("the input of the FSDP units", &input.device(), &unit.device)
+    {
+        panic!("{message}");
+    }
     let depth = unit_state.as_ref().map_or(0, |u| u.prefetch_depth);
     let policy = unit_state.map(|u| u.policy);
     let mut x = input;
@@ -250,11 +272,13 @@ pub fn forward_units<U: Module, T: UnitInput>(
         // Keep `depth` units after this one in flight (this one's gather, when not
         // prefetched, starts now).
         while started < units.len() && started <= i + depth {
-            in_flight.push_back(start_unit(&units[started], x.order_anchor())?);
+            let pending = start_unit(&units[started], x.order_anchor())
+                .unwrap_or_else(|e| panic!("FSDP unit {started}: {e}"));
+            in_flight.push_back(pending);
             started += 1;
         }
         let _guard = in_flight.pop_front().flatten().map(PendingUnit::serve);
         x = unit_forward(policy, unit, x, &mut f);
     }
-    Ok(x)
+    x
 }

@@ -109,36 +109,75 @@ impl From<Dtype> for FloatDType {
     }
 }
 
-/// FSDP2's `MixedPrecisionPolicy` as configured.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// FSDP2's `MixedPrecisionPolicy` as configured, for every strategy (DDP with a policy that
+/// casts runs as FSDP2 replicated over every rank, which applies it).
+///
+/// The default casts nothing: parameters, gradients and outputs stay in the model's own dtype
+/// (f32), as PyTorch's `MixedPrecisionPolicy()` does. NeMo AutoModel defaults to bf16
+/// parameters with f32 reduction: [`MixedPrecisionConfig::bf16`], or in a file
+/// `mp_policy = { param_dtype = "bf16", reduce_dtype = "f32" }`. A dtype that is absent, or
+/// `"none"`, is no cast.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct MixedPrecisionConfig {
+    #[serde(with = "optional_dtype")]
     pub param_dtype: Option<Dtype>,
+    #[serde(with = "optional_dtype")]
     pub reduce_dtype: Option<Dtype>,
+    #[serde(with = "optional_dtype")]
     pub output_dtype: Option<Dtype>,
     pub cast_forward_inputs: bool,
 }
 
-impl Default for MixedPrecisionConfig {
-    /// NeMo's default: bf16 parameters, f32 gradient reduction, no input cast.
-    fn default() -> Self {
-        Self {
-            param_dtype: Some(Dtype::Bf16),
-            reduce_dtype: Some(Dtype::F32),
-            output_dtype: None,
-            cast_forward_inputs: false,
+/// `Option<Dtype>` in config files: `"none"` (what `None` writes, TOML having no null), null or
+/// an absent key is no cast.
+mod optional_dtype {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use super::Dtype;
+
+    pub fn serialize<S: Serializer>(dtype: &Option<Dtype>, s: S) -> Result<S::Ok, S::Error> {
+        match dtype {
+            Some(d) => d.serialize(s),
+            None => s.serialize_str("none"),
         }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Dtype(Dtype),
+        None(NoneWord),
+    }
+
+    #[derive(Deserialize)]
+    enum NoneWord {
+        #[serde(rename = "none")]
+        None,
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Dtype>, D::Error> {
+        Ok(match Option::<Written>::deserialize(d)? {
+            Some(Written::Dtype(dtype)) => Some(dtype),
+            Some(Written::None(_)) | None => None,
+        })
     }
 }
 
 impl MixedPrecisionConfig {
-    /// Everything in the shards' own dtype (f32): no casts.
+    /// Everything in the model's own dtype (f32): no casts. The default.
     pub fn full_precision() -> Self {
+        Self::default()
+    }
+
+    /// NeMo AutoModel's default: bf16 parameters (gathered and computed in bf16), gradients
+    /// reduced in f32, inputs cast. Needs a backend with bf16 (flex, CUDA; ndarray has none).
+    pub fn bf16() -> Self {
         Self {
-            param_dtype: None,
-            reduce_dtype: None,
+            param_dtype: Some(Dtype::Bf16),
+            reduce_dtype: Some(Dtype::F32),
             output_dtype: None,
-            cast_forward_inputs: false,
+            cast_forward_inputs: true,
         }
     }
 

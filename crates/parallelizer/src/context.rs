@@ -1,7 +1,8 @@
 //! `MeshContext`: one rank's view of the job: its config, mesh, groups and device.
 
-use burn::tensor::Device;
+use burn::tensor::{Device, GradientCheckpointingStrategy};
 use burn_parallel_comm::collectives::is_cuda_device;
+use burn_parallel_comm::device::describe;
 use burn_parallel_comm::{DeviceMesh, MeshShape, ProcessGroup, RankContext};
 use burn_parallel_fsdp::{FsdpConfig, MemoryTracker, OffloadPolicy};
 
@@ -11,6 +12,9 @@ use crate::error::ParallelError;
 /// The name of the flattened data-parallel dimension (dp_replicate x dp_shard): the group over
 /// which the batch is split and losses are averaged.
 pub const DP: &str = "dp";
+
+/// The name of the dimension that spans the whole mesh (every rank).
+pub const WORLD: &str = "world";
 
 /// One rank's parallel context. Build it on every rank from the same config; the config is
 /// validated against the world before any communication.
@@ -28,13 +32,24 @@ pub struct MeshContext {
 
 impl MeshContext {
     /// A `dp_replicate x dp_shard x tp` mesh (names from `config.mesh_names`) over the ranks
-    /// of `rank`, computing on `device`.
+    /// of `rank`, computing on `device`: `parallelize_model` moves the model there, and inputs
+    /// are built there too. Checked before any communication.
+    ///
+    /// Burn 0.22 selects gradient checkpointing per device (every tensor of an op must agree).
+    /// FSDP frees gathered weights after forward (`reshard_after_forward`, gathering them again
+    /// in backward) and activation checkpointing recomputes activations only on a
+    /// checkpointing device: pass `device.gradient_checkpointing()` for them. On a plain device
+    /// the default `reshard_after_forward` (unset) keeps gathered weights until backward, and
+    /// asking for either explicitly is an error that says so.
     pub fn new(
         rank: &RankContext,
         config: DistributedConfig,
         device: Device,
     ) -> Result<Self, ParallelError> {
         let sizes = config.validate(rank.world_size())?;
+        let checkpointing = device.gradient_checkpointing_strategy()
+            == Some(GradientCheckpointingStrategy::Balanced);
+        check_device(&config, sizes, &device, checkpointing)?;
         let names = &config.mesh_names;
         let shape = MeshShape::new(&[
             (names.dp_replicate.as_str(), sizes.dp_replicate),
@@ -43,18 +58,7 @@ impl MeshContext {
         ])?;
         let mut mesh = DeviceMesh::new(rank, shape)?;
         mesh.flatten(&[&names.dp_replicate, &names.dp_shard], DP)?;
-        // Burn 0.22 selects gradient checkpointing per device, and every tensor of an
-        // operation must agree: inputs are built on `device()`, parameters are moved there.
-        // FSDP frees gathered weights after forward only on such a device (the gather is
-        // recomputed in backward), so resharding units need it too.
-        let fsdp_reshards =
-            !uses_ddp(&config) && sizes.dp_shard > 1 && config.reshard_after_forward != Some(false);
-        let checkpointing = config.activation_checkpointing || fsdp_reshards;
-        let device = if checkpointing {
-            device.gradient_checkpointing()
-        } else {
-            device
-        };
+        mesh.flatten(&[&names.dp_replicate, &names.dp_shard, &names.tp], WORLD)?;
         let shard = mesh.group(&names.dp_shard)?.clone();
         let mut fsdp = if sizes.dp_replicate > 1 {
             FsdpConfig::hybrid(shard, mesh.group(&names.dp_replicate)?.clone())
@@ -96,9 +100,8 @@ impl MeshContext {
         &self.mesh
     }
 
-    /// The device to build inputs (and models) on: `device` as given, or its
-    /// gradient-checkpointing variant when `activation_checkpointing` is on or FSDP units
-    /// reshard after forward.
+    /// The device given to [`MeshContext::new`]: the model is moved there and inputs are built
+    /// there.
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -130,7 +133,8 @@ impl MeshContext {
         uses_ddp(&self.config)
     }
 
-    /// Whether [`device`](Self::device) is the gradient-checkpointing variant.
+    /// Whether [`device`](Self::device) is Burn's gradient-checkpointing variant (what FSDP
+    /// resharding and activation checkpointing need).
     pub fn on_checkpointing_device(&self) -> bool {
         self.checkpointing
     }
@@ -164,6 +168,25 @@ impl MeshContext {
         self.group(DP)
     }
 
+    /// Every rank of the mesh.
+    pub fn world_group(&self) -> &ProcessGroup {
+        self.group(WORLD)
+    }
+
+    /// The rows of a `global_batch`-row batch this rank trains on: data-parallel rank `d` of
+    /// `dp` takes rows `d * B / dp .. (d + 1) * B / dp` (a contiguous split whose sizes differ
+    /// by at most one), and the tp ranks of one data-parallel group take the same rows. Pass
+    /// it to `train_step` with the mean loss over these rows: it weights the loss so that the
+    /// data-parallel average is the mean over the global batch.
+    pub fn local_rows(&self, global_batch: usize) -> LocalRows {
+        let (dp, d) = (self.dp_size(), self.dp_rank());
+        LocalRows {
+            rows: d * global_batch / dp..(d + 1) * global_batch / dp,
+            global: global_batch,
+            dp,
+        }
+    }
+
     pub fn tp_group(&self) -> &ProcessGroup {
         self.group(&self.config.mesh_names.tp)
     }
@@ -175,6 +198,64 @@ impl MeshContext {
 
     pub fn dp_size(&self) -> usize {
         self.sizes.dp_replicate * self.sizes.dp_shard
+    }
+}
+
+/// The rows of a global batch one rank trains on ([`MeshContext::local_rows`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalRows {
+    /// This rank's rows of the global batch.
+    pub rows: std::ops::Range<usize>,
+    /// The global batch size.
+    pub global: usize,
+    /// The number of data-parallel ranks the global batch is split over.
+    pub dp: usize,
+}
+
+impl LocalRows {
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// What the mean loss over these rows is multiplied by so that the data-parallel average
+    /// of every rank's weighted loss is the mean over the global batch: `rows * dp / global`
+    /// (1 when the batch divides evenly).
+    pub fn loss_weight(&self) -> f64 {
+        self.rows.len() as f64 * self.dp as f64 / self.global as f64
+    }
+}
+
+/// What the device cannot do for the config: resharding or activation checkpointing asked for
+/// explicitly on a device without gradient checkpointing.
+fn check_device(
+    config: &DistributedConfig,
+    sizes: MeshSizes,
+    device: &Device,
+    checkpointing: bool,
+) -> Result<(), ParallelError> {
+    if checkpointing {
+        return Ok(());
+    }
+    let fix = "pass `device.gradient_checkpointing()` to MeshContext::new (and build the \
+               model's inputs on it)";
+    let needs = if config.activation_checkpointing {
+        Some("activation_checkpointing recomputes activations")
+    } else if config.reshard_after_forward == Some(true) && sizes.dp_shard > 1 && !uses_ddp(config)
+    {
+        Some("reshard_after_forward = true frees gathered weights after forward")
+    } else {
+        None
+    };
+    match needs {
+        Some(what) => Err(ParallelError::Config(format!(
+            "{what} only on Burn's gradient-checkpointing device, and {} is not one: {fix}",
+            describe(device)
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -19,6 +19,13 @@ pub enum ParallelError {
     Mesh(#[from] MeshError),
     #[error("collective: {0}")]
     Collective(#[from] CollectiveError),
+    /// A rank built different initial weights than rank 0.
+    #[error(
+        "rank {rank} holds different initial weights than rank 0 (first differing parameter \
+         `{param}`): build the model on every rank from the same seeds or checkpoint (Burn's \
+         random initializers are not reproducible across rank threads)"
+    )]
+    ReplicasDiffer { rank: usize, param: String },
     /// A config file that could not be read or parsed.
     #[error("config file {path}: {message}")]
     ConfigFile { path: String, message: String },

@@ -14,6 +14,7 @@
 //! the prefetch depth the config sets) or `fsdp::with_gathered_unit`, so each unit gathers with
 //! one collective: Burn has no forward hooks to do it behind the model's back.
 
+mod agree;
 mod config;
 mod context;
 pub mod ddp;
@@ -29,7 +30,7 @@ pub use config::{
     DistributedConfig, Dtype, MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig, Strategy,
     TpShardPlan, style_by_name,
 };
-pub use context::{DP, MeshContext};
+pub use context::{DP, LocalRows, MeshContext, WORLD};
 pub use error::ParallelError;
 pub use sidecar::{ModelParallelizer, fsdp_config};
 pub use step::{StepReport, global_grad_norm, train_step, train_step_with};
@@ -46,11 +47,16 @@ pub fn get_model_parallelizer<M: ParallelizableModel>(_model: &M) -> M::Sidecar 
 }
 
 /// Applies every parallelism the context asks for through the model's sidecar. Collective:
-/// every rank calls it with the same (replicated) model.
+/// every rank calls it with the same (replicated) model; except under DDP (which broadcasts
+/// rank 0's weights), a rank whose weights differ from rank 0's is an error naming the first
+/// differing parameter.
 pub fn parallelize_model<M: ParallelizableModel>(
     model: M,
     ctx: &MeshContext,
 ) -> Result<M, ParallelError> {
+    if !ctx.uses_ddp() {
+        agree::check_replicas_agree(&model, ctx)?;
+    }
     get_model_parallelizer(&model).parallelize(model, ctx)
 }
 
@@ -68,6 +74,9 @@ pub fn parallelize_model_from<M: ParallelizableModel, E: std::fmt::Display>(
     mut source: impl FnMut(&burn_parallel_fsdp::RowRequest) -> Result<burn::tensor::TensorData, E>,
 ) -> Result<M, ParallelError> {
     let sidecar = get_model_parallelizer(&model);
+    if !ctx.uses_ddp() {
+        agree::check_replicas_agree(&model, ctx)?;
+    }
     match ctx.strategy() {
         Strategy::Ddp if ctx.uses_ddp() => {
             let model = sidecar::move_to_context_device(&sidecar, model, ctx)?;

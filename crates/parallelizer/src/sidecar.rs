@@ -3,7 +3,8 @@
 //! every hook it does not override falls back to the default flow below.
 
 use burn::module::{Module, ModuleMapper, Param};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel_comm::collectives::same_device;
 use burn_parallel_describe::{DefaultParallelizer, ModelDescription, Parallelize, UnitMap};
 use burn_parallel_fsdp::{FsdpConfig, RowRequest, fully_shard, fully_shard_from};
 use burn_parallel_tp::{TpApplier, TpModule, local_heads};
@@ -93,13 +94,14 @@ pub trait ModelParallelizer {
 
     /// Full-layer activation checkpointing. Burn 0.22 selects checkpointing per device (its
     /// balanced strategy recomputes memory-bound activations, and the gathered FSDP weights, in
-    /// backward): the parameters move to the checkpointing variant of their device.
+    /// backward); the context's device is that variant (`MeshContext::new` checks it), and the
+    /// parameters move there.
     fn use_full_layer_activation_checkpointing<M: Module>(
         &self,
         model: M,
-        _ctx: &MeshContext,
+        ctx: &MeshContext,
     ) -> Result<M, ParallelError> {
-        Ok(model.map(&mut ToCheckpointing))
+        Ok(model.map(&mut ToDevice(ctx.device())))
     }
 
     /// Unit boundaries: every declared unit is fully sharded on its own (innermost first),
@@ -168,8 +170,8 @@ pub(crate) fn tp_then_device<S: ModelParallelizer, M: Parallelize>(
     Ok((move_to_context_device(sidecar, model, ctx)?, description))
 }
 
-/// Activation checkpointing when asked, else the move to the context's checkpointing device
-/// that resharding FSDP units need (Burn frees a gathered weight after forward only there).
+/// Activation checkpointing when asked, else the move to the context's device (where the
+/// inputs are built).
 pub(crate) fn move_to_context_device<S: ModelParallelizer, M: Module>(
     sidecar: &S,
     model: M,
@@ -177,10 +179,8 @@ pub(crate) fn move_to_context_device<S: ModelParallelizer, M: Module>(
 ) -> Result<M, ParallelError> {
     if ctx.config().activation_checkpointing {
         sidecar.use_full_layer_activation_checkpointing(model, ctx)
-    } else if ctx.on_checkpointing_device() {
-        Ok(model.map(&mut ToCheckpointing))
     } else {
-        Ok(model)
+        Ok(model.map(&mut ToDevice(ctx.device())))
     }
 }
 
@@ -267,21 +267,26 @@ where
     }
 }
 
-/// Rebuilds each parameter on the gradient-checkpointing variant of its device, keeping ids
-/// and trainability.
-struct ToCheckpointing;
+/// Rebuilds each parameter that is not on the device (hardware and checkpointing strategy) on
+/// it, keeping ids and trainability; parameters already there are left as they are.
+struct ToDevice<'a>(&'a Device);
 
-impl ModuleMapper for ToCheckpointing {
+impl ModuleMapper for ToDevice<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let device = self.0;
         if !param.is_initialized() {
             // A lazy parameter moves without being read (a sharded load reads only its rows).
-            let device = param.lazy_device().gradient_checkpointing();
-            return param.to_device(&device);
+            return match same_device(&param.lazy_device(), device) {
+                true => param,
+                false => param.to_device(device),
+            };
         }
         param.map(|t| {
+            if same_device(&t.device(), device) {
+                return t;
+            }
             let trainable = t.is_require_grad();
-            let device = t.device().gradient_checkpointing();
-            let moved = Tensor::<D>::from_data(t.into_data(), &device);
+            let moved = Tensor::<D>::from_data(t.into_data(), device);
             if trainable {
                 moved.require_grad()
             } else {

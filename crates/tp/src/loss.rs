@@ -13,6 +13,9 @@ use crate::shard::ShardSpec;
 /// Mean cross-entropy of `logits` (`[tokens, vocab / tp]`, this rank's vocab chunk of a
 /// `vocab`-sized vocabulary, pad-to-ceil split) against `targets` (`[tokens]`, global ids).
 /// Returns the replicated loss, shape `[1]`; backward gives this rank's logits gradient.
+/// Logits of any float dtype (bf16 under mixed precision) are computed in f32, as PyTorch's
+/// cross-entropy upcasts; the loss is f32 and the gradient returns in the logits' dtype. On a
+/// tp group of one rank it is the plain cross-entropy.
 pub fn loss_parallel(
     logits: Tensor<2>,
     targets: Tensor<1, Int>,
@@ -58,6 +61,14 @@ fn token_losses(
         )));
     }
     let err = TpError::collective(path);
+    if logits.device() != targets.device() {
+        return Err(TpError::Loss(format!(
+            "logits are on {:?} but targets on {:?}: build both on the model's device",
+            logits.device(),
+            targets.device()
+        )));
+    }
+    let logits = logits.cast(FloatDType::F32);
 
     // The global row max only stabilises exp: a constant, so no gradient flows through it.
     let max = coll::all_reduce(logits.clone().max_dim(1), group, ReduceOp::Max).map_err(err)?;

@@ -165,11 +165,13 @@ fn run_rank(
     ctx: burn_parallel_comm::RankContext,
     on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
-    let mesh = MeshContext::new(
-        &ctx,
-        distributed_config(cfg),
-        cfg.backend.device(gpu_of(ctx.rank()))?,
-    )?;
+    let device = cfg.backend.device(gpu_of(ctx.rank()))?;
+    // FSDP frees gathered weights after forward only on Burn's checkpointing device.
+    let device = match cfg.reshard_after_forward {
+        true => device.gradient_checkpointing(),
+        false => device,
+    };
+    let mesh = MeshContext::new(&ctx, distributed_config(cfg), device)?;
     let device = mesh.device().clone();
     let mut model = build_model(cfg, model_cfg, &mesh)?;
 

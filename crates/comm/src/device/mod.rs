@@ -16,7 +16,7 @@ pub(crate) mod nccl;
 pub(crate) mod torch;
 
 pub use pairs::MixedDtypes;
-pub use route::{is_cuda_device, route};
+pub use route::{describe, device_mismatch, is_cuda_device, route, same_device};
 pub use steps::{
     Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, InFlight, NcclCall,
     NcclStep, Observer, Phase, Sizes, no_nccl, piece, read_data, run_steps,

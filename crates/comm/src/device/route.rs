@@ -45,6 +45,34 @@ pub fn is_cuda_device(device: &Device) -> bool {
     false
 }
 
+/// Whether two devices are the same for Burn's ops: the same hardware and, with autodiff, the
+/// same gradient-checkpointing strategy (Burn's own `==` ignores the strategy, but an op mixing
+/// two strategies panics).
+pub fn same_device(a: &Device, b: &Device) -> bool {
+    a == b && a.gradient_checkpointing_strategy() == b.gradient_checkpointing_strategy()
+}
+
+/// A message naming both devices when `found` (where `what` is) is not `expected` (where the
+/// model is), with the fix; `None` when they match.
+pub fn device_mismatch(what: &str, found: &Device, expected: &Device) -> Option<String> {
+    (!same_device(found, expected)).then(|| {
+        format!(
+            "{what} is on {} but the model is on {}: build inputs on the device the model was \
+             parallelized for (`MeshContext::device()`)",
+            describe(found),
+            describe(expected)
+        )
+    })
+}
+
+/// A device with its gradient-checkpointing strategy (Burn's `Debug` leaves it out).
+pub fn describe(device: &Device) -> String {
+    match device.gradient_checkpointing_strategy() {
+        Some(strategy) => format!("{device:?} (autodiff, gradient checkpointing {strategy:?})"),
+        None => format!("{device:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(deprecated)]
@@ -63,5 +91,28 @@ mod tests {
             Ok::<_, CollectiveError>(())
         });
         assert!(errors.is_ok(), "{errors:?}");
+    }
+}
+
+#[cfg(test)]
+mod device_tests {
+    #![allow(deprecated)]
+    use super::*;
+
+    /// Burn's `==` ignores the checkpointing strategy; ops mixing two strategies panic, so the
+    /// check does not.
+    #[test]
+    fn a_checkpointing_device_is_not_the_plain_one() {
+        let plain = Device::flex().autodiff();
+        let ckpt = plain.clone().gradient_checkpointing();
+        assert!(same_device(&plain, &plain.clone()));
+        assert!(!same_device(&plain, &ckpt));
+        assert!(!same_device(&plain, &Device::flex()));
+        let msg = device_mismatch("the input", &plain, &ckpt).unwrap();
+        assert!(
+            msg.contains("gradient checkpointing") && msg.contains("MeshContext::device()"),
+            "{msg}"
+        );
+        assert!(device_mismatch("x", &ckpt, &ckpt).is_none());
     }
 }

@@ -1,0 +1,78 @@
+//! Every rank must start from the same weights: FSDP and TP slice a replicated model, so a
+//! rank built from another seed would train a different model silently. One all-gather of a
+//! checksum per parameter finds the first parameter that differs, before any sharding.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+
+use crate::context::MeshContext;
+use crate::error::ParallelError;
+
+/// Module paths and checksums (sum, sum of squares, in f32 on the parameter's device) of the
+/// initialized float parameters, in module order. Lazy parameters (read from one checkpoint on
+/// every rank) are left out.
+fn checksums<M: Module>(model: &M) -> (Vec<String>, Vec<Tensor<1>>) {
+    #[derive(Default)]
+    struct Sums {
+        stack: Vec<String>,
+        paths: Vec<String>,
+        sums: Vec<Tensor<1>>,
+    }
+    impl ModuleVisitor for Sums {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.is_initialized() {
+                return;
+            }
+            let value = param.val().detach().cast(FloatDType::F32);
+            let n = value.shape().num_elements();
+            let flat = value.reshape([n]);
+            self.paths.push(self.stack.join("."));
+            self.sums.push(flat.clone().sum());
+            self.sums.push(flat.clone().mul(flat).sum());
+        }
+    }
+    let mut sums = Sums::default();
+    model.visit(&mut sums);
+    (sums.paths, sums.sums)
+}
+
+/// Checks that every rank of the mesh holds the same parameters as rank 0, naming the first
+/// parameter and rank that differ. Collective over the whole mesh.
+pub(crate) fn check_replicas_agree<M: Module>(
+    model: &M,
+    ctx: &MeshContext,
+) -> Result<(), ParallelError> {
+    let world = ctx.world_group();
+    if world.size() == 1 {
+        return Ok(());
+    }
+    let (paths, sums) = checksums(model);
+    let local: Vec<f32> = match sums.is_empty() {
+        true => Vec::new(),
+        false => Tensor::cat(sums, 0)
+            .into_data()
+            .convert_dtype(DType::F32)
+            .try_to_vec()
+            .expect("f32 checksums"),
+    };
+    let n = local.len();
+    let all = world.all_gather(TensorData::new(local, [1, n]), 0)?;
+    let all = all.try_to_vec::<f32>().expect("f32 checksums");
+    let first = &all[..n];
+    for rank in 1..world.size() {
+        let theirs = &all[rank * n..(rank + 1) * n];
+        if let Some(i) = (0..n).find(|&i| theirs[i].to_bits() != first[i].to_bits()) {
+            return Err(ParallelError::ReplicasDiffer {
+                rank: world.ranks()[rank],
+                param: paths[i / 2].clone(),
+            });
+        }
+    }
+    Ok(())
+}
