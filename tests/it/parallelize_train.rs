@@ -14,9 +14,9 @@ use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{forward_units, gather_full};
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, MixedPrecisionConfig, ModelDescription, ModelParallelizer,
-    ParallelError, ParallelizableModel, Parallelize, Strategy, fsdp_config, parallelize_model,
-    train_step,
+    DistributedConfig, LocalRows, MeshContext, MixedPrecisionConfig, ModelDescription,
+    ModelParallelizer, ParallelError, ParallelizableModel, Parallelize, Strategy, fsdp_config,
+    parallelize_model, train_step,
 };
 use burn_parallel::tp::{Tp, loss_parallel};
 
@@ -113,10 +113,6 @@ fn batch(
 }
 
 /// This data-parallel rank's rows of the global batch.
-fn rows_of(dp_rank: usize, dp: usize) -> std::ops::Range<usize> {
-    dp_rank * BATCH / dp..(dp_rank + 1) * BATCH / dp
-}
-
 #[derive(Clone, Copy, Debug)]
 enum Opt {
     Sgd,
@@ -256,15 +252,13 @@ fn run(
         let d = ctx.device().clone();
         let mut model = parallelize_model(TinyLm::new(&d), &ctx)?;
         let mut optim = optimizer(opt);
-        let rows = rows_of(ctx.dp_rank(), ctx.dp_size());
+        let rows = ctx.local_rows(BATCH);
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for step in 0..STEPS {
-            let (ids, targets) = batch(&d, step, rows.clone());
+            let (ids, targets) = batch(&d, step, rows.rows.clone());
             let logits = model.forward(ids);
             let local = loss_parallel(logits, targets, ctx.tp_group(), VOCAB)?;
-            // Each rank's share of the global mean over tokens.
-            let weight = (rows.len() * ctx.dp_size()) as f64 / BATCH as f64;
-            let (next, report) = train_step(model, local * weight, &mut optim, LR, clip, &ctx)?;
+            let (next, report) = train_step(model, local, &rows, &mut optim, LR, clip, &ctx)?;
             model = next;
             losses.push(report.loss);
             norms.push(report.grad_norm);
@@ -423,14 +417,13 @@ fn gathers_and_losses<M: ParallelizableModel>(
         let d = ctx.device().clone();
         let mut model = parallelize_model(build(&d), &ctx)?;
         let mut optim = optimizer(Opt::Sgd);
-        let rows = rows_of(ctx.dp_rank(), ctx.dp_size());
+        let rows = ctx.local_rows(BATCH);
         let before = ctx.dp_shard_group().stats();
         let mut losses = Vec::new();
         for step in 0..2 {
-            let (ids, targets) = batch(&d, step, rows.clone());
+            let (ids, targets) = batch(&d, step, rows.rows.clone());
             let local = loss_parallel(forward(&model, ids), targets, ctx.tp_group(), VOCAB)?;
-            let weight = (rows.len() * ctx.dp_size()) as f64 / BATCH as f64;
-            let (next, report) = train_step(model, local * weight, &mut optim, LR, None, &ctx)?;
+            let (next, report) = train_step(model, local, &rows, &mut optim, LR, None, &ctx)?;
             model = next;
             losses.push(report.loss);
         }
@@ -482,22 +475,25 @@ fn deferred_gradient_sync_accumulates_like_one_big_batch() {
             let d = ctx.device().clone();
             let mut model = parallelize_model(TinyLm::new(&d), &ctx)?;
             let mut optim = optimizer(Opt::Sgd);
-            let rows = rows_of(ctx.dp_rank(), ctx.dp_size());
+            let rows = ctx.local_rows(BATCH).rows;
             let mid = rows.start + rows.len().div_ceil(2);
-            let micro = [rows.start..mid, mid..rows.end];
-            let share =
-                |r: &std::ops::Range<usize>| (r.len() * ctx.dp_size()) as f64 / BATCH as f64;
+            // Each micro-batch is its own share of the global batch.
+            let micro = [rows.start..mid, mid..rows.end].map(|rows| LocalRows {
+                rows,
+                global: BATCH,
+                dp: ctx.dp_size(),
+            });
             let mut norms = Vec::new();
             for step in 0..STEPS {
-                let (ids, targets) = batch(&d, step, micro[0].clone());
+                let (ids, targets) = batch(&d, step, micro[0].rows.clone());
                 let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
                 ctx.set_requires_gradient_sync(false);
-                let _ = (local * share(&micro[0])).backward();
+                let _ = (local * micro[0].loss_weight()).backward();
                 ctx.set_requires_gradient_sync(true);
-                let (ids, targets) = batch(&d, step, micro[1].clone());
+                let (ids, targets) = batch(&d, step, micro[1].rows.clone());
                 let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
-                let loss = local * share(&micro[1]);
-                let (next, report) = train_step(model, loss, &mut optim, LR, None, &ctx)?;
+                let (next, report) =
+                    train_step(model, local, &micro[1], &mut optim, LR, None, &ctx)?;
                 model = next;
                 norms.push(report.grad_norm);
             }

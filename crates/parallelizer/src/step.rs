@@ -10,15 +10,15 @@ use burn_parallel_comm::ReduceOp;
 use burn_parallel_fsdp::{clip_to_norm, grad_square_sums, scale_grads};
 use burn_parallel_tp::TpModule;
 
-use crate::context::MeshContext;
+use crate::context::{LocalRows, MeshContext};
 use crate::ddp;
 use crate::error::ParallelError;
 
 /// What one step did.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct StepReport {
-    /// The loss averaged over the data-parallel ranks: the global loss when each rank's loss
-    /// is its share of the global mean (see [`train_step`]).
+    /// The loss over the global batch: the data-parallel average of every rank's mean loss
+    /// over its rows, weighted by its share of the batch (see [`train_step`]).
     pub loss: f32,
     /// The global L2 norm of the gradients before clipping, every element counted once.
     pub grad_norm: f32,
@@ -26,22 +26,23 @@ pub struct StepReport {
 
 /// Backward of `loss`, then: the tp gradient sync of replicated sequence-parallel parameters,
 /// the data-parallel average (DDP's bucketed all-reduce; FSDP reduces inside backward and the
-/// sum is divided here), clipping by the global norm when
-/// `max_grad_norm` is set, and the optimizer step on this rank's parameters (shards under
-/// FSDP). Collective: every rank calls it.
+/// sum is divided here), clipping by the global norm when `max_grad_norm` is set, and the
+/// optimizer step on this rank's parameters (shards under FSDP). Collective: every rank calls
+/// it.
 ///
-/// Data-parallel gradients are averaged, so each rank's `loss` should be the mean over its own
-/// rows; with rows split unevenly, scale it by `rows_here * dp / rows_total` to keep the global
-/// mean exact.
+/// `loss` is the mean over this rank's `rows` (from [`MeshContext::local_rows`]); it is
+/// weighted by the rows' share of the global batch, so that the step trains on the mean over
+/// the global batch however unevenly the rows split.
 pub fn train_step<M: Module + TpModule>(
     model: M,
     loss: Tensor<1>,
+    rows: &LocalRows,
     optimizer: &mut ModuleOptimizer,
     lr: f64,
     max_grad_norm: Option<f32>,
     ctx: &MeshContext,
 ) -> Result<(M, StepReport), ParallelError> {
-    train_step_with(model, loss, max_grad_norm, ctx, |model, grads| {
+    train_step_with(model, loss, rows, max_grad_norm, ctx, |model, grads| {
         let grads = GradientsParams::from_grads(grads, &model);
         optimizer.step(lr, model, grads)
     })
@@ -53,10 +54,12 @@ pub fn train_step<M: Module + TpModule>(
 pub fn train_step_with<M: Module + TpModule>(
     model: M,
     loss: Tensor<1>,
+    rows: &LocalRows,
     max_grad_norm: Option<f32>,
     ctx: &MeshContext,
     optimizer_step: impl FnOnce(M, Gradients) -> M,
 ) -> Result<(M, StepReport), ParallelError> {
+    let loss = loss.mul_scalar(rows.loss_weight());
     let local_loss = scalar(loss.clone().detach().into_data());
     let mut grads = loss.backward();
     model.sync_tp_grads(&mut grads)?;

@@ -6,12 +6,11 @@ use std::path::Path;
 use std::time::Instant;
 
 use burn::tensor::Gradients;
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel_comm::run_ranks_on;
 use burn_parallel_fsdp::{RowRequest, gather_full};
 use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, save_llama};
-use burn_parallel_models::data::{TokenData, dp_rows};
+use burn_parallel_models::data::TokenData;
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
     MeshContext, MeshSizes, StepReport, parallelize_model, parallelize_model_from, train_step_with,
@@ -192,37 +191,27 @@ fn run_rank(
     let my_state = model_state_bytes(&model, states);
     let peak_state = max_over_world(&ctx, my_state)?;
 
-    let (dp, dp_rank) = (mesh.dp_size(), mesh.dp_rank());
-    let rows = dp_rows(cfg.global_batch, dp, dp_rank);
+    let rows = mesh.local_rows(cfg.global_batch);
     let global_tokens = (cfg.global_batch * cfg.seq_len) as f32;
     let vocab = model_cfg.vocab_size;
     let stats_before = ctx.stats();
     let mut reports = Vec::with_capacity(cfg.steps);
     for step in 0..cfg.steps {
         let start = Instant::now();
-        let batch = data.batch(step, cfg.global_batch, rows.clone());
+        let batch = data.batch(step, cfg.global_batch, rows.rows.clone());
         let (b, t) = (batch.rows, batch.seq_len);
         let ids = Tensor::<2, Int>::from_data(TensorData::new(batch.inputs, [b, t]), &device);
         let targets = Tensor::<1, Int>::from_data(TensorData::new(batch.targets, [b * t]), &device);
 
-        let logits = model.try_forward(ids)?.cast(FloatDType::F32);
+        let logits = model.try_forward(ids)?;
         let local_vocab = logits.dims()[2];
         let logits = logits.reshape([b * t, local_vocab]);
-        // This rank's tokens' share of the global mean, times dp: `train_step` averages the
-        // data-parallel ranks, so the average is the global mean also with uneven rows.
-        let share = b as f32 * t as f32 / global_tokens * dp as f32;
-        let loss = if mesh.sizes().tp > 1 {
-            loss_parallel(logits, targets, mesh.tp_group(), vocab)?.mul_scalar(share)
-        } else {
-            log_softmax(logits, 1)
-                .gather(1, targets.unsqueeze_dim::<2>(1))
-                .mean()
-                .neg()
-                .mul_scalar(share)
-                .reshape([1])
-        };
-        let (next, done) =
-            train_step_with(model, loss, cfg.grad_clip, &mesh, |m, g| optimizer(m, &g))?;
+        // The mean over this rank's tokens (in f32; over a vocab split when tp > 1):
+        // `train_step` weights it by the rows' share of the global batch.
+        let loss = loss_parallel(logits, targets, mesh.tp_group(), vocab)?;
+        let (next, done) = train_step_with(model, loss, &rows, cfg.grad_clip, &mesh, |m, g| {
+            optimizer(m, &g)
+        })?;
         model = next;
         let step_time_s = start.elapsed().as_secs_f64();
         let report = StepLog {
