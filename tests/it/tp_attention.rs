@@ -87,6 +87,18 @@ impl TpModule for Attention {
             p.visit_tp_sharded(visitor);
         }
     }
+
+    fn gather_tp(self) -> Result<Self, TpError> {
+        let tp = self.q_proj.sharding().map_or(1, |s| s.group.size());
+        Ok(Self {
+            q_proj: self.q_proj.gather_tp()?,
+            k_proj: self.k_proj.gather_tp()?,
+            v_proj: self.v_proj.gather_tp()?,
+            o_proj: self.o_proj.gather_tp()?,
+            heads: self.heads * tp,
+            kv_heads: self.kv_heads * tp,
+        })
+    }
 }
 
 fn plan() -> TpPlan {

@@ -10,7 +10,7 @@ use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Bool, Device, Gradients, Int, Tensor, TensorData};
 use burn_parallel::parallelize;
-use burn_parallel::tp::Tp;
+use burn_parallel::tp::{Tp, forward_shared};
 
 use crate::common::{assert_close, ndarray_ad, tensor, values, vec_of};
 
@@ -56,8 +56,7 @@ impl Heads {
         x: Tensor<3>,
         causal: bool,
     ) -> Tensor<3> {
-        let x = q.prepare_input(x).unwrap();
-        let [q, k, v] = [q, k, v].map(|p| p.forward_prepared(x.clone()));
+        let [q, k, v] = forward_shared(x, [q, k, v]).unwrap();
         o.forward(self.attend(q, k, v, causal))
     }
 
@@ -181,9 +180,8 @@ impl Mlp {
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // gate and up share one input collective.
-        let x = self.gate_proj.prepare_input(x).unwrap();
-        let h = silu(self.gate_proj.forward_prepared(x.clone())) * self.up_proj.forward_prepared(x);
-        self.down_proj.forward(h)
+        let [gate, up] = forward_shared(x, [&self.gate_proj, &self.up_proj]).unwrap();
+        self.down_proj.forward(silu(gate) * up)
     }
 }
 

@@ -59,6 +59,13 @@ impl TpModule for Mlp {
         self.up.visit_tp_sharded(visitor);
         self.down.visit_tp_sharded(visitor);
     }
+
+    fn gather_tp(self) -> Result<Self, TpError> {
+        Ok(Self {
+            up: self.up.gather_tp()?,
+            down: self.down.gather_tp()?,
+        })
+    }
 }
 
 pub fn mlp_plan() -> TpPlan {

@@ -93,6 +93,14 @@ impl TpModule for Block {
         self.up.visit_tp_sharded(visitor);
         self.down.visit_tp_sharded(visitor);
     }
+
+    fn gather_tp(self) -> Result<Self, TpError> {
+        Ok(Self {
+            norm: self.norm.gather_tp()?,
+            up: self.up.gather_tp()?,
+            down: self.down.gather_tp()?,
+        })
+    }
 }
 
 fn sp_plan() -> TpPlan {

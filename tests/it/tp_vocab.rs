@@ -62,6 +62,13 @@ impl TpModule for Lm {
         self.embed_tokens.visit_tp_sharded(visitor);
         self.lm_head.visit_tp_sharded(visitor);
     }
+
+    fn gather_tp(self) -> Result<Self, TpError> {
+        Ok(Self {
+            embed_tokens: self.embed_tokens.gather_tp()?,
+            lm_head: self.lm_head.gather_tp()?,
+        })
+    }
 }
 
 fn targets() -> Tensor<1, Int> {

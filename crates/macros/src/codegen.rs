@@ -23,6 +23,7 @@ pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> Tok
     let describe = describe_body(args, specs, &p);
     let map_units = map_units_body(specs, &p);
     let apply_tp = apply_tp_body(specs, &p);
+    let gather_tp = gather_tp_body(specs, &p);
     let tp_fields: Vec<_> = specs
         .iter()
         .filter(|s| s.in_tp())
@@ -53,6 +54,10 @@ pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> Tok
             #[allow(unused_variables)]
             fn visit_tp_sharded<__V: #p::ModuleVisitor>(&self, visitor: &mut __V) {
                 #( #p::TpModule::visit_tp_sharded(&self.#tp_fields, visitor); )*
+            }
+
+            fn gather_tp(self) -> ::core::result::Result<Self, #p::TpError> {
+                #gather_tp
             }
         }
 
@@ -313,6 +318,55 @@ fn apply_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
             let __local = #local;
             __out.#heads = __local.heads;
             #kv_write
+        }
+        ::core::result::Result::Ok(__out)
+    }
+}
+
+/// `gather_tp`: every field that takes part in tensor parallelism gathered back; head counts
+/// made global again when this struct's own `Tp` fields were split (the inverse of
+/// `apply_tp`).
+fn gather_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
+    let fields = specs.iter().map(|s| {
+        let ident = &s.ident;
+        if s.in_tp() {
+            quote!(#ident: #p::TpModule::gather_tp(self.#ident)?)
+        } else {
+            quote!(#ident: self.#ident)
+        }
+    });
+    let rebuilt = quote!(Self { #(#fields,)* });
+    let head = |role| {
+        specs
+            .iter()
+            .find(|s| s.heads == Some(role))
+            .map(|s| &s.ident)
+    };
+    let tp_fields: Vec<_> = specs.iter().filter(|s| s.is_tp).collect();
+    let Some(heads) = head(HeadRole::Heads) else {
+        return quote!(::core::result::Result::Ok(#rebuilt));
+    };
+    if tp_fields.is_empty() {
+        return quote!(::core::result::Result::Ok(#rebuilt));
+    }
+    // The tp size this struct's own Tp fields were split over, read before they are gathered.
+    let sizes = tp_fields.iter().map(|s| {
+        let ident = &s.ident;
+        let size = quote!(|__t| __t.sharding().map(|__s| __s.group.size()));
+        match s.shape {
+            Shape::One => quote!(self.#ident.sharding().map(|__s| __s.group.size())),
+            Shape::Vec => quote!(self.#ident.iter().find_map(#size)),
+            Shape::Option => quote!(self.#ident.as_ref().and_then(#size)),
+        }
+    });
+    let kv = head(HeadRole::KvHeads).map(|kv| quote!(__out.#kv *= __n;));
+    quote! {
+        let __tp: ::core::option::Option<usize> =
+            ::core::option::Option::None #(.or(#sizes))*;
+        let mut __out = #rebuilt;
+        if let ::core::option::Option::Some(__n) = __tp {
+            __out.#heads *= __n;
+            #kv
         }
         ::core::result::Result::Ok(__out)
     }

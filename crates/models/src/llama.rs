@@ -9,7 +9,7 @@ use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use burn_parallel_comm::collectives as coll;
 use burn_parallel_macros::parallelize;
-use burn_parallel_tp::{Layout, ParallelStyle, Tp};
+use burn_parallel_tp::{Layout, ParallelStyle, Tp, forward_shared};
 
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::error::ModelError;
@@ -135,24 +135,14 @@ pub struct Attention {
 impl Attention {
     pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
         // q, k and v read the same input: one input collective serves the three.
-        let x = self
-            .q_proj
-            .prepare_input(x)
+        let [q, k, v] = forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj])
             .unwrap_or_else(|e| panic!("{e}"));
-        let [b, s, _] = x.dims();
+        let [b, s, _] = q.dims();
         let hd = self.head_dim;
         let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, hd]).swap_dims(1, 2);
-        let q = Rope::apply(
-            split(self.q_proj.forward_prepared(x.clone()), self.heads),
-            cos,
-            sin,
-        );
-        let k = Rope::apply(
-            split(self.k_proj.forward_prepared(x.clone()), self.kv_heads),
-            cos,
-            sin,
-        );
-        let v = split(self.v_proj.forward_prepared(x), self.kv_heads);
+        let q = Rope::apply(split(q, self.heads), cos, sin);
+        let k = Rope::apply(split(k, self.kv_heads), cos, sin);
+        let v = split(v, self.kv_heads);
         let groups = self.heads / self.kv_heads;
         let repeat = |t: Tensor<4>| {
             if groups == 1 {
@@ -204,12 +194,10 @@ pub struct Mlp {
 
 impl Mlp {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self
-            .gate_proj
-            .prepare_input(x)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let h = silu(self.gate_proj.forward_prepared(x.clone())) * self.up_proj.forward_prepared(x);
-        self.down_proj.forward(h)
+        // gate and up read the same input: one input collective serves both.
+        let [gate, up] =
+            forward_shared(x, [&self.gate_proj, &self.up_proj]).unwrap_or_else(|e| panic!("{e}"));
+        self.down_proj.forward(silu(gate) * up)
     }
 }
 

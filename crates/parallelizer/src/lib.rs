@@ -19,6 +19,7 @@ mod config;
 mod context;
 pub mod ddp;
 mod error;
+mod full;
 mod sidecar;
 mod step;
 
@@ -32,6 +33,7 @@ pub use config::{
 };
 pub use context::{DP, LocalRows, MeshContext, WORLD};
 pub use error::ParallelError;
+pub use full::{full_model, full_state_dict};
 pub use sidecar::{ModelParallelizer, fsdp_config};
 pub use step::{StepReport, global_grad_norm, train_step, train_step_with};
 

@@ -45,6 +45,18 @@ pub enum TpError {
         device: String,
     },
 
+    #[error(
+        "`{path}` (style {style}) ran on an input prepared by `{prepared_by}` (style \
+         {prepared_style}): layers sharing a prepared input need the same input collective; \
+         give them the same style, or prepare the input for each"
+    )]
+    MismatchedSiblings {
+        path: String,
+        style: String,
+        prepared_by: String,
+        prepared_style: String,
+    },
+
     #[error("`{path}` is already sharded with style {style}; a module is parallelized once")]
     AlreadySharded { path: String, style: String },
 

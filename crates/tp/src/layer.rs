@@ -6,7 +6,7 @@ use burn::nn::{Embedding, Linear};
 use burn_parallel_comm::ProcessGroup;
 
 use crate::error::TpError;
-use crate::shard::{ShardSpec, narrow_param};
+use crate::shard::{ShardSpec, gather_param, narrow_param};
 use crate::style::{Layout, ParallelStyle};
 
 /// What [`TpLayer::shard`] gives: this rank's shard of the module and the shard of the split
@@ -32,6 +32,27 @@ pub trait TpLayer: Module + Sized {
                 Self::KIND,
                 style,
                 "it has nothing to shard; use sequence_parallel",
+            )),
+        }
+    }
+
+    /// The whole module back from this rank's shard: the inverse of [`Self::shard`],
+    /// collective over `group` (every rank calls it). Default: a module `shard` left whole
+    /// (`spec` is `None`); a module that splits parameters implements it.
+    fn unshard(
+        self,
+        style: &ParallelStyle,
+        spec: Option<&ShardSpec>,
+        _group: &ProcessGroup,
+        path: &str,
+    ) -> Result<Self, TpError> {
+        match spec {
+            None => Ok(self),
+            Some(_) => Err(unsupported(
+                path,
+                Self::KIND,
+                style,
+                "implement TpLayer::unshard to gather the parameters `shard` split",
             )),
         }
     }
@@ -91,6 +112,32 @@ impl TpLayer for Linear {
         }
     }
 
+    fn unshard(
+        mut self,
+        style: &ParallelStyle,
+        spec: Option<&ShardSpec>,
+        group: &ProcessGroup,
+        path: &str,
+    ) -> Result<Self, TpError> {
+        if spec.is_none() {
+            return Ok(self);
+        }
+        match style {
+            ParallelStyle::Colwise { .. } => {
+                self.weight = gather_param(self.weight, 1, group, path)?;
+                self.bias = self
+                    .bias
+                    .map(|b| gather_param(b, 0, group, path))
+                    .transpose()?;
+            }
+            ParallelStyle::Rowwise { .. } => {
+                self.weight = gather_param(self.weight, 0, group, path)?;
+            }
+            ParallelStyle::Sequence { .. } => {}
+        }
+        Ok(self)
+    }
+
     fn visit_partial_grad_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {
         match style {
             ParallelStyle::Sequence { .. } => self.visit(visitor),
@@ -148,5 +195,21 @@ impl TpLayer for Embedding {
         let spec = ShardSpec::new(size, group, path, what)?;
         self.weight = narrow_param(self.weight, dim, spec.range.clone());
         Ok((self, Some(spec)))
+    }
+
+    fn unshard(
+        mut self,
+        style: &ParallelStyle,
+        spec: Option<&ShardSpec>,
+        group: &ProcessGroup,
+        path: &str,
+    ) -> Result<Self, TpError> {
+        let dim = match (spec, style) {
+            (None, _) | (_, ParallelStyle::Sequence { .. }) => return Ok(self),
+            (_, ParallelStyle::Rowwise { .. }) => 0,
+            (_, ParallelStyle::Colwise { .. }) => 1,
+        };
+        self.weight = gather_param(self.weight, dim, group, path)?;
+        Ok(self)
     }
 }

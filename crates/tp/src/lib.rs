@@ -70,6 +70,6 @@ pub use loss::{loss_parallel, loss_parallel_ignoring};
 pub use pattern::path_matches;
 pub use plan::{TpApplier, TpModule, TpPlan, TpReport, apply_plan, child_path};
 pub use prepare::{PrepareModuleInput, PrepareModuleOutput, Redistribute, redistribute};
-pub use shard::{ShardSpec, narrow_param};
+pub use shard::{ShardSpec, gather_param, narrow_param};
 pub use style::{Layout, ParallelStyle};
-pub use tp::{Sharding, Tp};
+pub use tp::{Prepared, Sharding, Tp, forward_shared};

@@ -149,6 +149,11 @@ pub trait TpModule: Sized {
     /// Visits the parameters split across their tp group (each rank holds different
     /// elements); every other parameter is replicated over tp.
     fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V);
+
+    /// The module with every `Tp` layer gathered back whole (the inverse of
+    /// [`apply_tp`](Self::apply_tp); local head counts become global again). Collective over
+    /// each layer's tp group: every rank calls it.
+    fn gather_tp(self) -> Result<Self, TpError>;
 }
 
 impl<M: TpLayer> TpModule for Tp<M> {
@@ -188,6 +193,10 @@ impl<M: TpLayer> TpModule for Tp<M> {
             self.inner().visit_sharded_params(&s.style, visitor);
         }
     }
+
+    fn gather_tp(self) -> Result<Self, TpError> {
+        self.unshard()
+    }
 }
 
 impl<T: TpModule> TpModule for Vec<T> {
@@ -205,6 +214,10 @@ impl<T: TpModule> TpModule for Vec<T> {
     fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
         self.iter().for_each(|m| m.visit_tp_sharded(visitor));
     }
+
+    fn gather_tp(self) -> Result<Self, TpError> {
+        self.into_iter().map(TpModule::gather_tp).collect()
+    }
 }
 
 impl<T: TpModule> TpModule for Option<T> {
@@ -220,6 +233,10 @@ impl<T: TpModule> TpModule for Option<T> {
         if let Some(m) = self {
             m.visit_tp_sharded(visitor);
         }
+    }
+
+    fn gather_tp(self) -> Result<Self, TpError> {
+        self.map(TpModule::gather_tp).transpose()
     }
 }
 

@@ -6,6 +6,7 @@ use burn::module::Param;
 use burn::tensor::Tensor;
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::chunk::chunk_range;
+use burn_parallel_comm::collectives as coll;
 
 use crate::error::TpError;
 
@@ -56,4 +57,20 @@ pub fn narrow_param<const D: usize>(
             shard
         }
     })
+}
+
+/// The whole of a parameter split along `dim` over `group` (every rank holds its piece, in
+/// group order), as a fresh leaf with the same ParamId and require-grad setting: the inverse of
+/// [`narrow_param`]. Collective over `group`.
+pub fn gather_param<const D: usize>(
+    param: Param<Tensor<D>>,
+    dim: usize,
+    group: &ProcessGroup,
+    path: &str,
+) -> Result<Param<Tensor<D>>, TpError> {
+    let piece = param.val();
+    let trainable = piece.is_require_grad();
+    let full = coll::all_gather(piece.detach(), group, dim).map_err(TpError::collective(path))?;
+    let full = if trainable { full.require_grad() } else { full };
+    Ok(param.map(|_| full))
 }

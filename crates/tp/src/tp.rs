@@ -111,15 +111,47 @@ impl<M: TpLayer> Tp<M> {
         })
     }
 
+    /// The whole module back: its shard gathered over the tp group and the style removed (the
+    /// inverse of [`parallelize`](Self::parallelize)). Collective over the group.
+    pub fn unshard(self) -> Result<Self, TpError> {
+        match self.sharding {
+            None => Ok(self),
+            Some(s) => Ok(Self::new(self.inner.unshard(
+                &s.style,
+                s.spec.as_ref(),
+                &s.group,
+                &s.path,
+            )?)),
+        }
+    }
+
     /// The style's input collective alone. Sibling layers that read the same input with the
     /// same style (q/k/v, gate/up) share it: prepare once, then run each layer's
     /// `forward_prepared`, so one collective serves all of them in forward and backward
-    /// (Megatron's single all-reduce, or all-gather under sequence parallelism).
-    pub fn prepare_input<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
-        match &self.sharding {
-            Some(s) => s.enter(x),
-            None => Ok(x),
+    /// (Megatron's single all-reduce, or all-gather under sequence parallelism). The prepared
+    /// input remembers the style that prepared it: a sibling whose style needs another input
+    /// collective is an error ([`forward_shared`] does all of this in one call).
+    pub fn prepare_input<const D: usize>(&self, x: Tensor<D>) -> Result<Prepared<D>, TpError> {
+        let by = InputStep::of(self.sharding.as_ref());
+        let tensor = match &self.sharding {
+            Some(s) => s.enter(x)?,
+            None => x,
+        };
+        Ok(Prepared { tensor, by })
+    }
+
+    /// Checks that `x` was prepared by a style with this layer's input collective.
+    fn take_prepared<const D: usize>(&self, x: Prepared<D>) -> Result<Tensor<D>, TpError> {
+        let mine = InputStep::of(self.sharding.as_ref());
+        if x.by.same_input(&mine) {
+            return Ok(x.tensor);
         }
+        Err(TpError::MismatchedSiblings {
+            style: mine.describe(),
+            path: mine.path,
+            prepared_style: x.by.describe(),
+            prepared_by: x.by.path,
+        })
     }
 
     /// Runs `f` on the (sharded) inner module with the style's collectives around it:
@@ -193,8 +225,13 @@ impl Tp<Linear> {
     }
 
     /// As [`try_forward`](Self::try_forward) on an input that already went through
-    /// [`prepare_input`](Self::prepare_input) (possibly a sibling's with the same style).
-    pub fn try_forward_prepared<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
+    /// [`prepare_input`](Self::prepare_input) (possibly a sibling's with the same style; another
+    /// style's is an error naming both layers).
+    pub fn try_forward_prepared<const D: usize>(
+        &self,
+        x: Prepared<D>,
+    ) -> Result<Tensor<D>, TpError> {
+        let x = self.take_prepared(x)?;
         match &self.sharding {
             Some(s) if matches!(s.style, ParallelStyle::Rowwise { .. }) => {
                 let y = burn::tensor::module::linear(x, self.inner.weight.val(), None);
@@ -215,9 +252,8 @@ impl Tp<Linear> {
         self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// As [`try_forward_prepared`](Self::try_forward_prepared), panicking on a failed
-    /// collective.
-    pub fn forward_prepared<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+    /// As [`try_forward_prepared`](Self::try_forward_prepared), panicking on an error.
+    pub fn forward_prepared<const D: usize>(&self, x: Prepared<D>) -> Tensor<D> {
         self.try_forward_prepared(x)
             .unwrap_or_else(|e| panic!("{e}"))
     }
@@ -260,6 +296,84 @@ impl Tp<Embedding> {
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
     }
+}
+
+/// An input brought to the layout of a `Tp` layer's style by [`Tp::prepare_input`], for that
+/// layer and its siblings with the same input collective.
+#[derive(Debug, Clone)]
+pub struct Prepared<const D: usize> {
+    tensor: Tensor<D>,
+    by: InputStep,
+}
+
+impl<const D: usize> Prepared<D> {
+    /// The prepared tensor (its shape under sequence parallelism is the gathered one).
+    pub fn tensor(&self) -> &Tensor<D> {
+        &self.tensor
+    }
+}
+
+/// The input collective a layer's style runs, and where the layer is (for errors).
+#[derive(Debug, Clone)]
+struct InputStep {
+    /// The style's kind and input layout, and the group's ranks; `None` for a layer that is
+    /// not split (its input passes unchanged).
+    step: Option<(&'static str, Layout, Vec<usize>)>,
+    style: Option<ParallelStyle>,
+    path: String,
+}
+
+impl InputStep {
+    fn of(sharding: Option<&Sharding>) -> Self {
+        let Some(s) = sharding else {
+            return Self {
+                step: None,
+                style: None,
+                path: "a layer without a style".into(),
+            };
+        };
+        let (kind, input) = match s.style {
+            ParallelStyle::Colwise { input, .. } => ("colwise", input),
+            ParallelStyle::Rowwise { input, .. } => ("rowwise", input),
+            ParallelStyle::Sequence { dim } => ("sequence", Layout::SequenceSharded { dim }),
+        };
+        Self {
+            step: Some((kind, input, s.group.ranks().to_vec())),
+            style: Some(s.style),
+            path: s.path.clone(),
+        }
+    }
+
+    fn same_input(&self, other: &Self) -> bool {
+        self.step == other.step
+    }
+
+    fn describe(&self) -> String {
+        match &self.style {
+            Some(style) => style.to_string(),
+            None => "none".into(),
+        }
+    }
+}
+
+/// Runs sibling layers that read the same input (q/k/v, gate/up) with one input collective:
+/// [`Tp::prepare_input`] by the first, [`Tp::try_forward_prepared`] by each. Siblings whose
+/// styles need different input collectives are an error naming them.
+pub fn forward_shared<const N: usize, const D: usize>(
+    x: Tensor<D>,
+    layers: [&Tp<Linear>; N],
+) -> Result<[Tensor<D>; N], TpError> {
+    let Some(first) = layers.first() else {
+        return Ok(std::array::from_fn(|_| unreachable!("no layers")));
+    };
+    let x = first.prepare_input(x)?;
+    let mut out = Vec::with_capacity(N);
+    for layer in layers {
+        out.push(layer.try_forward_prepared(x.clone())?);
+    }
+    Ok(out
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one output per layer")))
 }
 
 // Module delegates to the inner module: same params, same paths, same record.

@@ -1,0 +1,48 @@
+//! The whole model from any strategy: FSDP shards gathered, tensor-parallel layers gathered
+//! back, so a parallelized model saves like a plain one.
+
+use std::collections::BTreeMap;
+
+use burn::module::{ModuleVisitor, Param};
+use burn::tensor::{Tensor, TensorData};
+use burn_parallel_describe::Parallelize;
+
+use crate::error::ParallelError;
+
+/// The whole model, on every rank: FSDP shards all-gathered (in the shards' dtype), `Tp` layers
+/// gathered back whole with their styles removed and head counts made global. The result is a
+/// plain model of the same type: save it with Burn's own record format
+/// (`full.save_file(path)`), or take its tensors by path with [`full_state_dict`].
+/// Collective: every rank calls it. Each rank holds the whole model at once; to stream FSDP
+/// parameters one at a time use `fsdp::for_each_full_param`.
+pub fn full_model<M: Parallelize>(model: M) -> Result<M, ParallelError> {
+    let model = burn_parallel_fsdp::gather_full(model)?;
+    Ok(model.gather_tp()?)
+}
+
+/// Every float parameter of the whole model ([`full_model`]) by module path, as data.
+/// Collective: every rank calls it.
+pub fn full_state_dict<M: Parallelize>(
+    model: M,
+) -> Result<BTreeMap<String, TensorData>, ParallelError> {
+    #[derive(Default)]
+    struct ByPath {
+        stack: Vec<String>,
+        state: BTreeMap<String, TensorData>,
+    }
+    impl ModuleVisitor for ByPath {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.state
+                .insert(self.stack.join("."), param.val().into_data());
+        }
+    }
+    let mut by_path = ByPath::default();
+    full_model(model)?.visit(&mut by_path);
+    Ok(by_path.state)
+}
