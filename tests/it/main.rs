@@ -29,3 +29,4 @@ mod tp_mlp;
 mod tp_prepare;
 mod tp_sp;
 mod tp_vocab;
+mod user_api;

@@ -16,7 +16,7 @@ use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
     DistributedConfig, LocalRows, MeshContext, MixedPrecisionConfig, ModelDescription,
     ModelParallelizer, ParallelError, ParallelizableModel, Parallelize, Strategy, fsdp_config,
-    parallelize_model, train_step,
+    full_model, parallelize_model, train_step,
 };
 use burn_parallel::tp::{Tp, loss_parallel};
 
@@ -24,7 +24,7 @@ use crate::common::{assert_close, ndarray_ad, to_vec};
 use crate::tp_common::{Attention, Heads, Mlp, embedding_on, ids_on, linear_on};
 use crate::tp_sp::RmsNorm;
 
-const VOCAB: usize = 37;
+pub(crate) const VOCAB: usize = 37;
 const MODEL: usize = 12;
 const HEADS: Heads = Heads {
     heads: 4,
@@ -33,7 +33,7 @@ const HEADS: Heads = Heads {
 };
 const INTER: usize = 14;
 const LAYERS: usize = 2;
-const BATCH: usize = 5;
+pub(crate) const BATCH: usize = 5;
 const SEQ: usize = 6;
 const STEPS: usize = 3;
 const LR: f64 = 0.05;
@@ -99,7 +99,7 @@ impl Block {
 }
 
 /// The ids and targets of step `step`: rows `rows` of a `[BATCH, SEQ + 1]` token batch.
-fn batch(
+pub(crate) fn batch(
     d: &Device,
     step: usize,
     rows: std::ops::Range<usize>,
@@ -135,7 +135,7 @@ impl ModuleVisitor for Values {
     }
 }
 
-fn values_of<M: Module>(m: &M) -> Vec<Vec<f32>> {
+pub(crate) fn values_of<M: Module>(m: &M) -> Vec<Vec<f32>> {
     let mut v = Values(Vec::new());
     m.visit(&mut v);
     v.0
@@ -225,6 +225,8 @@ struct RankRun {
     /// This rank's final weights, and the reference's final weights parallelized the same way.
     weights: Vec<Vec<f32>>,
     expected: Vec<Vec<f32>>,
+    /// The whole trained model (FSDP and TP shards gathered back), in visit order.
+    full: Vec<Vec<f32>>,
 }
 
 fn config(strategy: Strategy, tp: usize, dp_replicate: usize) -> DistributedConfig {
@@ -268,6 +270,7 @@ fn run(
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(RankRun {
             losses,
             norms,
+            full: values_of(&full_model(model.clone())?),
             weights: values_of(&gather_full(model)?),
             expected: values_of(&gather_full(expected)?),
         })
@@ -301,6 +304,11 @@ fn check(name: &str, world: usize, cfg: DistributedConfig, opt: Opt, clip: Optio
         };
         for (i, (w, e)) in r.weights.iter().zip(&r.expected).enumerate() {
             assert_close(w, e, tol, &format!("{what}: parameter {i}"));
+        }
+        // The whole model, whatever the strategy split, is the reference's trained model.
+        assert_eq!(r.full.len(), reference.weights.len(), "{what}: full model");
+        for (i, (w, e)) in r.full.iter().zip(&reference.weights).enumerate() {
+            assert_close(w, e, tol, &format!("{what}: full parameter {i}"));
         }
     }
 }

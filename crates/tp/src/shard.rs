@@ -70,7 +70,10 @@ pub fn gather_param<const D: usize>(
 ) -> Result<Param<Tensor<D>>, TpError> {
     let piece = param.val();
     let trainable = piece.is_require_grad();
-    let full = coll::all_gather(piece.detach(), group, dim).map_err(TpError::collective(path))?;
+    // A fresh leaf: the gathered parameter, not the collective's output, is what is trained.
+    let full = coll::all_gather(piece.detach(), group, dim)
+        .map_err(TpError::collective(path))?
+        .detach();
     let full = if trainable { full.require_grad() } else { full };
     Ok(param.map(|_| full))
 }
