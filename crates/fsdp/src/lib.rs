@@ -71,7 +71,7 @@ pub use load::{
 pub use memory::{MemoryKind, MemoryReport, MemoryTracker, ModelStateBytes};
 pub use offload::OffloadPolicy;
 pub use policy::MixedPrecisionPolicy;
-pub use reparam::ShardGather;
+pub use reparam::{ShardGather, param_states};
 pub use shard::{RowRequest, fully_shard};
 pub use state::{ParamState, UnitState};
 pub use unit::{UnitInput, forward_units, with_gathered_unit};

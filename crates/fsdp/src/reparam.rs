@@ -190,3 +190,9 @@ pub(crate) fn collect<M: Module>(module: &M) -> Vec<Collected> {
     drop(module.clone().map(&mut collect));
     collect.found
 }
+
+/// The FSDP state of every sharded parameter of `module` (its global shape, this rank's rows,
+/// its unit's groups and policy), in module order. No communication.
+pub fn param_states<M: Module>(module: &M) -> Vec<Arc<ParamState>> {
+    collect(module).into_iter().map(|c| c.state).collect()
+}
