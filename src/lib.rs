@@ -14,11 +14,15 @@ pub use burn_parallel_train as train;
 
 pub use burn_parallel_macros::parallelize;
 
-/// What a model file needs: the attribute, the contract, the entry point and its context.
+/// What a model file and its training loop need: the attribute, the decorator and the calls
+/// of a model's forward, the config, the context, the launch, the step and the whole model back.
 pub mod prelude {
+    pub use burn_parallel_comm::run_ranks;
+    pub use burn_parallel_fsdp::forward_units;
     pub use burn_parallel_macros::parallelize;
     pub use burn_parallel_parallelizer::{
-        DistributedConfig, MeshContext, Parallelize, parallelize_model,
+        DistributedConfig, MeshContext, Parallelize, Strategy, full_model, parallelize_model,
+        train_step,
     };
-    pub use burn_parallel_tp::Tp;
+    pub use burn_parallel_tp::{Tp, forward_shared, loss_parallel};
 }
