@@ -21,6 +21,7 @@ mod mesh;
 mod parallelize_config;
 mod parallelize_macro;
 mod parallelize_train;
+mod readme;
 mod recompute;
 mod tp_attention;
 mod tp_common;
