@@ -226,3 +226,59 @@ fn a_panic_inside_a_gathered_forward_leaves_no_state_behind() {
         assert_eq!(clean, again, "rank {rank}: the next forward is unchanged");
     }
 }
+
+/// The policy's input and output casts apply around each unit, as FSDP2 applies them around
+/// each sharded module: inputs to `param_dtype` when `cast_forward_inputs`, outputs to
+/// `output_dtype`; neither when the policy does not ask.
+#[test]
+fn units_cast_their_inputs_and_outputs_as_the_policy_says() {
+    use burn::tensor::{DType, FloatDType};
+    use burn_parallel::fsdp::MixedPrecisionPolicy;
+    let bf16 = MixedPrecisionPolicy {
+        param_dtype: Some(FloatDType::BF16),
+        reduce_dtype: Some(FloatDType::F32),
+        output_dtype: None,
+        cast_forward_inputs: false,
+    };
+    // (policy, what the first unit's input is, what the output is)
+    let cases = [
+        (bf16, DType::F32, DType::BF16),
+        (
+            MixedPrecisionPolicy {
+                cast_forward_inputs: true,
+                ..bf16
+            },
+            DType::BF16,
+            DType::BF16,
+        ),
+        (
+            MixedPrecisionPolicy {
+                cast_forward_inputs: true,
+                output_dtype: Some(FloatDType::F32),
+                ..bf16
+            },
+            DType::BF16,
+            DType::F32,
+        ),
+    ];
+    for (policy, input, output) in cases {
+        let seen = launch(2, |ctx| {
+            let device = crate::common::flex_ad();
+            let config = FsdpConfig::new(ctx.world()?).mixed_precision(policy);
+            let model = fully_shard(stack(&device), &config)?;
+            let mut inputs = Vec::new();
+            let y = forward_units(&model.layers, batch(0, 0..2, &device).0, |l, x| {
+                inputs.push(x.dtype());
+                // Without the policy's cast, the unit casts its input itself.
+                layer(l, x.cast(FloatDType::BF16))
+            });
+            Ok::<_, Box<dyn std::error::Error>>((inputs, y.dtype()))
+        })
+        .unwrap();
+        for (inputs, y) in seen {
+            // The first unit sees the f32 input, cast or not; the next ones the unit outputs.
+            assert_eq!(inputs[0], input, "{policy:?}: {inputs:?}");
+            assert_eq!(y, output, "{policy:?}");
+        }
+    }
+}

@@ -8,9 +8,10 @@ use burn::nn::Linear;
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard};
+use burn_parallel::models::checkpoint::{SaveDtype, save_safetensors};
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, ParallelError, Strategy, full_model, parallelize_model,
-    train_step,
+    DistributedConfig, MeshContext, ParallelError, Strategy, full_model, full_state_dict,
+    parallelize_model, train_step,
 };
 use burn_parallel::tp::{ParallelStyle, Tp, TpError, forward_shared, loss_parallel};
 
@@ -179,7 +180,7 @@ fn tp_is_a_strategy_name_in_config_files() {
 
 /// The whole model from tensor parallelism (alone and inside FSDP) is the model before it was
 /// split, parameter for parameter, with the attention's global head counts; it saves with
-/// Burn's own record format and loads back into a plain model.
+/// Burn's own record format (and loads back into a plain model) and to safetensors.
 #[test]
 fn the_full_model_from_tp_and_fsdp_tp_is_the_unsplit_model() {
     let want = values_of(&TinyLm::new(&ndarray_ad()));
@@ -201,6 +202,17 @@ fn the_full_model_from_tp_and_fsdp_tp_is_the_unsplit_model() {
             let path = temp_file(&format!("full-{strategy}-{}.bpk", rank.rank()));
             full.clone().save_file(&path)?;
             let loaded = TinyLm::new(&device).load_file(&path);
+            // And to safetensors, by module path.
+            let by_path: Vec<_> = full_state_dict(full.clone())?.into_iter().collect();
+            let st = temp_file(&format!("full-{strategy}-{}.safetensors", rank.rank()));
+            save_safetensors(&by_path, &st, SaveDtype::F32)?;
+            let bytes = std::fs::read(&st)?;
+            let read = safetensors::SafeTensors::deserialize(&bytes)?;
+            for (name, data) in &by_path {
+                let view = read.tensor(name)?;
+                assert_eq!(view.shape(), data.shape().to_vec(), "{name}");
+                assert_eq!(view.data(), data.as_bytes(), "{name}");
+            }
             Ok::<_, BoxError>((values_of(&full), values_of(&loaded), logits, plain))
         })
         .unwrap();

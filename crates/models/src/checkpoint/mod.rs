@@ -10,4 +10,4 @@ mod writer;
 
 pub use lazy::{CheckpointRows, lazy_llama};
 pub use reader::{CheckpointSource, HfCheckpoint, load_llama};
-pub use writer::{SaveDtype, hf_tensors, save_llama};
+pub use writer::{SaveDtype, hf_tensors, save_llama, save_safetensors};

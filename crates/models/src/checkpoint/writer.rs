@@ -7,7 +7,7 @@ use std::path::Path;
 use burn::module::Param;
 use burn::nn::Linear;
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_parallel_tp::{ParallelStyle, Tp, TpLayer};
+use burn_parallel_tp::{Tp, TpModule};
 use safetensors::tensor::{Dtype, TensorView};
 
 use super::reader::transpose;
@@ -41,26 +41,9 @@ impl SaveDtype {
     }
 }
 
-/// The full value of a parameter of a (possibly tp-sharded) module: tp shards are
-/// all-gathered over the module's tp group along `dim` (collective over that group).
-fn full<const D: usize, M: TpLayer>(
-    p: &Param<Tensor<D>>,
-    module: &Tp<M>,
-    dim: impl Fn(&ParallelStyle) -> Option<usize>,
-) -> Result<TensorData, ModelError> {
-    let data = p.val().into_data().convert_dtype(DType::F32);
-    match module.sharding() {
-        Some(s) if s.spec.is_some() => match dim(&s.style) {
-            Some(d) => s.group.all_gather(data, d).map_err(|e| {
-                ModelError::Tp(burn_parallel_tp::TpError::Collective {
-                    path: s.path.clone(),
-                    source: Box::new(e),
-                })
-            }),
-            None => Ok(data),
-        },
-        _ => Ok(data),
-    }
+/// A parameter's value in f32 (the model is whole: see [`hf_tensors`]).
+fn value<const D: usize>(p: &Param<Tensor<D>>) -> TensorData {
+    p.val().into_data().convert_dtype(DType::F32)
 }
 
 fn push_linear(
@@ -69,17 +52,9 @@ fn push_linear(
     l: &Tp<Linear>,
 ) -> Result<(), ModelError> {
     let inner = l.inner();
-    let w = full(&inner.weight, l, |s| match s {
-        ParallelStyle::Colwise { .. } => Some(1),
-        ParallelStyle::Rowwise { .. } => Some(0),
-        ParallelStyle::Sequence { .. } => None,
-    })?;
-    out.push((format!("{name}.weight"), transpose(w)));
+    out.push((format!("{name}.weight"), transpose(value(&inner.weight))));
     if let Some(b) = &inner.bias {
-        let b = full(b, l, |s| {
-            matches!(s, ParallelStyle::Colwise { .. }).then_some(0)
-        })?;
-        out.push((format!("{name}.bias"), b));
+        out.push((format!("{name}.bias"), value(b)));
     }
     Ok(())
 }
@@ -89,24 +64,16 @@ fn push_norm(
     name: &str,
     n: &Tp<RmsNorm>,
 ) -> Result<(), ModelError> {
-    out.push((
-        format!("{name}.weight"),
-        full(&n.inner().weight, n, |_| None)?,
-    ));
+    out.push((format!("{name}.weight"), value(&n.inner().weight)));
     Ok(())
 }
 
 /// Every parameter under its Hugging Face name and layout (`[out, in]` Linear weights), f32.
-/// Tensor-parallel shards are gathered (collective over each tp group); an FSDP-sharded model
-/// must be gathered first (`burn_parallel_fsdp::gather_full`).
+/// FSDP and tensor-parallel shards are gathered first (collective: every rank calls it).
 pub fn hf_tensors(model: &Llama) -> Result<Vec<(String, TensorData)>, ModelError> {
+    let model = burn_parallel_fsdp::gather_full(model.clone())?.gather_tp()?;
     let mut out = Vec::new();
-    let e = &model.embed_tokens;
-    let table = full(&e.inner().weight, e, |s| match s {
-        ParallelStyle::Rowwise { .. } => Some(0),
-        ParallelStyle::Colwise { .. } => Some(1),
-        ParallelStyle::Sequence { .. } => None,
-    })?;
+    let table = value(&model.embed_tokens.inner().weight);
     out.push(("model.embed_tokens.weight".into(), table));
     for (i, l) in model.layers.iter().enumerate() {
         let p = format!("model.layers.{i}");
@@ -145,7 +112,11 @@ pub fn hf_tensors(model: &Llama) -> Result<Vec<(String, TensorData)>, ModelError
 }
 
 fn encode(data: &TensorData, dtype: SaveDtype) -> Vec<u8> {
-    let v = data.try_to_vec::<f32>().expect("f32 data");
+    let v = data
+        .clone()
+        .convert_dtype(DType::F32)
+        .try_to_vec::<f32>()
+        .expect("f32 data");
     match dtype {
         SaveDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         SaveDtype::BF16 => v
@@ -173,7 +144,17 @@ pub fn save_llama(
     let config_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&json).expect("a JSON value");
     std::fs::write(&config_path, text).map_err(ModelError::io(&config_path))?;
+    save_safetensors(tensors, dir.join("model.safetensors"), dtype)
+}
 
+/// Writes named float tensors (a model's `parallelizer::full_state_dict`, or `hf_tensors`) to
+/// one safetensors file in `dtype`, with PyTorch's format marker.
+pub fn save_safetensors(
+    tensors: &[(String, TensorData)],
+    path: impl AsRef<Path>,
+    dtype: SaveDtype,
+) -> Result<(), ModelError> {
+    let path = path.as_ref().to_path_buf();
     let st_dtype = match dtype {
         SaveDtype::F32 => Dtype::F32,
         SaveDtype::BF16 => Dtype::BF16,
@@ -183,7 +164,6 @@ pub fn save_llama(
         .iter()
         .map(|(n, d)| (n.as_str(), d.shape().to_vec(), encode(d, dtype)))
         .collect();
-    let path = dir.join("model.safetensors");
     let bad = |reason: String| ModelError::Checkpoint {
         path: path.clone(),
         reason,
