@@ -27,6 +27,6 @@ pub mod __private {
     pub use burn::module::{Module, ModuleVisitor};
     pub use burn::tensor::Gradients;
     pub use burn_parallel_tp::{
-        ParallelStyle, TpApplier, TpError, TpModule, child_path, local_heads,
+        ParallelStyle, Sharding, TpApplier, TpError, TpModule, child_path, local_heads,
     };
 }

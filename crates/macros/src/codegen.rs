@@ -56,6 +56,11 @@ pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> Tok
                 #( #p::TpModule::visit_tp_sharded(&self.#tp_fields, visitor); )*
             }
 
+            #[allow(unused_variables)]
+            fn visit_tp_shardings(&self, f: &mut dyn ::core::ops::FnMut(&#p::Sharding)) {
+                #( #p::TpModule::visit_tp_shardings(&self.#tp_fields, f); )*
+            }
+
             fn gather_tp(self) -> ::core::result::Result<Self, #p::TpError> {
                 #gather_tp
             }

@@ -11,7 +11,7 @@ use crate::grads::GradAllReduce;
 use crate::layer::TpLayer;
 use crate::pattern::path_matches;
 use crate::style::ParallelStyle;
-use crate::tp::Tp;
+use crate::tp::{Sharding, Tp};
 
 /// Ordered `pattern -> style` entries; the first entry matching a path wins.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -150,6 +150,15 @@ pub trait TpModule: Sized {
     /// elements); every other parameter is replicated over tp.
     fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V);
 
+    /// Calls `f` with the sharding of every `Tp` layer that has a style, in module order: which
+    /// parameters it split, along which dim, over which group. What a sharded checkpoint needs
+    /// to place each shard. `#[parallelize]` generates it; the default reports nothing, which
+    /// is right for a module without `Tp` layers (a checkpoint rejects a model whose split
+    /// parameters go unreported, naming them).
+    fn visit_tp_shardings(&self, f: &mut dyn FnMut(&Sharding)) {
+        let _ = f;
+    }
+
     /// The module with every `Tp` layer gathered back whole (the inverse of
     /// [`apply_tp`](Self::apply_tp); local head counts become global again). Collective over
     /// each layer's tp group: every rank calls it.
@@ -194,6 +203,12 @@ impl<M: TpLayer> TpModule for Tp<M> {
         }
     }
 
+    fn visit_tp_shardings(&self, f: &mut dyn FnMut(&Sharding)) {
+        if let Some(s) = self.sharding() {
+            f(s);
+        }
+    }
+
     fn gather_tp(self) -> Result<Self, TpError> {
         self.unshard()
     }
@@ -215,6 +230,10 @@ impl<T: TpModule> TpModule for Vec<T> {
         self.iter().for_each(|m| m.visit_tp_sharded(visitor));
     }
 
+    fn visit_tp_shardings(&self, f: &mut dyn FnMut(&Sharding)) {
+        self.iter().for_each(|m| m.visit_tp_shardings(f));
+    }
+
     fn gather_tp(self) -> Result<Self, TpError> {
         self.into_iter().map(TpModule::gather_tp).collect()
     }
@@ -232,6 +251,12 @@ impl<T: TpModule> TpModule for Option<T> {
     fn visit_tp_sharded<V: ModuleVisitor>(&self, visitor: &mut V) {
         if let Some(m) = self {
             m.visit_tp_sharded(visitor);
+        }
+    }
+
+    fn visit_tp_shardings(&self, f: &mut dyn FnMut(&Sharding)) {
+        if let Some(m) = self {
+            m.visit_tp_shardings(f);
         }
     }
 

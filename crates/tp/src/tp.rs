@@ -5,7 +5,7 @@ use std::fmt;
 
 use burn::module::{
     Content, Devices, DisplaySettings, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper,
-    ModuleVisitor,
+    ModuleVisitor, Param, ParamId,
 };
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor};
@@ -28,6 +28,16 @@ pub struct Sharding {
     pub spec: Option<ShardSpec>,
     /// Dtype of the gradient all-reduce of replicated params (None: the gradient's own).
     pub reduce_dtype: Option<DType>,
+    /// The parameters the style split, each along one dim by `spec` (the others stay whole).
+    pub split_params: Vec<SplitParam>,
+}
+
+/// A parameter a style split: `dim` of it is cut by the layer's [`ShardSpec`] (this rank holds
+/// `spec.range` of `spec.full`). What a sharded checkpoint needs to place the shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitParam {
+    pub id: ParamId,
+    pub dim: usize,
 }
 
 /// Tensor-parallel decorator. Its `Module` impl delegates to `M`, so params and the record
@@ -98,7 +108,9 @@ impl<M: TpLayer> Tp<M> {
         style
             .check_layouts()
             .map_err(|reason| unsupported(path, M::KIND, &style, &reason))?;
+        let before = param_shapes(&self.inner);
         let (inner, spec) = self.inner.shard(&style, group, path)?;
+        let split_params = split_params(&before, &param_shapes(&inner));
         Ok(Self {
             inner,
             sharding: Some(Sharding {
@@ -107,6 +119,7 @@ impl<M: TpLayer> Tp<M> {
                 path: path.to_string(),
                 spec,
                 reduce_dtype,
+                split_params,
             }),
         })
     }
@@ -168,6 +181,39 @@ impl<M: TpLayer> Tp<M> {
         let x = s.enter(x)?;
         s.leave(f(&self.inner, x))
     }
+}
+
+/// Ids and shapes of a module's float parameters (lazy ones are not initialized).
+fn param_shapes<M: Module>(module: &M) -> Vec<(ParamId, Vec<usize>)> {
+    struct Shapes(Vec<(ParamId, Vec<usize>)>);
+    impl ModuleVisitor for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push((param.id, param.lazy_shape().to_vec()));
+        }
+    }
+    let mut shapes = Shapes(Vec::new());
+    module.visit(&mut shapes);
+    shapes.0
+}
+
+/// The parameters whose shape changed in exactly one dim between `before` and `after`
+/// sharding: the ones a style split. Recorded from the shapes rather than declared by each
+/// `TpLayer`, so user layers need nothing more.
+fn split_params(
+    before: &[(ParamId, Vec<usize>)],
+    after: &[(ParamId, Vec<usize>)],
+) -> Vec<SplitParam> {
+    after
+        .iter()
+        .filter_map(|(id, shape)| {
+            let (_, full) = before.iter().find(|(b, _)| b == id)?;
+            let mut changed = (0..shape.len()).filter(|&d| full.get(d) != Some(&shape[d]));
+            match (changed.next(), changed.next()) {
+                (Some(dim), None) => Some(SplitParam { id: *id, dim }),
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 impl Sharding {
@@ -490,6 +536,17 @@ mod tests {
             assert_eq!(col.inner().bias.as_ref().unwrap().id, ids.1);
             assert!(col.inner().weight.val().is_require_grad());
             let row = Tp::new(linear(5, 3)).parallelize(ParallelStyle::rowwise(), &group, "row")?;
+            // The split dims are recorded: colwise cuts the weight's dim 1 and the bias, rowwise
+            // only the weight's dim 0 (its bias stays whole).
+            let split = |l: &Tp<Linear>| {
+                let s = l.sharding().unwrap();
+                s.split_params
+                    .iter()
+                    .map(|p| (p.id, p.dim))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(split(&col), vec![(ids.0, 1), (ids.1, 0)]);
+            assert_eq!(split(&row), vec![(row.inner().weight.id, 0)]);
             let dims = |l: &Tp<Linear>| {
                 let [a, b] = l.inner().weight.shape().dims();
                 let c = l.inner().bias.as_ref().unwrap().shape().dims::<1>()[0];
