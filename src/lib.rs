@@ -4,6 +4,7 @@
 //! implements, through the [`parallelize`] attribute macro), [`parallelizer`]
 //! (`parallelize_model` and its dispatch), [`models`] and [`train`].
 
+pub use burn_parallel_checkpoint as checkpoint;
 pub use burn_parallel_comm as comm;
 pub use burn_parallel_describe as describe;
 pub use burn_parallel_fsdp as fsdp;

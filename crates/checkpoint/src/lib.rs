@@ -1,0 +1,81 @@
+//! burn-parallel-checkpoint: sharded training checkpoints. Save under one strategy and world
+//! size, resume under any other; every rank writes only what it holds and reads only what it
+//! needs; a checkpoint appears atomically or not at all.
+//!
+//! # Format
+//!
+//! A checkpoint is a directory (by convention `save_dir/step-00000005`, see [`step_dir`]):
+//!
+//! - `model-RRRRR.safetensors`: the parameter shards rank `RRRRR` owns, each under its module
+//!   path (`model/layers.0.mlp.up_proj.weight`) with the shape of its region;
+//! - `optim-RRRRR.safetensors`: the optimizer state of those shards (`optim/exp_avg/...`);
+//! - `checkpoint.json` ([`Metadata`]), written once by rank 0: every tensor's global shape,
+//!   dtype and the regions (start and shape per dim) each file holds, with a CRC32 per region
+//!   and per file; the mesh, strategy and `DistributedConfig` it was saved under; the
+//!   [`TrainingProgress`] (step, data position, free-form state such as the learning-rate
+//!   schedule); the optimizer's kind and scalars; the format and crate versions.
+//!
+//! A region is what one rank stores: under FSDP its rows along dim 0, under tensor parallelism
+//! its slice of the split dim, both combined under FSDP + TP. Replicas (DDP, HSDP, parameters
+//! tensor parallelism leaves whole) hold identical regions, which the lowest rank writes once.
+//!
+//! # Saving and resuming from your own loop
+//!
+//! ```ignore
+//! use burn_parallel::checkpoint::{Checkpoint, LoadOptions, SaveOptions, TrainingProgress, save, step_dir};
+//!
+//! // On every rank, after the model is parallelized (any strategy) and the optimizer made:
+//! if let Some(dir) = &resume {
+//!     let checkpoint = Checkpoint::open(dir)?; // a checkpoint, or a save dir's newest one
+//!     let (loaded, _) = checkpoint.load(model, Some(&mut optimizer), &mesh, &LoadOptions::default())?;
+//!     model = loaded;
+//!     start = checkpoint.progress().step;
+//! }
+//! for step in start..steps {
+//!     // ... forward, train_step ...
+//!     if (step + 1) % save_every == 0 {
+//!         let progress = TrainingProgress { step: step + 1, data_position: (step + 1) * batch, ..Default::default() };
+//!         save(&step_dir(&save_dir, step + 1), &model, Some(&optimizer), &progress, &mesh, &SaveOptions::default())?;
+//!     }
+//! }
+//! ```
+//!
+//! The optimizer implements [`OptimizerState`] (the trainer's SGD and AdamW do); pass `None`
+//! to save or load the model alone. [`save_async`] writes from a snapshot on a background
+//! thread while training continues.
+//!
+//! # Guarantees
+//!
+//! - Atomic: files go to a hidden temporary directory, are flushed, and the directory is
+//!   renamed into place only once every rank has succeeded; a failed or interrupted save leaves
+//!   the previous checkpoint the newest complete one ([`latest`] never picks a temporary one).
+//! - Verified: a missing file, a file of the wrong size, a flipped byte (named with its tensor)
+//!   or a checkpoint of another model (the first differing parameter named) is an error on every
+//!   rank before any parameter changes.
+//! - Resharding: loading computes each rank's regions in the new layout and copies only the
+//!   overlapping parts out of memory-mapped files, one tensor at a time ([`LoadReport`]).
+//!
+//! The directory must be visible to every rank (one node, or a shared filesystem).
+
+mod dirs;
+mod error;
+mod exchange;
+mod files;
+mod load;
+mod meta;
+mod optim;
+mod placement;
+mod region;
+mod save;
+
+pub use dirs::{latest, resolve, step_dir};
+pub use error::CheckpointError;
+pub use load::{Checkpoint, LoadOptions, LoadReport};
+pub use meta::{
+    FORMAT_NAME, FORMAT_VERSION, FileMeta, METADATA_FILE, Metadata, OptimizerMeta, SavedLayout,
+    StoredRegion, TensorMeta, TrainingProgress, model_key, optim_key,
+};
+pub use optim::OptimizerState;
+pub use placement::{Placement, placements};
+pub use region::Region;
+pub use save::{PendingSave, SaveFault, SaveOptions, SaveReport, save, save_async};

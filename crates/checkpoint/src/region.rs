@@ -1,0 +1,231 @@
+//! Regions: the box of a tensor one shard covers (a start and a length per dim), their
+//! intersections, and copying the intersection of two row-major boxes.
+
+use serde::{Deserialize, Serialize};
+
+/// A box of a tensor: `start[d] .. start[d] + shape[d]` along each dim `d`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Region {
+    pub start: Vec<usize>,
+    pub shape: Vec<usize>,
+}
+
+impl Region {
+    /// The whole of a tensor of `shape`.
+    pub fn full(shape: &[usize]) -> Self {
+        Self {
+            start: vec![0; shape.len()],
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// Elements in the box.
+    pub fn volume(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.volume() == 0
+    }
+
+    /// Whether the box lies inside a tensor of `shape`.
+    pub fn fits(&self, shape: &[usize]) -> bool {
+        self.start.len() == shape.len()
+            && self.shape.len() == shape.len()
+            && (0..shape.len()).all(|d| self.start[d] + self.shape[d] <= shape[d])
+    }
+
+    /// The common box of `self` and `other`, `None` when they share no element.
+    pub fn intersect(&self, other: &Region) -> Option<Region> {
+        if self.start.len() != other.start.len() {
+            return None;
+        }
+        let mut start = Vec::with_capacity(self.start.len());
+        let mut shape = Vec::with_capacity(self.start.len());
+        for d in 0..self.start.len() {
+            let lo = self.start[d].max(other.start[d]);
+            let hi = (self.start[d] + self.shape[d]).min(other.start[d] + other.shape[d]);
+            if hi <= lo {
+                return None;
+            }
+            start.push(lo);
+            shape.push(hi - lo);
+        }
+        Some(Region { start, shape })
+    }
+
+    /// `[a..b, c..d]`, for messages.
+    pub fn describe(&self) -> String {
+        let dims: Vec<String> = (0..self.start.len())
+            .map(|d| format!("{}..{}", self.start[d], self.start[d] + self.shape[d]))
+            .collect();
+        format!("[{}]", dims.join(", "))
+    }
+}
+
+/// Copies the elements of `part` (a box inside both `src_box` and `dst_box`) from `src`, laid
+/// out row-major over `src_box`, into `dst`, laid out row-major over `dst_box`. Elements are
+/// `elem` bytes. Contiguous runs are copied whole: the trailing dims that `part` covers
+/// entirely in both boxes are merged into one run.
+pub fn copy_part(
+    src: &[u8],
+    src_box: &Region,
+    dst: &mut [u8],
+    dst_box: &Region,
+    part: &Region,
+    elem: usize,
+) {
+    let rank = part.shape.len();
+    if part.volume() == 0 {
+        return;
+    }
+    if rank == 0 {
+        dst[..elem].copy_from_slice(&src[..elem]);
+        return;
+    }
+    // Merge trailing dims while both boxes are covered whole along them: one memcpy per run.
+    let mut run_dims = 1;
+    while run_dims < rank {
+        let d = rank - run_dims;
+        let whole = |b: &Region| b.shape[d] == part.shape[d];
+        if whole(src_box) && whole(dst_box) {
+            run_dims += 1;
+        } else {
+            break;
+        }
+    }
+    let inner = rank - run_dims;
+    let run: usize = part.shape[inner..].iter().product::<usize>() * elem;
+    let strides = |b: &Region| {
+        let mut s = vec![elem; rank];
+        for d in (0..rank - 1).rev() {
+            s[d] = s[d + 1] * b.shape[d + 1];
+        }
+        s
+    };
+    let (src_strides, dst_strides) = (strides(src_box), strides(dst_box));
+    let offset = |b: &Region, strides: &[usize], index: &[usize]| -> usize {
+        (0..rank)
+            .map(|d| (part.start[d] + index[d] - b.start[d]) * strides[d])
+            .sum()
+    };
+    // Walk every index of the outer dims (those before the merged run).
+    let mut index = vec![0usize; rank];
+    loop {
+        let s = offset(src_box, &src_strides, &index);
+        let t = offset(dst_box, &dst_strides, &index);
+        dst[t..t + run].copy_from_slice(&src[s..s + run]);
+        let mut d = inner;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] < part.shape[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// Whether `boxes` (distinct, non-empty) tile a tensor of `shape` exactly: inside it, pairwise
+/// disjoint, and together as large as it.
+pub fn tiles(boxes: &[&Region], shape: &[usize]) -> bool {
+    let total: usize = shape.iter().product();
+    if !boxes.iter().all(|b| b.fits(shape)) {
+        return false;
+    }
+    for (i, a) in boxes.iter().enumerate() {
+        if boxes[i + 1..].iter().any(|b| a.intersect(b).is_some()) {
+            return false;
+        }
+    }
+    boxes.iter().map(|b| b.volume()).sum::<usize>() == total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region(start: &[usize], shape: &[usize]) -> Region {
+        Region {
+            start: start.to_vec(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    /// The values of `b` when element `[i, j]` of the full tensor is `i * cols + j`.
+    fn fill(b: &Region, cols: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        for i in b.start[0]..b.start[0] + b.shape[0] {
+            for j in b.start[1]..b.start[1] + b.shape[1] {
+                out.extend_from_slice(&((i * cols + j) as u32).to_le_bytes());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn copying_intersections_reassembles_any_box_from_any_tiling() {
+        let (rows, cols) = (7, 5);
+        // Saved as column blocks (a tp split), read as row blocks (fsdp), and the reverse.
+        let col_blocks = [region(&[0, 0], &[7, 3]), region(&[0, 3], &[7, 2])];
+        let row_blocks = [
+            region(&[0, 0], &[3, 5]),
+            region(&[3, 0], &[3, 5]),
+            region(&[6, 0], &[1, 5]),
+        ];
+        let odd = [region(&[2, 1], &[4, 3]), region(&[0, 0], &[7, 5])];
+        for (saved, wanted) in [
+            (&col_blocks[..], &row_blocks[..]),
+            (&row_blocks, &col_blocks),
+        ] {
+            for want in wanted.iter().chain(&odd) {
+                let mut dst = vec![0u8; want.volume() * 4];
+                let mut copied = 0;
+                for src_box in saved {
+                    if let Some(part) = src_box.intersect(want) {
+                        copy_part(&fill(src_box, cols), src_box, &mut dst, want, &part, 4);
+                        copied += part.volume();
+                    }
+                }
+                assert_eq!(copied, want.volume());
+                assert_eq!(dst, fill(want, cols), "{want:?} from {saved:?}");
+            }
+            assert!(tiles(&saved.iter().collect::<Vec<_>>(), &[rows, cols]));
+        }
+    }
+
+    #[test]
+    fn tiling_rejects_gaps_overlaps_and_boxes_outside() {
+        let a = region(&[0, 0], &[2, 4]);
+        let b = region(&[2, 0], &[2, 4]);
+        assert!(tiles(&[&a, &b], &[4, 4]));
+        assert!(!tiles(&[&a], &[4, 4]), "a gap");
+        let c = region(&[1, 0], &[3, 4]);
+        assert!(!tiles(&[&a, &c], &[4, 4]), "an overlap");
+        let d = region(&[2, 0], &[3, 4]);
+        assert!(!tiles(&[&a, &d], &[4, 4]), "outside");
+    }
+
+    #[test]
+    fn a_one_dim_box_and_a_scalar_copy_too() {
+        let src: Vec<u8> = (0u8..10).collect();
+        let mut dst = vec![0u8; 4];
+        let (s, t) = (region(&[0], &[10]), region(&[3], &[4]));
+        copy_part(&src, &s, &mut dst, &t, &t, 1);
+        assert_eq!(dst, vec![3, 4, 5, 6]);
+        let mut one = vec![0u8; 2];
+        copy_part(
+            &[7, 9],
+            &region(&[], &[]),
+            &mut one,
+            &region(&[], &[]),
+            &region(&[], &[]),
+            2,
+        );
+        assert_eq!(one, vec![7, 9]);
+    }
+}

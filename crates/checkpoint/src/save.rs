@@ -1,0 +1,558 @@
+//! Saving: every rank writes only the shards it owns, and the checkpoint appears atomically.
+//!
+//! 1. Plan (collective): rank 0 makes the hidden temporary directory; every rank lists what it
+//!    holds (each parameter's region and its optimizer state) and all ranks exchange the lists.
+//!    Identical regions on several ranks (DDP and HSDP replicas, parameters tensor parallelism
+//!    leaves whole) are written once, by the lowest rank holding them; the regions of every
+//!    tensor must tile it exactly, or the save stops before writing anything.
+//! 2. Write (local): each rank writes its model shards and its optimizer shards to two
+//!    safetensors files, checksummed and flushed. Burn tensors are immutable, so the snapshot
+//!    is a set of tensor handles, which lets this step run on a background thread while
+//!    training goes on ([`save_async`]).
+//! 3. Commit (collective): ranks exchange what they wrote; if every rank succeeded rank 0
+//!    writes the metadata, flushes it and renames the directory into place. Otherwise rank 0
+//!    removes the temporary directory, and every rank returns an error: the previous
+//!    checkpoint stays the newest complete one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::tensor::Tensor;
+use burn_parallel_parallelizer::MeshContext;
+use burn_parallel_tp::TpModule;
+use serde::{Deserialize, Serialize};
+
+use crate::dirs::{fresh_dir, publish, temp_dir};
+use crate::error::CheckpointError;
+use crate::exchange::{agree, all_gather_json};
+use crate::files::{ShardTensor, WrittenFile, write_shard_file};
+use crate::meta::{
+    FORMAT_NAME, FORMAT_VERSION, FileMeta, Metadata, OptimizerMeta, SavedLayout, StoredRegion,
+    TensorMeta, TrainingProgress, dtype_name, model_key, optim_key,
+};
+use crate::optim::OptimizerState;
+use crate::placement::placements;
+use crate::region::{Region, tiles};
+
+/// How a save runs.
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions {
+    /// Test hook: one rank stops right after writing its first file.
+    pub fault: Option<SaveFault>,
+}
+
+/// How the rank a [`SaveOptions::fault`] names stops in the middle of a save.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveFault {
+    /// It returns an error, and still tells the other ranks (a failed write).
+    Error { rank: usize },
+    /// It panics without telling anyone (a rank that dies): the others' next exchange fails.
+    Panic { rank: usize },
+}
+
+impl SaveFault {
+    fn rank(self) -> usize {
+        match self {
+            SaveFault::Error { rank } | SaveFault::Panic { rank } => rank,
+        }
+    }
+}
+
+/// What a save did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SaveReport {
+    /// The checkpoint directory, now complete.
+    pub dir: PathBuf,
+    /// Bytes each rank wrote (files only), in rank order; the metadata file comes on top.
+    pub bytes_per_rank: Vec<u64>,
+    /// Bytes of the metadata file.
+    pub metadata_bytes: u64,
+}
+
+impl SaveReport {
+    /// Bytes of the whole checkpoint.
+    pub fn total_bytes(&self) -> u64 {
+        self.bytes_per_rank.iter().sum::<u64>() + self.metadata_bytes
+    }
+}
+
+/// One tensor region a rank holds, as exchanged in the plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Held {
+    key: String,
+    shape: Vec<usize>,
+    dtype: String,
+    region: Region,
+}
+
+/// What a rank tells the others before writing.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RankPlan {
+    held: Vec<Held>,
+    /// Model parameter paths in module order.
+    order: Vec<String>,
+    optimizer: Option<OptimizerMeta>,
+    error: Option<String>,
+}
+
+/// A tensor this rank holds, with its value.
+struct Local {
+    held: Held,
+    tensor: ShardTensor,
+}
+
+/// This rank's tensors and the model's parameter paths in module order.
+#[derive(Default)]
+struct LocalTensors {
+    params: Vec<Local>,
+    states: Vec<Local>,
+    order: Vec<String>,
+}
+
+/// This rank's tensors: every parameter's stored shard, then the optimizer state of each.
+fn local_tensors<M: Module + TpModule>(
+    model: &M,
+    optimizer: Option<&dyn OptimizerState>,
+) -> Result<LocalTensors, CheckpointError> {
+    let placed = placements(model)?;
+    let values = stored_values(model);
+    let names = optimizer.map(|o| o.state_names()).unwrap_or_default();
+    let (mut params, mut states, mut order) = (Vec::new(), Vec::new(), Vec::new());
+    for p in placed {
+        let bad = |reason: String| CheckpointError::Placement {
+            param: p.path.clone(),
+            reason,
+        };
+        let value = values
+            .get(&p.id)
+            .cloned()
+            .expect("every placed parameter has a value");
+        let dtype = value.dtype();
+        let dtype_str = dtype_name(dtype).ok_or_else(|| {
+            bad(format!(
+                "its dtype {dtype:?} is not a float checkpoints hold"
+            ))
+        })?;
+        let local = |key: String, value: Tensor<1>| Local {
+            held: Held {
+                key: key.clone(),
+                shape: p.global_shape.clone(),
+                dtype: dtype_str.to_string(),
+                region: p.region.clone(),
+            },
+            tensor: ShardTensor {
+                key,
+                region: p.region.clone(),
+                dtype: value.dtype(),
+                value,
+            },
+        };
+        params.push(local(model_key(&p.path), value));
+        if let Some(state) = optimizer.and_then(|o| o.param_state(p.id)) {
+            if state.len() != names.len() {
+                return Err(CheckpointError::Optimizer(format!(
+                    "`{}` has {} state tensors, the optimizer names {}",
+                    p.path,
+                    state.len(),
+                    names.len()
+                )));
+            }
+            for (name, t) in names.iter().zip(state) {
+                if t.dims()[0] != p.region.volume() || t.dtype() != dtype {
+                    return Err(CheckpointError::Optimizer(format!(
+                        "`{name}` of `{}` has {} {:?} elements, its shard {} {dtype:?}",
+                        p.path,
+                        t.dims()[0],
+                        t.dtype(),
+                        p.region.volume()
+                    )));
+                }
+                states.push(local(optim_key(name, &p.path), t));
+            }
+        }
+        order.push(p.path);
+    }
+    Ok(LocalTensors {
+        params,
+        states,
+        order,
+    })
+}
+
+/// Every stored parameter's value, flattened, without autodiff (handles, not copies).
+fn stored_values<M: Module>(model: &M) -> HashMap<ParamId, Tensor<1>> {
+    struct Values(HashMap<ParamId, Tensor<1>>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let base = param.base().inner();
+            let n = base.shape().num_elements();
+            self.0.insert(param.id, base.reshape([n]));
+        }
+    }
+    let mut values = Values(HashMap::new());
+    model.visit(&mut values);
+    values.0
+}
+
+/// The shape and dtype every rank agrees a tensor has, and its distinct non-empty regions
+/// with the lowest rank holding each.
+struct TensorPlan {
+    shape: Vec<usize>,
+    dtype: String,
+    owners: Vec<(Region, usize)>,
+}
+
+/// Who writes what: checks that the ranks agree on every tensor and that its regions tile it.
+fn plan_tensors(plans: &[RankPlan]) -> Result<BTreeMap<String, TensorPlan>, CheckpointError> {
+    let mut tensors: BTreeMap<String, TensorPlan> = BTreeMap::new();
+    for (rank, plan) in plans.iter().enumerate() {
+        for h in &plan.held {
+            let t = tensors.entry(h.key.clone()).or_insert_with(|| TensorPlan {
+                shape: h.shape.clone(),
+                dtype: h.dtype.clone(),
+                owners: Vec::new(),
+            });
+            if t.shape != h.shape || t.dtype != h.dtype {
+                return Err(CheckpointError::Placement {
+                    param: h.key.clone(),
+                    reason: format!(
+                        "rank {rank} has it as {} {:?}, a lower rank as {} {:?}",
+                        h.dtype, h.shape, t.dtype, t.shape
+                    ),
+                });
+            }
+            if !h.region.is_empty() && !t.owners.iter().any(|(r, _)| *r == h.region) {
+                t.owners.push((h.region.clone(), rank));
+            }
+        }
+    }
+    for (key, t) in &tensors {
+        let regions: Vec<&Region> = t.owners.iter().map(|(r, _)| r).collect();
+        if !tiles(&regions, &t.shape) {
+            let list: Vec<String> = regions.iter().map(|r| r.describe()).collect();
+            return Err(CheckpointError::Placement {
+                param: key.clone(),
+                reason: format!(
+                    "the ranks' regions {} do not tile its shape {:?} exactly",
+                    list.join(" "),
+                    t.shape
+                ),
+            });
+        }
+    }
+    Ok(tensors)
+}
+
+/// The layout a context runs.
+fn layout(mesh: &MeshContext) -> SavedLayout {
+    let sizes = mesh.sizes();
+    SavedLayout {
+        world_size: mesh.world_size(),
+        dp_replicate: sizes.dp_replicate,
+        dp_shard: sizes.dp_shard,
+        tp: sizes.tp,
+        strategy: mesh.strategy().to_string(),
+        config: serde_json::to_value(mesh.config()).unwrap_or(serde_json::Value::Null),
+    }
+}
+
+/// A save whose files are being written; [`finish`](PendingSave::finish) commits it.
+pub struct PendingSave {
+    dir: PathBuf,
+    temp: PathBuf,
+    rank: usize,
+    tensors: BTreeMap<String, TensorPlan>,
+    order: Vec<String>,
+    optimizer: Option<OptimizerMeta>,
+    progress: TrainingProgress,
+    layout: SavedLayout,
+    writing: Writing,
+}
+
+enum Writing {
+    Done(Result<Vec<WrittenFile>, CheckpointError>),
+    Background(JoinHandle<Result<Vec<WrittenFile>, CheckpointError>>),
+}
+
+/// Saves `model` (as parallelized under `mesh`), the optimizer's state and the training
+/// progress to the checkpoint directory `dir` (by convention [`step_dir`](crate::step_dir)
+/// of a save directory), atomically. Collective: every rank calls it. Each rank writes only
+/// what it holds and no rank gathers a parameter.
+pub fn save<M: Module + TpModule>(
+    dir: &Path,
+    model: &M,
+    optimizer: Option<&dyn OptimizerState>,
+    progress: &TrainingProgress,
+    mesh: &MeshContext,
+    options: &SaveOptions,
+) -> Result<SaveReport, CheckpointError> {
+    start(dir, model, optimizer, progress, mesh, options, false)?.finish(mesh)
+}
+
+/// As [`save`], but the files are written on a background thread from a snapshot (handles to
+/// the current tensors: the optimizer step replaces tensors rather than changing them), so
+/// training goes on meanwhile; the snapshot keeps the old tensors alive until written. Call
+/// [`PendingSave::finish`] on every rank at the same point of the loop (before the next save
+/// at the latest) to commit. Until then the checkpoint does not exist.
+pub fn save_async<M: Module + TpModule>(
+    dir: &Path,
+    model: &M,
+    optimizer: Option<&dyn OptimizerState>,
+    progress: &TrainingProgress,
+    mesh: &MeshContext,
+    options: &SaveOptions,
+) -> Result<PendingSave, CheckpointError> {
+    start(dir, model, optimizer, progress, mesh, options, true)
+}
+
+fn start<M: Module + TpModule>(
+    dir: &Path,
+    model: &M,
+    optimizer: Option<&dyn OptimizerState>,
+    progress: &TrainingProgress,
+    mesh: &MeshContext,
+    options: &SaveOptions,
+    background: bool,
+) -> Result<PendingSave, CheckpointError> {
+    let world = mesh.world_group();
+    let rank = mesh.rank();
+    let temp = temp_dir(dir);
+    let mut error = None;
+    if rank == 0
+        && let Err(e) = fresh_dir(&temp)
+    {
+        error = Some(e.to_string());
+    }
+    let LocalTensors {
+        params,
+        states,
+        order,
+    } = local_tensors(model, optimizer).unwrap_or_else(|e| {
+        error.get_or_insert(e.to_string());
+        LocalTensors::default()
+    });
+    let plan = RankPlan {
+        held: params
+            .iter()
+            .chain(&states)
+            .map(|l| l.held.clone())
+            .collect(),
+        order,
+        optimizer: optimizer.map(|o| OptimizerMeta {
+            kind: o.kind().to_string(),
+            state_names: o.state_names(),
+            scalars: o.scalars(),
+        }),
+        error,
+    };
+    let plans = all_gather_json(world, &plan)?;
+    if let Some((r, e)) = plans
+        .iter()
+        .enumerate()
+        .find_map(|(r, p)| p.error.as_ref().map(|e| (r, e)))
+    {
+        if rank == 0 {
+            let _ = std::fs::remove_dir_all(&temp);
+        }
+        return Err(CheckpointError::OtherRank {
+            rank: world.ranks()[r],
+            message: e.clone(),
+        });
+    }
+    let tensors = plan_tensors(&plans)?;
+    let mine = |locals: Vec<Local>| -> Vec<ShardTensor> {
+        locals
+            .into_iter()
+            .filter(|l| {
+                let owners = &tensors[&l.held.key].owners;
+                owners
+                    .iter()
+                    .any(|(r, owner)| *owner == world.index() && *r == l.held.region)
+            })
+            .map(|l| l.tensor)
+            .collect()
+    };
+    let files = vec![
+        (format!("model-{rank:05}.safetensors"), mine(params)),
+        (format!("optim-{rank:05}.safetensors"), mine(states)),
+    ];
+    let fault = options.fault.filter(|f| f.rank() == rank);
+    let write_dir = temp.clone();
+    let write = move || write_files(&write_dir, files, fault);
+    let writing = if background {
+        Writing::Background(std::thread::spawn(write))
+    } else {
+        Writing::Done(write())
+    };
+    let first = &plans[0];
+    Ok(PendingSave {
+        dir: dir.to_path_buf(),
+        temp,
+        rank,
+        tensors,
+        order: first.order.clone(),
+        optimizer: first.optimizer.clone(),
+        progress: progress.clone(),
+        layout: layout(mesh),
+        writing,
+    })
+}
+
+/// Writes this rank's non-empty files; `fault` stops after the first one (the test hook).
+fn write_files(
+    dir: &Path,
+    files: Vec<(String, Vec<ShardTensor>)>,
+    fault: Option<SaveFault>,
+) -> Result<Vec<WrittenFile>, CheckpointError> {
+    let mut written = Vec::new();
+    for (name, tensors) in files {
+        if tensors.is_empty() {
+            continue;
+        }
+        written.push(write_shard_file(dir, &name, tensors)?);
+        match fault {
+            Some(SaveFault::Error { rank }) => {
+                return Err(CheckpointError::InjectedFailure {
+                    rank,
+                    file: dir.join(name),
+                });
+            }
+            Some(SaveFault::Panic { rank }) => {
+                panic!("rank {rank} died after writing {name} (test hook)")
+            }
+            None => {}
+        }
+    }
+    Ok(written)
+}
+
+impl PendingSave {
+    /// Whether the background writes have finished (no communication).
+    pub fn is_written(&self) -> bool {
+        match &self.writing {
+            Writing::Done(_) => true,
+            Writing::Background(h) => h.is_finished(),
+        }
+    }
+
+    /// Waits for this rank's files, then commits the checkpoint: collective, every rank calls
+    /// it. On any rank's failure no checkpoint appears and every rank returns an error.
+    pub fn finish(mut self, mesh: &MeshContext) -> Result<SaveReport, CheckpointError> {
+        let world = mesh.world_group();
+        let writing = std::mem::replace(&mut self.writing, Writing::Done(Ok(Vec::new())));
+        let written = match writing {
+            Writing::Done(r) => r,
+            Writing::Background(h) => h.join().unwrap_or_else(|_| {
+                Err(CheckpointError::OtherRank {
+                    rank: self.rank,
+                    message: "the background checkpoint writer panicked".into(),
+                })
+            }),
+        };
+        let status: Result<Vec<WrittenFile>, String> = written
+            .as_ref()
+            .map(|w| w.clone())
+            .map_err(|e| e.to_string());
+        let all = match all_gather_json(world, &status) {
+            Ok(all) => all,
+            Err(e) => {
+                // A rank died mid-save: leave nothing a resume could mistake for a checkpoint.
+                if self.rank == 0 {
+                    let _ = std::fs::remove_dir_all(&self.temp);
+                }
+                return Err(e);
+            }
+        };
+        let failed = all
+            .iter()
+            .enumerate()
+            .find_map(|(r, s)| s.as_ref().err().map(|e| (r, e.clone())));
+        if let Some((r, message)) = failed {
+            if self.rank == 0 {
+                // Best effort: a leftover is hidden from `latest` and replaced by the next save.
+                let _ = std::fs::remove_dir_all(&self.temp);
+            }
+            return Err(match written {
+                Err(e) => e,
+                Ok(_) => CheckpointError::OtherRank {
+                    rank: world.ranks()[r],
+                    message,
+                },
+            });
+        }
+        let files: Vec<Vec<WrittenFile>> = all.into_iter().map(|s| s.unwrap_or_default()).collect();
+        let bytes_per_rank = files
+            .iter()
+            .map(|f| f.iter().map(|w| w.bytes).sum())
+            .collect();
+        let committed = if self.rank == 0 {
+            let meta = self.metadata(&files);
+            meta.write(&self.temp)
+                .and_then(|bytes| publish(&self.temp, &self.dir).map(|_| bytes))
+                .inspect_err(|_| {
+                    let _ = std::fs::remove_dir_all(&self.temp);
+                })
+        } else {
+            Ok(0)
+        };
+        // Rank 0's outcome is everyone's.
+        let metadata_bytes = agree(world, committed)?;
+        let metadata_bytes = all_gather_json(world, &metadata_bytes)?[0];
+        Ok(SaveReport {
+            dir: self.dir,
+            bytes_per_rank,
+            metadata_bytes,
+        })
+    }
+
+    fn metadata(&self, files: &[Vec<WrittenFile>]) -> Metadata {
+        let mut tensors: BTreeMap<String, TensorMeta> = self
+            .tensors
+            .iter()
+            .map(|(key, t)| {
+                let meta = TensorMeta {
+                    shape: t.shape.clone(),
+                    dtype: t.dtype.clone(),
+                    regions: Vec::new(),
+                };
+                (key.clone(), meta)
+            })
+            .collect();
+        let mut file_meta = BTreeMap::new();
+        for (rank, rank_files) in files.iter().enumerate() {
+            for f in rank_files {
+                file_meta.insert(
+                    f.name.clone(),
+                    FileMeta {
+                        bytes: f.bytes,
+                        crc32: f.crc32,
+                        rank,
+                    },
+                );
+                for t in &f.tensors {
+                    let entry = tensors
+                        .get_mut(&t.key)
+                        .expect("written tensors were planned");
+                    entry.regions.push(StoredRegion {
+                        file: f.name.clone(),
+                        region: t.region.clone(),
+                        crc32: t.crc32,
+                    });
+                }
+            }
+        }
+        Metadata {
+            format: FORMAT_NAME.into(),
+            format_version: FORMAT_VERSION,
+            crate_version: env!("CARGO_PKG_VERSION").into(),
+            progress: self.progress.clone(),
+            layout: self.layout.clone(),
+            optimizer: self.optimizer.clone(),
+            tensors,
+            order: self.order.clone(),
+            files: file_meta,
+        }
+    }
+}
