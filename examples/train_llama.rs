@@ -4,6 +4,8 @@
 //! cargo run --release --example train_llama                      # fsdp2 on 4 ranks, tiny model
 //! cargo run --release --example train_llama -- --strategy fsdp2_tp --world-size 4 --tp 2
 //! cargo run --release --example train_llama -- --checkpoint DIR --data tokens.bin --json
+//! cargo run --release --example train_llama -- --steps 10 --save-every 5 --save-dir ckpt
+//! cargo run --release --example train_llama -- --steps 20 --resume ckpt --strategy fsdp2_tp
 //! cargo build --release --features mpi --example train_llama
 //! mpirun -np 2 target/release/examples/train_llama --engine mpi --world-size 2
 //! cargo build --release --features cuda --example train_llama    # a GPU machine
@@ -86,6 +88,17 @@ struct Args {
     /// Save the trained model here in the Hugging Face format.
     #[arg(long)]
     save: Option<PathBuf>,
+    /// Save a sharded training checkpoint every N steps and after the last one
+    /// (`--save-dir/step-N`; resumable under any strategy and world size).
+    #[arg(long, value_name = "N")]
+    save_every: Option<usize>,
+    /// Where --save-every writes its checkpoints.
+    #[arg(long, value_name = "DIR")]
+    save_dir: Option<PathBuf>,
+    /// Resume from a checkpoint, or from the newest one in a save directory. --steps stays the
+    /// total: resumed at step 5, --steps 10 trains steps 5 to 9.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     json: bool,
@@ -125,6 +138,9 @@ impl Args {
             checkpoint: self.checkpoint.clone(),
             data: self.data.clone(),
             save: self.save.clone(),
+            save_every: self.save_every,
+            save_dir: self.save_dir.clone(),
+            resume: self.resume.clone(),
             seed: self.seed,
             engine,
             ..TrainConfig::default()
@@ -138,7 +154,6 @@ fn mib(bytes: u64) -> String {
 
 fn print_summary(args: &Args, s: &TrainSummary) {
     let l = s.mesh;
-    let losses = s.losses();
     println!(
         "{} on {} ranks (dp_replicate {} x dp_shard {} x tp {}), {} params, {} backend",
         args.strategy,
@@ -149,12 +164,12 @@ fn print_summary(args: &Args, s: &TrainSummary) {
         s.model.num_params(),
         args.backend
     );
-    println!(
-        "loss {:.4} -> {:.4} over {} steps",
-        losses[0],
-        losses[losses.len() - 1],
-        losses.len()
-    );
+    if let (Some(first), Some(last)) = (s.steps.first(), s.steps.last()) {
+        println!(
+            "loss {:.4} -> {:.4} over steps {} to {}",
+            first.report.loss, last.report.loss, first.step, last.step
+        );
+    }
     println!(
         "throughput {:.0} tokens/s (steps after the first)",
         s.tokens_per_s()
@@ -180,6 +195,13 @@ fn print_summary(args: &Args, s: &TrainSummary) {
     if let Some(dir) = &args.save {
         println!("saved to {}", dir.display());
     }
+    if let Some(last) = s.checkpoints.last() {
+        println!(
+            "{} checkpoint(s), the last in {}",
+            s.checkpoints.len(),
+            last.display()
+        );
+    }
 }
 
 fn main() -> ExitCode {
@@ -204,7 +226,9 @@ fn main() -> ExitCode {
         let r = train(&cfg, &|r: &StepLog| {
             let mut bar = bar.lock().unwrap_or_else(|e| e.into_inner());
             let bar = bar.get_or_insert_with(|| {
-                ProgressBar::new(cfg.steps as u64).with_style(
+                // A resumed run starts at its checkpoint's step.
+                let bar = ProgressBar::new(cfg.steps as u64).with_position(r.step as u64);
+                bar.with_style(
                     ProgressStyle::with_template(
                         "{bar:40} {pos}/{len} steps  {msg}  [{elapsed}<{eta}]",
                     )

@@ -3,6 +3,7 @@
 mod common;
 
 mod brute;
+mod checkpoint;
 mod collective_cases;
 mod collective_props;
 mod differentiable;

@@ -131,6 +131,14 @@ pub struct TrainConfig {
     pub data: Option<PathBuf>,
     /// Where to save the trained model in the Hugging Face format.
     pub save: Option<PathBuf>,
+    /// Save a sharded training checkpoint every this many steps (and after the last step) into
+    /// `save_dir/step-N`.
+    pub save_every: Option<usize>,
+    /// Where `save_every` saves checkpoints.
+    pub save_dir: Option<PathBuf>,
+    /// Resume from this checkpoint (or a save directory's newest one): weights, optimizer
+    /// state, step and data position, in any layout. `steps` stays the total step count.
+    pub resume: Option<PathBuf>,
     /// Ranks as threads of this process, or as the processes of an MPI job.
     pub engine: EngineKind,
 }
@@ -163,6 +171,9 @@ impl Default for TrainConfig {
             seed: 0,
             data: None,
             save: None,
+            save_every: None,
+            save_dir: None,
+            resume: None,
             engine: EngineKind::Threads,
         }
     }
@@ -191,6 +202,12 @@ impl TrainConfig {
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad(format!("--lr {} must be a non-negative number", self.lr));
+        }
+        match (self.save_every, &self.save_dir) {
+            (Some(0), _) => return bad("--save-every must be at least 1".into()),
+            (Some(_), None) => return bad("--save-every needs --save-dir".into()),
+            (None, Some(_)) => return bad("--save-dir needs --save-every".into()),
+            _ => {}
         }
         let bf16 = self.param_dtype == Precision::Bf16 || self.reduce_dtype == Precision::Bf16;
         if bf16 && self.backend == Backend::Ndarray {

@@ -16,6 +16,8 @@ pub enum TrainError {
     Mesh(#[from] burn_parallel_comm::MeshError),
     #[error(transparent)]
     Parallel(#[from] burn_parallel_parallelizer::ParallelError),
+    #[error(transparent)]
+    Checkpoint(#[from] burn_parallel_checkpoint::CheckpointError),
     #[error("training failed: {0}")]
     Ranks(String),
 }

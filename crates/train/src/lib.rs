@@ -15,6 +15,7 @@ mod config;
 mod error;
 mod mesh;
 mod optim;
+mod resume;
 mod state;
 mod trainer;
 

@@ -10,6 +10,8 @@ use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Gradients, Tensor};
+use burn_parallel_checkpoint::OptimizerState;
+use serde_json::json;
 
 /// An optimizer step on every parameter of a module.
 pub trait Optimizer {
@@ -134,5 +136,75 @@ impl ModuleMapper for AdamWStep<'_> {
             }
             Tensor::from_data((x - update).into_data(), &device).require_grad()
         })
+    }
+}
+
+/// SGD keeps no state: a checkpoint records its kind and learning rate only.
+impl OptimizerState for Sgd {
+    fn kind(&self) -> &str {
+        "sgd"
+    }
+
+    fn state_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    fn scalars(&self) -> serde_json::Value {
+        json!({ "lr": self.lr })
+    }
+
+    fn load_scalars(&mut self, _scalars: &serde_json::Value) -> Result<(), String> {
+        // The learning rate is the resumed run's own setting.
+        Ok(())
+    }
+
+    fn param_state(&self, _id: ParamId) -> Option<Vec<Tensor<1>>> {
+        None
+    }
+
+    fn load_param_state(&mut self, _id: ParamId, _state: Vec<Tensor<1>>) {}
+}
+
+/// AdamW's state: the step count (bias correction) and both moments of every parameter shard,
+/// under PyTorch's names. Hyperparameters are saved for the record; a resumed run uses its own.
+impl OptimizerState for AdamW {
+    fn kind(&self) -> &str {
+        "adamw"
+    }
+
+    fn state_names(&self) -> Vec<String> {
+        vec!["exp_avg".into(), "exp_avg_sq".into()]
+    }
+
+    fn scalars(&self) -> serde_json::Value {
+        json!({
+            "step": self.step,
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        })
+    }
+
+    fn load_scalars(&mut self, scalars: &serde_json::Value) -> Result<(), String> {
+        let step = scalars
+            .get("step")
+            .and_then(|s| s.as_i64())
+            .ok_or_else(|| format!("adamw scalars without an integer `step`: {scalars}"))?;
+        self.step = i32::try_from(step).map_err(|_| format!("adamw step {step} out of range"))?;
+        Ok(())
+    }
+
+    fn param_state(&self, id: ParamId) -> Option<Vec<Tensor<1>>> {
+        let (m, v) = self.moments.get(&id)?;
+        Some(vec![m.clone(), v.clone()])
+    }
+
+    fn load_param_state(&mut self, id: ParamId, state: Vec<Tensor<1>>) {
+        let mut state = state.into_iter();
+        if let (Some(m), Some(v)) = (state.next(), state.next()) {
+            self.moments.insert(id, (m, v));
+        }
     }
 }

@@ -2,11 +2,11 @@
 //! `parallelize_model`, and trains on its rows of every global batch with `train_step`; rank 0
 //! reports each step.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::tensor::Gradients;
 use burn::tensor::{Int, Tensor, TensorData};
+use burn_parallel_checkpoint::LoadOptions;
 use burn_parallel_comm::run_ranks_on;
 use burn_parallel_fsdp::{RowRequest, gather_full};
 use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, save_llama};
@@ -18,10 +18,10 @@ use burn_parallel_parallelizer::{
 use burn_parallel_tp::loss_parallel;
 use serde::Serialize;
 
-use crate::config::{OptimizerKind, TrainConfig};
+use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::mesh::{distributed_config, mesh_sizes};
-use crate::optim::{AdamW, Optimizer, Sgd};
+use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
 use crate::state::model_state_bytes;
 
 /// One step as rank 0 saw it; what `--json` prints (one flat object per step).
@@ -50,6 +50,8 @@ pub struct TrainSummary {
     pub model_state_bytes: Vec<u64>,
     /// Bytes each of `ranks` sent and received per step on average.
     pub comm_bytes_per_step: Vec<u64>,
+    /// The checkpoints `save_every` wrote, in order.
+    pub checkpoints: Vec<PathBuf>,
 }
 
 impl TrainSummary {
@@ -108,8 +110,9 @@ pub fn train(
         // Opens every file now, so that a broken checkpoint fails before training.
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
     }
+    let resume = open_resume(cfg)?;
     let results = run_ranks_on(cfg.world_size, cfg.engine, |ctx| {
-        run_rank(cfg, &model_cfg, &data, ctx, on_step)
+        run_rank(cfg, &model_cfg, &data, resume.as_ref(), ctx, on_step)
     })
     .map_err(|e| TrainError::Ranks(e.to_string()))?;
     // Every rank holds the same (dp-averaged) reports; under MPI this process has one rank.
@@ -121,10 +124,11 @@ pub fn train(
         ranks: results.iter().map(|r| r.0).collect(),
         model_state_bytes: results.iter().map(|r| r.1.1).collect(),
         comm_bytes_per_step: results.iter().map(|r| r.1.2).collect(),
+        checkpoints: results[0].1.3.clone(),
     })
 }
 
-type RankResult = (Vec<StepLog>, u64, u64);
+type RankResult = (Vec<StepLog>, u64, u64, Vec<PathBuf>);
 
 /// The GPU of `rank` on its node: the launcher's local rank when it sets one (one process per
 /// GPU), else the rank itself (one thread per GPU of this process).
@@ -134,9 +138,6 @@ fn gpu_of(rank: usize) -> usize {
         .find_map(|var| std::env::var(var).ok()?.parse().ok())
         .unwrap_or(rank)
 }
-
-/// One optimizer step on the whole model.
-type StepFn = Box<dyn FnMut(Llama, &Gradients) -> Llama>;
 
 /// This rank's model, parallelized as the context says (an f32 `single` run stays plain). A
 /// checkpoint is loaded lazily, so each FSDP rank reads only its rows.
@@ -161,6 +162,7 @@ fn run_rank(
     cfg: &TrainConfig,
     model_cfg: &LlamaConfig,
     data: &TokenData,
+    resume: Option<&Resume>,
     ctx: burn_parallel_comm::RankContext,
     on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
@@ -173,32 +175,31 @@ fn run_rank(
     let mesh = MeshContext::new(&ctx, distributed_config(cfg), device)?;
     let device = mesh.device().clone();
     let mut model = build_model(cfg, model_cfg, &mesh)?;
-
-    let mut optimizer: StepFn = match cfg.optimizer {
-        OptimizerKind::Sgd => {
-            let mut o = Sgd { lr: cfg.lr };
-            Box::new(move |m, g| o.step(m, g))
+    let mut optimizer = RunOptimizer::new(cfg);
+    // Where the data stream stands, in samples: batches follow it rather than the step, so a
+    // resumed run continues the stream exactly (also with another --global-batch).
+    let (start, mut position) = match resume {
+        Some(r) => {
+            let options = LoadOptions::default();
+            let state = Some(optimizer.state_mut());
+            model = r.checkpoint.load(model, state, &mesh, &options)?.0;
+            (r.step, r.data_position)
         }
-        OptimizerKind::AdamW => {
-            let mut o = AdamW::new(cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay);
-            Box::new(move |m, g| o.step(m, g))
-        }
+        None => (0, 0),
     };
-    let states = match cfg.optimizer {
-        OptimizerKind::Sgd => 0,
-        OptimizerKind::AdamW => 2,
-    };
-    let my_state = model_state_bytes(&model, states);
+    let my_state = model_state_bytes(&model, optimizer.states_per_param());
     let peak_state = max_over_world(&ctx, my_state)?;
 
     let rows = mesh.local_rows(cfg.global_batch);
     let global_tokens = (cfg.global_batch * cfg.seq_len) as f32;
     let vocab = model_cfg.vocab_size;
     let stats_before = ctx.stats();
-    let mut reports = Vec::with_capacity(cfg.steps);
-    for step in 0..cfg.steps {
-        let start = Instant::now();
-        let batch = data.batch(step, cfg.global_batch, rows.rows.clone());
+    let mut reports = Vec::with_capacity(cfg.steps - start);
+    let mut checkpoints = Vec::new();
+    for step in start..cfg.steps {
+        let start_time = Instant::now();
+        let samples = position + rows.rows.start..position + rows.rows.end;
+        let batch = data.batch(0, cfg.global_batch, samples);
         let (b, t) = (batch.rows, batch.seq_len);
         let ids = Tensor::<2, Int>::from_data(TensorData::new(batch.inputs, [b, t]), &device);
         let targets = Tensor::<1, Int>::from_data(TensorData::new(batch.targets, [b * t]), &device);
@@ -210,10 +211,11 @@ fn run_rank(
         // `train_step` weights it by the rows' share of the global batch.
         let loss = loss_parallel(logits, targets, mesh.tp_group(), vocab)?;
         let (next, done) = train_step_with(model, loss, &rows, cfg.grad_clip, &mesh, |m, g| {
-            optimizer(m, &g)
+            optimizer.step(m, &g)
         })?;
         model = next;
-        let step_time_s = start.elapsed().as_secs_f64();
+        position += cfg.global_batch;
+        let step_time_s = start_time.elapsed().as_secs_f64();
         let report = StepLog {
             step,
             report: done,
@@ -225,14 +227,21 @@ fn run_rank(
             on_step(&report);
         }
         reports.push(report);
+        if let Some(save_dir) = &cfg.save_dir
+            && saves_after(cfg, step + 1)
+        {
+            let dir =
+                save_checkpoint(cfg, save_dir, step + 1, position, &model, &optimizer, &mesh)?;
+            checkpoints.push(dir);
+        }
     }
     let comm = ctx.stats().since(&stats_before).total();
-    let comm_per_step = (comm.bytes_sent + comm.bytes_received) / cfg.steps as u64;
+    let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
 
     if let Some(dir) = &cfg.save {
         save(model, model_cfg, dir, ctx.rank() == 0)?;
     }
-    Ok((reports, my_state, comm_per_step))
+    Ok((reports, my_state, comm_per_step, checkpoints))
 }
 
 /// Gathers the trained model (FSDP shards, then tp shards: collective) and writes it from

@@ -1,0 +1,140 @@
+//! The trainer's side of sharded checkpoints: the optimizer a run steps with (whose state is
+//! saved), where a run starts when it resumes, and what it records when it saves.
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::tensor::Gradients;
+use burn_parallel_checkpoint::{
+    Checkpoint, OptimizerState, SaveOptions, TrainingProgress, save, step_dir,
+};
+use burn_parallel_parallelizer::MeshContext;
+use burn_parallel_tp::TpModule;
+use serde_json::json;
+
+use crate::config::{OptimizerKind, TrainConfig};
+use crate::error::TrainError;
+use crate::optim::{AdamW, Optimizer, Sgd};
+
+/// The optimizer of a run, concrete so that its state can be saved and restored.
+pub(crate) enum RunOptimizer {
+    Sgd(Sgd),
+    AdamW(AdamW),
+}
+
+impl RunOptimizer {
+    pub fn new(cfg: &TrainConfig) -> Self {
+        match cfg.optimizer {
+            OptimizerKind::Sgd => Self::Sgd(Sgd { lr: cfg.lr }),
+            OptimizerKind::AdamW => Self::AdamW(AdamW::new(
+                cfg.lr,
+                cfg.beta1,
+                cfg.beta2,
+                cfg.eps,
+                cfg.weight_decay,
+            )),
+        }
+    }
+
+    pub fn step<M: Module>(&mut self, model: M, grads: &Gradients) -> M {
+        match self {
+            Self::Sgd(o) => o.step(model, grads),
+            Self::AdamW(o) => o.step(model, grads),
+        }
+    }
+
+    pub fn states_per_param(&self) -> usize {
+        match self {
+            Self::Sgd(o) => o.states_per_param(),
+            Self::AdamW(o) => o.states_per_param(),
+        }
+    }
+
+    pub fn state(&self) -> &dyn OptimizerState {
+        match self {
+            Self::Sgd(o) => o,
+            Self::AdamW(o) => o,
+        }
+    }
+
+    pub fn state_mut(&mut self) -> &mut dyn OptimizerState {
+        match self {
+            Self::Sgd(o) => o,
+            Self::AdamW(o) => o,
+        }
+    }
+}
+
+/// Where a resumed run starts: the checkpoint (its metadata checked) and its progress.
+pub(crate) struct Resume {
+    pub checkpoint: Checkpoint,
+    /// The first step to train.
+    pub step: usize,
+    /// Samples of the data stream already consumed.
+    pub data_position: usize,
+}
+
+/// Opens `--resume` before any rank starts, so that a missing or unreadable checkpoint, or one
+/// with nothing left to train, fails at once.
+pub(crate) fn open_resume(cfg: &TrainConfig) -> Result<Option<Resume>, TrainError> {
+    let Some(path) = &cfg.resume else {
+        return Ok(None);
+    };
+    let checkpoint = Checkpoint::open(path)?;
+    let progress = checkpoint.progress();
+    let step = progress.step as usize;
+    if step >= cfg.steps {
+        return Err(TrainError::Config(format!(
+            "--resume {}: the checkpoint is at step {step}, so --steps {} (the total) leaves \
+             nothing to train",
+            checkpoint.dir().display(),
+            cfg.steps
+        )));
+    }
+    Ok(Some(Resume {
+        step,
+        data_position: progress.data_position as usize,
+        checkpoint,
+    }))
+}
+
+/// Whether a run saves a checkpoint once `done` steps are done: every `--save-every` steps and
+/// after the last one.
+pub(crate) fn saves_after(cfg: &TrainConfig, done: usize) -> bool {
+    cfg.save_every
+        .is_some_and(|every| done.is_multiple_of(every) || done == cfg.steps)
+}
+
+/// Saves the run's state after `done` steps into `save_dir/step-N` (collective).
+pub(crate) fn save_checkpoint<M: Module + TpModule>(
+    cfg: &TrainConfig,
+    save_dir: &Path,
+    done: usize,
+    data_position: usize,
+    model: &M,
+    optimizer: &RunOptimizer,
+    mesh: &MeshContext,
+) -> Result<PathBuf, TrainError> {
+    let progress = TrainingProgress {
+        step: done as u64,
+        data_position: data_position as u64,
+        // What the trainer would need to reproduce the data stream and schedule.
+        extra: json!({
+            "lr_schedule": { "kind": "constant", "lr": cfg.lr },
+            "global_batch": cfg.global_batch,
+            "seq_len": cfg.seq_len,
+            "data": cfg.data.as_ref().map(|d| d.display().to_string()),
+            "seed": cfg.seed,
+        }),
+    };
+    let dir = step_dir(save_dir, done as u64);
+    let report = save(
+        &dir,
+        model,
+        Some(optimizer.state()),
+        &progress,
+        mesh,
+        &SaveOptions::default(),
+    )?;
+    Ok(report.dir)
+}

@@ -1,0 +1,537 @@
+//! Sharded checkpoints: resuming reproduces uninterrupted training (bit for bit on the same
+//! layout, to float round-off across layouts, checked against single-device training), a rank
+//! dying mid-save leaves the previous checkpoint the one a resume picks, corrupted, missing or
+//! foreign files are errors naming the problem before any step, and a resharded load reads
+//! only, and holds at most, one tensor's region of what the rank stores.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::tensor::Device;
+use burn_parallel::checkpoint::{
+    Checkpoint, LoadOptions, METADATA_FILE, SaveFault, SaveOptions, TrainingProgress, latest,
+    placements, save, save_async, step_dir,
+};
+use burn_parallel::comm::launch;
+use burn_parallel::models::Llama;
+use burn_parallel::parallelizer::{MeshContext, parallelize_model};
+use burn_parallel::train::{
+    OptimizerKind, StepLog, Strategy, TrainConfig, TrainSummary, distributed_config, train,
+};
+
+use crate::common::{ndarray_ad, to_vec};
+use crate::llama_hf::temp_dir;
+use crate::llama_train::{small_model, small_run};
+
+/// A 10-step run (the total) under `layout`, checkpointing into `save_dir` every `every` steps.
+fn run_cfg(
+    layout: (Strategy, usize, Option<usize>),
+    optimizer: OptimizerKind,
+    save_dir: &Path,
+    every: usize,
+) -> TrainConfig {
+    let (strategy, world, tp) = layout;
+    TrainConfig {
+        strategy,
+        world_size: world,
+        tp,
+        steps: 10,
+        save_every: Some(every),
+        save_dir: Some(save_dir.to_path_buf()),
+        ..small_run(strategy, world, optimizer)
+    }
+}
+
+fn run(cfg: &TrainConfig) -> TrainSummary {
+    train(cfg, &|_: &StepLog| {}).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
+}
+
+/// Every tensor of a checkpoint (parameters and optimizer state), whole, by name.
+fn tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let c = Checkpoint::open(dir).unwrap();
+    c.metadata()
+        .tensors
+        .keys()
+        .map(|k| (k.clone(), to_vec(&c.read_tensor(k).unwrap())))
+        .collect()
+}
+
+fn loss_bits(s: &TrainSummary) -> Vec<(usize, u32)> {
+    s.steps
+        .iter()
+        .map(|l| (l.step, l.report.loss.to_bits()))
+        .collect()
+}
+
+#[test]
+fn resuming_on_the_same_layout_is_bit_identical() {
+    for (layout, optimizer) in [
+        ((Strategy::Fsdp2, 4, None), OptimizerKind::AdamW),
+        ((Strategy::Fsdp2Tp, 4, Some(2)), OptimizerKind::Sgd),
+    ] {
+        let root = temp_dir(&format!("ckpt-same-{}-{optimizer}", layout.0));
+        let (whole, part) = (root.join("whole"), root.join("part"));
+        let straight = run(&run_cfg(layout, optimizer, &whole, 5));
+        assert_eq!(
+            straight.checkpoints,
+            [step_dir(&whole, 5), step_dir(&whole, 10)]
+        );
+        // Resumed from the uninterrupted run's step-5 checkpoint: steps 5 to 9 again.
+        let resumed = run(&TrainConfig {
+            resume: Some(step_dir(&whole, 5)),
+            ..run_cfg(layout, optimizer, &part, 5)
+        });
+        let what = format!("{} {optimizer}", layout.0);
+        assert_eq!(resumed.steps[0].step, 5, "{what}");
+        assert_eq!(loss_bits(&resumed), loss_bits(&straight)[5..], "{what}");
+        assert_eq!(resumed.checkpoints, [step_dir(&part, 10)]);
+        // Weights and optimizer moments after step 10, bit for bit.
+        assert_eq!(
+            tensors(&step_dir(&part, 10)),
+            tensors(&step_dir(&whole, 10)),
+            "{what}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}
+
+/// Relative L2 distance of `got` from `want`: round-off shows as a few ulps of the tensor's
+/// scale, which elementwise ratios would blow up wherever a weight passes near zero.
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (a, b) in got.iter().zip(want) {
+        diff += (*a as f64 - *b as f64).powi(2);
+        norm += (*b as f64).powi(2);
+    }
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Trains 5 steps under `from`, resumes under `to` for 5 more, and compares the resumed losses
+/// (relative 1e-6; measured at most 1.3e-7) and the final weights and moments (relative L2
+/// distance 1e-5; measured at most 2e-6, the round-off the strategies show against one device
+/// without any checkpoint) with 10 uninterrupted steps on one device.
+fn resume_across(
+    from: (Strategy, usize, Option<usize>),
+    to: (Strategy, usize, Option<usize>),
+    optimizer: OptimizerKind,
+    single: &TrainSummary,
+    single_dir: &Path,
+) {
+    let root = temp_dir(&format!(
+        "ckpt-{}{}-{}{}-{optimizer}",
+        from.0, from.1, to.0, to.1
+    ));
+    let (first, second) = (root.join("first"), root.join("second"));
+    run(&TrainConfig {
+        steps: 5,
+        ..run_cfg(from, optimizer, &first, 5)
+    });
+    let resumed = run(&TrainConfig {
+        resume: Some(first.clone()),
+        ..run_cfg(to, optimizer, &second, 5)
+    });
+    let what = format!("{}x{} -> {}x{} ({optimizer})", from.0, from.1, to.0, to.1);
+    let steps: Vec<usize> = resumed.steps.iter().map(|s| s.step).collect();
+    assert_eq!(steps, [5, 6, 7, 8, 9], "{what}");
+    for (got, want) in resumed.steps.iter().zip(&single.steps[5..]) {
+        let (a, b) = (got.report.loss, want.report.loss);
+        let rel = ((a - b) / b).abs() as f64;
+        assert!(
+            rel <= 1e-6,
+            "{what} step {}: loss {a} vs single {b} ({rel:e})",
+            got.step
+        );
+    }
+    let want = tensors(&step_dir(single_dir, 10));
+    let got = tensors(&step_dir(&second, 10));
+    assert_eq!(
+        got.iter().map(|t| &t.0).collect::<Vec<_>>(),
+        want.iter().map(|t| &t.0).collect::<Vec<_>>(),
+        "{what}"
+    );
+    for ((name, g), (_, w)) in got.iter().zip(&want) {
+        let rel = rel_l2(g, w);
+        assert!(
+            rel <= 1e-5,
+            "{what} {name}: relative L2 distance {rel:e} from single"
+        );
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Ten single-device steps of `optimizer`, checkpointed at the end: the independent reference.
+fn single_reference(optimizer: OptimizerKind, root: &Path) -> (TrainSummary, PathBuf) {
+    let dir = root.join(format!("single-{optimizer}"));
+    let s = run(&run_cfg((Strategy::Single, 1, None), optimizer, &dir, 10));
+    (s, dir)
+}
+
+#[test]
+fn resuming_in_another_layout_continues_single_device_training_adamw() {
+    let root = temp_dir("ckpt-across-adamw");
+    let (single, dir) = single_reference(OptimizerKind::AdamW, &root);
+    let fsdp4 = (Strategy::Fsdp2, 4, None);
+    for (from, to) in [
+        (fsdp4, (Strategy::Fsdp2, 3, None)),
+        (fsdp4, (Strategy::Fsdp2Tp, 4, Some(2))),
+        ((Strategy::Tp, 2, Some(2)), (Strategy::Single, 1, None)),
+    ] {
+        resume_across(from, to, OptimizerKind::AdamW, &single, &dir);
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn resuming_in_another_layout_continues_single_device_training_sgd() {
+    let root = temp_dir("ckpt-across-sgd");
+    let (single, dir) = single_reference(OptimizerKind::Sgd, &root);
+    for (from, to) in [
+        ((Strategy::Ddp, 2, None), (Strategy::Fsdp2, 2, None)),
+        ((Strategy::Tp, 2, Some(2)), (Strategy::Single, 1, None)),
+    ] {
+        resume_across(from, to, OptimizerKind::Sgd, &single, &dir);
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Runs `f` on every rank with the small Llama parallelized under `cfg`'s layout.
+fn with_ranks<T: Send>(
+    cfg: &TrainConfig,
+    f: impl Fn(Llama, &MeshContext) -> T + Sync,
+) -> Result<Vec<T>, burn_parallel::comm::LaunchError> {
+    launch(cfg.world_size, |ctx| {
+        let device: Device = ndarray_ad().gradient_checkpointing();
+        let mesh = MeshContext::new(&ctx, distributed_config(cfg), device.clone()).unwrap();
+        let model = parallelize_model(Llama::seeded(&small_model(), 7, &device), &mesh).unwrap();
+        Ok::<_, std::convert::Infallible>(f(model, &mesh))
+    })
+}
+
+#[test]
+fn a_rank_dying_mid_save_leaves_the_previous_checkpoint_the_one_a_resume_picks() {
+    let root = temp_dir("ckpt-dying");
+    let cfg = small_run(Strategy::Fsdp2, 3, OptimizerKind::Sgd);
+    let progress = |step| TrainingProgress {
+        step,
+        ..TrainingProgress::default()
+    };
+    for fault in [SaveFault::Error { rank: 1 }, SaveFault::Panic { rank: 2 }] {
+        let outcome = with_ranks(&cfg, |model, mesh| {
+            let ok = save(
+                &step_dir(&root, 1),
+                &model,
+                None,
+                &progress(1),
+                mesh,
+                &Default::default(),
+            );
+            let options = SaveOptions { fault: Some(fault) };
+            let failed = save(
+                &step_dir(&root, 2),
+                &model,
+                None,
+                &progress(2),
+                mesh,
+                &options,
+            );
+            (
+                ok.map(|r| r.dir),
+                failed.map(|r| r.dir).map_err(|e| e.to_string()),
+            )
+        });
+        match (fault, outcome) {
+            (SaveFault::Error { .. }, Ok(ranks)) => {
+                for (rank, (ok, failed)) in ranks.into_iter().enumerate() {
+                    assert_eq!(ok.unwrap(), step_dir(&root, 1));
+                    let e = failed.unwrap_err();
+                    assert!(e.contains("rank 1"), "rank {rank}: {e}");
+                }
+            }
+            (SaveFault::Panic { .. }, Err(e)) => {
+                let e = e.to_string();
+                assert!(e.contains("rank 2 died after writing"), "{e}");
+            }
+            (fault, other) => panic!("{fault:?}: unexpected outcome {other:?}"),
+        }
+        // Only the complete checkpoint is visible; no half-written step 2 to resume from.
+        assert_eq!(
+            latest(&root).unwrap(),
+            Some(step_dir(&root, 1)),
+            "{fault:?}"
+        );
+        assert!(!step_dir(&root, 2).exists(), "{fault:?}");
+        let visible: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        assert_eq!(visible, ["step-00000001"], "{fault:?}");
+        // And it loads, into another layout.
+        let other = small_run(Strategy::Fsdp2, 2, OptimizerKind::Sgd);
+        let checkpoint = Checkpoint::open(&root).unwrap();
+        assert_eq!(checkpoint.progress().step, 1);
+        with_ranks(&other, |model, mesh| {
+            checkpoint
+                .load(model, None, mesh, &LoadOptions::default())
+                .unwrap();
+        })
+        .unwrap();
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// A copy of checkpoint `src` at `dst`.
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dst.join(entry.file_name())).unwrap();
+    }
+}
+
+/// Resumes `cfg` from `dir` and returns the error, checking that no step ran.
+fn resume_error(cfg: &TrainConfig, dir: &Path) -> String {
+    let steps = AtomicUsize::new(0);
+    let cfg = TrainConfig {
+        resume: Some(dir.to_path_buf()),
+        ..cfg.clone()
+    };
+    let result = train(&cfg, &|_: &StepLog| {
+        steps.fetch_add(1, Ordering::SeqCst);
+    });
+    assert_eq!(
+        steps.load(Ordering::SeqCst),
+        0,
+        "a step ran before the error"
+    );
+    result.expect_err("resuming must fail").to_string()
+}
+
+#[test]
+fn corrupted_missing_and_foreign_files_are_errors_naming_them_before_any_step() {
+    let root = temp_dir("ckpt-corrupt");
+    let cfg = TrainConfig {
+        steps: 2,
+        save_every: Some(1),
+        save_dir: Some(root.join("good")),
+        ..small_run(Strategy::Fsdp2, 2, OptimizerKind::AdamW)
+    };
+    run(&cfg);
+    let good = step_dir(&root.join("good"), 1);
+    let resume = TrainConfig {
+        save_every: None,
+        save_dir: None,
+        ..cfg.clone()
+    };
+
+    // A flipped byte in the middle of rank 1's parameter shards.
+    let flipped = root.join("flipped");
+    copy_dir(&good, &flipped);
+    let file = flipped.join("model-00001.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let at = 8 + header + (bytes.len() - 8 - header) / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+    let e = resume_error(&resume, &flipped);
+    assert!(
+        e.contains("model-00001.safetensors")
+            && e.contains("tensor `model/")
+            && e.contains("checksum"),
+        "{e}"
+    );
+
+    // A missing optimizer file.
+    let missing = root.join("missing");
+    copy_dir(&good, &missing);
+    std::fs::remove_file(missing.join("optim-00000.safetensors")).unwrap();
+    let e = resume_error(&resume, &missing);
+    assert!(
+        e.contains("optim-00000.safetensors") && e.contains("missing") && e.contains("`optim/"),
+        "{e}"
+    );
+
+    // The metadata of another model (a wider MLP) over these files.
+    let mut wide = small_model();
+    wide.intermediate_size += 3;
+    run(&TrainConfig {
+        model: wide,
+        save_dir: Some(root.join("wide")),
+        ..cfg.clone()
+    });
+    let foreign = root.join("foreign");
+    copy_dir(&good, &foreign);
+    std::fs::copy(
+        step_dir(&root.join("wide"), 1).join(METADATA_FILE),
+        foreign.join(METADATA_FILE),
+    )
+    .unwrap();
+    let e = resume_error(&resume, &foreign);
+    assert!(
+        e.contains("does not match the model")
+            && e.contains("layers.0.mlp.gate_proj.weight")
+            && e.contains("[20, 27]")
+            && e.contains("[20, 30]"),
+        "{e}"
+    );
+
+    // Not a checkpoint at all, and one already past --steps: config errors up front.
+    let e = resume_error(&resume, &root.join("nowhere"));
+    assert!(e.contains("no checkpoint here"), "{e}");
+    let e = resume_error(&resume, &step_dir(&root.join("good"), 2));
+    assert!(
+        e.contains("step 2") && e.contains("nothing to train"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn a_resharded_load_reads_and_holds_only_this_ranks_regions() {
+    let root = temp_dir("ckpt-memory");
+    let saved = TrainConfig {
+        steps: 1,
+        save_every: Some(1),
+        save_dir: Some(root.clone()),
+        ..small_run(Strategy::Fsdp2, 4, OptimizerKind::AdamW)
+    };
+    run(&saved);
+    let checkpoint = Checkpoint::open(&root).unwrap();
+    let total = checkpoint.metadata().total_bytes();
+    let largest_tensor = checkpoint
+        .metadata()
+        .tensors
+        .values()
+        .map(|t| t.shape.iter().product::<usize>() * 4)
+        .max()
+        .unwrap() as u64;
+    for target in [
+        small_run(Strategy::Fsdp2, 3, OptimizerKind::AdamW),
+        TrainConfig {
+            tp: Some(2),
+            ..small_run(Strategy::Fsdp2Tp, 4, OptimizerKind::AdamW)
+        },
+    ] {
+        let reports = with_ranks(&target, |model, mesh| {
+            let mut optimizer = burn_parallel::train::AdamW::new(1e-2, 0.9, 0.999, 1e-8, 0.1);
+            let placed = placements(&model).unwrap();
+            let (model, report) = checkpoint
+                .load(model, Some(&mut optimizer), mesh, &LoadOptions::default())
+                .unwrap();
+            // What this rank stores: its region of each parameter and of both moments.
+            let stored: u64 = placed
+                .iter()
+                .map(|p| p.region.volume() as u64 * 4 * 3)
+                .sum();
+            let largest = placed
+                .iter()
+                .map(|p| p.region.volume() as u64 * 4)
+                .max()
+                .unwrap();
+            drop(model);
+            (report, stored, largest)
+        })
+        .unwrap();
+        let what = format!("{} x{}", target.strategy, target.world_size);
+        let mut verified = 0;
+        for (rank, (report, stored, largest)) in reports.into_iter().enumerate() {
+            assert_eq!(
+                report.bytes_read, stored,
+                "{what} rank {rank}: reads exactly its regions"
+            );
+            assert_eq!(report.largest_region_bytes, largest, "{what} rank {rank}");
+            assert!(
+                report.peak_buffer_bytes <= largest && largest < largest_tensor,
+                "{what} rank {rank}: held {} at once, its largest region {largest}, the largest tensor {largest_tensor}",
+                report.peak_buffer_bytes
+            );
+            assert!(report.bytes_read < total / 2, "{what} rank {rank}");
+            verified += report.verified_bytes;
+        }
+        // The ranks checksummed every file once between them.
+        let files: u64 = checkpoint.metadata().files.values().map(|f| f.bytes).sum();
+        assert_eq!(verified, files, "{what}");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+#[test]
+fn an_asynchronous_save_writes_the_same_checkpoint_while_training_goes_on() {
+    let root = temp_dir("ckpt-async");
+    let cfg = small_run(Strategy::Fsdp2Tp, 4, OptimizerKind::Sgd);
+    let cfg = TrainConfig { tp: Some(2), ..cfg };
+    let progress = TrainingProgress {
+        step: 3,
+        data_position: 15,
+        extra: serde_json::json!({ "lr_schedule": "constant" }),
+    };
+    with_ranks(&cfg, |model, mesh| {
+        save(
+            &root.join("sync"),
+            &model,
+            None,
+            &progress,
+            mesh,
+            &Default::default(),
+        )
+        .unwrap();
+        let pending = save_async(
+            &root.join("async"),
+            &model,
+            None,
+            &progress,
+            mesh,
+            &Default::default(),
+        )
+        .unwrap();
+        // The model moves on (a new value for every parameter) while the snapshot is written.
+        let moved = burn::module::Module::map(model.clone(), &mut Scale);
+        drop(moved);
+        pending.finish(mesh).unwrap();
+    })
+    .unwrap();
+    let (sync, asynchronous) = (root.join("sync"), root.join("async"));
+    assert_eq!(tensors(&sync), tensors(&asynchronous));
+    let c = Checkpoint::open(&asynchronous).unwrap();
+    assert_eq!(c.progress(), &progress);
+    assert_eq!(c.metadata().layout.tp, 2);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Doubles every parameter (new tensors, as an optimizer step makes).
+struct Scale;
+
+impl burn::module::ModuleMapper for Scale {
+    fn map_float<const D: usize>(
+        &mut self,
+        p: burn::module::Param<burn::tensor::Tensor<D>>,
+    ) -> burn::module::Param<burn::tensor::Tensor<D>> {
+        p.map(|t| t.mul_scalar(2.0))
+    }
+}
+
+#[test]
+fn checkpoint_flags_are_checked_before_training() {
+    let base = small_run(Strategy::Single, 1, OptimizerKind::Sgd);
+    for (cfg, want) in [
+        (
+            TrainConfig {
+                save_every: Some(5),
+                ..base.clone()
+            },
+            "--save-every needs --save-dir",
+        ),
+        (
+            TrainConfig {
+                save_every: Some(0),
+                save_dir: Some("x".into()),
+                ..base.clone()
+            },
+            "--save-every must be at least 1",
+        ),
+    ] {
+        let e = train(&cfg, &|_: &StepLog| {}).err().unwrap().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+}
