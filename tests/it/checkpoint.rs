@@ -7,14 +7,17 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use burn::tensor::Device;
+use burn::optim::AdamWConfig;
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::checkpoint::{
-    Checkpoint, LoadOptions, METADATA_FILE, SaveFault, SaveOptions, TrainingProgress, latest,
-    placements, save, save_async, step_dir,
+    BurnOptimizer, Checkpoint, LoadOptions, METADATA_FILE, SaveFault, SaveOptions,
+    TrainingProgress, latest, placements, save, save_async, step_dir,
 };
 use burn_parallel::comm::launch;
 use burn_parallel::models::Llama;
-use burn_parallel::parallelizer::{MeshContext, parallelize_model};
+use burn_parallel::models::data::TokenData;
+use burn_parallel::parallelizer::{MeshContext, parallelize_model, train_step};
+use burn_parallel::tp::loss_parallel;
 use burn_parallel::train::{
     OptimizerKind, StepLog, Strategy, TrainConfig, TrainSummary, distributed_config, train,
 };
@@ -176,6 +179,7 @@ fn resuming_in_another_layout_continues_single_device_training_adamw() {
         (fsdp4, (Strategy::Fsdp2, 3, None)),
         (fsdp4, (Strategy::Fsdp2Tp, 4, Some(2))),
         ((Strategy::Tp, 2, Some(2)), (Strategy::Single, 1, None)),
+        ((Strategy::Hsdp, 4, None), (Strategy::Tp, 2, Some(2))),
     ] {
         resume_across(from, to, OptimizerKind::AdamW, &single, &dir);
     }
@@ -534,4 +538,105 @@ fn checkpoint_flags_are_checked_before_training() {
         let e = train(&cfg, &|_: &StepLog| {}).err().unwrap().to_string();
         assert!(e.contains(want), "{e}");
     }
+}
+
+/// One run of a user's own loop (as examples/gpt2.rs writes it): Burn's AdamW through
+/// `train_step` over `steps`, resumed from `resume` and saved after the last step into
+/// `save_to`, both through `BurnOptimizer`. Rank 0's losses.
+fn user_loop(
+    cfg: &TrainConfig,
+    steps: std::ops::Range<usize>,
+    resume: Option<&Path>,
+    save_to: Option<&Path>,
+) -> Vec<f32> {
+    let vocab = small_model().vocab_size;
+    let data = TokenData::synthetic(vocab, cfg.seq_len, 64 * cfg.seq_len + 1).unwrap();
+    let losses = with_ranks(cfg, |mut model, mesh| {
+        let mut optim = AdamWConfig::new().with_weight_decay(0.1).init();
+        if let Some(dir) = resume {
+            let checkpoint = Checkpoint::open(dir).unwrap();
+            let mut state = BurnOptimizer::new(&mut optim, &model).unwrap();
+            let options = LoadOptions::default();
+            model = checkpoint
+                .load(model, Some(&mut state), mesh, &options)
+                .unwrap()
+                .0;
+        }
+        let rows = mesh.local_rows(cfg.global_batch);
+        let mut losses = Vec::new();
+        for step in steps.clone() {
+            let batch = data.batch(step, cfg.global_batch, rows.rows.clone());
+            let (b, t) = (batch.rows, batch.seq_len);
+            let device = mesh.device();
+            let ids = Tensor::<2, Int>::from_data(TensorData::new(batch.inputs, [b, t]), device);
+            let targets =
+                Tensor::<1, Int>::from_data(TensorData::new(batch.targets, [b * t]), device);
+            let logits = model.forward(ids);
+            let local_vocab = logits.dims()[2];
+            let logits = logits.reshape([b * t, local_vocab]);
+            let loss = loss_parallel(logits, targets, mesh.tp_group(), vocab).unwrap();
+            let (next, report) =
+                train_step(model, loss, &rows, &mut optim, 1e-2, None, mesh).unwrap();
+            model = next;
+            losses.push(report.loss);
+        }
+        if let Some(dir) = save_to {
+            let state = BurnOptimizer::new(&mut optim, &model).unwrap();
+            let progress = TrainingProgress {
+                step: steps.end as u64,
+                data_position: (steps.end * cfg.global_batch) as u64,
+                extra: serde_json::Value::Null,
+            };
+            save(
+                dir,
+                &model,
+                Some(&state),
+                &progress,
+                mesh,
+                &Default::default(),
+            )
+            .unwrap();
+        }
+        losses
+    })
+    .unwrap();
+    losses.into_iter().next().unwrap()
+}
+
+#[test]
+fn a_users_own_loop_resumes_burns_adamw_in_any_layout() {
+    let root = temp_dir("ckpt-user-loop");
+    let fsdp2 = small_run(Strategy::Fsdp2, 2, OptimizerKind::AdamW);
+    let single = user_loop(
+        &small_run(Strategy::Single, 1, OptimizerKind::AdamW),
+        0..6,
+        None,
+        None,
+    );
+    let straight = user_loop(&fsdp2, 0..6, None, None);
+    let half = root.join("half");
+    assert_eq!(user_loop(&fsdp2, 0..3, None, Some(&half)), straight[..3]);
+    // Same layout: bit for bit.
+    let same = user_loop(&fsdp2, 3..6, Some(&half), None);
+    assert_eq!(same, straight[3..]);
+    // Another layout (FSDP + TP on 4 ranks): single-device training's losses.
+    let fsdp2_tp = TrainConfig {
+        tp: Some(2),
+        ..small_run(Strategy::Fsdp2Tp, 4, OptimizerKind::AdamW)
+    };
+    let other = user_loop(&fsdp2_tp, 3..6, Some(&half), None);
+    for (step, (a, b)) in other.iter().zip(&single[3..]).enumerate() {
+        let rel = ((a - b) / b).abs();
+        assert!(
+            rel <= 1e-6,
+            "step {}: {a} vs single {b} ({rel:e})",
+            step + 3
+        );
+    }
+    // The moments travelled: Burn's AdamW state is in the checkpoint, resharded.
+    let c = Checkpoint::open(&half).unwrap();
+    let saved = c.metadata().optimizer.as_ref().unwrap();
+    assert_eq!(saved.kind, "burn");
+    assert_eq!(saved.state_names.len(), 2, "{:?}", saved.state_names);
+    std::fs::remove_dir_all(&root).unwrap();
 }

@@ -40,8 +40,9 @@
 //! }
 //! ```
 //!
-//! The optimizer implements [`OptimizerState`] (the trainer's SGD and AdamW do); pass `None`
-//! to save or load the model alone. [`save_async`] writes from a snapshot on a background
+//! The optimizer implements [`OptimizerState`] (the trainer's SGD and AdamW do); Burn's own
+//! optimizers (`ModuleOptimizer`, as `train_step` takes) go through [`BurnOptimizer`]
+//! (`BurnOptimizer::new(&mut optim, &model)?`). Pass `None` to save or load the model alone. [`save_async`] writes from a snapshot on a background
 //! thread while training continues.
 //!
 //! # Guarantees
@@ -57,6 +58,7 @@
 //!
 //! The directory must be visible to every rank (one node, or a shared filesystem).
 
+mod burn_optim;
 mod dirs;
 mod error;
 mod exchange;
@@ -68,6 +70,7 @@ mod placement;
 mod region;
 mod save;
 
+pub use burn_optim::BurnOptimizer;
 pub use dirs::{latest, resolve, step_dir};
 pub use error::CheckpointError;
 pub use load::{Checkpoint, LoadOptions, LoadReport};

@@ -209,13 +209,14 @@ impl Checkpoint {
                 optimizer.kind()
             )));
         };
-        if saved.kind != optimizer.kind() || saved.state_names != optimizer.state_names() {
+        let names = optimizer.state_names();
+        if saved.kind != optimizer.kind() || !(names.is_empty() || names == saved.state_names) {
             return Err(CheckpointError::Optimizer(format!(
                 "the checkpoint holds {} state ({:?}), this run's optimizer is {} ({:?})",
                 saved.kind,
                 saved.state_names,
                 optimizer.kind(),
-                optimizer.state_names()
+                names
             )));
         }
         Ok(())
@@ -341,7 +342,7 @@ impl Checkpoint {
             }
             optimizer.load_param_state(p.id, state);
         }
-        Ok(())
+        optimizer.finish_load().map_err(CheckpointError::Optimizer)
     }
 
     /// This rank's `region` of tensor `key`, assembled from the stored regions that overlap

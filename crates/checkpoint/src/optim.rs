@@ -17,7 +17,9 @@ pub trait OptimizerState {
     fn kind(&self) -> &str;
 
     /// Names of the per-parameter state tensors (`["exp_avg", "exp_avg_sq"]`), in the order
-    /// [`param_state`](Self::param_state) returns them.
+    /// [`param_state`](Self::param_state) returns them. Loading checks them against the
+    /// checkpoint's, unless this is empty (an optimizer that learns its names from
+    /// [`load_scalars`](Self::load_scalars)).
     fn state_names(&self) -> Vec<String>;
 
     /// Everything that is not per-parameter (step count, hyperparameters), as JSON.
@@ -33,4 +35,9 @@ pub trait OptimizerState {
     /// Restores the state of parameter `id` (flattened, on the parameter's device without
     /// autodiff), one tensor per state name.
     fn load_param_state(&mut self, id: ParamId, state: Vec<Tensor<1>>);
+
+    /// Called once every parameter's state was handed over. Default: nothing to do.
+    fn finish_load(&mut self) -> Result<(), String> {
+        Ok(())
+    }
 }
