@@ -139,6 +139,11 @@ impl ModuleMapper for AdamWStep<'_> {
     }
 }
 
+/// An f32 setting as the f64 of its shortest decimal (0.9, not 0.8999999761581421), for JSON.
+pub(crate) fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 /// SGD keeps no state: a checkpoint records its kind and learning rate only.
 impl OptimizerState for Sgd {
     fn kind(&self) -> &str {
@@ -150,7 +155,7 @@ impl OptimizerState for Sgd {
     }
 
     fn scalars(&self) -> serde_json::Value {
-        json!({ "lr": self.lr })
+        json!({ "lr": decimal(self.lr) })
     }
 
     fn load_scalars(&mut self, _scalars: &serde_json::Value) -> Result<(), String> {
@@ -179,11 +184,11 @@ impl OptimizerState for AdamW {
     fn scalars(&self) -> serde_json::Value {
         json!({
             "step": self.step,
-            "lr": self.lr,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
+            "lr": decimal(self.lr),
+            "beta1": decimal(self.beta1),
+            "beta2": decimal(self.beta2),
+            "eps": decimal(self.eps),
+            "weight_decay": decimal(self.weight_decay),
         })
     }
 

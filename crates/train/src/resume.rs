@@ -14,7 +14,7 @@ use serde_json::json;
 
 use crate::config::{OptimizerKind, TrainConfig};
 use crate::error::TrainError;
-use crate::optim::{AdamW, Optimizer, Sgd};
+use crate::optim::{AdamW, Optimizer, Sgd, decimal};
 
 /// The optimizer of a run, concrete so that its state can be saved and restored.
 pub(crate) enum RunOptimizer {
@@ -120,7 +120,7 @@ pub(crate) fn save_checkpoint<M: Module + TpModule>(
         data_position: data_position as u64,
         // What the trainer would need to reproduce the data stream and schedule.
         extra: json!({
-            "lr_schedule": { "kind": "constant", "lr": cfg.lr },
+            "lr_schedule": { "kind": "constant", "lr": decimal(cfg.lr) },
             "global_batch": cfg.global_batch,
             "seq_len": cfg.seq_len,
             "data": cfg.data.as_ref().map(|d| d.display().to_string()),
