@@ -112,8 +112,9 @@ fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
 
 /// Trains 5 steps under `from`, resumes under `to` for 5 more, and compares the resumed losses
 /// (relative 1e-6; measured at most 1.3e-7) and the final weights and moments (relative L2
-/// distance 1e-5; measured at most 2e-6, the round-off the strategies show against one device
-/// without any checkpoint) with 10 uninterrupted steps on one device.
+/// distance per tensor 1e-5; measured at most 5.4e-6, as much as 10 uninterrupted fsdp2_tp
+/// steps differ from one device without any checkpoint) with 10 uninterrupted steps on one
+/// device.
 fn resume_across(
     from: (Strategy, usize, Option<usize>),
     to: (Strategy, usize, Option<usize>),
@@ -180,6 +181,7 @@ fn resuming_in_another_layout_continues_single_device_training_adamw() {
         (fsdp4, (Strategy::Fsdp2Tp, 4, Some(2))),
         ((Strategy::Tp, 2, Some(2)), (Strategy::Single, 1, None)),
         ((Strategy::Hsdp, 4, None), (Strategy::Tp, 2, Some(2))),
+        ((Strategy::Fsdp2Tp, 4, Some(2)), (Strategy::Hsdp, 4, None)),
     ] {
         resume_across(from, to, OptimizerKind::AdamW, &single, &dir);
     }
@@ -193,6 +195,7 @@ fn resuming_in_another_layout_continues_single_device_training_sgd() {
     for (from, to) in [
         ((Strategy::Ddp, 2, None), (Strategy::Fsdp2, 2, None)),
         ((Strategy::Tp, 2, Some(2)), (Strategy::Single, 1, None)),
+        ((Strategy::Fsdp2, 3, None), (Strategy::Ddp, 2, None)),
     ] {
         resume_across(from, to, OptimizerKind::Sgd, &single, &dir);
     }
