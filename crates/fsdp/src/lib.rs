@@ -42,9 +42,9 @@
 //! backends).
 //!
 //! Not done: backward prefetch (Burn 0.22's backward has no hooks, so a unit's re-gather
-//! cannot be issued before autodiff reaches it); a sharded (per-rank) checkpoint format and
-//! loading at another world size; loading into an already-sharded module (build it lazily and
-//! use [`fully_shard_from`] instead).
+//! cannot be issued before autodiff reaches it); loading a Hugging Face checkpoint into an
+//! already-sharded module (build it lazily and use [`fully_shard_from`] instead; sharded
+//! training checkpoints load into any layout through `burn-parallel-checkpoint`).
 //!
 //! Every rank builds its own module (an autodiff tensor shared between rank threads joins
 //! their graphs); build it from the same seeds or record on each rank, then shard it.

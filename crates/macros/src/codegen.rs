@@ -2,7 +2,7 @@
 
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
-use syn::{DeriveInput, Type, WherePredicate, parse_quote};
+use syn::{DeriveInput, Ident, Type, WherePredicate, parse_quote};
 
 use crate::args::StructArgs;
 use crate::field::{FieldSpec, HeadRole, Shape};
@@ -203,14 +203,8 @@ fn describe_body(args: &StructArgs, specs: &[FieldSpec], p: &TokenStream) -> Tok
             }});
         }
     }
-    let head = |role| {
-        specs
-            .iter()
-            .find(|s| s.heads == Some(role))
-            .map(|s| &s.ident)
-    };
-    if let Some(heads) = head(HeadRole::Heads) {
-        let kv = match head(HeadRole::KvHeads) {
+    if let Some(heads) = head_field(specs, HeadRole::Heads) {
+        let kv = match head_field(specs, HeadRole::KvHeads) {
             Some(kv) => quote!(::core::option::Option::Some(self.#kv)),
             None => quote!(::core::option::Option::None),
         };
@@ -277,29 +271,13 @@ fn map_units_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
 }
 
 fn apply_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
-    let fields = specs.iter().map(|s| {
-        let ident = &s.ident;
+    let rebuilt = rebuilt_with(specs, |ident| {
         let key = ident.to_string();
-        if s.in_tp() {
-            quote!(#ident: #p::TpModule::apply_tp(self.#ident, &#p::child_path(path, #key), cx)?)
-        } else {
-            quote!(#ident: self.#ident)
-        }
+        quote!(#p::TpModule::apply_tp(self.#ident, &#p::child_path(path, #key), cx)?)
     });
-    let rebuilt = quote!(Self { #(#fields,)* });
-    let head = |role| {
-        specs
-            .iter()
-            .find(|s| s.heads == Some(role))
-            .map(|s| &s.ident)
-    };
-    let tp_fields: Vec<_> = specs.iter().filter(|s| s.is_tp).collect();
-    let Some(heads) = head(HeadRole::Heads) else {
+    let Some((heads, tp_fields)) = own_heads(specs) else {
         return quote!(::core::result::Result::Ok(#rebuilt));
     };
-    if tp_fields.is_empty() {
-        return quote!(::core::result::Result::Ok(#rebuilt));
-    }
     // Head counts turn local only when this struct's own Tp fields were actually split.
     let styled = tp_fields.iter().map(|s| {
         let ident = &s.ident;
@@ -311,7 +289,7 @@ fn apply_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
             }
         }
     });
-    let (kv_read, kv_write) = match head(HeadRole::KvHeads) {
+    let (kv_read, kv_write) = match head_field(specs, HeadRole::KvHeads) {
         Some(kv) => (quote!(__out.#kv), quote!(__out.#kv = __local.kv_heads;)),
         None => (quote!(__out.#heads), quote!()),
     };
@@ -332,28 +310,10 @@ fn apply_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
 /// made global again when this struct's own `Tp` fields were split (the inverse of
 /// `apply_tp`).
 fn gather_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
-    let fields = specs.iter().map(|s| {
-        let ident = &s.ident;
-        if s.in_tp() {
-            quote!(#ident: #p::TpModule::gather_tp(self.#ident)?)
-        } else {
-            quote!(#ident: self.#ident)
-        }
-    });
-    let rebuilt = quote!(Self { #(#fields,)* });
-    let head = |role| {
-        specs
-            .iter()
-            .find(|s| s.heads == Some(role))
-            .map(|s| &s.ident)
-    };
-    let tp_fields: Vec<_> = specs.iter().filter(|s| s.is_tp).collect();
-    let Some(heads) = head(HeadRole::Heads) else {
+    let rebuilt = rebuilt_with(specs, |ident| quote!(#p::TpModule::gather_tp(self.#ident)?));
+    let Some((heads, tp_fields)) = own_heads(specs) else {
         return quote!(::core::result::Result::Ok(#rebuilt));
     };
-    if tp_fields.is_empty() {
-        return quote!(::core::result::Result::Ok(#rebuilt));
-    }
     // The tp size this struct's own Tp fields were split over, read before they are gathered.
     let sizes = tp_fields.iter().map(|s| {
         let ident = &s.ident;
@@ -364,7 +324,7 @@ fn gather_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
             Shape::Option => quote!(self.#ident.as_ref().and_then(#size)),
         }
     });
-    let kv = head(HeadRole::KvHeads).map(|kv| quote!(__out.#kv *= __n;));
+    let kv = head_field(specs, HeadRole::KvHeads).map(|kv| quote!(__out.#kv *= __n;));
     quote! {
         let __tp: ::core::option::Option<usize> =
             ::core::option::Option::None #(.or(#sizes))*;
@@ -375,4 +335,35 @@ fn gather_tp_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
         }
         ::core::result::Result::Ok(__out)
     }
+}
+
+/// The field that carries `role`'s head count, if the struct has one.
+fn head_field(specs: &[FieldSpec], role: HeadRole) -> Option<&Ident> {
+    specs
+        .iter()
+        .find(|s| s.heads == Some(role))
+        .map(|s| &s.ident)
+}
+
+/// The head-count field and the struct's own `Tp` fields, when head counts follow those fields'
+/// split (a struct with both); `None` when head counts are not this struct's business.
+fn own_heads(specs: &[FieldSpec]) -> Option<(&Ident, Vec<&FieldSpec>)> {
+    let heads = head_field(specs, HeadRole::Heads)?;
+    let tp_fields: Vec<_> = specs.iter().filter(|s| s.is_tp).collect();
+    (!tp_fields.is_empty()).then_some((heads, tp_fields))
+}
+
+/// `Self { .. }` with every field that takes part in tensor parallelism rebuilt by `convert`
+/// (given the field's name) and every other field moved as it is.
+fn rebuilt_with(specs: &[FieldSpec], convert: impl Fn(&Ident) -> TokenStream) -> TokenStream {
+    let fields = specs.iter().map(|s| {
+        let ident = &s.ident;
+        if s.in_tp() {
+            let value = convert(ident);
+            quote!(#ident: #value)
+        } else {
+            quote!(#ident: self.#ident)
+        }
+    });
+    quote!(Self { #(#fields,)* })
 }
