@@ -5,10 +5,11 @@
 
 use std::ops::Range;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Bool, Device, Gradients, Int, Tensor, TensorData};
+use burn_parallel::fsdp::{PathVisitor, visit_with_paths};
 use burn_parallel::parallelize;
 use burn_parallel::tp::{Tp, forward_shared};
 
@@ -233,31 +234,15 @@ pub fn mid(m: &[f32], d1: usize, d2: usize, range: Range<usize>) -> Vec<f32> {
 
 /// Dotted paths of every float param, in visiting order.
 pub fn param_paths<M: Module>(m: &M) -> Vec<String> {
-    struct Paths {
-        stack: Vec<String>,
-        out: Vec<String>,
-    }
-    impl ModuleVisitor for Paths {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.out.push(format!(
-                "{} {:?}",
-                self.stack.join("."),
-                p.shape().dims::<D>()
-            ));
+    struct Paths(Vec<String>);
+    impl PathVisitor for Paths {
+        fn visit_float<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
+            self.0.push(format!("{path} {:?}", p.shape().dims::<D>()));
         }
     }
-    let mut v = Paths {
-        stack: Vec::new(),
-        out: Vec::new(),
-    };
-    m.visit(&mut v);
-    v.out
+    let mut v = Paths(Vec::new());
+    visit_with_paths(m, &mut v);
+    v.0
 }
 
 /// Gradients of a colwise `up` / rowwise `down` pair of linear layers.

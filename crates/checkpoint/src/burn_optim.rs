@@ -7,10 +7,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, Param, ParamId};
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_pack::{Reader, Scalar, Writer};
+use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
 use serde_json::json;
 
 use crate::error::CheckpointError;
@@ -52,29 +53,23 @@ pub struct BurnOptimizer<'a> {
 }
 
 fn params_of<M: Module>(model: &M) -> HashMap<ParamId, ParamInfo> {
-    #[derive(Default)]
     struct Visit {
-        stack: Vec<String>,
         out: HashMap<ParamId, ParamInfo>,
     }
-    impl ModuleVisitor for Visit {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+    impl PathVisitor for Visit {
+        fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
             let info = ParamInfo {
-                path: self.stack.join("."),
+                path: path.to_string(),
                 shape: param.lazy_shape().to_vec(),
                 device: param.lazy_device(),
             };
             self.out.insert(param.id, info);
         }
     }
-    let mut visit = Visit::default();
-    model.visit(&mut visit);
+    let mut visit = Visit {
+        out: HashMap::new(),
+    };
+    visit_with_paths(model, &mut visit);
     visit.out
 }
 

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Device, Tensor};
-use burn_parallel_fsdp::param_states;
+use burn_parallel_fsdp::{PathVisitor, param_states, visit_with_paths};
 use burn_parallel_tp::{ShardSpec, TpModule};
 
 use crate::error::CheckpointError;
@@ -39,23 +39,15 @@ struct Stored {
 }
 
 fn stored_params<M: Module>(model: &M) -> Vec<Stored> {
-    #[derive(Default)]
     struct Visit {
-        stack: Vec<String>,
         out: Vec<Stored>,
     }
-    impl ModuleVisitor for Visit {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+    impl PathVisitor for Visit {
+        fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
             // A lazy parameter is not initialized for its dtype: loading replaces it unread.
             let dtype = param.is_initialized().then(|| param.base().dtype());
             self.out.push(Stored {
-                path: self.stack.join("."),
+                path: path.to_string(),
                 id: param.id,
                 shape: param.lazy_shape().to_vec(),
                 dtype,
@@ -63,8 +55,8 @@ fn stored_params<M: Module>(model: &M) -> Vec<Stored> {
             });
         }
     }
-    let mut visit = Visit::default();
-    model.visit(&mut visit);
+    let mut visit = Visit { out: Vec::new() };
+    visit_with_paths(model, &mut visit);
     visit.out
 }
 

@@ -56,6 +56,7 @@ mod gather;
 mod load;
 pub mod memory;
 mod offload;
+mod paths;
 mod policy;
 mod reparam;
 mod shard;
@@ -70,6 +71,7 @@ pub use load::{
 };
 pub use memory::{MemoryKind, MemoryReport, MemoryTracker, ModelStateBytes};
 pub use offload::OffloadPolicy;
+pub use paths::{PathVisitor, visit_with_paths};
 pub use policy::MixedPrecisionPolicy;
 pub use reparam::{ShardGather, param_states};
 pub use shard::{RowRequest, fully_shard};

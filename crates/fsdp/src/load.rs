@@ -11,13 +11,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 
 use burn_parallel_comm::collectives as coll;
 
 use crate::config::FsdpConfig;
 use crate::error::FsdpError;
+use crate::paths::{PathVisitor, visit_with_paths};
 use crate::reparam::collect;
 use crate::shard::{RowRequest, shard_module};
 
@@ -67,32 +68,22 @@ impl Stored {
 /// Module paths, ids and stored values (not copies) of a module's float parameters, in
 /// module order.
 fn stored_params<M: Module>(module: &M) -> Vec<Stored> {
-    #[derive(Default)]
-    struct Paths {
-        stack: Vec<String>,
-        params: Vec<Stored>,
-    }
-    impl ModuleVisitor for Paths {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+    struct Params(Vec<Stored>);
+    impl PathVisitor for Params {
+        fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
             let base = param.base();
             let shape = base.dims().to_vec();
-            self.params.push(Stored {
-                path: self.stack.join("."),
+            self.0.push(Stored {
+                path: path.to_string(),
                 id: param.id,
                 flat: base.reshape([shape.iter().product::<usize>()]),
                 shape,
             });
         }
     }
-    let mut paths = Paths::default();
-    module.visit(&mut paths);
-    paths.params
+    let mut params = Params(Vec::new());
+    visit_with_paths(module, &mut params);
+    params.0
 }
 
 /// Concatenates row blocks (same dtype and trailing dims) along dim 0.

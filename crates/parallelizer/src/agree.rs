@@ -2,8 +2,9 @@
 //! rank built from another seed would train a different model silently. One all-gather of a
 //! checksum per parameter finds the first parameter that differs, before any sharding.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, Param};
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
 
 use crate::context::MeshContext;
 use crate::error::ParallelError;
@@ -14,31 +15,24 @@ use crate::error::ParallelError;
 fn checksums<M: Module>(model: &M) -> (Vec<String>, Vec<Tensor<1>>) {
     #[derive(Default)]
     struct Sums {
-        stack: Vec<String>,
         paths: Vec<String>,
         sums: Vec<Tensor<1>>,
     }
-    impl ModuleVisitor for Sums {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+    impl PathVisitor for Sums {
+        fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
             if !param.is_initialized() {
                 return;
             }
             let value = param.val().detach().cast(FloatDType::F32);
             let n = value.shape().num_elements();
             let flat = value.reshape([n]);
-            self.paths.push(self.stack.join("."));
+            self.paths.push(path.to_string());
             self.sums.push(flat.clone().sum());
             self.sums.push(flat.clone().mul(flat).sum());
         }
     }
     let mut sums = Sums::default();
-    model.visit(&mut sums);
+    visit_with_paths(model, &mut sums);
     (sums.paths, sums.sums)
 }
 

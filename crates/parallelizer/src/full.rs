@@ -3,9 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use burn::module::{ModuleVisitor, Param};
+use burn::module::Param;
 use burn::tensor::{Tensor, TensorData};
 use burn_parallel_describe::Parallelize;
+use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
 
 use crate::error::ParallelError;
 
@@ -25,24 +26,13 @@ pub fn full_model<M: Parallelize>(model: M) -> Result<M, ParallelError> {
 pub fn full_state_dict<M: Parallelize>(
     model: M,
 ) -> Result<BTreeMap<String, TensorData>, ParallelError> {
-    #[derive(Default)]
-    struct ByPath {
-        stack: Vec<String>,
-        state: BTreeMap<String, TensorData>,
-    }
-    impl ModuleVisitor for ByPath {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.state
-                .insert(self.stack.join("."), param.val().into_data());
+    struct ByPath(BTreeMap<String, TensorData>);
+    impl PathVisitor for ByPath {
+        fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
+            self.0.insert(path.to_string(), param.val().into_data());
         }
     }
-    let mut by_path = ByPath::default();
-    full_model(model)?.visit(&mut by_path);
-    Ok(by_path.state)
+    let mut by_path = ByPath(BTreeMap::new());
+    visit_with_paths(&full_model(model)?, &mut by_path);
+    Ok(by_path.0)
 }
