@@ -1,7 +1,9 @@
 //! A GPT-2-style decoder, written with the public API only, trained under every strategy of
 //! `examples/configs/*.toml` and compared with the single-device run of `single.toml`: the
 //! losses of every step and the whole trained model (every shard gathered back) must agree to
-//! float round-off, or the program fails.
+//! float round-off, or the program fails. Then every config saves a sharded checkpoint
+//! halfway (model and SGD momentum) and the next config in the list resumes it in its own
+//! layout: the resumed runs must match one device too.
 //!
 //! The model is plain Burn (learned positions, LayerNorm with bias, q/k/v/o with biases, GELU
 //! MLP, untied head) plus its parallelism: `#[parallelize]` on each struct, `#[tp(..)]` styles on
@@ -12,13 +14,17 @@
 //! cargo run --release --example gpt2 -- --steps 6 --vocab 509
 //! ```
 
+use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::SgdConfig;
+use burn::optim::momentum::MomentumConfig;
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_parallel::checkpoint::{self, BurnOptimizer, Checkpoint, TrainingProgress};
 use burn_parallel::parallelizer::full_state_dict;
 use burn_parallel::prelude::*;
 use clap::Parser;
@@ -165,6 +171,9 @@ struct Args {
     /// Folder of DistributedConfig files; `single.toml` there is the reference.
     #[arg(long, default_value = "examples/configs")]
     configs: PathBuf,
+    /// Where the halfway checkpoints go (removed at the end); default: the system's temp dir.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
 }
 
 const BATCH: usize = 6;
@@ -194,15 +203,23 @@ fn batch(
 }
 
 /// One config's run: the loss of every step and the whole trained model by path.
-type Run = (Vec<f32>, std::collections::BTreeMap<String, TensorData>);
+type Run = (Vec<f32>, BTreeMap<String, TensorData>);
 
-/// Trains under `config` (every rank starts from `init`, one record built once) and returns
-/// rank 0's losses and the whole trained model.
+/// What one run trains: its steps, the checkpoint it resumes from and the one it saves at its
+/// end.
+struct Leg<'a> {
+    steps: Range<usize>,
+    resume: Option<&'a Path>,
+    save: Option<&'a Path>,
+}
+
+/// Trains `leg` under `config` (every rank starts from `init`, one record built once, or from
+/// the checkpoint it resumes) and returns rank 0's losses and the whole trained model.
 fn train(
     config: &DistributedConfig,
     model: &Gpt2Config,
     init: &burn::store::ModuleRecord,
-    steps: usize,
+    leg: &Leg,
 ) -> Result<Run, Box<dyn std::error::Error>> {
     let world = config.world_size.unwrap_or(1);
     let runs = run_ranks(world, |rank| {
@@ -210,10 +227,19 @@ fn train(
         let ctx = MeshContext::new(&rank, config.clone(), device.clone())?;
         let gpt2 = Gpt2::new(model, &device).load_record(init.clone());
         let mut gpt2 = parallelize_model(gpt2, &ctx)?;
-        let mut optim = SgdConfig::new().init();
+        let mut optim = SgdConfig::new()
+            .with_momentum(Some(MomentumConfig::new()))
+            .init();
+        if let Some(dir) = leg.resume {
+            // Any layout loads any other's checkpoint: each rank reads only its regions.
+            let mut state = BurnOptimizer::new(&mut optim, &gpt2)?;
+            gpt2 = Checkpoint::open(dir)?
+                .load(gpt2, Some(&mut state), &ctx, &Default::default())?
+                .0;
+        }
         let rows = ctx.local_rows(BATCH);
         let mut losses = Vec::new();
-        for step in 0..steps {
+        for step in leg.steps.clone() {
             let (ids, targets) = batch(step, rows.rows.clone(), model.vocab, &device);
             let logits = gpt2.forward(ids);
             let [b, t, v] = logits.dims();
@@ -226,6 +252,23 @@ fn train(
             let (next, report) = train_step(gpt2, loss, &rows, &mut optim, LR, Some(1.0), &ctx)?;
             gpt2 = next;
             losses.push(report.loss);
+        }
+        if let Some(dir) = leg.save {
+            let state = BurnOptimizer::new(&mut optim, &gpt2)?;
+            let end = leg.steps.end;
+            let progress = TrainingProgress {
+                step: end as u64,
+                data_position: (end * BATCH) as u64,
+                ..Default::default()
+            };
+            checkpoint::save(
+                dir,
+                &gpt2,
+                Some(&state),
+                &progress,
+                &ctx,
+                &Default::default(),
+            )?;
         }
         let state = full_state_dict(gpt2)?;
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>((losses, state))
@@ -240,6 +283,27 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
         .fold(0.0, f32::max)
+}
+
+/// How far `run` is from the reference run: losses and weights, each the largest relative
+/// difference.
+fn differences(run: &Run, reference: &Run) -> Result<(f32, f32), String> {
+    let (losses, state) = run;
+    let (want_losses, want_state) = reference;
+    let weights = state
+        .iter()
+        .map(|(path, data)| {
+            let want = want_state
+                .get(path)
+                .ok_or(format!("no {path} in the single-device model"))?;
+            let [got, want] = [data, want].map(|d| d.try_to_vec::<f32>().unwrap_or_default());
+            Ok(max_rel(&got, &want))
+        })
+        .collect::<Result<Vec<f32>, String>>()?;
+    Ok((
+        max_rel(losses, want_losses),
+        weights.into_iter().fold(0.0, f32::max),
+    ))
 }
 
 fn configs(dir: &Path) -> Result<Vec<(String, DistributedConfig)>, Box<dyn std::error::Error>> {
@@ -280,39 +344,67 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .find(|(name, _)| name == "single")
         .ok_or("the configs folder has no single.toml (the reference)")?;
-    let (want_losses, want_state) = train(single, &model, &init, args.steps)?;
+    let whole = Leg {
+        steps: 0..args.steps,
+        resume: None,
+        save: None,
+    };
+    let reference = train(single, &model, &init, &whole)?;
     println!(
         "{:<10} {:>5} {:>10} {:>14} {:>14}",
         "config", "ranks", "last loss", "loss vs single", "weights vs single"
     );
     let mut worst = 0.0f32;
     for (name, config) in &configs {
-        let (losses, state) = train(config, &model, &init, args.steps)?;
-        let loss_diff = max_rel(&losses, &want_losses);
-        let weight_diff = state
-            .iter()
-            .map(|(path, data)| {
-                let want = want_state
-                    .get(path)
-                    .ok_or(format!("{name}: no {path} in single"))?;
-                let [got, want] = [data, want].map(|d| d.try_to_vec::<f32>().unwrap_or_default());
-                Ok(max_rel(&got, &want))
-            })
-            .collect::<Result<Vec<f32>, String>>()?
-            .into_iter()
-            .fold(0.0, f32::max);
+        let run = train(config, &model, &init, &whole)?;
+        let (loss_diff, weight_diff) =
+            differences(&run, &reference).map_err(|e| format!("{name}: {e}"))?;
         worst = worst.max(loss_diff).max(weight_diff);
         println!(
             "{name:<10} {:>5} {:>10.5} {loss_diff:>14.2e} {weight_diff:>14.2e}",
             config.world_size.unwrap_or(1),
-            losses.last().copied().unwrap_or(f32::NAN),
+            run.0.last().copied().unwrap_or(f32::NAN),
         );
     }
+
+    // Halfway checkpoints: saved under one config, resumed under the next one's layout.
+    let save_dir = args.save_dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("gpt2-checkpoints-{}", std::process::id()))
+    });
+    let half = args.steps / 2;
+    println!(
+        "\n{:<24} {:>14} {:>14}",
+        "saved -> resumed", "loss vs single", "weights vs single"
+    );
+    for (i, (saved_name, saved_config)) in configs.iter().enumerate() {
+        let (resumed_name, resumed_config) = &configs[(i + 1) % configs.len()];
+        let dir = checkpoint::step_dir(&save_dir.join(saved_name), half as u64);
+        let first = Leg {
+            steps: 0..half,
+            resume: None,
+            save: Some(&dir),
+        };
+        let rest = Leg {
+            steps: half..args.steps,
+            resume: Some(&dir),
+            save: None,
+        };
+        let (mut losses, _) = train(saved_config, &model, &init, &first)?;
+        let (rest_losses, state) = train(resumed_config, &model, &init, &rest)?;
+        losses.extend(rest_losses);
+        let pair = format!("{saved_name} -> {resumed_name}");
+        let (loss_diff, weight_diff) =
+            differences(&(losses, state), &reference).map_err(|e| format!("{pair}: {e}"))?;
+        worst = worst.max(loss_diff).max(weight_diff);
+        println!("{pair:<24} {loss_diff:>14.2e} {weight_diff:>14.2e}");
+    }
+    std::fs::remove_dir_all(&save_dir).map_err(|e| format!("{}: {e}", save_dir.display()))?;
     if worst > 1e-5 {
-        return Err(format!("a strategy differs from one device by {worst:.2e} (> 1e-5)").into());
+        return Err(format!("a run differs from one device by {worst:.2e} (> 1e-5)").into());
     }
     println!(
-        "every strategy matches one device to {worst:.1e} (vocab {})",
+        "every strategy, and every resume in another layout, matches one device to {worst:.1e} \
+         (vocab {})",
         model.vocab
     );
     Ok(())
