@@ -474,24 +474,10 @@ fn an_asynchronous_save_writes_the_same_checkpoint_while_training_goes_on() {
         extra: serde_json::json!({ "lr_schedule": "constant" }),
     };
     with_ranks(&cfg, |model, mesh| {
-        save(
-            &root.join("sync"),
-            &model,
-            None,
-            &progress,
-            mesh,
-            &Default::default(),
-        )
-        .unwrap();
-        let pending = save_async(
-            &root.join("async"),
-            &model,
-            None,
-            &progress,
-            mesh,
-            &Default::default(),
-        )
-        .unwrap();
+        let options = Default::default();
+        save(&root.join("sync"), &model, None, &progress, mesh, &options).unwrap();
+        let pending = save_async(&root.join("async"), &model, None, &progress, mesh, &options);
+        let pending = pending.unwrap();
         // The model moves on (a new value for every parameter) while the snapshot is written.
         let moved = burn::module::Module::map(model.clone(), &mut Scale);
         drop(moved);
