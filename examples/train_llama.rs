@@ -4,6 +4,7 @@
 //! cargo run --release --example train_llama                      # fsdp2 on 4 ranks, tiny model
 //! cargo run --release --example train_llama -- --strategy fsdp2_tp --world-size 4 --tp 2
 //! cargo run --release --example train_llama -- --checkpoint DIR --data tokens.bin --json
+//! cargo run --release --example train_llama -- --config config.json --strategy ddp   # seeded init
 //! cargo run --release --example train_llama -- --steps 10 --save-every 5 --save-dir ckpt
 //! cargo run --release --example train_llama -- --steps 20 --resume ckpt --strategy fsdp2_tp
 //! cargo build --release --features mpi --example train_llama
@@ -21,6 +22,7 @@ use std::process::ExitCode;
 use std::sync::Mutex;
 
 use burn_parallel::comm::memory::peak_rss_bytes;
+use burn_parallel::models::LlamaConfig;
 use burn_parallel::train::{
     Backend, EngineKind, OptimizerKind, Precision, StepLog, Strategy, TrainConfig, TrainSummary,
     train,
@@ -34,6 +36,10 @@ struct Args {
     /// Hugging Face checkpoint directory (default: the built-in tiny config, seeded init).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
+    /// A Hugging Face config.json to train from a seeded init (the same on every rank): a larger
+    /// model without a checkpoint.
+    #[arg(long, value_name = "FILE", conflicts_with = "checkpoint")]
+    config: Option<PathBuf>,
     /// Flat little-endian u16 token file (default: a built-in synthetic corpus).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -115,7 +121,12 @@ impl Args {
             Some(engine) => engine,
             None => EngineKind::detect().map_err(|e| e.to_string())?,
         };
+        let model = match &self.config {
+            Some(file) => LlamaConfig::load(file).map_err(|e| e.to_string())?,
+            None => LlamaConfig::tiny(),
+        };
         Ok(TrainConfig {
+            model,
             strategy: self.strategy,
             world_size: self.world_size,
             tp: self.tp,

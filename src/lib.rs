@@ -2,7 +2,8 @@
 //! [`comm`] (mesh, groups, engines, differentiable collectives), [`fsdp`] (fully sharded data
 //! parallelism), [`tp`] (tensor and sequence parallelism), [`describe`] (the contract a model
 //! implements, through the [`parallelize`] attribute macro), [`parallelizer`]
-//! (`parallelize_model` and its dispatch), [`models`] and [`train`].
+//! (`parallelize_model` and its dispatch), [`checkpoint`] (sharded training checkpoints that
+//! resume in any layout), [`models`] and [`train`].
 
 pub use burn_parallel_checkpoint as checkpoint;
 pub use burn_parallel_comm as comm;
