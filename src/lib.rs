@@ -5,6 +5,8 @@
 //! (`parallelize_model` and its dispatch), [`checkpoint`] (sharded training checkpoints that
 //! resume in any layout), [`models`] and [`train`].
 
+#![warn(missing_docs)]
+
 pub use burn_parallel_checkpoint as checkpoint;
 pub use burn_parallel_comm as comm;
 pub use burn_parallel_describe as describe;

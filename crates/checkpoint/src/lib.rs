@@ -58,6 +58,8 @@
 //!
 //! The directory must be visible to every rank (one node, or a shared filesystem).
 
+#![warn(missing_docs)]
+
 mod burn_optim;
 mod dirs;
 mod error;

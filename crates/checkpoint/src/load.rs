@@ -98,10 +98,12 @@ impl Checkpoint {
         Ok(Self { dir, meta })
     }
 
+    /// The checkpoint directory (resolved, for a save directory).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
+    /// The checked metadata.
     pub fn metadata(&self) -> &Metadata {
         &self.meta
     }

@@ -37,10 +37,15 @@ pub struct TrainingProgress {
 /// The mesh and strategy a checkpoint was saved under (informational: loading reshards to any).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SavedLayout {
+    /// Ranks that saved it.
     pub world_size: usize,
+    /// Size of the replicate (HSDP) mesh dimension.
     pub dp_replicate: usize,
+    /// Size of the FSDP shard mesh dimension.
     pub dp_shard: usize,
+    /// Size of the tensor-parallel mesh dimension.
     pub tp: usize,
+    /// The strategy's name (`Strategy::name`).
     pub strategy: String,
     /// The whole `DistributedConfig` (mixed-precision policy, plan, ...), as JSON.
     pub config: serde_json::Value,
@@ -62,6 +67,7 @@ pub struct OptimizerMeta {
 pub struct StoredRegion {
     /// The file (relative to the checkpoint directory) and the tensor's name in it.
     pub file: String,
+    /// The box of the tensor the file holds.
     #[serde(flatten)]
     pub region: Region,
     /// CRC32 of the region's bytes.
@@ -72,6 +78,7 @@ pub struct StoredRegion {
 /// (`optim/{name}/{path}`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorMeta {
+    /// The full (global) shape.
     pub shape: Vec<usize>,
     /// Safetensors' dtype name (`F32`, `BF16`, ...).
     pub dtype: String,
@@ -82,6 +89,7 @@ pub struct TensorMeta {
 /// One file of the checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileMeta {
+    /// Size in bytes.
     pub bytes: u64,
     /// CRC32 of the whole file.
     pub crc32: u32,
@@ -92,17 +100,23 @@ pub struct FileMeta {
 /// The whole metadata file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Metadata {
+    /// Always [`FORMAT_NAME`].
     pub format: String,
+    /// The format version it was written in ([`FORMAT_VERSION`]).
     pub format_version: u32,
     /// The version of burn-parallel-checkpoint that wrote it.
     pub crate_version: String,
+    /// Where training stood.
     pub progress: TrainingProgress,
+    /// The mesh and strategy it was saved under.
     pub layout: SavedLayout,
+    /// The optimizer whose state it holds (`None`: model only).
     pub optimizer: Option<OptimizerMeta>,
     /// Tensors by name, model parameters first in module order (`order`).
     pub tensors: BTreeMap<String, TensorMeta>,
     /// Model parameter paths in the saving model's module order.
     pub order: Vec<String>,
+    /// Files by name (relative to the checkpoint directory).
     pub files: BTreeMap<String, FileMeta>,
 }
 

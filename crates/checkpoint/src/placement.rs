@@ -18,6 +18,7 @@ use crate::region::Region;
 pub struct Placement {
     /// Burn's module path (`layers.0.mlp.up_proj.weight`): the tensor's name in a checkpoint.
     pub path: String,
+    /// The parameter's id in this model.
     pub id: ParamId,
     /// The full (unsharded) tensor's shape.
     pub global_shape: Vec<usize>,

@@ -6,7 +6,9 @@ use serde::{Deserialize, Serialize};
 /// A box of a tensor: `start[d] .. start[d] + shape[d]` along each dim `d`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Region {
+    /// The first index along each dim.
     pub start: Vec<usize>,
+    /// The length along each dim.
     pub shape: Vec<usize>,
 }
 
@@ -24,6 +26,7 @@ impl Region {
         self.shape.iter().product()
     }
 
+    /// Whether the box holds no element.
     pub fn is_empty(&self) -> bool {
         self.volume() == 0
     }

@@ -47,9 +47,15 @@ pub struct SaveOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SaveFault {
     /// It returns an error, and still tells the other ranks (a failed write).
-    Error { rank: usize },
+    Error {
+        /// The rank that fails.
+        rank: usize,
+    },
     /// It panics without telling anyone (a rank that dies): the others' next exchange fails.
-    Panic { rank: usize },
+    Panic {
+        /// The rank that panics.
+        rank: usize,
+    },
 }
 
 impl SaveFault {

@@ -26,8 +26,11 @@ pub struct ModelDescription {
 /// The head counts of one attention module, validated against the tp size.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeadCount {
+    /// Full path of the attention module.
     pub path: String,
+    /// Query heads, if declared.
     pub heads: Option<usize>,
+    /// Key/value heads, if declared.
     pub kv_heads: Option<usize>,
 }
 
@@ -35,23 +38,29 @@ pub struct HeadCount {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("the model provides no tp plan named `{name}` (it provides: {known})")]
 pub struct DescribeError {
+    /// The name asked for.
     pub name: String,
+    /// The names the model provides, comma-separated (`none` if it provides none).
     pub known: String,
 }
 
 impl ModelDescription {
+    /// Records an FSDP unit at `path`.
     pub fn add_unit(&mut self, path: &str) {
         self.units.push(path.to_string());
     }
 
+    /// Records a `Tp` field at `path` with its declared style.
     pub fn add_tp(&mut self, path: &str, style: ParallelStyle) {
         self.tp_entries.push((path.to_string(), style));
     }
 
+    /// Records a named plan declared by the struct at `path`.
     pub fn add_named_plan(&mut self, path: &str, plan: NamedPlan) {
         self.named_plans.push((path.to_string(), plan));
     }
 
+    /// Records the head counts of the attention module at `path`.
     pub fn add_heads(&mut self, path: &str, heads: Option<usize>, kv_heads: Option<usize>) {
         self.heads.push(HeadCount {
             path: path.to_string(),
@@ -60,6 +69,7 @@ impl ModelDescription {
         });
     }
 
+    /// Records an optional `Tp` module at `path` that this instance does not have.
     pub fn add_absent(&mut self, path: &str) {
         self.absent.push(path.to_string());
     }
@@ -123,8 +133,10 @@ impl ModelDescription {
 /// Rebuilds one FSDP unit (or any submodule) during [`Parallelize::map_units`]. Generic over the
 /// unit's type, so it cannot be a closure.
 pub trait UnitMap {
+    /// What a failed rebuild returns; [`Parallelize::map_units`] stops at the first.
     type Error;
 
+    /// The unit at `path`, rebuilt (e.g. sharded).
     fn unit<M: Module>(&mut self, path: &str, module: M) -> Result<M, Self::Error>;
 }
 

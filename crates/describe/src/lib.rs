@@ -9,6 +9,8 @@
 //!   plain and sequence-parallel variants; [`plan_name`] is the one place that reads the `-sp`
 //!   suffix of a plan name.
 
+#![warn(missing_docs)]
+
 mod describe;
 mod plan;
 

@@ -15,11 +15,14 @@ pub const SEQUENCE_PARALLEL_SUFFIX: &str = "-sp";
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct NamedPlan {
+    /// The name the plan is selected by (without the `-sp` suffix).
     pub name: &'static str,
+    /// Builds the plan: plain, or its sequence-parallel variant.
     pub build: fn(sequence_parallel: bool) -> TpPlan,
 }
 
 impl NamedPlan {
+    /// A plan named `name`, built by `build`.
     pub const fn new(name: &'static str, build: fn(bool) -> TpPlan) -> Self {
         Self { name, build }
     }

@@ -16,23 +16,25 @@ pub struct FsdpConfig {
     /// The group the parameters are sharded over (FSDP2's shard mesh dimension).
     pub group: ProcessGroup,
     /// HSDP: the group of replicas of this shard (`dp_replicate`). Gradients are
-    /// reduce-scattered within `group`, then all-reduced across replicas.
+    /// reduce-scattered within `group`, then all-reduced across replicas (default `None`).
     pub replicate_group: Option<ProcessGroup>,
     /// Drop gathered weights after forward and gather again in backward. Takes effect on a
     /// device with gradient checkpointing (`Device::autodiff().gradient_checkpointing()`);
-    /// otherwise the gathered weights are kept until backward.
+    /// otherwise the gathered weights are kept until backward (default `true`).
     pub reshard_after_forward: bool,
+    /// The dtypes units compute, reduce and output in (default: all the shards' own).
     pub mixed_precision: MixedPrecisionPolicy,
     /// Shards, gradients and optimizer step on a host device (`None`: on the compute device).
     pub offload: Option<OffloadPolicy>,
     /// How many units after the computing one [`forward_units`](crate::forward_units) keeps
-    /// gathering (FSDP2's forward prefetch; 0: none).
+    /// gathering (FSDP2's forward prefetch; 0: none; default 1).
     pub forward_prefetch_depth: usize,
     sync: Arc<AtomicBool>,
     memory: MemoryTracker,
 }
 
 impl FsdpConfig {
+    /// FSDP over `group`: reshard after forward, no mixed precision or offload, prefetch 1.
     pub fn new(group: ProcessGroup) -> Self {
         Self {
             group,
@@ -77,11 +79,14 @@ impl FsdpConfig {
         &self.memory
     }
 
+    /// Computes, reduces and outputs in the dtypes of `policy`.
     pub fn mixed_precision(mut self, policy: MixedPrecisionPolicy) -> Self {
         self.mixed_precision = policy;
         self
     }
 
+    /// Whether to drop gathered weights after forward and gather again in backward (default
+    /// `true`; see the field of the same name).
     pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
         self.reshard_after_forward = reshard;
         self

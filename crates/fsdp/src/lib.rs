@@ -49,6 +49,8 @@
 //! Every rank builds its own module (an autodiff tensor shared between rank threads joins
 //! their graphs); build it from the same seeds or record on each rank, then shard it.
 
+#![warn(missing_docs)]
+
 mod clip;
 mod config;
 mod error;

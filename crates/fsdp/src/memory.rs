@@ -57,17 +57,23 @@ pub enum MemoryKind {
 /// Bytes of model state by kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ModelStateBytes {
+    /// Stored parameters (this rank's shards under FSDP).
     pub params: usize,
+    /// All-gathered weights (and the unsharded gradients they stand for until reduced).
     pub gathered: usize,
+    /// Gradient shards and deferred-sync accumulators.
     pub grads: usize,
+    /// Optimizer state.
     pub optimizer: usize,
 }
 
 impl ModelStateBytes {
+    /// The sum of all kinds.
     pub fn total(&self) -> usize {
         self.params + self.gathered + self.grads + self.optimizer
     }
 
+    /// The bytes of one kind.
     pub fn get(&self, kind: MemoryKind) -> usize {
         match kind {
             MemoryKind::Params => self.params,
@@ -90,6 +96,7 @@ impl ModelStateBytes {
 /// This rank's model-state bytes: now, the peak of each kind, and the peak of their sum.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemoryReport {
+    /// The bytes alive now.
     pub current: ModelStateBytes,
     /// Each kind's own peak (reached at different times).
     pub peak: ModelStateBytes,
@@ -183,6 +190,7 @@ impl std::fmt::Debug for MemoryTracker {
 }
 
 impl MemoryTracker {
+    /// Fresh counters, all at zero.
     pub fn new() -> Self {
         Self::default()
     }

@@ -12,10 +12,12 @@ use burn::tensor::{Device, Tensor};
 /// optimizer's state and update are on the host.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OffloadPolicy {
+    /// The device shards, their gradients and the optimizer state live on.
     pub host: Device,
 }
 
 impl OffloadPolicy {
+    /// Offload to `host`.
     pub fn new(host: Device) -> Self {
         Self { host }
     }

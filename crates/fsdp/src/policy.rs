@@ -9,7 +9,9 @@ use crate::error::FsdpError;
 /// PyTorch's defaults are all `None`; NeMo's are bf16 params with f32 reduction.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct MixedPrecisionPolicy {
+    /// The dtype weights are gathered and computed in.
     pub param_dtype: Option<FloatDType>,
+    /// The dtype gradients are reduce-scattered (and all-reduced) in.
     pub reduce_dtype: Option<FloatDType>,
     /// The dtype each unit's output takes: `forward_units` casts every unit's output (FSDP2
     /// casts each sharded module's), `cast_output` any other value.

@@ -21,9 +21,13 @@ use crate::state::{ParamState, UnitState};
 /// parameter's dtype.
 #[derive(Debug, Clone)]
 pub struct RowRequest<'a> {
+    /// Burn's module path of the parameter.
     pub path: &'a str,
+    /// The parameter's id.
     pub id: ParamId,
+    /// The full (unsharded) shape.
     pub shape: &'a [usize],
+    /// The rows (along dim 0) this rank stores.
     pub rows: Range<usize>,
 }
 

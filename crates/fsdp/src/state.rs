@@ -54,14 +54,17 @@ impl UnitState {
         &self.group
     }
 
+    /// Under HSDP, the group of replicas gradients are all-reduced across (`None`: plain FSDP).
     pub fn replicate_group(&self) -> Option<&ProcessGroup> {
         self.replicate_group.as_ref()
     }
 
+    /// Whether gathered weights are dropped after forward and gathered again in backward.
     pub fn reshard_after_forward(&self) -> bool {
         self.reshard_after_forward
     }
 
+    /// The dtypes the unit computes, reduces and outputs in.
     pub fn mixed_precision(&self) -> &MixedPrecisionPolicy {
         &self.policy
     }
@@ -110,6 +113,7 @@ impl ParamState {
         }
     }
 
+    /// The id of the parameter this state shards.
     pub fn id(&self) -> ParamId {
         self.id
     }
@@ -134,6 +138,7 @@ impl ParamState {
         self.global_shape[1..].iter().product()
     }
 
+    /// The unit the parameter was sharded in.
     pub fn unit(&self) -> &Arc<UnitState> {
         &self.unit
     }

@@ -15,6 +15,8 @@
 //! }
 //! ```
 
+#![warn(missing_docs)]
+
 mod args;
 mod codegen;
 mod field;
@@ -27,6 +29,9 @@ use syn::{Data, DeriveInput, Fields, parse_macro_input};
 
 use crate::field::{FieldSpec, strip_field_attrs};
 
+/// Implements `Parallelize` and `TpModule` for a struct with named fields. Arguments:
+/// `plan = PLAN` (a `NamedPlan` constant), `sidecar = Type`. Field attributes: `#[tp(STYLE)]`
+/// or `#[tp(STYLE(DIM))]`, `#[tp(heads)]`, `#[tp(kv_heads)]`, `#[nested]`, `#[fsdp(unit)]`.
 #[proc_macro_attribute]
 pub fn parallelize(attr: TokenStream, item: TokenStream) -> TokenStream {
     let mut input = parse_macro_input!(item as DeriveInput);

@@ -10,20 +10,35 @@ use crate::error::ModelError;
 /// The architecture of a Llama. Field names are Hugging Face's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
+    /// Tokens in the vocabulary.
     pub vocab_size: usize,
+    /// Width of the residual stream.
     pub hidden_size: usize,
+    /// Width of the MLP's hidden layer.
     pub intermediate_size: usize,
+    /// Decoder layers.
     pub num_hidden_layers: usize,
+    /// Query heads.
     pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention; defaults to `num_attention_heads`).
     pub num_key_value_heads: usize,
+    /// Dims per head (defaults to `hidden_size / num_attention_heads`).
     pub head_dim: usize,
+    /// RMSNorm's epsilon (default 1e-6).
     pub rms_norm_eps: f64,
+    /// Base of the rotary frequencies (default 10000).
     pub rope_theta: f64,
+    /// Rotary frequency scaling (`None`: the default rope).
     pub rope_scaling: Option<RopeScaling>,
+    /// Longest context the model was trained for (kept for the written config; default 2048).
     pub max_position_embeddings: usize,
+    /// Whether the LM head reuses the embedding table (default `false`).
     pub tie_word_embeddings: bool,
+    /// Whether the attention projections have biases (default `false`).
     pub attention_bias: bool,
+    /// Whether the MLP projections have biases (default `false`).
     pub mlp_bias: bool,
+    /// Standard deviation of the normal initial weights (default 0.02).
     pub initializer_range: f64,
     /// The dtype the checkpoint was saved in (`torch_dtype` / `dtype`), if given.
     pub dtype: Option<String>,
@@ -33,12 +48,20 @@ pub struct LlamaConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum RopeScaling {
     /// Positions divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
     /// Llama 3.1's band-wise scaling.
     Llama3 {
+        /// What low frequencies are divided by.
         factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are scaled fully (default 1).
         low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` are kept (default 4); between the
+        /// two bands the scaling is interpolated.
         high_freq_factor: f64,
+        /// The context length the model was pre-trained with (default 8192).
         original_max_position_embeddings: f64,
     },
 }

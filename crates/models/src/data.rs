@@ -21,9 +21,13 @@ pub struct TokenData {
 /// `[rows, seq_len]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
+    /// Rows (samples) in the batch.
     pub rows: usize,
+    /// Tokens per row.
     pub seq_len: usize,
+    /// Input ids, `rows * seq_len`.
     pub inputs: Vec<i64>,
+    /// Target ids: each input's next token, `rows * seq_len`.
     pub targets: Vec<i64>,
 }
 
@@ -98,18 +102,22 @@ impl TokenData {
         Self::new(tokens, vocab, seq_len, "<synthetic>")
     }
 
+    /// Where the tokens came from (`<synthetic>` for the synthetic corpus).
     pub fn source(&self) -> &Path {
         &self.source
     }
 
+    /// Tokens per sample.
     pub fn seq_len(&self) -> usize {
         self.seq_len
     }
 
+    /// Tokens in the stream.
     pub fn num_tokens(&self) -> usize {
         self.tokens.len()
     }
 
+    /// Whole samples in the stream: `(num_tokens - 1) / seq_len`.
     pub fn num_samples(&self) -> usize {
         (self.tokens.len() - 1) / self.seq_len
     }

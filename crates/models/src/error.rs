@@ -2,37 +2,82 @@
 
 use std::path::PathBuf;
 
+/// Errors of the models crate: configs, Hugging Face checkpoints, token data, and the
+/// parallel errors a model's forward or gather returns.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// A file or directory could not be read (also used when writing one fails).
     #[error("cannot read {path}: {source}")]
     Io {
+        /// The file or directory.
         path: PathBuf,
+        /// The I/O error.
         source: std::io::Error,
     },
+    /// `config.json` is not JSON, misses a required key, or holds inconsistent sizes.
     #[error("{path} is not a valid Llama config.json: {reason}")]
-    BadConfig { path: PathBuf, reason: String },
+    BadConfig {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The config's `model_type` or `architectures` names a model other than Llama.
     #[error(
         "{what} is not a Llama model ({found}); only LlamaForCausalLM checkpoints are supported"
     )]
-    NotLlama { what: &'static str, found: String },
+    NotLlama {
+        /// The key (`model_type` or `architectures`).
+        what: &'static str,
+        /// Its value.
+        found: String,
+    },
+    /// The config asks for something this Llama does not compute (an activation other than
+    /// SiLU, an unknown rope type).
     #[error("unsupported Llama config: {0}")]
     Unsupported(String),
+    /// A Hugging Face checkpoint cannot be read or written (a bad index or header, an
+    /// unsupported dtype, a size that does not add up, ...).
     #[error("checkpoint {path}: {reason}")]
-    Checkpoint { path: PathBuf, reason: String },
+    Checkpoint {
+        /// The file or directory.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The checkpoint lacks a tensor the config needs.
     #[error("checkpoint has no tensor `{name}` (looked in {dir})")]
-    MissingTensor { name: String, dir: PathBuf },
+    MissingTensor {
+        /// Hugging Face name of the tensor.
+        name: String,
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// A tensor's shape is not the one the config gives it.
     #[error("tensor `{name}` has shape {found:?}, the config needs {expected:?}")]
     ShapeMismatch {
+        /// Hugging Face name of the tensor.
         name: String,
+        /// Its shape in the source.
         found: Vec<usize>,
+        /// The shape the config needs.
         expected: Vec<usize>,
     },
+    /// A token file is unreadable, too short, or holds ids outside the vocabulary.
     #[error("token data {path}: {reason}")]
-    Data { path: PathBuf, reason: String },
+    Data {
+        /// The token file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Tensor parallelism failed (a collective in the forward, a plan).
     #[error(transparent)]
     Tp(#[from] burn_parallel_tp::TpError),
+    /// FSDP failed (gathering the full model, a collective).
     #[error(transparent)]
     Fsdp(#[from] burn_parallel_fsdp::FsdpError),
+    /// A tp plan name the model does not provide.
     #[error(transparent)]
     Plan(#[from] burn_parallel_describe::DescribeError),
 }

@@ -13,8 +13,11 @@ use crate::error::ModelError;
 pub enum ParamKind {
     /// A Linear weight: Burn `[in, out]`, Hugging Face `[out, in]`.
     LinearWeight,
+    /// A bias (zero-initialized).
     Bias,
+    /// An embedding table, `[vocab, hidden]` in both layouts.
     Embedding,
+    /// A norm's scale (initialized to one).
     Norm,
 }
 
@@ -26,6 +29,7 @@ pub type DeferredRead = Box<dyn FnOnce() -> ParamValue + Send + Sync>;
 
 /// Gives each parameter its value, by Hugging Face name, in Burn's layout (`shape`).
 pub trait TensorSource {
+    /// The value of parameter `name`, now.
     fn tensor(&mut self, name: &str, shape: &[usize], kind: ParamKind) -> ParamValue;
 
     /// A source that defers returns how to read the parameter later (the model then holds a
@@ -46,11 +50,14 @@ pub trait TensorSource {
 /// norms), each parameter drawn from its own seed (the base seed and its name).
 #[derive(Debug, Clone)]
 pub struct SeededInit {
+    /// The base seed, mixed with each parameter's name.
     pub seed: u64,
+    /// Standard deviation of the normal weights.
     pub std: f64,
 }
 
 impl SeededInit {
+    /// `config`'s initialisation (its `initializer_range`) from `seed`.
     pub fn new(config: &LlamaConfig, seed: u64) -> Self {
         Self {
             seed,

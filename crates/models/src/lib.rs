@@ -9,6 +9,8 @@
 //!   in the Hugging Face layout.
 //! - [`data`]: nanoGPT-style u16 token files, the batch convention, a synthetic corpus.
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 mod config;
 pub mod data;

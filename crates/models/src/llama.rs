@@ -18,12 +18,15 @@ use crate::init::{ParamKind, SeededInit, TensorSource};
 /// Root-mean-square norm, computed in f32 whatever the activation dtype (as transformers).
 #[derive(Module, Debug)]
 pub struct RmsNorm {
+    /// Per-feature scale, `[hidden]`.
     pub weight: Param<Tensor<1>>,
+    /// Added to the mean square before the square root.
     #[module(skip)]
     pub eps: f64,
 }
 
 impl RmsNorm {
+    /// `x / rms(x) * weight` over the last dim, in `x`'s dtype.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         let dtype = x.dtype();
         let x = x.cast(FloatDType::F32);
@@ -49,6 +52,7 @@ pub struct Rope {
 }
 
 impl Rope {
+    /// The frequencies of `config`'s `head_dim`, `rope_theta` and `rope_scaling`.
     pub fn new(config: &LlamaConfig) -> Self {
         let dim = config.head_dim;
         let mut inv_freq: Vec<f64> = (0..dim / 2)
@@ -118,21 +122,30 @@ impl Rope {
 #[parallelize]
 #[derive(Module, Debug)]
 pub struct Attention {
+    /// Query projection, `hidden -> heads * head_dim`.
     pub q_proj: Tp<Linear>,
+    /// Key projection, `hidden -> kv_heads * head_dim`.
     pub k_proj: Tp<Linear>,
+    /// Value projection, `hidden -> kv_heads * head_dim`.
     pub v_proj: Tp<Linear>,
+    /// Output projection, `heads * head_dim -> hidden`.
     pub o_proj: Tp<Linear>,
+    /// Query heads.
     #[module(skip)]
     #[tp(heads)]
     pub heads: usize,
+    /// Key/value heads (each shared by `heads / kv_heads` query heads).
     #[module(skip)]
     #[tp(kv_heads)]
     pub kv_heads: usize,
+    /// Dims per head.
     #[module(skip)]
     pub head_dim: usize,
 }
 
 impl Attention {
+    /// Attention over `x` `[batch, seq, hidden]`, with the rotary `cos`/`sin` of
+    /// [`Rope::cos_sin`].
     pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
         // q, k and v read the same input: one input collective serves the three.
         let [q, k, v] = forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj])
@@ -187,12 +200,16 @@ fn causal_mask(s: usize, device: &Device) -> Tensor<4> {
 #[parallelize]
 #[derive(Module, Debug)]
 pub struct Mlp {
+    /// Gate projection, `hidden -> intermediate`.
     pub gate_proj: Tp<Linear>,
+    /// Up projection, `hidden -> intermediate`.
     pub up_proj: Tp<Linear>,
+    /// Down projection, `intermediate -> hidden`.
     pub down_proj: Tp<Linear>,
 }
 
 impl Mlp {
+    /// The MLP of `x` `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // gate and up read the same input: one input collective serves both.
         let [gate, up] =
@@ -201,13 +218,18 @@ impl Mlp {
     }
 }
 
+/// One pre-norm decoder layer: `h = x + attn(norm(x))`, then `h + mlp(norm(h))`.
 #[parallelize]
 #[derive(Module, Debug)]
 pub struct DecoderLayer {
+    /// The norm before attention.
     pub input_layernorm: Tp<RmsNorm>,
+    /// Self-attention.
     #[nested]
     pub self_attn: Attention,
+    /// The norm before the MLP.
     pub post_attention_layernorm: Tp<RmsNorm>,
+    /// The SwiGLU MLP.
     #[nested]
     pub mlp: Mlp,
 }
@@ -218,6 +240,7 @@ fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
 }
 
 impl DecoderLayer {
+    /// The layer on `x` `[batch, seq, hidden]`, with the rotary `cos`/`sin`.
     pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
         let h = x.clone()
             + self
@@ -232,14 +255,20 @@ impl DecoderLayer {
 #[parallelize(plan = crate::plan::LLAMA_PLAN)]
 #[derive(Module, Debug)]
 pub struct Llama {
+    /// The token embedding table, `[vocab, hidden]`.
     pub embed_tokens: Tp<Embedding>,
+    /// The decoder layers, each an FSDP unit.
     #[nested]
     #[fsdp(unit)]
     pub layers: Vec<DecoderLayer>,
+    /// The final norm.
     pub norm: Tp<RmsNorm>,
+    /// The LM head, `hidden -> vocab` (`None`: tied to `embed_tokens`).
     pub lm_head: Option<Tp<Linear>>,
+    /// The config the model was built from.
     #[module(skip)]
     pub config: LlamaConfig,
+    /// The rotary frequencies.
     #[module(skip)]
     pub rope: Rope,
 }
@@ -426,6 +455,8 @@ impl Llama {
         self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// As [`forward`](Self::forward), returning the embedding's and the LM head's
+    /// tensor-parallel errors (the decoder layers panic on theirs).
     pub fn try_forward(&self, ids: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
         let seq = ids.dims()[1];
         let x = self.embed_tokens.try_forward(ids)?;

@@ -91,10 +91,13 @@ impl std::str::FromStr for Strategy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
+    /// 32-bit float (`f32`, `float32`, `fp32`).
     #[serde(alias = "float32", alias = "fp32")]
     F32,
+    /// bfloat16 (`bf16`, `bfloat16`).
     #[serde(alias = "bfloat16")]
     Bf16,
+    /// IEEE half precision (`f16`, `float16`, `fp16`, `half`).
     #[serde(alias = "float16", alias = "fp16", alias = "half")]
     F16,
 }
@@ -120,12 +123,16 @@ impl From<Dtype> for FloatDType {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct MixedPrecisionConfig {
+    /// The dtype weights are gathered and computed in (default `None`: the model's own).
     #[serde(with = "optional_dtype")]
     pub param_dtype: Option<Dtype>,
+    /// The dtype gradients are reduced in (default `None`: the model's own).
     #[serde(with = "optional_dtype")]
     pub reduce_dtype: Option<Dtype>,
+    /// The dtype each FSDP unit's output is cast to (default `None`: left as computed).
     #[serde(with = "optional_dtype")]
     pub output_dtype: Option<Dtype>,
+    /// Whether each unit's input is cast to `param_dtype` (default `false`).
     pub cast_forward_inputs: bool,
 }
 
@@ -187,6 +194,7 @@ impl MixedPrecisionConfig {
         casts(self.param_dtype) || casts(self.reduce_dtype) || casts(self.output_dtype)
     }
 
+    /// The FSDP policy this config stands for.
     pub fn policy(&self) -> MixedPrecisionPolicy {
         MixedPrecisionPolicy {
             param_dtype: self.param_dtype.map(Into::into),
@@ -203,6 +211,7 @@ impl MixedPrecisionConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct OffloadConfig {
+    /// Keep shards, their gradients and the optimizer step on the host (default `false`).
     pub offload_params: bool,
 }
 
@@ -210,7 +219,11 @@ pub struct OffloadConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum TpShardPlan {
+    /// A plan the model provides by name (`llama`, or `llama-sp` for its sequence-parallel
+    /// variant).
     Named(String),
+    /// Module path pattern (with `*`) to style name (`colwise`, `rowwise`, ...; see
+    /// [`style_by_name`]).
     Map(BTreeMap<String, String>),
 }
 
@@ -218,8 +231,11 @@ pub enum TpShardPlan {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MeshNames {
+    /// The replicate (HSDP) dimension (default `dp_replicate`).
     pub dp_replicate: String,
+    /// The FSDP shard dimension (default `dp_shard_cp`).
     pub dp_shard: String,
+    /// The tensor-parallel dimension (default `tp`).
     pub tp: String,
 }
 
@@ -237,42 +253,60 @@ impl Default for MeshNames {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DistributedConfig {
+    /// How the model and batch are spread over the ranks (default `fsdp2`).
     pub strategy: Strategy,
-    /// The number of ranks the job expects; checked against the world when set.
+    /// The number of ranks the job expects; checked against the world when set (default
+    /// `None`: not checked).
     pub world_size: Option<usize>,
-    /// Data-parallel shard size; inferred as `world / (dp_replicate * tp * cp)` when unset.
+    /// Data-parallel shard size; inferred as `world / (dp_replicate * tp * cp)` when unset (the
+    /// default).
     pub dp_size: Option<usize>,
+    /// HSDP replicas, each sharding the model over dp_shard (default 1: plain FSDP).
     pub dp_replicate_size: usize,
+    /// Tensor-parallel ranks (default 1: none; under `tp`, 1 means every rank).
     pub tp_size: usize,
+    /// Context-parallel ranks (default 1; more is not supported).
     pub cp_size: usize,
+    /// Expert-parallel ranks (default 1; more is not supported).
     pub ep_size: usize,
+    /// The mesh dimension names (default NeMo's: `dp_replicate`, `dp_shard_cp`, `tp`).
     pub mesh_names: MeshNames,
+    /// Shard activations along the sequence between tensor-parallel regions (default `false`;
+    /// needs more than one tp rank).
     pub sequence_parallel: bool,
+    /// Full-layer activation checkpointing: recompute activations in backward (default
+    /// `false`; needs a gradient-checkpointing device).
     pub activation_checkpointing: bool,
+    /// What activation checkpointing covers (default `"all"`, the only one supported).
     pub activation_checkpointing_scope: String,
+    /// The mixed-precision policy (default: no casts).
     pub mp_policy: MixedPrecisionConfig,
+    /// CPU offload of shards, gradients and the optimizer step (default `None`: off).
     pub offload_policy: Option<OffloadConfig>,
+    /// A TP plan replacing the one the model declares (default `None`: the model's own).
     pub tp_shard_plan: Option<TpShardPlan>,
-    /// `None`: NeMo's policy, every unit but the last reshards and the root never does.
+    /// `None` (the default): NeMo's policy, every unit but the last reshards and the root never
+    /// does.
     pub reshard_after_forward: Option<bool>,
-    /// Forward prefetch on (`fsdp2_forward_prefetch_depth` units) or off.
+    /// Forward prefetch on (`fsdp2_forward_prefetch_depth` units) or off (default on).
     pub enable_fsdp2_prefetch: bool,
-    /// Units whose all-gather is in flight ahead of the one computing (`fsdp::forward_units`).
+    /// Units whose all-gather is in flight ahead of the one computing (`fsdp::forward_units`;
+    /// default 1).
     pub fsdp2_forward_prefetch_depth: usize,
     /// Not supported: Burn 0.22's backward has no hooks to issue a unit's gather ahead of its
     /// backward (a resharded unit is gathered again when backward first needs it). Setting it
-    /// is an error; leave it out.
+    /// is an error; leave it out (default `None`).
     pub fsdp2_backward_prefetch_depth: Option<usize>,
-    /// Not supported (an error when true): the CPU backends have no kernel fusion, and the
-    /// CUDA build does not include Burn's fusion.
+    /// Not supported (an error when true; default `false`): the CPU backends have no kernel
+    /// fusion, and the CUDA build does not include Burn's fusion.
     pub enable_compile: bool,
-    /// Not supported (an error when true).
+    /// Not supported (an error when true; default `false`).
     pub enable_async_tensor_parallel: bool,
     /// With `true` (the default), `MeshContext::set_requires_gradient_sync(false)` around the
     /// micro-steps of gradient accumulation keeps FSDP from reducing until the synced step;
     /// with `false` every micro-step reduces its gradients (the switch is ignored).
     pub defer_fsdp_grad_sync: bool,
-    /// DDP all-reduce bucket size in MiB (PyTorch DDP's `bucket_cap_mb`).
+    /// DDP all-reduce bucket size in MiB (PyTorch DDP's `bucket_cap_mb`; default 25).
     pub ddp_bucket_cap_mb: f64,
 }
 
@@ -308,8 +342,11 @@ impl Default for DistributedConfig {
 /// The sizes of the mesh a config asks for: `dp_replicate x dp_shard x tp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MeshSizes {
+    /// HSDP replicas.
     pub dp_replicate: usize,
+    /// Ranks the parameters are sharded over.
     pub dp_shard: usize,
+    /// Tensor-parallel ranks.
     pub tp: usize,
 }
 

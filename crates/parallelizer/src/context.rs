@@ -84,18 +84,22 @@ impl MeshContext {
         })
     }
 
+    /// The validated config the context was built from.
     pub fn config(&self) -> &DistributedConfig {
         &self.config
     }
 
+    /// The mesh sizes the config resolved to.
     pub fn sizes(&self) -> MeshSizes {
         self.sizes
     }
 
+    /// The config's strategy.
     pub fn strategy(&self) -> Strategy {
         self.config.strategy
     }
 
+    /// The device mesh, with the flattened `dp` and `world` dimensions.
     pub fn mesh(&self) -> &DeviceMesh {
         &self.mesh
     }
@@ -139,10 +143,12 @@ impl MeshContext {
         self.checkpointing
     }
 
+    /// This rank's global index.
     pub fn rank(&self) -> usize {
         self.mesh.rank()
     }
 
+    /// The number of ranks in the mesh.
     pub fn world_size(&self) -> usize {
         self.mesh.shape().size()
     }
@@ -187,6 +193,7 @@ impl MeshContext {
         }
     }
 
+    /// The tensor-parallel group (size 1 without tensor parallelism).
     pub fn tp_group(&self) -> &ProcessGroup {
         self.group(&self.config.mesh_names.tp)
     }
@@ -196,6 +203,7 @@ impl MeshContext {
         self.dp_group().index()
     }
 
+    /// The number of data-parallel ranks: replicas x shards.
     pub fn dp_size(&self) -> usize {
         self.sizes.dp_replicate * self.sizes.dp_shard
     }
@@ -213,10 +221,12 @@ pub struct LocalRows {
 }
 
 impl LocalRows {
+    /// The number of rows this rank takes.
     pub fn len(&self) -> usize {
         self.rows.len()
     }
 
+    /// Whether this rank takes no rows (a global batch smaller than `dp`).
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
     }

@@ -11,12 +11,16 @@ pub enum ParallelError {
     /// A strategy or option that exists in the reference systems but not here yet.
     #[error("{0} is not yet supported")]
     NotSupported(String),
+    /// Applying tensor parallelism failed.
     #[error("tensor parallel: {0}")]
     Tp(#[from] TpError),
+    /// Fully sharding a unit failed.
     #[error("fsdp: {0}")]
     Fsdp(#[from] FsdpError),
+    /// The device mesh could not be built.
     #[error("mesh: {0}")]
     Mesh(#[from] MeshError),
+    /// A collective (a DDP all-reduce, the replica check, ...) failed.
     #[error("collective: {0}")]
     Collective(#[from] CollectiveError),
     /// A rank built different initial weights than rank 0.
@@ -25,8 +29,18 @@ pub enum ParallelError {
          `{param}`): build the model on every rank from the same seeds or checkpoint (Burn's \
          random initializers are not reproducible across rank threads)"
     )]
-    ReplicasDiffer { rank: usize, param: String },
+    ReplicasDiffer {
+        /// The rank whose weights differ.
+        rank: usize,
+        /// Path of the first parameter that differs.
+        param: String,
+    },
     /// A config file that could not be read or parsed.
     #[error("config file {path}: {message}")]
-    ConfigFile { path: String, message: String },
+    ConfigFile {
+        /// The file.
+        path: String,
+        /// Why it could not be read, parsed or written.
+        message: String,
+    },
 }

@@ -14,6 +14,8 @@
 //! the prefetch depth the config sets) or `fsdp::with_gathered_unit`, so each unit gathers with
 //! one collective: Burn has no forward hooks to do it behind the model's back.
 
+#![warn(missing_docs)]
+
 mod agree;
 mod config;
 mod context;

@@ -3,9 +3,12 @@
 
 use crate::error::TpError;
 
+/// The head counts one rank runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LocalHeads {
+    /// Query heads: `num_heads / tp`.
     pub heads: usize,
+    /// Key/value heads: `num_kv_heads / tp`.
     pub kv_heads: usize,
 }
 

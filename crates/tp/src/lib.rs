@@ -51,6 +51,8 @@
 //! model.sync_tp_grads(&mut grads)?; // sequence parallel: replicated params' partial grads
 //! ```
 
+#![warn(missing_docs)]
+
 mod error;
 mod grads;
 mod heads;

@@ -20,15 +20,18 @@ pub struct TpPlan {
 }
 
 impl TpPlan {
+    /// An empty plan.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Appends an entry: modules whose path matches `pattern` (with `*`) get `style`.
     pub fn with(mut self, pattern: impl Into<String>, style: ParallelStyle) -> Self {
         self.entries.push((pattern.into(), style));
         self
     }
 
+    /// The entries, in the order they are tried.
     pub fn entries(&self) -> &[(String, ParallelStyle)] {
         &self.entries
     }
@@ -46,6 +49,7 @@ pub struct TpReport {
 }
 
 impl TpReport {
+    /// Whether every entry matched and every `Tp` module was covered.
     pub fn is_complete(&self) -> bool {
         self.unmatched_entries.is_empty() && self.uncovered_modules.is_empty()
     }
@@ -72,6 +76,7 @@ pub struct TpApplier<'a> {
 }
 
 impl<'a> TpApplier<'a> {
+    /// Applies `plan` over the tp `group`, reducing gradients in their own dtype.
     pub fn new(plan: &'a TpPlan, group: &ProcessGroup) -> Self {
         Self {
             plan,
@@ -89,6 +94,7 @@ impl<'a> TpApplier<'a> {
         self
     }
 
+    /// The tp group the modules are sharded over.
     pub fn group(&self) -> &ProcessGroup {
         &self.group
     }
@@ -114,6 +120,7 @@ impl<'a> TpApplier<'a> {
         }
     }
 
+    /// The report, with the entries that matched no module.
     pub fn finish(mut self) -> TpReport {
         self.report.unmatched_entries = self
             .plan
@@ -140,6 +147,7 @@ pub fn child_path(parent: &str, name: &str) -> String {
 /// `Vec`, `Option`; a user struct implements it by calling each field with
 /// `child_path(path, "field")` (a derive comes later).
 pub trait TpModule: Sized {
+    /// Shards every `Tp` field under `path` with the style the plan gives it.
     fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError>;
 
     /// All-reduces, over each module's tp group, the partial gradients of replicated

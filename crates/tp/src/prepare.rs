@@ -23,7 +23,9 @@ use crate::style::Layout;
 /// A layout conversion at a module boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Redistribute {
+    /// The layout the activation arrives in.
     pub from: Layout,
+    /// The layout it is converted to.
     pub to: Layout,
 }
 
@@ -33,6 +35,7 @@ pub type PrepareModuleInput = Redistribute;
 pub type PrepareModuleOutput = Redistribute;
 
 impl Redistribute {
+    /// A conversion from `from` to `to`.
     pub fn new(from: Layout, to: Layout) -> Self {
         Self { from, to }
     }

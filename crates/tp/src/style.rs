@@ -11,7 +11,10 @@ pub enum Layout {
     /// Split on the last (feature) dim: the output of a colwise layer.
     Sharded,
     /// Split on a sequence dim (pad-to-ceil chunks): the sequence-parallel region.
-    SequenceSharded { dim: usize },
+    SequenceSharded {
+        /// The sequence dim.
+        dim: usize,
+    },
 }
 
 /// How a module takes part in tensor parallelism.
@@ -20,17 +23,31 @@ pub enum ParallelStyle {
     /// Weight split on the output features. Input: `Replicated` (backward all-reduces its
     /// gradient) or `SequenceSharded` (all-gathered first). Output: `Sharded` or
     /// `Replicated` (gathered).
-    Colwise { input: Layout, output: Layout },
+    Colwise {
+        /// Layout of the input.
+        input: Layout,
+        /// Layout of the output.
+        output: Layout,
+    },
     /// Weight split on the input features (an Embedding: on the vocab, masked lookup).
     /// Input: `Sharded` or `Replicated` (split here). Output: `Replicated` (all-reduce) or
     /// `SequenceSharded` (reduce-scatter). A bias is added once, after the reduction.
-    Rowwise { input: Layout, output: Layout },
+    Rowwise {
+        /// Layout of the input.
+        input: Layout,
+        /// Layout of the output.
+        output: Layout,
+    },
     /// Norm-like module run on a sequence-sharded activation; its replicated parameters
     /// get partial gradients, summed over the group by `sync_tp_grads`.
-    Sequence { dim: usize },
+    Sequence {
+        /// The sequence dim the activation is split on.
+        dim: usize,
+    },
 }
 
 impl ParallelStyle {
+    /// Colwise on a replicated input, with a feature-sharded output (for a rowwise layer next).
     pub fn colwise() -> Self {
         Self::Colwise {
             input: Layout::Replicated,
@@ -54,6 +71,7 @@ impl ParallelStyle {
         }
     }
 
+    /// Rowwise on a feature-sharded input (a colwise output), all-reduced to a replicated output.
     pub fn rowwise() -> Self {
         Self::Rowwise {
             input: Layout::Sharded,
@@ -93,6 +111,7 @@ impl ParallelStyle {
         }
     }
 
+    /// A norm-like module run on an activation sequence-sharded on `dim`.
     pub fn sequence_parallel(dim: usize) -> Self {
         Self::Sequence { dim }
     }

@@ -20,7 +20,9 @@ use crate::style::{Layout, ParallelStyle};
 /// The style a `Tp` runs under, with its group and this rank's shard.
 #[derive(Debug, Clone)]
 pub struct Sharding {
+    /// The style the module was sharded with.
     pub style: ParallelStyle,
+    /// The tp group its collectives run over.
     pub group: ProcessGroup,
     /// Module path, for errors.
     pub path: String,
@@ -36,7 +38,9 @@ pub struct Sharding {
 /// `spec.range` of `spec.full`). What a sharded checkpoint needs to place the shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SplitParam {
+    /// The parameter's id.
     pub id: ParamId,
+    /// The dim that is split.
     pub dim: usize,
 }
 
@@ -49,6 +53,7 @@ pub struct Tp<M> {
 }
 
 impl<M> Tp<M> {
+    /// `inner`, not sharded yet: it runs as `inner` until a style is applied.
     pub fn new(inner: M) -> Self {
         Self {
             inner,
@@ -56,18 +61,22 @@ impl<M> Tp<M> {
         }
     }
 
+    /// The wrapped module (this rank's shard once sharded).
     pub fn inner(&self) -> &M {
         &self.inner
     }
 
+    /// The wrapped module, without the sharding (see [`TpLayer::unshard`] for the whole one).
     pub fn into_inner(self) -> M {
         self.inner
     }
 
+    /// The style, group and shard, once sharded.
     pub fn sharding(&self) -> Option<&Sharding> {
         self.sharding.as_ref()
     }
 
+    /// The style it was sharded with (`None`: not sharded).
     pub fn style(&self) -> Option<ParallelStyle> {
         self.sharding.as_ref().map(|s| s.style)
     }
@@ -339,6 +348,7 @@ impl Tp<Embedding> {
         s.leave(partial)
     }
 
+    /// As [`try_forward`](Self::try_forward); a failed collective panics.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
     }

@@ -13,13 +13,17 @@ use burn_parallel_parallelizer::Strategy;
 use crate::error::TrainError;
 
 macro_rules! named_enum {
-    ($(#[$m:meta])* $name:ident { $($variant:ident = $text:literal),+ $(,)? }) => {
+    ($(#[$m:meta])* $name:ident {
+        $($(#[$vm:meta])* $variant:ident = $text:literal),+ $(,)?
+    }) => {
         $(#[$m])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        pub enum $name { $($variant),+ }
+        pub enum $name { $($(#[$vm])* $variant),+ }
 
         impl $name {
+            /// The names the command line and `Display` use, in declaration order.
             pub const NAMES: &'static [&'static str] = &[$($text),+];
+            /// Every value, in declaration order.
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
         }
 
@@ -49,16 +53,36 @@ named_enum!(
     /// The backend each rank computes on: a CPU backend, or one GPU per rank (`cuda`: Burn's
     /// CUDA backend, build with `--features cuda`; `tch`: LibTorch on CUDA, `--features tch`).
     Backend {
+        /// Burn's ndarray CPU backend (no bf16).
         Ndarray = "ndarray",
+        /// Burn's flex CPU backend (with bf16).
         Flex = "flex",
+        /// Burn's CUDA backend, one GPU per rank.
         Cuda = "cuda",
+        /// LibTorch on CUDA, one GPU per rank.
         Tch = "tch",
     }
 );
 
-named_enum!(OptimizerKind { Sgd = "sgd", AdamW = "adamw" });
+named_enum!(
+    /// The optimizer a run steps with.
+    OptimizerKind {
+        /// Plain SGD: `p -= lr * g`.
+        Sgd = "sgd",
+        /// PyTorch's AdamW.
+        AdamW = "adamw",
+    }
+);
 
-named_enum!(Precision { F32 = "f32", Bf16 = "bf16" });
+named_enum!(
+    /// A dtype of the mixed-precision policy.
+    Precision {
+        /// f32: no cast.
+        F32 = "f32",
+        /// bfloat16.
+        Bf16 = "bf16",
+    }
+);
 
 impl Backend {
     /// The autodiff device of a rank whose GPU (for `cuda` and `tch`) is `gpu`, or an error
@@ -97,49 +121,67 @@ impl Backend {
 /// threads, the built-in tiny Llama and synthetic corpus.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
+    /// How the model and the batch are spread over the ranks (default `fsdp2`).
     pub strategy: Strategy,
+    /// Ranks to run (default 4).
     pub world_size: usize,
     /// Tensor-parallel size (tp and fsdp2_tp; `None`: the whole world for tp, 2 for fsdp2_tp).
     pub tp: Option<usize>,
     /// Replicas under hsdp (`None`: 2).
     pub dp_replicate: Option<usize>,
-    /// The tp plan: `llama` or `llama-sp` (sequence parallel).
+    /// The tp plan: `llama` or `llama-sp` (sequence parallel; default `llama`).
     pub tp_plan: String,
+    /// Total optimizer steps (default 40).
     pub steps: usize,
+    /// Sequences per step over all data-parallel ranks (default 8).
     pub global_batch: usize,
+    /// Tokens per sequence (default 64).
     pub seq_len: usize,
+    /// The optimizer (default `adamw`).
     pub optimizer: OptimizerKind,
+    /// Learning rate (default 3e-3).
     pub lr: f32,
+    /// AdamW's decoupled weight decay (default 0).
     pub weight_decay: f32,
+    /// AdamW's first-moment decay (default 0.9).
     pub beta1: f32,
+    /// AdamW's second-moment decay (default 0.999).
     pub beta2: f32,
+    /// AdamW's epsilon (default 1e-8).
     pub eps: f32,
-    /// Clip the global gradient norm to this (None: no clipping).
+    /// Clip the global gradient norm to this (None: no clipping; default 1.0).
     pub grad_clip: Option<f32>,
+    /// The dtype weights are gathered and computed in (default `f32`).
     pub param_dtype: Precision,
+    /// The dtype gradients are reduced in (default `f32`).
     pub reduce_dtype: Precision,
+    /// Free gathered weights after forward and gather again in backward; runs on Burn's
+    /// gradient-checkpointing device (default `true`).
     pub reshard_after_forward: bool,
-    /// Start each layer's all-gather while the previous layer computes.
+    /// Start each layer's all-gather while the previous layer computes (default `true`).
     pub prefetch: bool,
+    /// The backend each rank computes on (default `flex`).
     pub backend: Backend,
-    /// A Hugging Face checkpoint directory (None: `model` with a seeded init).
+    /// A Hugging Face checkpoint directory (None, the default: `model` with a seeded init).
     pub checkpoint: Option<PathBuf>,
-    /// The model when no checkpoint is given.
+    /// The model when no checkpoint is given (default `LlamaConfig::tiny()`).
     pub model: LlamaConfig,
+    /// Seed of the model's initial weights (default 0).
     pub seed: u64,
-    /// A u16 token file (None: the synthetic corpus).
+    /// A u16 token file (None, the default: the synthetic corpus).
     pub data: Option<PathBuf>,
-    /// Where to save the trained model in the Hugging Face format.
+    /// Where to save the trained model in the Hugging Face format (default None: not saved).
     pub save: Option<PathBuf>,
     /// Save a sharded training checkpoint every this many steps (and after the last step) into
-    /// `save_dir/step-N`.
+    /// `save_dir/step-N` (default None: no checkpoints).
     pub save_every: Option<usize>,
-    /// Where `save_every` saves checkpoints.
+    /// Where `save_every` saves checkpoints (default None).
     pub save_dir: Option<PathBuf>,
     /// Resume from this checkpoint (or a save directory's newest one): weights, optimizer
-    /// state, step and data position, in any layout. `steps` stays the total step count.
+    /// state, step and data position, in any layout. `steps` stays the total step count
+    /// (default None: a fresh run).
     pub resume: Option<PathBuf>,
-    /// Ranks as threads of this process, or as the processes of an MPI job.
+    /// Ranks as threads of this process, or as the processes of an MPI job (default threads).
     pub engine: EngineKind,
 }
 

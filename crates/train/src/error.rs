@@ -1,23 +1,34 @@
 use burn_parallel_models::ModelError;
 
+/// Why a training run could not start or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
+    /// A flag or setting is invalid, or needs a feature this build lacks; raised before any
+    /// rank starts.
     #[error("{0}")]
     Config(String),
+    /// Loading or saving the model, its checkpoint or the token data failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// Tensor parallelism failed (head counts, loss, collectives).
     #[error(transparent)]
     Tp(#[from] burn_parallel_tp::TpError),
+    /// FSDP failed (gathering the trained model, collectives).
     #[error(transparent)]
     Fsdp(#[from] burn_parallel_fsdp::FsdpError),
+    /// A collective between ranks failed.
     #[error(transparent)]
     Collective(#[from] burn_parallel_comm::CollectiveError),
+    /// The device mesh could not be built.
     #[error(transparent)]
     Mesh(#[from] burn_parallel_comm::MeshError),
+    /// Parallelizing the model or a training step failed.
     #[error(transparent)]
     Parallel(#[from] burn_parallel_parallelizer::ParallelError),
+    /// Saving or resuming a sharded training checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] burn_parallel_checkpoint::CheckpointError),
+    /// A rank failed or panicked; the launcher's error, as text.
     #[error("training failed: {0}")]
     Ranks(String),
 }

@@ -11,6 +11,8 @@
 //! is its tokens' share of it times dp, and the data-parallel reductions average, so the
 //! gradient is exactly the global mean's, also when ranks hold different numbers of rows.
 
+#![warn(missing_docs)]
+
 mod config;
 mod error;
 mod mesh;

@@ -15,6 +15,7 @@ use serde_json::json;
 
 /// An optimizer step on every parameter of a module.
 pub trait Optimizer {
+    /// `model` with each parameter that has a gradient in `grads` updated.
     fn step<M: Module>(&mut self, model: M, grads: &Gradients) -> M;
     /// f32 tensors of optimizer state per parameter tensor.
     fn states_per_param(&self) -> usize;
@@ -23,6 +24,7 @@ pub trait Optimizer {
 /// `p -= lr * g`.
 #[derive(Debug, Clone)]
 pub struct Sgd {
+    /// Learning rate.
     pub lr: f32,
 }
 
@@ -58,10 +60,15 @@ impl Optimizer for Sgd {
 ///  p -= (lr / (1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps)`.
 #[derive(Debug, Clone)]
 pub struct AdamW {
+    /// Learning rate.
     pub lr: f32,
+    /// First-moment decay.
     pub beta1: f32,
+    /// Second-moment decay.
     pub beta2: f32,
+    /// Added to the bias-corrected sqrt(v) for stability.
     pub eps: f32,
+    /// Decoupled weight decay.
     pub weight_decay: f32,
     step: i32,
     /// (m, v) of each parameter, flattened, on the inner (non-autodiff) backend.
@@ -69,6 +76,7 @@ pub struct AdamW {
 }
 
 impl AdamW {
+    /// AdamW with these hyperparameters and no state yet (step 0).
     pub fn new(lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32) -> Self {
         Self {
             lr,

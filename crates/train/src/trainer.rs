@@ -27,13 +27,17 @@ use crate::state::model_state_bytes;
 /// One step as rank 0 saw it; what `--json` prints (one flat object per step).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepLog {
+    /// The step's index (0-based; a resumed run continues the count).
     pub step: usize,
     /// The loss (mean token cross-entropy over the global batch) and the global gradient L2
     /// norm before clipping.
     #[serde(flatten)]
     pub report: StepReport,
+    /// Wall time of the step, in seconds.
     pub step_time_s: f64,
+    /// Global-batch tokens per second of this step.
     pub tokens_per_s: f64,
+    /// The largest model-state size (parameters, gradients, optimizer state) of any rank.
     pub peak_model_state_bytes_per_rank: u64,
 }
 
@@ -42,7 +46,9 @@ pub struct StepLog {
 pub struct TrainSummary {
     /// The mesh the run used: `dp_replicate x dp_shard x tp`.
     pub mesh: MeshSizes,
+    /// The model trained (the checkpoint's config, or the built-in one).
     pub model: LlamaConfig,
+    /// Every step as rank 0 saw it, in order.
     pub steps: Vec<StepLog>,
     /// The ranks this process ran, in order: all of them on the threads engine, one under MPI.
     pub ranks: Vec<usize>,
@@ -67,6 +73,7 @@ impl TrainSummary {
         tokens / time.max(1e-12)
     }
 
+    /// The loss of every step, in order.
     pub fn losses(&self) -> Vec<f32> {
         self.steps.iter().map(|s| s.report.loss).collect()
     }

@@ -105,6 +105,7 @@ impl HfCheckpoint {
         })
     }
 
+    /// The checkpoint directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -116,6 +117,7 @@ impl HfCheckpoint {
         v
     }
 
+    /// Whether the checkpoint holds a tensor named `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.by_name.contains_key(name)
     }
@@ -320,6 +322,7 @@ pub(crate) fn transpose(data: TensorData) -> TensorData {
 /// Parameters read whole from a checkpoint, in Burn's layout.
 #[derive(Debug)]
 pub struct CheckpointSource<'a> {
+    /// The checkpoint read from.
     pub checkpoint: &'a HfCheckpoint,
 }
 

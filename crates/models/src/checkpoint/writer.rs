@@ -17,8 +17,11 @@ use crate::llama::{Llama, RmsNorm};
 /// The dtype tensors are written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SaveDtype {
+    /// 32-bit float.
     F32,
+    /// bfloat16.
     BF16,
+    /// IEEE half precision.
     F16,
 }
 
