@@ -12,6 +12,8 @@
 //! the same closure as threads or, under `mpirun` (feature `mpi`), one rank per process.
 //! [`DeviceMesh`] arranges ranks on named dimensions with one [`ProcessGroup`] per dimension.
 
+#![warn(missing_docs)]
+
 pub mod autodiff;
 pub mod device;
 pub mod transport;

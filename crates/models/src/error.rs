@@ -6,9 +6,17 @@ use std::path::PathBuf;
 /// parallel errors a model's forward or gather returns.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    /// A file or directory could not be read (also used when writing one fails).
+    /// A file or directory could not be read.
     #[error("cannot read {path}: {source}")]
     Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A file or directory could not be written (saving a model).
+    #[error("cannot write {path}: {source}")]
+    Write {
         /// The file or directory.
         path: PathBuf,
         /// The I/O error.
@@ -86,5 +94,10 @@ impl ModelError {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
         move |source| Self::Io { path, source }
+    }
+
+    pub(crate) fn write(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| Self::Write { path, source }
     }
 }

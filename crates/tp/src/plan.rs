@@ -144,8 +144,8 @@ pub fn child_path(parent: &str, name: &str) -> String {
 }
 
 /// A module tree whose `Tp` fields a plan can reach by path. Implemented for `Tp<M>`,
-/// `Vec`, `Option`; a user struct implements it by calling each field with
-/// `child_path(path, "field")` (a derive comes later).
+/// `Vec`, `Option`; `#[parallelize]` implements it for a user's struct (by hand: call each
+/// field with `child_path(path, "field")`).
 pub trait TpModule: Sized {
     /// Shards every `Tp` field under `path` with the style the plan gives it.
     fn apply_tp(self, path: &str, cx: &mut TpApplier<'_>) -> Result<Self, TpError>;

@@ -18,6 +18,8 @@ use burn::backend::{Autodiff, Backend, Flex, NdArray, backend_extension};
 
 use crate::device::{DeviceCollective, DeviceStep, NcclCall, Phase, no_nccl, run_steps};
 
+/// A backend that runs [`DeviceCollective`]s on its tensors and, on CUDA backends, NCCL steps
+/// on its own buffers.
 #[backend_extension(
     Autodiff,
     NdArray,

@@ -24,8 +24,11 @@ pub fn run(op: DeviceOp, exchange: &Exchange) -> DeviceStep {
 /// input's own dtype, which its gradient returns in.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MixedDtypes {
+    /// The dtype to gather in, when not the input's.
     pub compute: Option<DType>,
+    /// The dtype to reduce the gradient in, when not the input's.
     pub reduce: Option<DType>,
+    /// The input's dtype, in which the gradient is returned.
     pub input: DType,
 }
 

@@ -25,14 +25,17 @@ use crate::transport::group::ProcessGroup;
 pub struct Sizes(Arc<Mutex<Option<Vec<usize>>>>);
 
 impl Sizes {
+    /// Sizes given up front.
     pub fn known(sizes: Vec<usize>) -> Self {
         Self(Arc::new(Mutex::new(Some(sizes))))
     }
 
+    /// Sizes for a forward all-gather to learn.
     pub fn unknown() -> Self {
         Self::default()
     }
 
+    /// The sizes, once known or learned.
     pub fn get(&self) -> Option<Vec<usize>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
@@ -68,29 +71,41 @@ impl PartialEq for Sizes {
 pub enum DeviceOp {
     /// Concatenation along `dim` of every rank's piece; rank `j` holds `sizes[j]` rows.
     AllGather {
+        /// The dimension to concatenate along.
         dim: usize,
+        /// Each rank's rows along `dim`; the gather learns them when unknown.
         sizes: Sizes,
     },
     /// Rank `i` keeps the reduction of every rank's slice `i` (of `sizes[i]` rows along `dim`).
     ReduceScatter {
+        /// The dimension the slices are cut along.
         dim: usize,
+        /// Each rank's slice length; when unknown, the pad-to-ceil chunks.
         sizes: Sizes,
+        /// The reduction.
         op: ReduceOp,
     },
+    /// Every rank gets the elementwise reduction of every rank's tensor.
     AllReduce {
+        /// The reduction.
         op: ReduceOp,
     },
     /// Slice `j` along `split_dim` (`send_sizes[j]` long) goes to rank `j`; the slices
     /// received are concatenated along `concat_dim`, and their lengths there are learned.
     AllToAll {
+        /// The dimension the outgoing slices are cut along.
         split_dim: usize,
+        /// The dimension the received slices are concatenated along.
         concat_dim: usize,
+        /// Length of the slice for each rank; must be known when the step runs.
         send_sizes: Sizes,
+        /// Length of each received slice, learned by the exchange.
         received: Sizes,
     },
 }
 
 impl DeviceOp {
+    /// The op's kind, for counters and messages.
     pub fn kind(&self) -> OpKind {
         match self {
             DeviceOp::AllGather { .. } => OpKind::AllGather,
@@ -152,6 +167,7 @@ pub enum Exchange {
 }
 
 impl Exchange {
+    /// The group whose ranks exchange.
     pub fn group(&self) -> &ProcessGroup {
         match self {
             Exchange::Engine(g) => g,
@@ -176,6 +192,7 @@ impl fmt::Debug for Exchange {
 pub struct Observer(Arc<dyn Fn(usize) + Send + Sync>);
 
 impl Observer {
+    /// An observer that calls `f`.
     pub fn new(f: impl Fn(usize) + Send + Sync + 'static) -> Self {
         Self(Arc::new(f))
     }
@@ -217,8 +234,11 @@ impl fmt::Debug for DevicePending {
 /// on the sync step the pending sum joins the gradient.
 #[derive(Clone)]
 pub struct Deferral {
+    /// Off while gradients accumulate; on for the step that syncs them.
     pub sync: Arc<AtomicBool>,
+    /// The gradient summed so far while sync was off.
     pub pending: DevicePending,
+    /// Shape and dtype of the zeros the later steps see while deferring.
     pub zeros: (Vec<usize>, DType),
     /// Called with the pending bytes before and after the step.
     pub on_change: Arc<dyn Fn(usize, usize) + Send + Sync>,
@@ -311,12 +331,20 @@ pub enum DeviceStep {
     Cast(DType),
     /// Piece `index` along `dim`, the pieces being `sizes` long.
     Piece {
+        /// The dimension the pieces are cut along.
         dim: usize,
+        /// Every rank's piece length.
         sizes: Sizes,
+        /// Which piece to keep.
         index: usize,
     },
     /// A collective.
-    Run { op: DeviceOp, exchange: Exchange },
+    Run {
+        /// The collective.
+        op: DeviceOp,
+        /// What exchanges its bytes.
+        exchange: Exchange,
+    },
     /// The result of a collective issued earlier; the tensor only gives its device.
     Await(InFlight),
     /// Reports the tensor's bytes; the tensor passes unchanged.
@@ -330,8 +358,11 @@ pub enum DeviceStep {
 /// steps rebuild it from the input when backward needs it (FSDP's reshard-after-forward).
 #[derive(Debug, Clone, Default)]
 pub struct DeviceCollective {
+    /// Steps run on the input.
     pub forward: Vec<DeviceStep>,
+    /// Steps run on the gradient.
     pub backward: Vec<DeviceStep>,
+    /// Steps that rebuild the dropped output in backward, under gradient checkpointing.
     pub recompute: Option<Vec<DeviceStep>>,
 }
 
@@ -382,8 +413,11 @@ impl DeviceCollective {
 /// One NCCL collective for a backend to run on its own buffer.
 #[derive(Debug, Clone)]
 pub struct NcclCall {
+    /// The collective.
     pub op: DeviceOp,
+    /// The group it runs on (an nccl-engine group).
     pub group: ProcessGroup,
+    /// Where it runs, for the message of a failure.
     pub phase: Phase,
 }
 
@@ -412,7 +446,9 @@ pub fn no_nccl<B: Backend>(_x: FloatTensor<B>, call: NcclCall) -> FloatTensor<B>
 /// Where steps run, for the message of a failing collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
+    /// The forward pass, on the input.
     Forward,
+    /// The backward pass, on the gradient.
     Backward,
     /// Gathering again in backward what resharding dropped after forward.
     Recompute,

@@ -14,47 +14,69 @@ pub use crate::transport::stats::OpKind;
 /// One request to a communicator. Indices (`root`, `dst`, `src`) are positions in the group.
 #[derive(Debug, Clone)]
 pub enum Collective {
+    /// Every rank gets the elementwise `op` reduction of every rank's tensor.
     AllReduce {
+        /// This rank's tensor.
         data: TensorData,
+        /// The reduction.
         op: ReduceOp,
     },
     /// Concatenation along `dim` of every rank's tensor; sizes along `dim` may differ.
     AllGather {
+        /// This rank's piece.
         data: TensorData,
+        /// The dimension to concatenate along.
         dim: usize,
     },
     /// Rank `i` receives the reduction of every rank's slice `i` along `dim`, where slice sizes
     /// are `sizes` (one per rank, summing to the dimension).
     ReduceScatter {
+        /// This rank's whole tensor, cut into one slice per rank.
         data: TensorData,
+        /// The dimension the slices are cut along.
         dim: usize,
+        /// Each rank's slice length along `dim`.
         sizes: Vec<usize>,
+        /// The reduction.
         op: ReduceOp,
     },
     /// `data` is required on the root; elsewhere it is optional and, when given, checked.
     Broadcast {
+        /// The tensor to send (root), or one of the expected shape and dtype (others).
         data: Option<TensorData>,
+        /// Position of the sending rank.
         root: usize,
     },
     /// Slice `j` (of `send_sizes[j]` along `split_dim`) goes to rank `j`; the received slices
     /// are concatenated along `concat_dim` in source-rank order.
     AllToAll {
+        /// This rank's tensor, cut into one slice per rank.
         data: TensorData,
+        /// The dimension the outgoing slices are cut along.
         split_dim: usize,
+        /// The dimension the received slices are concatenated along.
         concat_dim: usize,
+        /// Length along `split_dim` of the slice for each rank.
         send_sizes: Vec<usize>,
     },
+    /// Sends `data` to the member at position `dst`.
     Send {
+        /// The message.
         data: TensorData,
+        /// Position of the receiver.
         dst: usize,
     },
+    /// Receives the next message from the member at position `src`.
     Recv {
+        /// Position of the sender.
         src: usize,
     },
+    /// Completes once every member has issued it.
     Barrier,
 }
 
 impl Collective {
+    /// The op's kind, for counters and messages.
     pub fn kind(&self) -> OpKind {
         match self {
             Collective::AllReduce { .. } => OpKind::AllReduce,
@@ -129,13 +151,21 @@ impl Collective {
 /// so that engines whose ranks do not share memory can exchange and compare them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Signature {
+    /// The op.
     pub kind: OpKind,
+    /// Element type of the tensor given, if any.
     pub dtype: Option<DType>,
+    /// Shape of the tensor given, if any.
     pub shape: Option<Vec<usize>>,
+    /// all_gather and reduce_scatter: the dimension.
     pub dim: Option<usize>,
+    /// all_reduce and reduce_scatter: the reduction.
     pub reduce: Option<ReduceOp>,
+    /// reduce_scatter: each rank's slice length.
     pub sizes: Option<Vec<usize>>,
+    /// broadcast: the root's position.
     pub root: Option<usize>,
+    /// all_to_all: `(split_dim, concat_dim)`.
     pub dims: Option<(usize, usize)>,
 }
 
@@ -269,6 +299,7 @@ pub struct GroupInfo {
 }
 
 impl GroupInfo {
+    /// Number of members.
     pub fn size(&self) -> usize {
         self.ranks.len()
     }
@@ -285,6 +316,7 @@ pub struct CollectiveOutput {
 }
 
 impl CollectiveOutput {
+    /// An output holding `data`, with no per-source sizes.
     pub fn tensor(data: TensorData) -> Self {
         Self {
             data: Some(data),
@@ -292,6 +324,7 @@ impl CollectiveOutput {
         }
     }
 
+    /// The output of an op that produces no tensor.
     pub fn none() -> Self {
         Self::default()
     }
@@ -306,6 +339,7 @@ pub type CollectiveResult = Result<CollectiveOutput, CollectiveError>;
 /// the same calls in the same order, and `start` returns only after that place is taken, so a
 /// rank can start several calls and wait for them in any order.
 pub trait Communicator: Send + Sync + fmt::Debug {
+    /// The group as this rank sees it.
     fn info(&self) -> &GroupInfo;
 
     /// Runs the call to completion.
@@ -338,6 +372,7 @@ enum HandleState {
 }
 
 impl CollectiveHandle {
+    /// A handle whose result is already known (a call that completed or failed at once).
     pub fn ready(kind: OpKind, group: String, result: CollectiveResult) -> Self {
         Self {
             state: HandleState::Ready(result),
@@ -346,6 +381,7 @@ impl CollectiveHandle {
         }
     }
 
+    /// A handle on a call that runs on `thread`.
     pub fn running(kind: OpKind, group: String, thread: JoinHandle<CollectiveResult>) -> Self {
         Self {
             state: HandleState::Running(thread),
@@ -362,6 +398,7 @@ impl CollectiveHandle {
         }
     }
 
+    /// The kind of call in flight.
     pub fn kind(&self) -> OpKind {
         self.kind
     }

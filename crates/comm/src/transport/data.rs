@@ -110,7 +110,9 @@ pub enum ReduceOp {
     Sum,
     /// Sum in rank order, then divided by the group size.
     Avg,
+    /// Elementwise maximum.
     Max,
+    /// Elementwise minimum.
     Min,
 }
 

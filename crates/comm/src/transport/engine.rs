@@ -12,7 +12,9 @@ use crate::transport::stats::CommStats;
 pub trait Engine: Send + Sync + fmt::Debug {
     /// A short name such as `threads`.
     fn name(&self) -> &'static str;
+    /// This rank's global rank.
     fn rank(&self) -> usize;
+    /// Number of ranks in the world.
     fn world_size(&self) -> usize;
     /// A communicator over `ranks` (global ranks, in group order), which must include this
     /// rank. Every member asks for the same group with the same label and rank list.
@@ -32,18 +34,22 @@ pub struct RankContext {
 }
 
 impl RankContext {
+    /// A context on one rank's connection to `engine`.
     pub fn new(engine: Arc<dyn Engine>) -> Self {
         Self { engine }
     }
 
+    /// This rank's global rank.
     pub fn rank(&self) -> usize {
         self.engine.rank()
     }
 
+    /// Number of ranks in the world.
     pub fn world_size(&self) -> usize {
         self.engine.world_size()
     }
 
+    /// The engine's short name, such as `threads`.
     pub fn engine_name(&self) -> &'static str {
         self.engine.name()
     }

@@ -11,8 +11,11 @@ pub enum CollectiveError {
     /// Bad arguments detected locally, before any rank was contacted.
     #[error("{op} on group {group}: {message}")]
     InvalidArgument {
+        /// The op called.
         op: String,
+        /// The group's label.
         group: String,
+        /// What is wrong with the arguments.
         message: String,
     },
 
@@ -21,11 +24,17 @@ pub enum CollectiveError {
         "collective mismatch in call #{seq} of group {group}: rank {rank_a} called {call_a} but rank {rank_b} called {call_b}"
     )]
     Mismatch {
+        /// The group's label.
         group: String,
+        /// The call's number in the group's call sequence.
         seq: u64,
+        /// Global rank of one of the two ranks.
         rank_a: usize,
+        /// The call `rank_a` issued.
         call_a: String,
+        /// Global rank of the other.
         rank_b: usize,
+        /// The call `rank_b` issued.
         call_b: String,
     },
 
@@ -34,45 +43,72 @@ pub enum CollectiveError {
         "timed out after {waited:?} in {op} (call #{seq} of group {group}): ranks {missing:?} did not arrive"
     )]
     Timeout {
+        /// The op called.
         op: String,
+        /// The group's label.
         group: String,
+        /// The call's number in the group's call sequence.
         seq: u64,
+        /// How long this rank waited.
         waited: Duration,
+        /// Global ranks that had not issued the call.
         missing: Vec<usize>,
     },
 
     /// A rank this call needs has already finished its work without joining.
     #[error("{op} (call #{seq} of group {group}): ranks {ranks:?} exited without joining it")]
     RankExited {
+        /// The op called.
         op: String,
+        /// The group's label.
         group: String,
+        /// The call's number in the group's call sequence.
         seq: u64,
+        /// Global ranks that exited.
         ranks: Vec<usize>,
     },
 
     /// Another rank failed (error or panic); this rank stops at its next collective.
     #[error("{op} on group {group} aborted: rank {rank} failed: {reason}")]
     PeerFailed {
+        /// The op called.
         op: String,
+        /// The group's label.
         group: String,
+        /// Global rank of the rank that failed.
         rank: usize,
+        /// Its error or panic message.
         reason: String,
     },
 
     /// An earlier error left the group's call sequence out of step; it cannot be used again.
     #[error("group {group} is unusable after an earlier error: {reason}")]
-    GroupBroken { group: String, reason: String },
+    GroupBroken {
+        /// The group's label.
+        group: String,
+        /// What broke it.
+        reason: String,
+    },
 
     /// The op does not support this element type.
     #[error("{op} does not support dtype {dtype}")]
-    UnsupportedDtype { op: String, dtype: String },
+    UnsupportedDtype {
+        /// The op called.
+        op: String,
+        /// The rejected element type.
+        dtype: String,
+    },
 
     /// A rank index outside the group.
     #[error("{op} on group {group}: rank {rank} is not in this group of {size} ranks")]
     NoSuchRank {
+        /// The op called.
         op: String,
+        /// The group's label.
         group: String,
+        /// The position given.
         rank: usize,
+        /// Number of ranks in the group.
         size: usize,
     },
 }
@@ -80,34 +116,69 @@ pub enum CollectiveError {
 /// Errors building a device mesh or one of its groups.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum MeshError {
+    /// The mesh shape was given no dimensions.
     #[error("a device mesh needs at least one dimension")]
     Empty,
+    /// A dimension has size 0.
     #[error("mesh dimension {name:?} has size 0; every size must be at least 1")]
-    ZeroSize { name: String },
+    ZeroSize {
+        /// The dimension.
+        name: String,
+    },
+    /// Two dimensions have the same name.
     #[error("mesh dimension name {name:?} is used twice in {dims}")]
-    DuplicateName { name: String, dims: String },
+    DuplicateName {
+        /// The repeated name.
+        name: String,
+        /// The mesh's dimensions, as printed.
+        dims: String,
+    },
+    /// A dimension name is empty or holds a character other than ASCII letters, digits and `_`.
     #[error("mesh dimension names must be non-empty identifiers, got {name:?}")]
-    BadName { name: String },
+    BadName {
+        /// The name given.
+        name: String,
+    },
+    /// The mesh's rank count differs from the world size.
     #[error("mesh {dims} has {mesh_size} ranks but the world has {world_size}")]
     WorldSizeMismatch {
+        /// The mesh's dimensions, as printed.
         dims: String,
+        /// Ranks in the mesh.
         mesh_size: usize,
+        /// Ranks in the world.
         world_size: usize,
     },
+    /// A dimension name that the mesh (with its flattened dimensions) does not have.
     #[error("mesh {dims} has no dimension {name:?}")]
-    UnknownDim { name: String, dims: String },
+    UnknownDim {
+        /// The name asked for.
+        name: String,
+        /// The mesh's dimensions, as printed.
+        dims: String,
+    },
+    /// A rank at or past the mesh's size.
     #[error("rank {rank} is outside mesh {dims} of {size} ranks")]
     RankOutOfRange {
+        /// The rank given.
         rank: usize,
+        /// The mesh's dimensions, as printed.
         dims: String,
+        /// Ranks in the mesh.
         size: usize,
     },
+    /// A flatten that cannot be done: nothing to flatten, a name already in use or a dimension
+    /// listed twice (also used when NCCL cannot split a group, see `nccl::mesh_split_key`).
     #[error("cannot flatten {names:?} into {name:?}: {reason}")]
     BadFlatten {
+        /// The dimensions to flatten.
         names: Vec<String>,
+        /// The new dimension's name.
         name: String,
+        /// Why not.
         reason: String,
     },
+    /// Making a dimension's process group failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),
 }
@@ -117,14 +188,18 @@ pub enum MeshError {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error("{}", describe_failures(.failures))]
 pub struct LaunchError {
+    /// Every rank's failure, the first one first.
     pub failures: Vec<RankFailure>,
 }
 
 /// One rank's failure inside a launch.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RankFailure {
+    /// The rank that failed.
     pub rank: usize,
+    /// Its error or panic message.
     pub message: String,
+    /// Whether it panicked (rather than returning an error).
     pub panicked: bool,
 }
 

@@ -35,10 +35,12 @@ impl fmt::Debug for ProcessGroup {
 type Result<T> = std::result::Result<T, CollectiveError>;
 
 impl ProcessGroup {
+    /// A group over an engine's communicator.
     pub fn new(comm: Arc<dyn Communicator>) -> Self {
         Self { comm }
     }
 
+    /// The group's identity as this rank sees it.
     pub fn info(&self) -> &GroupInfo {
         self.comm.info()
     }
@@ -64,6 +66,7 @@ impl ProcessGroup {
         &self.info().ranks
     }
 
+    /// A readable name, e.g. `tp[2, 3]`.
     pub fn label(&self) -> &str {
         &self.info().label
     }
@@ -170,14 +173,17 @@ impl ProcessGroup {
         self.run(Collective::Barrier).map(|_| ())
     }
 
+    /// As `all_reduce`, without waiting.
     pub fn all_reduce_async(&self, data: TensorData, op: ReduceOp) -> CollectiveHandle {
         self.start(Collective::AllReduce { data, op })
     }
 
+    /// As `all_gather`, without waiting.
     pub fn all_gather_async(&self, data: TensorData, dim: usize) -> CollectiveHandle {
         self.start(Collective::AllGather { data, dim })
     }
 
+    /// As `reduce_scatter`, without waiting.
     pub fn reduce_scatter_async(
         &self,
         data: TensorData,
@@ -190,6 +196,7 @@ impl ProcessGroup {
         }
     }
 
+    /// As `reduce_scatter_sizes`, without waiting.
     pub fn reduce_scatter_sizes_async(
         &self,
         data: TensorData,
@@ -205,10 +212,12 @@ impl ProcessGroup {
         })
     }
 
+    /// As `broadcast`, without waiting.
     pub fn broadcast_async(&self, data: Option<TensorData>, root: usize) -> CollectiveHandle {
         self.start(Collective::Broadcast { data, root })
     }
 
+    /// As `all_to_all`, without waiting.
     pub fn all_to_all_async(
         &self,
         data: TensorData,
@@ -224,10 +233,12 @@ impl ProcessGroup {
         })
     }
 
+    /// As `recv`, without waiting.
     pub fn recv_async(&self, src: usize) -> CollectiveHandle {
         self.start(Collective::Recv { src })
     }
 
+    /// As `barrier`, without waiting.
     pub fn barrier_async(&self) -> CollectiveHandle {
         self.start(Collective::Barrier)
     }

@@ -13,7 +13,7 @@ use std::str::FromStr;
 use crate::transport::engine::RankContext;
 use crate::transport::error::{LaunchError, RankFailure};
 
-/// Environment variable that picks the engine: `threads` or `mpi`.
+/// Environment variable that picks the engine: `threads`, `mpi` or `nccl`.
 pub const ENGINE_ENV: &str = "BURN_PARALLEL_ENGINE";
 
 /// The engines a launch can run ranks on.
@@ -30,6 +30,7 @@ pub enum EngineKind {
 }
 
 impl EngineKind {
+    /// The engine's name, as [`ENGINE_ENV`] and `--engine` spell it.
     pub fn name(self) -> &'static str {
         match self {
             EngineKind::Threads => "threads",
@@ -65,7 +66,7 @@ impl fmt::Display for EngineKind {
     }
 }
 
-/// An engine name that is neither `threads` nor `mpi`.
+/// An engine name that is not `threads`, `mpi` or `nccl`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown engine {0:?}: expected \"threads\", \"mpi\" or \"nccl\"")]
 pub struct UnknownEngine(pub String);

@@ -57,14 +57,17 @@ impl MeshShape {
         self.dims.iter().map(|(_, s)| s).product()
     }
 
+    /// Number of dimensions.
     pub fn ndim(&self) -> usize {
         self.dims.len()
     }
 
+    /// The dimension names, outermost first.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.dims.iter().map(|(n, _)| n.as_str())
     }
 
+    /// The `(name, size)` pairs, outermost first.
     pub fn dims(&self) -> &[(String, usize)] {
         &self.dims
     }
@@ -80,6 +83,7 @@ impl MeshShape {
             })
     }
 
+    /// Size of dimension `name`.
     pub fn dim_size(&self, name: &str) -> Result<usize, MeshError> {
         Ok(self.dims[self.axis(name)?].1)
     }
@@ -198,10 +202,12 @@ impl DeviceMesh {
         Ok(self.ctx.group(label, &ranks)?)
     }
 
+    /// The shape (the mesh dimensions; flattened ones are not in it).
     pub fn shape(&self) -> &MeshShape {
         &self.shape
     }
 
+    /// The rank context the mesh's groups were made from.
     pub fn context(&self) -> &RankContext {
         &self.ctx
     }

@@ -20,17 +20,26 @@ use std::ops::AddAssign;
     Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
 )]
 pub enum OpKind {
+    /// Every rank gets the reduction of every rank's tensor.
     AllReduce,
+    /// Every rank gets the concatenation of every rank's tensor.
     AllGather,
+    /// Every rank gets its slice of the reduction.
     ReduceScatter,
+    /// Every rank gets the root's tensor.
     Broadcast,
+    /// Every rank sends a slice to each rank.
     AllToAll,
+    /// A point-to-point send.
     Send,
+    /// A point-to-point receive.
     Recv,
+    /// A wait for every member.
     Barrier,
 }
 
 impl OpKind {
+    /// Every kind, in counter order.
     pub const ALL: [OpKind; 8] = [
         OpKind::AllReduce,
         OpKind::AllGather,
@@ -42,6 +51,7 @@ impl OpKind {
         OpKind::Barrier,
     ];
 
+    /// The snake_case name used in messages and summaries.
     pub fn name(self) -> &'static str {
         match self {
             OpKind::AllReduce => "all_reduce",
@@ -69,8 +79,11 @@ impl fmt::Display for OpKind {
 /// Counters for one kind of op.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct OpCounters {
+    /// Calls issued.
     pub calls: u64,
+    /// Bytes sent, as the direct-exchange model above counts them.
     pub bytes_sent: u64,
+    /// Bytes received, as the direct-exchange model above counts them.
     pub bytes_received: u64,
 }
 
@@ -89,6 +102,7 @@ pub struct CommStats {
 }
 
 impl CommStats {
+    /// Counts one call of `kind` and its bytes.
     pub fn record(&mut self, kind: OpKind, bytes_sent: u64, bytes_received: u64) {
         self.by_op[kind.index()] += OpCounters {
             calls: 1,
@@ -97,14 +111,17 @@ impl CommStats {
         };
     }
 
+    /// The counters of one kind.
     pub fn op(&self, kind: OpKind) -> OpCounters {
         self.by_op[kind.index()]
     }
 
+    /// Number of calls of `kind`.
     pub fn calls(&self, kind: OpKind) -> u64 {
         self.op(kind).calls
     }
 
+    /// The counters summed over every kind.
     pub fn total(&self) -> OpCounters {
         let mut t = OpCounters::default();
         self.by_op.iter().for_each(|c| t += *c);

@@ -141,12 +141,12 @@ pub fn save_llama(
     dtype: SaveDtype,
 ) -> Result<(), ModelError> {
     let dir = dir.as_ref();
-    std::fs::create_dir_all(dir).map_err(ModelError::io(dir))?;
+    std::fs::create_dir_all(dir).map_err(ModelError::write(dir))?;
     let mut json = config.to_hf_json();
     json["torch_dtype"] = dtype.torch_name().into();
     let config_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&json).expect("a JSON value");
-    std::fs::write(&config_path, text).map_err(ModelError::io(&config_path))?;
+    std::fs::write(&config_path, text).map_err(ModelError::write(&config_path))?;
     save_safetensors(tensors, dir.join("model.safetensors"), dtype)
 }
 

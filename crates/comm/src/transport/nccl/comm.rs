@@ -26,18 +26,36 @@ pub type DevicePtr = u64;
 /// What the NCCL engine can fail with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NcclError {
+    /// The CUDA driver or NCCL could not be loaded.
     #[error(transparent)]
     Library(#[from] LibraryMissing),
+    /// The unique id or the launcher's environment could not be read.
     #[error(transparent)]
     Id(#[from] IdError),
+    /// A group cannot be made by `ncclCommSplit`.
     #[error(transparent)]
     Split(#[from] SplitError),
+    /// An NCCL call returned an error.
     #[error("{call} failed: {message}")]
-    Nccl { call: &'static str, message: String },
+    Nccl {
+        /// The NCCL function.
+        call: &'static str,
+        /// NCCL's result code and its description.
+        message: String,
+    },
+    /// A CUDA driver call failed.
     #[error("CUDA {call} failed: {message}")]
-    Cuda { call: &'static str, message: String },
+    Cuda {
+        /// The driver function.
+        call: &'static str,
+        /// The driver's error.
+        message: String,
+    },
+    /// Bad input caught before NCCL is called: a GPU that does not exist, a rank outside the
+    /// world, buffer counts that do not match, a communicator used from a second thread.
     #[error("{0}")]
     InvalidArgument(String),
+    /// A case the engine does not handle yet, such as a tensor that is not on a CUDA device.
     #[error("not supported yet: {0}")]
     Unsupported(String),
 }
@@ -259,10 +277,12 @@ impl NcclComm {
         })
     }
 
+    /// This rank's position in the communicator.
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// Number of ranks in the communicator.
     pub fn size(&self) -> usize {
         self.size
     }

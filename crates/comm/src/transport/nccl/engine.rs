@@ -47,6 +47,7 @@ pub struct NcclEngine {
 }
 
 impl NcclEngine {
+    /// An engine on the world communicator `world`.
     pub fn new(world: NcclComm) -> Self {
         Self {
             world: Arc::new(world),

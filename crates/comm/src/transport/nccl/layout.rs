@@ -15,11 +15,17 @@ use crate::transport::chunk::offsets;
 /// `src_offset + r * src_pitch` to `dst_offset + r * dst_pitch` (all in bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Copy2d {
+    /// Where the first row starts in the source.
     pub src_offset: usize,
+    /// Bytes between rows in the source.
     pub src_pitch: usize,
+    /// Where the first row goes in the destination.
     pub dst_offset: usize,
+    /// Bytes between rows in the destination.
     pub dst_pitch: usize,
+    /// Bytes per row.
     pub width: usize,
+    /// Number of rows.
     pub height: usize,
 }
 
@@ -51,12 +57,16 @@ impl Copy2d {
 /// A shape seen along `dim`: `outer` runs of `len` rows of `row` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AlongDim {
+    /// Product of the dimensions before `dim`.
     pub outer: usize,
+    /// Size along `dim`.
     pub len: usize,
+    /// Bytes of one row: the elements after `dim`, times the element size.
     pub row: usize,
 }
 
 impl AlongDim {
+    /// `shape` seen along `dim`, for elements of `elem_bytes` bytes.
     pub fn new(shape: &[usize], dim: usize, elem_bytes: usize) -> Self {
         Self {
             outer: shape[..dim].iter().product(),

@@ -22,7 +22,9 @@ pub enum CudaLibrary {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct LibraryMissing {
+    /// The library that could not be loaded.
     pub library: CudaLibrary,
+    /// What is missing and how to fix it.
     pub message: String,
 }
 

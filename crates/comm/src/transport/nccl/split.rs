@@ -16,17 +16,29 @@ use crate::transport::mesh::MeshShape;
 /// The arguments of one rank's `ncclCommSplit` call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SplitKey {
+    /// Ranks passing the same color join one communicator: the group's smallest global rank.
     pub color: i32,
+    /// The rank's order in the new communicator: its position in the group.
     pub key: i32,
 }
 
 /// Why a group cannot be made by a split.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SplitError {
+    /// The rank asking is not in the group.
     #[error("rank {rank} is not a member of group {ranks:?}")]
-    NotAMember { rank: usize, ranks: Vec<usize> },
+    NotAMember {
+        /// The rank asking.
+        rank: usize,
+        /// The group's global ranks.
+        ranks: Vec<usize>,
+    },
+    /// A rank or position in the group does not fit NCCL's `i32` ranks.
     #[error("group {ranks:?} does not fit NCCL's 32-bit ranks")]
-    TooLarge { ranks: Vec<usize> },
+    TooLarge {
+        /// The group's global ranks.
+        ranks: Vec<usize>,
+    },
 }
 
 /// The split arguments with which `rank` joins the group of global `ranks` (in group order).

@@ -11,15 +11,25 @@ use crate::transport::error::CollectiveError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum NcclDataType {
+    /// Signed 8-bit integer.
     Int8 = 0,
+    /// Unsigned 8-bit integer.
     Uint8 = 1,
+    /// Signed 32-bit integer.
     Int32 = 2,
+    /// Unsigned 32-bit integer.
     Uint32 = 3,
+    /// Signed 64-bit integer.
     Int64 = 4,
+    /// Unsigned 64-bit integer.
     Uint64 = 5,
+    /// IEEE half precision.
     Float16 = 6,
+    /// IEEE single precision.
     Float32 = 7,
+    /// IEEE double precision.
     Float64 = 8,
+    /// bfloat16.
     Bfloat16 = 9,
 }
 
@@ -39,9 +49,13 @@ impl NcclDataType {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum NcclRedOp {
+    /// Elementwise sum.
     Sum = 0,
+    /// Elementwise product (no [`ReduceOp`] maps to it).
     Prod = 1,
+    /// Elementwise maximum.
     Max = 2,
+    /// Elementwise minimum.
     Min = 3,
     /// Sum divided by the communicator size (NCCL 2.10+).
     Avg = 4,

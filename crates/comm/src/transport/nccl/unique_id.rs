@@ -26,26 +26,50 @@ impl std::fmt::Debug for UniqueIdBytes {
 /// Why an id or the launcher's environment could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdError {
+    /// A required variable is not set.
     #[error(
         "{var} is not set: rank 0 creates the NCCL unique id and the launcher must pass it to every rank as {ID_BYTES} hex-encoded bytes"
     )]
-    Missing { var: String },
+    Missing {
+        /// The variable.
+        var: String,
+    },
+    /// The id has the wrong number of hex digits.
     #[error("{var} must hold {expected} hex digits (a {ID_BYTES}-byte NCCL unique id), got {got}")]
     BadLength {
+        /// Where the id came from.
         var: String,
+        /// Digits an id has.
         expected: usize,
+        /// Digits found.
         got: usize,
     },
+    /// The id holds a character that is not a hex digit.
     #[error("{var} holds {found:?} at position {position}, which is not a hex digit")]
     BadDigit {
+        /// Where the id came from.
         var: String,
+        /// The character's index.
         position: usize,
+        /// The character.
         found: char,
     },
+    /// `RANK`, `WORLD_SIZE` or `LOCAL_RANK` is not a non-negative integer.
     #[error("{var}={value:?} is not a non-negative integer")]
-    BadNumber { var: String, value: String },
+    BadNumber {
+        /// The variable.
+        var: String,
+        /// What it holds.
+        value: String,
+    },
+    /// `RANK` is not below `WORLD_SIZE`.
     #[error("RANK={rank} is outside WORLD_SIZE={world_size}")]
-    RankOutOfRange { rank: usize, world_size: usize },
+    RankOutOfRange {
+        /// `RANK`.
+        rank: usize,
+        /// `WORLD_SIZE`.
+        world_size: usize,
+    },
 }
 
 /// The id as 256 lowercase hex digits.
@@ -87,10 +111,13 @@ pub fn decode(hex: &str, var: &str) -> Result<UniqueIdBytes, IdError> {
 /// One process's place in a launch, as the launcher's environment describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchEnv {
+    /// This process's global rank (`RANK`).
     pub rank: usize,
+    /// Number of ranks (`WORLD_SIZE`).
     pub world_size: usize,
     /// The GPU of this process on its node (`LOCAL_RANK`, else `rank`).
     pub local_rank: usize,
+    /// The NCCL unique id (`BURN_PARALLEL_NCCL_ID`).
     pub id: UniqueIdBytes,
 }
 
@@ -124,6 +151,7 @@ pub fn launch_env(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, IdE
 }
 
 impl LaunchEnv {
+    /// Reads the launch from this process's environment.
     pub fn from_env() -> Result<Self, IdError> {
         launch_env(|var| std::env::var(var).ok())
     }

@@ -33,6 +33,7 @@ pub struct Launcher {
 }
 
 impl Launcher {
+    /// A launcher of `world_size` ranks, waiting [`TIMEOUT_ENV`] seconds when set, else [`DEFAULT_TIMEOUT`].
     pub fn new(world_size: usize) -> Self {
         let timeout = std::env::var(TIMEOUT_ENV)
             .ok()
