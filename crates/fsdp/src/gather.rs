@@ -44,7 +44,9 @@ fn reshards<const D: usize>(shard: &Tensor<D>, unit: &UnitState) -> bool {
         && shard.gradient_checkpointing_strategy() == Some(GradientCheckpointingStrategy::Balanced)
 }
 
-/// Starts gathering `shard` (its dim 0) into a result of `gathered_elems` elements. Under an
+/// Starts gathering `shard` (its dim 0; every rank's rows are `rows`) into a result of
+/// `gathered_elems` elements. Knowing every rank's rows makes the gather's description the
+/// same on every rank, so the NCCL engine agrees on it once rather than every step. Under an
 /// offload policy the shard is first copied to the compute device (differentiably: backward
 /// copies its gradient back to the host). `after`, an exact zero computed from a unit's input
 /// (see [`UnitInput`](crate::UnitInput)), is added to the shard so that the gather's autodiff
@@ -54,6 +56,7 @@ pub(crate) fn start_gather<const D: usize>(
     shard: Tensor<D>,
     unit: &UnitState,
     accumulator: &DevicePending,
+    rows: Vec<usize>,
     gathered_elems: usize,
     after: Option<Tensor<1>>,
 ) -> Result<PendingGather<D>, CollectiveError> {
@@ -83,7 +86,7 @@ pub(crate) fn start_gather<const D: usize>(
     } else {
         (None, gathered)
     };
-    let op = gather_steps(&shard, unit, accumulator, backward_hold);
+    let op = gather_steps(&shard, unit, accumulator, rows, backward_hold);
     Ok(PendingGather {
         started: Started::new(shard, op),
         forward_hold,
@@ -97,6 +100,7 @@ fn gather_steps<const D: usize>(
     shard: &Tensor<D>,
     unit: &UnitState,
     accumulator: &DevicePending,
+    rows: Vec<usize>,
     backward_hold: Arc<Hold>,
 ) -> DeviceCollective {
     let device = shard.device();
@@ -106,7 +110,7 @@ fn gather_steps<const D: usize>(
         op,
         exchange: exchange.clone(),
     };
-    let sizes = Sizes::unknown();
+    let sizes = Sizes::known(rows);
     let mut forward: Vec<DeviceStep> = unit
         .compute_dtype()
         .map(DeviceStep::Cast)

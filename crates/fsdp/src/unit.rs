@@ -117,6 +117,7 @@ fn start_unit<M: Module>(
         local,
         &unit,
         &first.state.accumulator,
+        vec![per_rank; world],
         world * per_rank,
         after,
     )?;

@@ -30,20 +30,21 @@ pub(crate) fn run(
     op: &DeviceOp,
     group: &ProcessGroup,
 ) -> Result<CubeTensor, CollectiveError> {
-    let call = DeviceCall::new(op, group)?;
-    if !matches!(x.device, CubeDevice::Cuda(_)) {
+    let mut call = DeviceCall::new(op, group)?;
+    let CubeDevice::Cuda(cuda) = &x.device else {
         return Err(call.fail()(NcclError::Unsupported(format!(
             "device collectives on {:?}: only CUDA devices run NCCL",
             x.device
         ))));
-    }
+    };
+    call.check_ordinal(cuda.index)?;
     let x = if x.is_contiguous() {
         x
     } else {
         into_contiguous(x)
     };
     if let DeviceOp::AllToAll { .. } = op {
-        return all_to_all(x, &call);
+        return all_to_all(x, &mut call);
     }
     let shape: Vec<usize> = x.shape().as_slice().to_vec();
     let plan = call.plan(&shape, x.dtype)?;
@@ -97,7 +98,7 @@ fn cat<B: Backend>(xs: Vec<B::FloatTensorPrimitive>, dim: usize) -> B::FloatTens
 
 /// all_to_all: each piece for a peer is cut out contiguous, the pieces go as one group of
 /// NCCL sends and receives, and the received pieces are concatenated.
-fn all_to_all(x: CubeTensor, call: &DeviceCall<'_>) -> Result<CubeTensor, CollectiveError> {
+fn all_to_all(x: CubeTensor, call: &mut DeviceCall<'_>) -> Result<CubeTensor, CollectiveError> {
     let shape: Vec<usize> = x.shape().as_slice().to_vec();
     let plan = call.plan_all_to_all(&shape, x.dtype)?;
     let (client, device, dtype) = (x.client.clone(), x.device.clone(), x.dtype);

@@ -3,11 +3,10 @@
 //! copies that uneven pieces need) and the byte counters. The backends (`cube`, `torch`) only
 //! provide the pointers, allocate the output and order NCCL against their own kernels.
 //!
-//! The agreement costs a few bytes through NCCL per call, as on the engine's host path; it
-//! tells a gather every rank's length and turns a mismatch into an error naming both calls
-//! instead of a hang.
-
-use cudarc::driver::{CudaSlice, DevicePtr as _};
+//! The agreement ([`crate::transport::nccl::agreement`]) tells a gather of unknown sizes every
+//! rank's length and turns a mismatch into the same error on every rank instead of a hang; the
+//! calls FSDP repeats with static shapes are agreed once. Temporaries are the group's reused
+//! staging buffers, and every wait runs under the rank's watchdog.
 
 use burn::tensor::DType;
 
@@ -17,9 +16,11 @@ use crate::transport::collective::OpKind;
 use crate::transport::error::CollectiveError;
 use crate::transport::group::ProcessGroup;
 
+use crate::transport::nccl::agreement::{CallKind, CallSpec};
 use crate::transport::nccl::comm::{DevicePtr, NcclComm, NcclError};
 use crate::transport::nccl::engine::{NcclCommunicator, nccl_communicator};
 use crate::transport::nccl::layout::{AlongDim, gather_layout, scatter_layout};
+use crate::transport::nccl::scope::{Scope, Slot, collective_error};
 use crate::transport::nccl::types::{NcclDataType, nccl_dtype, nccl_reduce};
 
 /// A CUDA failure as an NCCL-engine error.
@@ -27,11 +28,12 @@ pub(crate) fn cuda_err(call: &'static str) -> impl Fn(String) -> NcclError {
     move |message| NcclError::Cuda { call, message }
 }
 
-/// One device collective of `group`.
+/// One device collective of `group`, from its agreement to the wait for its stream.
 pub(crate) struct DeviceCall<'a> {
     pub op: &'a DeviceOp,
     group: &'a ProcessGroup,
     engine: &'a NcclCommunicator,
+    scope: Scope<'a>,
 }
 
 /// A gather, reduce-scatter or all-reduce, agreed on: the output's shape and the pieces.
@@ -72,19 +74,42 @@ impl<'a> DeviceCall<'a> {
             group: group.label().into(),
             message: "the group does not belong to the nccl engine".into(),
         })?;
-        Ok(Self { op, group, engine })
+        let scope = engine.scope(op.kind())?;
+        Ok(Self {
+            op,
+            group,
+            engine,
+            scope,
+        })
     }
 
     pub fn comm(&self) -> &NcclComm {
         self.engine.comm()
     }
 
-    /// Maps an NCCL or CUDA failure to the error that names this call and group.
+    /// Maps an NCCL or CUDA failure to the error that names this call and group (the
+    /// watchdog's reason when it stopped the call).
     pub fn fail(&self) -> impl Fn(NcclError) -> CollectiveError + '_ {
-        move |e| CollectiveError::GroupBroken {
-            group: self.group.label().into(),
-            reason: format!("{} (device) failed: {e}", self.op.kind()),
+        move |e| {
+            collective_error(
+                &format!("{} (device)", self.op.kind()),
+                self.group.label(),
+                self.scope.explain(e),
+            )
         }
+    }
+
+    /// Checks that the tensor's GPU is the communicator's: NCCL on another GPU's buffer would
+    /// fail deep in the driver or read the wrong memory.
+    pub fn check_ordinal(&self, ordinal: usize) -> Result<(), CollectiveError> {
+        let mine = self.comm().ordinal();
+        if ordinal == mine {
+            return Ok(());
+        }
+        Err(self.invalid(format!(
+            "the tensor is on GPU {ordinal} but this rank's communicator runs on GPU {mine}: \
+             put each rank's tensors on its own GPU (the launcher's LOCAL_RANK)"
+        )))
     }
 
     pub fn invalid(&self, message: String) -> CollectiveError {
@@ -97,20 +122,32 @@ impl<'a> DeviceCall<'a> {
 
     /// Agrees with the other ranks on a gather, reduce-scatter or all-reduce of a `dtype`
     /// tensor of `shape`, and works out its output.
-    pub fn plan(&self, shape: &[usize], dtype: DType) -> Result<Planned, CollectiveError> {
+    pub fn plan(&mut self, shape: &[usize], dtype: DType) -> Result<Planned, CollectiveError> {
         let n = self.comm().size();
         let me = self.comm().rank();
         nccl_dtype(self.op.kind().name(), dtype)?;
-        let free: &[usize] = match self.op {
-            DeviceOp::AllGather { dim, .. } => std::slice::from_ref(dim),
-            _ => &[],
+        let kind = match self.op {
+            DeviceOp::AllReduce { .. } => CallKind::Same,
+            DeviceOp::AllGather { dim, sizes } => CallKind::Gather {
+                dim: *dim,
+                sizes: sizes.get(),
+            },
+            DeviceOp::ReduceScatter { dim, sizes, .. } => CallKind::Scatter {
+                dim: *dim,
+                sizes: sizes
+                    .get()
+                    .unwrap_or_else(|| chunk_sizes(shape.get(*dim).copied().unwrap_or(0), n)),
+            },
+            DeviceOp::AllToAll { .. } => {
+                return Err(self.invalid("all_to_all is planned by plan_all_to_all".into()));
+            }
         };
-        let shapes: Vec<Vec<usize>> = self
-            .engine
-            .agree_device(self.op.kind(), dtype, shape, free, &[])?
-            .into_iter()
-            .map(|(s, _)| s)
-            .collect();
+        let spec = CallSpec {
+            op: self.op.kind(),
+            tensor: Some((dtype, shape.to_vec())),
+            kind,
+        };
+        let shapes = self.engine.agree(&mut self.scope, &spec)?.shapes;
         let mut out_shape = shape.to_vec();
         let sizes = match self.op {
             DeviceOp::AllReduce { .. } => Vec::new(),
@@ -149,7 +186,7 @@ impl<'a> DeviceCall<'a> {
 
     /// Agrees with the other ranks on an all_to_all of a `dtype` tensor of `shape`.
     pub fn plan_all_to_all(
-        &self,
+        &mut self,
         shape: &[usize],
         dtype: DType,
     ) -> Result<PlannedAllToAll, CollectiveError> {
@@ -163,27 +200,29 @@ impl<'a> DeviceCall<'a> {
             return Err(self.invalid("not an all_to_all".into()));
         };
         let (split, concat) = (*split, *concat);
-        let (n, me) = (self.comm().size(), self.comm().rank());
+        let me = self.comm().rank();
         nccl_dtype(self.op.kind().name(), dtype)?;
         let send = send_sizes
             .get()
             .ok_or_else(|| self.invalid("the send sizes are not known".into()))?;
-        if send.len() != n || send.iter().sum::<usize>() != shape[split] {
-            return Err(self.invalid(format!(
-                "send sizes {send:?} do not split {} rows over {n} ranks",
-                shape[split]
-            )));
-        }
-        let words: Vec<u64> = send.iter().map(|s| *s as u64).collect();
-        let all =
-            self.engine
-                .agree_device(OpKind::AllToAll, dtype, shape, &[split, concat], &words)?;
+        let spec = CallSpec {
+            op: OpKind::AllToAll,
+            tensor: Some((dtype, shape.to_vec())),
+            kind: CallKind::AllToAll {
+                split,
+                concat,
+                send: send.clone(),
+            },
+        };
+        let agreed = self.engine.agree(&mut self.scope, &spec)?;
         // The piece from rank j: its shape, with its send size for this rank along `split`.
-        let recv_shapes: Vec<Vec<usize>> = all
+        let recv_shapes: Vec<Vec<usize>> = agreed
+            .shapes
             .iter()
-            .map(|(s, w)| {
+            .zip(&agreed.lists)
+            .map(|(s, sizes)| {
                 let mut s = s.clone();
-                s[split] = w[me] as usize;
+                s[split] = sizes[me];
                 s
             })
             .collect();
@@ -208,13 +247,14 @@ impl<'a> DeviceCall<'a> {
     /// `src` holds the planned input and `dst` the planned output, both live on this
     /// communicator's GPU until this returns, and no other work writes them meanwhile.
     pub unsafe fn exchange(
-        &self,
+        &mut self,
         plan: &Planned,
         src: DevicePtr,
         dst: DevicePtr,
     ) -> Result<(), CollectiveError> {
         // SAFETY: the caller's contract.
-        unsafe { plan.run(self.comm(), src, dst) }.map_err(self.fail())?;
+        let ran = unsafe { plan.run(&mut self.scope, src, dst) };
+        ran.map_err(self.fail())?;
         self.engine.record_device(
             self.op.kind(),
             plan.in_bytes(),
@@ -240,9 +280,7 @@ impl<'a> DeviceCall<'a> {
         let t = nccl_dtype(OpKind::AllToAll.name(), plan.dtype)?;
         // SAFETY: the caller's contract.
         unsafe { comm.all_to_all(sends, recvs, t) }.map_err(self.fail())?;
-        comm.stream()
-            .synchronize()
-            .map_err(|e| self.fail()(cuda_err("cuStreamSynchronize")(format!("{e:?}"))))?;
+        self.scope.finish().map_err(self.fail())?;
         let eb = plan.dtype.size();
         let sent: usize = sends.iter().map(|(_, n)| n * eb).sum();
         let received: usize = recvs.iter().map(|(_, n)| n * eb).sum();
@@ -252,28 +290,22 @@ impl<'a> DeviceCall<'a> {
     }
 }
 
-fn temp(comm: &NcclComm, len: usize) -> Result<CudaSlice<u8>, NcclError> {
-    comm.stream()
-        .alloc_zeros::<u8>(len.max(1))
-        .map_err(|e| cuda_err("cuMemAlloc")(format!("{e:?}")))
-}
-
-fn ptr(comm: &NcclComm, buf: &CudaSlice<u8>) -> DevicePtr {
-    buf.device_ptr(comm.stream()).0
-}
-
 impl Planned {
     /// The NCCL calls, with the strided copies that uneven pieces need.
     ///
     /// # Safety
     /// As [`DeviceCall::exchange`].
-    unsafe fn run(&self, comm: &NcclComm, src: DevicePtr, dst: DevicePtr) -> Result<(), NcclError> {
+    unsafe fn run(
+        &self,
+        scope: &mut Scope<'_>,
+        src: DevicePtr,
+        dst: DevicePtr,
+    ) -> Result<(), NcclError> {
+        let comm = scope.comm;
         let me = comm.rank();
         let eb = self.dtype.size();
         let t: NcclDataType = nccl_dtype(self.op.kind().name(), self.dtype)
             .map_err(|e| NcclError::InvalidArgument(e.to_string()))?;
-        // Temporaries stay alive until the stream is synchronised below.
-        let mut temps: Vec<CudaSlice<u8>> = Vec::new();
         // SAFETY: the caller holds `src` and `dst` in place until this returns, and every plan
         // stays inside the buffers it names (see `layout`).
         unsafe {
@@ -288,18 +320,14 @@ impl Planned {
                     let l = gather_layout(AlongDim::new(&self.shape, *dim, eb), &self.sizes, me);
                     let send = match l.pack {
                         Some(c) => {
-                            temps.push(temp(comm, l.piece_bytes)?);
-                            let p = ptr(comm, temps.last().expect("pushed"));
+                            let p = scope.buffer(Slot::Send, l.piece_bytes)?;
                             comm.copy_2d(src, p, c)?;
                             p
                         }
                         None => src,
                     };
                     let gathered = match &l.unpack {
-                        Some(_) => {
-                            temps.push(temp(comm, l.piece_bytes * self.sizes.len())?);
-                            ptr(comm, temps.last().expect("pushed"))
-                        }
+                        Some(_) => scope.buffer(Slot::Recv, l.piece_bytes * self.sizes.len())?,
                         None => dst,
                     };
                     if l.piece_bytes > 0 {
@@ -314,8 +342,7 @@ impl Planned {
                     let l = scatter_layout(AlongDim::new(&self.shape, *dim, eb), &self.sizes, me);
                     let send = match &l.pack {
                         Some(copies) => {
-                            temps.push(temp(comm, l.piece_bytes * self.sizes.len())?);
-                            let p = ptr(comm, temps.last().expect("pushed"));
+                            let p = scope.buffer(Slot::Send, l.piece_bytes * self.sizes.len())?;
                             for c in copies {
                                 comm.copy_2d(src, p, *c)?;
                             }
@@ -324,10 +351,7 @@ impl Planned {
                         None => src,
                     };
                     let recv = match l.unpack {
-                        Some(_) => {
-                            temps.push(temp(comm, l.piece_bytes)?);
-                            ptr(comm, temps.last().expect("pushed"))
-                        }
+                        Some(_) => scope.buffer(Slot::Recv, l.piece_bytes)?,
                         None => dst,
                     };
                     if l.piece_bytes > 0 {
@@ -339,10 +363,6 @@ impl Planned {
                 }
             }
         }
-        comm.stream()
-            .synchronize()
-            .map_err(|e| cuda_err("cuStreamSynchronize")(format!("{e:?}")))?;
-        drop(temps);
-        Ok(())
+        scope.finish()
     }
 }

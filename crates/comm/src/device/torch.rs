@@ -26,7 +26,7 @@ pub(crate) fn run(
     op: &DeviceOp,
     group: &ProcessGroup,
 ) -> Result<TchTensor, CollectiveError> {
-    let call = DeviceCall::new(op, group)?;
+    let mut call = DeviceCall::new(op, group)?;
     let dtype = x.dtype();
     let x = x.tensor.contiguous();
     let Device::Cuda(index) = x.device() else {
@@ -35,10 +35,11 @@ pub(crate) fn run(
             x.device()
         ))));
     };
+    call.check_ordinal(index)?;
     let shape: Vec<usize> = x.size().iter().map(|d| *d as usize).collect();
     let options = (x.kind(), x.device());
     if let DeviceOp::AllToAll { .. } = op {
-        return all_to_all(&x, dtype, &shape, options, index, &call);
+        return all_to_all(&x, dtype, &shape, options, index, &mut call);
     }
     let plan = call.plan(&shape, dtype)?;
     let out = Tensor::empty(dims(&plan.out_shape), options);
@@ -70,7 +71,7 @@ fn all_to_all(
     shape: &[usize],
     options: (Kind, Device),
     index: usize,
-    call: &DeviceCall<'_>,
+    call: &mut DeviceCall<'_>,
 ) -> Result<TchTensor, CollectiveError> {
     let plan = call.plan_all_to_all(shape, dtype)?;
     let sends: Vec<Tensor> = plan

@@ -7,6 +7,7 @@
 //! work on another stream and [`DeviceWork`] lets other streams (or the host) wait for it.
 
 use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::ThreadId;
 
@@ -14,11 +15,12 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, sys as cud
 use cudarc::nccl::result::NcclStatus;
 use cudarc::nccl::{result, sys};
 
-use super::layout::Copy2d;
+use super::layout::{Copy2d, CopyPlan, MAX_COPY_PITCH};
 use super::library::{LibraryMissing, check_libraries};
 use super::split::{SplitError, SplitKey};
 use super::types::{NcclDataType, NcclRedOp};
 use super::unique_id::{IdError, UniqueIdBytes};
+use super::watchdog::{Abort, Guard, InFlight, Stopped};
 
 /// A device address (`CUdeviceptr`).
 pub type DevicePtr = u64;
@@ -58,6 +60,17 @@ pub enum NcclError {
     /// A case the engine does not handle yet, such as a tensor that is not on a CUDA device.
     #[error("not supported yet: {0}")]
     Unsupported(String),
+    /// The watchdog ended the call (another rank failed, a peer vanished, the timeout).
+    #[error(transparent)]
+    Stopped(#[from] Stopped),
+    /// The communicator was aborted after an earlier failure and cannot be used again.
+    #[error("the NCCL communicator of rank {rank} of {size} was aborted after an earlier failure")]
+    Aborted {
+        /// The rank in the communicator.
+        rank: usize,
+        /// The communicator's size.
+        size: usize,
+    },
 }
 
 fn nccl_err(call: &'static str) -> impl Fn(result::NcclError) -> NcclError {
@@ -133,6 +146,8 @@ pub struct NcclComm {
     /// one thread in program order; a second thread (a lock would only serialise it) could
     /// interleave differently on different ranks and hang them.
     owner: OnceLock<ThreadId>,
+    /// Set once `ncclCommAbort` ran: no call may use `raw` afterwards.
+    aborted: AtomicBool,
 }
 
 // SAFETY: an NCCL communicator may move to another thread before its first call; the CUDA
@@ -156,10 +171,48 @@ impl std::fmt::Debug for NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        if self.aborted.load(Ordering::SeqCst) {
+            return;
+        }
         // Errors cannot be reported from drop; a failed destroy leaks the communicator only.
         let _ = self.stream.context().bind_to_thread();
-        // SAFETY: `raw` came from a successful init or split and is destroyed once.
-        let _ = unsafe { result::comm_destroy(self.raw) };
+        // SAFETY: the stream is live; querying it does not block.
+        let idle =
+            unsafe { cuda::cuStreamQuery(self.stream.cu_stream()) } == cuda::CUresult::CUDA_SUCCESS;
+        if idle && !std::thread::panicking() {
+            // SAFETY: `raw` came from a successful init or split and is destroyed once.
+            let _ = unsafe { result::comm_destroy(self.raw) };
+        } else {
+            // Work in flight (a peer never came) or a panicking rank: destroying would wait
+            // for that work; aborting ends it and tells the peers.
+            self.abort();
+        }
+    }
+}
+
+impl Abort for NcclComm {
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            let _ = self.stream.context().bind_to_thread();
+            // SAFETY: `raw` is live until this first abort; NCCL allows aborting from another
+            // thread to end a call blocked on it.
+            let _ = unsafe { result::comm_abort(self.raw) };
+        }
+    }
+}
+
+/// Work issued on a communicator's stream, for the watchdog to poll.
+struct Issued<'a> {
+    comm: &'a NcclComm,
+    event: CudaEvent,
+}
+
+impl InFlight for Issued<'_> {
+    fn poll(&self) -> Result<bool, String> {
+        match self.comm.async_error() {
+            Some(e) => Err(e),
+            None => Ok(self.event.is_complete()),
+        }
     }
 }
 
@@ -171,6 +224,10 @@ fn context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>), NcclEr
         )));
     }
     let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuCtxCreate"))?;
+    // SAFETY: this context's buffers are the engine's staging buffers, used on their
+    // communicator's stream only and reused after the engine waited for that stream, so
+    // cudarc's per-buffer events would order nothing (and cost an event per use).
+    unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
     Ok((ctx, stream))
 }
@@ -208,6 +265,7 @@ impl NcclComm {
             size: world_size,
             stream,
             owner: OnceLock::new(),
+            aborted: AtomicBool::new(false),
         })
     }
 
@@ -241,6 +299,7 @@ impl NcclComm {
                 size,
                 stream,
                 owner: OnceLock::new(),
+                aborted: AtomicBool::new(false),
             })
             .collect())
     }
@@ -274,6 +333,7 @@ impl NcclComm {
             size: size as usize,
             stream,
             owner: OnceLock::new(),
+            aborted: AtomicBool::new(false),
         })
     }
 
@@ -295,6 +355,12 @@ impl NcclComm {
     /// Checks that the calling thread owns the communicator (the first caller does) and binds
     /// its CUDA context, before any call.
     fn enter(&self) -> Result<(), NcclError> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(NcclError::Aborted {
+                rank: self.rank,
+                size: self.size,
+            });
+        }
         let me = std::thread::current().id();
         let owner = *self.owner.get_or_init(|| me);
         if owner != me {
@@ -322,6 +388,42 @@ impl NcclComm {
         self.stream
             .join(producer)
             .map_err(cuda_err("cuStreamWaitEvent"))
+    }
+
+    /// The GPU this communicator runs on.
+    pub fn ordinal(&self) -> usize {
+        self.stream.context().ordinal()
+    }
+
+    /// An error NCCL found while work ran (a peer that aborted or vanished), if any.
+    pub fn async_error(&self) -> Option<String> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Some(format!(
+                "the communicator of rank {} was aborted",
+                self.rank
+            ));
+        }
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `raw` is live (not aborted); the call only reads the communicator's state.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut state) };
+        match (r, state) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess)
+            | (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => None,
+            (sys::ncclResult_t::ncclSuccess, e) | (e, _) => {
+                Some(nccl_err("ncclCommGetAsyncError")(result::NcclError(e)).to_string())
+            }
+        }
+    }
+
+    /// Waits, under `guard`, for the work issued so far on the stream: done, or the reason it
+    /// never will be (the watchdog's, or NCCL's asynchronous error, which aborts this
+    /// communicator). Polls, so a stuck peer never blocks the thread past the watchdog.
+    pub fn finish(&self, guard: &Guard) -> Result<(), NcclError> {
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(cuda_err("cuEventRecord"))?;
+        super::watchdog::wait(&Issued { comm: self, event }, guard).map_err(NcclError::from)
     }
 
     /// Marks the end of the work issued so far, for other streams or the host to wait on.
@@ -521,8 +623,9 @@ impl NcclComm {
         }
     }
 
-    /// A strided device-to-device copy on the communicator's stream (packing and unpacking
-    /// uneven pieces, see [`super::layout`]).
+    /// A device-to-device copy on the communicator's stream (packing and unpacking uneven
+    /// pieces, see [`super::layout`]): linear where the rows are back to back, strided where
+    /// the pitches allow, row by row past the 2-D copy's pitch limit.
     ///
     /// # Safety
     /// The copy's source and destination ranges lie inside live allocations at `src`/`dst`.
@@ -532,9 +635,40 @@ impl NcclComm {
         dst: DevicePtr,
         copy: Copy2d,
     ) -> Result<(), NcclError> {
-        if copy.is_empty() {
-            return Ok(());
-        }
+        let linear = |from: usize, to: usize, bytes: usize| {
+            // SAFETY: the caller's contract covers every byte of the copy.
+            check_cuda("cuMemcpyDtoDAsync", unsafe {
+                cuda::cuMemcpyDtoDAsync_v2(
+                    dst + to as u64,
+                    src + from as u64,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            })
+        };
+        let copy = match copy.plan(MAX_COPY_PITCH) {
+            CopyPlan::Empty => return Ok(()),
+            CopyPlan::Linear {
+                src_offset,
+                dst_offset,
+                bytes,
+            } => {
+                self.enter()?;
+                return linear(src_offset, dst_offset, bytes);
+            }
+            CopyPlan::Rows(c) => {
+                self.enter()?;
+                for r in 0..c.height {
+                    linear(
+                        c.src_offset + r * c.src_pitch,
+                        c.dst_offset + r * c.dst_pitch,
+                        c.width,
+                    )?;
+                }
+                return Ok(());
+            }
+            CopyPlan::Strided(c) => c,
+        };
         self.enter()?;
         let params = cuda::CUDA_MEMCPY2D {
             srcXInBytes: copy.src_offset,
@@ -621,17 +755,40 @@ mod tests {
         }
     }
 
-    /// Without CUDA (CI), creating a communicator is a clear error, never a panic in cudarc.
+    /// Without CUDA (CI), creating a communicator is a clear error, never a panic in cudarc;
+    /// with CUDA, a communicator on GPU 0 has its rank, size and ordinal, and aborting it makes
+    /// every later call a clear error.
     #[test]
     fn communicators_need_the_libraries() {
-        if check_libraries().is_ok() {
+        if let Err(missing) = check_libraries() {
+            let e = NcclComm::init_local(&[0]).unwrap_err();
+            assert!(matches!(e, NcclError::Library(_)), "{e}");
+            assert!(matches!(new_unique_id(), Err(NcclError::Library(_))));
+            let id = UniqueIdBytes([0; 128]);
+            let e = NcclComm::init_rank(0, 0, 1, &id).unwrap_err();
+            assert!(e.to_string().contains("lib"), "{e}");
+            crate::transport::nccl::engine::tests::skipped(
+                "the GPU half of the communicator test",
+                &missing.to_string(),
+            );
             return;
         }
-        let e = NcclComm::init_local(&[0]).unwrap_err();
-        assert!(matches!(e, NcclError::Library(_)), "{e}");
-        assert!(matches!(new_unique_id(), Err(NcclError::Library(_))));
-        let id = UniqueIdBytes([0; 128]);
-        let e = NcclComm::init_rank(0, 0, 1, &id).unwrap_err();
-        assert!(e.to_string().contains("lib"), "{e}");
+        match NcclComm::init_local(&[0]) {
+            Ok(comms) => {
+                let comm = &comms[0];
+                assert_eq!((comm.rank(), comm.size(), comm.ordinal()), (0, 1, 0));
+                assert_eq!(comm.async_error(), None);
+                comm.abort();
+                // SAFETY: a null buffer is never touched: the aborted communicator refuses
+                // the call before NCCL sees it.
+                let e = unsafe { comm.all_reduce(0, 0, 1, NcclDataType::Float32, NcclRedOp::Sum) }
+                    .unwrap_err();
+                assert!(matches!(e, NcclError::Aborted { .. }), "{e}");
+            }
+            Err(e) => crate::transport::nccl::engine::tests::skipped(
+                "the GPU half of the communicator test",
+                &e.to_string(),
+            ),
+        }
     }
 }

@@ -5,58 +5,97 @@
 //! process with one thread per GPU ([`launch_local`], `ncclCommInitAll`).
 //!
 //! `ProcessGroup` calls carry host `TensorData`, so this engine's [`Communicator`] stages
-//! them: upload, the collective on device buffers, download. That is the path for code that
-//! holds host data (and the reference the GPU check compares against); Burn tensors on a CUDA
-//! device exchange through NCCL on their own buffers instead (`crate::device`), which never leaves
-//! the GPU. Every rank checks the others' shapes and dtypes first (one small all_gather), so a
-//! mismatch is an error naming both ranks rather than a hang or garbage.
+//! them: upload, the collective on device buffers (reused across calls), download. That is the
+//! path for code that holds host data (and the reference the GPU check compares against); Burn
+//! tensors on a CUDA device exchange through NCCL on their own buffers instead
+//! (`crate::device`), which never leaves the GPU. Before a call the ranks agree on it
+//! ([`super::agreement`]: a mismatch is the same error on every rank, never a hang), and every
+//! call runs under the rank's [`Watchdog`] (another rank's failure or the timeout aborts it).
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use burn::tensor::{DType, TensorData};
-use cudarc::driver::{CudaSlice, DevicePtr as _};
 
 use crate::transport::chunk::offsets;
 use crate::transport::collective::{
     Collective, CollectiveHandle, CollectiveOutput, CollectiveResult, Communicator, GroupInfo,
     OpKind,
 };
-use crate::transport::data::reducible;
 use crate::transport::engine::{Engine, RankContext, group_info};
 use crate::transport::error::{CollectiveError, LaunchError, RankFailure};
 use crate::transport::rank_threads::{RankThreads, run_on_threads};
 use crate::transport::stats::CommStats;
 use crate::transport::traffic::CallBytes;
 
+use super::agreement::{Agreed, Agreement, AgreementMode, CallKind, CallSpec, MAX_DIMS};
 use super::comm::{NcclComm, NcclError};
 use super::layout::{AlongDim, gather_layout, narrow_copy, place_copy, scatter_layout};
+use super::scope::{Scope, Slot, Staging, collective_error, watched_name};
 use super::split::split_key;
 use super::types::{NcclDataType, dtype_code, dtype_from_code, nccl_dtype, nccl_reduce};
 use super::unique_id::LaunchEnv;
+use super::watchdog::{FailureSignal, Watchdog};
 
-/// Dimensions a tensor may have on this engine (the metadata exchange has a fixed size).
-const MAX_DIMS: usize = 8;
-/// Metadata words per rank: op, dtype, ndim, dims.
-const META_WORDS: usize = 3 + MAX_DIMS;
+/// How an NCCL engine guards its calls.
+#[derive(Debug, Clone)]
+pub struct NcclOptions {
+    /// How long one call may take before the watchdog aborts it.
+    pub timeout: Duration,
+    /// Whether the ranks agree on every call or once per repeating call.
+    pub agreement: AgreementMode,
+    /// The failures of the other ranks of this process, which end this rank's calls.
+    pub signal: FailureSignal,
+}
+
+impl NcclOptions {
+    /// The options the environment sets: `BURN_PARALLEL_TIMEOUT_SECS` (the threads engine's
+    /// timeout, 300 s by default) and `BURN_PARALLEL_NCCL_CHECK=every-call`.
+    pub fn from_env() -> Self {
+        let timeout = std::env::var(crate::transport::threads::TIMEOUT_ENV)
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|s| *s > 0.0)
+            .map_or(
+                crate::transport::threads::DEFAULT_TIMEOUT,
+                Duration::from_secs_f64,
+            );
+        Self {
+            timeout,
+            agreement: AgreementMode::from_env(),
+            signal: FailureSignal::default(),
+        }
+    }
+}
 
 /// One rank's connection to the NCCL world.
 #[derive(Debug)]
 pub struct NcclEngine {
     world: Arc<NcclComm>,
     stats: Arc<Mutex<CommStats>>,
+    watchdog: Arc<Watchdog>,
+    agreement: AgreementMode,
 }
 
 impl NcclEngine {
-    /// An engine on the world communicator `world`.
+    /// An engine on the world communicator `world`, with the options the environment sets.
     pub fn new(world: NcclComm) -> Self {
+        Self::with_options(world, NcclOptions::from_env())
+    }
+
+    /// An engine on the world communicator `world`.
+    pub fn with_options(world: NcclComm, options: NcclOptions) -> Self {
         Self {
             world: Arc::new(world),
             stats: Arc::default(),
+            watchdog: Arc::new(Watchdog::new(options.timeout, options.signal)),
+            agreement: options.agreement,
         }
     }
 
     /// One process per GPU: joins the world described by the launcher's environment
     /// (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `BURN_PARALLEL_NCCL_ID`) on GPU `LOCAL_RANK`.
+    /// A failing rank aborts its communicators, which ends its peers' calls.
     pub fn from_env() -> Result<Self, NcclError> {
         let env = LaunchEnv::from_env()?;
         let comm = NcclComm::init_rank(env.local_rank, env.rank, env.world_size, &env.id)?;
@@ -113,6 +152,9 @@ impl Engine for NcclEngine {
             info,
             stats: Mutex::default(),
             rank_stats: self.stats.clone(),
+            watchdog: self.watchdog.clone(),
+            agreement: Mutex::new(Agreement::new(self.agreement)),
+            staging: Mutex::default(),
         }))
     }
 
@@ -123,8 +165,23 @@ impl Engine for NcclEngine {
 
 /// Runs one rank per GPU of `ordinals` as threads of this process (communicators from
 /// `ncclCommInitAll`, what cudarc's `Comm::from_devices` uses) and returns their results in
-/// rank order, or every failure.
+/// rank order, or every failure. A rank that fails ends the others' NCCL calls with its
+/// message.
 pub fn launch_local<T, E, F>(ordinals: &[usize], f: F) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    E: std::fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    launch_local_with(ordinals, NcclOptions::from_env(), f)
+}
+
+/// [`launch_local`] with explicit options (their signal is shared by the ranks).
+pub fn launch_local_with<T, E, F>(
+    ordinals: &[usize],
+    options: NcclOptions,
+    f: F,
+) -> Result<Vec<T>, LaunchError>
 where
     T: Send,
     E: std::fmt::Display,
@@ -138,22 +195,36 @@ where
         }],
     })?;
     let world = comms.len();
-    let ranks = NcclRanks(Mutex::new(comms.into_iter().map(Some).collect()));
+    let ranks = NcclRanks {
+        comms: Mutex::new(comms.into_iter().map(Some).collect()),
+        options,
+    };
     run_on_threads(world, &ranks, &f)
 }
 
-/// Threads of one process, one per GPU: each rank takes its communicator.
-struct NcclRanks(Mutex<Vec<Option<NcclComm>>>);
+/// Threads of one process, one per GPU: each rank takes its communicator; they share the
+/// options' failure signal.
+struct NcclRanks {
+    comms: Mutex<Vec<Option<NcclComm>>>,
+    options: NcclOptions,
+}
 
 impl RankThreads for NcclRanks {
     fn context(&self, rank: usize) -> RankContext {
-        let comm = self.0.lock().unwrap_or_else(|p| p.into_inner())[rank]
+        let comm = lock(&self.comms)[rank]
             .take()
             .expect("each rank takes its communicator once");
-        RankContext::new(Arc::new(NcclEngine::new(comm)))
+        RankContext::new(Arc::new(NcclEngine::with_options(
+            comm,
+            self.options.clone(),
+        )))
     }
 
-    fn finished(&self, _rank: usize, _failure: Option<&str>) {}
+    fn finished(&self, rank: usize, failure: Option<&str>) {
+        if let Some(message) = failure {
+            self.options.signal.raise(rank, message);
+        }
+    }
 }
 
 /// One rank's handle on one NCCL group.
@@ -162,6 +233,9 @@ pub struct NcclCommunicator {
     info: GroupInfo,
     stats: Mutex<CommStats>,
     rank_stats: Arc<Mutex<CommStats>>,
+    watchdog: Arc<Watchdog>,
+    agreement: Mutex<Agreement>,
+    staging: Mutex<Staging>,
 }
 
 impl std::fmt::Debug for NcclCommunicator {
@@ -172,85 +246,60 @@ impl std::fmt::Debug for NcclCommunicator {
 
 type Res<T> = Result<T, CollectiveError>;
 
-/// What one rank said it is calling: dtype (none without a tensor), shape, extra words.
-type RankCall = (Option<DType>, Vec<usize>, Vec<u64>);
-/// A [`RankCall`] with its op code first, as exchanged.
-type ParsedCall = (u64, Option<DType>, Vec<usize>, Vec<u64>);
-
 impl NcclCommunicator {
     /// The group's NCCL communicator, for collectives on device buffers.
     pub fn comm(&self) -> &Arc<NcclComm> {
         &self.comm
     }
 
-    fn fail(&self, op: OpKind) -> impl Fn(NcclError) -> CollectiveError + '_ {
-        move |e| CollectiveError::GroupBroken {
-            group: self.info.label.clone(),
-            reason: format!("{op} failed: {e}"),
-        }
+    /// How many times this group's ranks exchanged their statements (calls not served by the
+    /// agreement cache).
+    pub fn agreement_exchanges(&self) -> u64 {
+        lock(&self.agreement).exchanges()
     }
 
-    fn invalid(&self, op: OpKind, message: String) -> CollectiveError {
-        CollectiveError::InvalidArgument {
-            op: op.name().into(),
-            group: self.info.label.clone(),
-            message,
-        }
+    /// Starts a call of `op`: the watchdog's guard and the staging buffers.
+    pub(crate) fn scope(&self, op: OpKind) -> Res<Scope<'_>> {
+        Scope::new(
+            watched_name(op, &self.info.label),
+            &self.comm,
+            lock(&self.staging),
+            &self.watchdog,
+        )
+        .map_err(self.fail(op))
     }
 
-    fn upload(&self, op: OpKind, bytes: &[u8]) -> Res<CudaSlice<u8>> {
-        let stream = self.comm.stream();
-        let mut buf = self.alloc(op, bytes.len())?;
-        if !bytes.is_empty() {
-            stream
-                .memcpy_htod(bytes, &mut buf)
-                .map_err(|e| self.fail(op)(cuda("cuMemcpyHtoD", e)))?;
-        }
-        Ok(buf)
+    pub(crate) fn fail(&self, op: OpKind) -> impl Fn(NcclError) -> CollectiveError + '_ {
+        move |e| collective_error(op.name(), &self.info.label, e)
     }
 
-    /// A device buffer of at least one byte (CUDA refuses empty allocations).
-    fn alloc(&self, op: OpKind, len: usize) -> Res<CudaSlice<u8>> {
-        self.comm
-            .stream()
-            .alloc_zeros::<u8>(len.max(1))
-            .map_err(|e| self.fail(op)(cuda("cuMemAlloc", e)))
+    /// Agrees with the other ranks on `spec` (from the cache when it repeats): the same
+    /// verdict on every rank, before any of them enters NCCL for the call itself.
+    pub(crate) fn agree(&self, scope: &mut Scope<'_>, spec: &CallSpec) -> Res<Agreed> {
+        let op = spec.op;
+        lock(&self.agreement).agree(spec, &self.info, |words| {
+            self.exchange_words(scope, words)
+                .map_err(|e| self.fail(op)(scope.explain(e)))
+        })
     }
 
-    fn download(&self, op: OpKind, buf: &CudaSlice<u8>, len: usize) -> Res<Vec<u8>> {
-        let stream = self.comm.stream();
-        let mut out = vec![0u8; len];
-        if len > 0 {
-            stream
-                .memcpy_dtoh(&buf.slice(..len), &mut out)
-                .map_err(|e| self.fail(op)(cuda("cuMemcpyDtoH", e)))?;
-        }
-        stream
-            .synchronize()
-            .map_err(|e| self.fail(op)(cuda("cuStreamSynchronize", e)))?;
-        Ok(out)
-    }
-
-    fn ptr(&self, buf: &CudaSlice<u8>) -> u64 {
-        buf.device_ptr(self.comm.stream()).0
-    }
-
-    /// Every rank's metadata words (the same count on every rank), in group order.
-    fn exchange(&self, op: OpKind, words: &[u64]) -> Res<Vec<Vec<u64>>> {
+    /// Every rank's words (the same count on each), in group order.
+    fn exchange_words(
+        &self,
+        scope: &mut Scope<'_>,
+        words: &[u64],
+    ) -> Result<Vec<Vec<u64>>, NcclError> {
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let send = self.upload(op, &bytes)?;
-        let recv = self.alloc(op, bytes.len() * self.info.size())?;
-        // SAFETY: both buffers were just allocated with the sizes passed.
+        let n = self.info.size();
+        let send = scope.upload(Slot::WordsOut, &bytes)?;
+        let recv = scope.buffer(Slot::WordsIn, bytes.len() * n)?;
+        // SAFETY: both staging buffers hold the sizes passed.
         unsafe {
-            self.comm.all_gather(
-                self.ptr(&send),
-                self.ptr(&recv),
-                bytes.len(),
-                NcclDataType::Uint8,
-            )
-        }
-        .map_err(self.fail(op))?;
-        let all = self.download(op, &recv, bytes.len() * self.info.size())?;
+            scope
+                .comm
+                .all_gather(send, recv, bytes.len(), NcclDataType::Uint8)
+        }?;
+        let all = scope.download(recv, bytes.len() * n)?;
         Ok(all
             .chunks(bytes.len())
             .map(|c| {
@@ -259,56 +308,6 @@ impl NcclCommunicator {
                     .collect()
             })
             .collect())
-    }
-
-    fn header(&self, op: OpKind, data: Option<(DType, &[usize])>) -> Res<Vec<u64>> {
-        let mut words = vec![0u64; META_WORDS];
-        words[0] = op as u64 + 1;
-        if let Some((dtype, shape)) = data {
-            if shape.len() > MAX_DIMS {
-                return Err(self.invalid(
-                    op,
-                    format!("the nccl engine handles at most {MAX_DIMS} dimensions"),
-                ));
-            }
-            words[1] = dtype_code(dtype).ok_or_else(|| CollectiveError::UnsupportedDtype {
-                op: format!("{op} (nccl)"),
-                dtype: format!("{dtype:?}"),
-            })? + 1;
-            words[2] = shape.len() as u64;
-            for (w, s) in words[3..].iter_mut().zip(shape.iter()) {
-                *w = *s as u64;
-            }
-        }
-        Ok(words)
-    }
-
-    /// Checks that every rank called the same op with compatible tensors (shapes equal except
-    /// along the dimensions in `free`), and returns each rank's (dtype, shape).
-    fn agree(
-        &self,
-        op: OpKind,
-        data: Option<&TensorData>,
-        extra: &[u64],
-        free: &[usize],
-    ) -> Res<Vec<RankCall>> {
-        self.agree_on(op, data.map(|d| (d.dtype(), &d.shape()[..])), extra, free)
-    }
-
-    #[cfg_attr(not(any(feature = "cuda", feature = "tch")), allow(dead_code))]
-    /// A device collective's [`Self::agree`]: every rank's shape of a `dtype` tensor whose
-    /// shapes may differ along `free`. A mismatch is an error on every rank, not a hang.
-    /// `extra`: words every rank states (as many on each), returned with its shape.
-    pub(crate) fn agree_device(
-        &self,
-        op: OpKind,
-        dtype: DType,
-        shape: &[usize],
-        free: &[usize],
-        extra: &[u64],
-    ) -> Res<Vec<(Vec<usize>, Vec<u64>)>> {
-        let all = self.agree_on(op, Some((dtype, shape)), extra, free)?;
-        Ok(all.into_iter().map(|(_, s, x)| (s, x)).collect())
     }
 
     #[cfg_attr(not(any(feature = "cuda", feature = "tch")), allow(dead_code))]
@@ -324,93 +323,53 @@ impl NcclCommunicator {
     ) {
         let (sent, received) =
             CallBytes::sized(kind, &self.info, input, elem, kept).traffic(output);
-        for stats in [&self.stats, &*self.rank_stats] {
-            stats
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .record(kind, sent, received);
-        }
+        self.record(kind, sent, received);
     }
 
-    fn agree_on(
-        &self,
-        op: OpKind,
-        data: Option<(DType, &[usize])>,
-        extra: &[u64],
-        free: &[usize],
-    ) -> Res<Vec<RankCall>> {
-        let mut words = self.header(op, data)?;
-        words.extend_from_slice(extra);
-        let all = self.exchange(op, &words)?;
-        let parsed: Vec<ParsedCall> = all
-            .iter()
-            .map(|w| {
-                let dtype = w[1].checked_sub(1).and_then(dtype_from_code);
-                let ndim = w[2] as usize;
-                let shape = w[3..3 + ndim.min(MAX_DIMS)]
-                    .iter()
-                    .map(|x| *x as usize)
-                    .collect();
-                (w[0], dtype, shape, w[META_WORDS..].to_vec())
-            })
-            .collect();
-        let me = self.info.index;
-        let describe = |(code, dtype, shape, _): &ParsedCall| {
-            let name = OpKind::ALL
-                .get((*code as usize).wrapping_sub(1))
-                .map_or("?", |k| k.name());
-            match dtype {
-                Some(d) => format!("{name}({d:?} {shape:?})"),
-                None => format!("{name}()"),
-            }
-        };
-        for (j, other) in parsed.iter().enumerate() {
-            let mine = &parsed[me];
-            let tensors_agree = match (mine.1, other.1) {
-                (Some(a), Some(b)) => {
-                    a == b
-                        && mine.2.len() == other.2.len()
-                        && mine
-                            .2
-                            .iter()
-                            .zip(&other.2)
-                            .enumerate()
-                            .all(|(d, (x, y))| free.contains(&d) || x == y)
-                }
-                _ => true,
-            };
-            if other.0 != mine.0 || !tensors_agree {
-                return Err(CollectiveError::Mismatch {
-                    group: self.info.label.clone(),
-                    seq: 0,
-                    rank_a: self.info.ranks[me],
-                    call_a: describe(mine),
-                    rank_b: self.info.ranks[j],
-                    call_b: describe(other),
-                });
-            }
+    fn record(&self, kind: OpKind, sent: u64, received: u64) {
+        for stats in [&self.stats, &*self.rank_stats] {
+            lock(stats).record(kind, sent, received);
         }
-        Ok(parsed.into_iter().map(|(_, d, s, x)| (d, s, x)).collect())
     }
 
     fn execute(&self, call: Collective) -> Res<CollectiveOutput> {
         let op = call.kind();
+        let mut scope = self.scope(op)?;
+        let spec = host_spec(&call);
+        let agreed = match &spec {
+            Some(spec) => Some(self.agree(&mut scope, spec)?),
+            None => None,
+        };
+        self.execute_agreed(&mut scope, call, agreed)
+            .map_err(|e| self.fail(op)(scope.explain(e)))
+    }
+
+    /// The call's NCCL work once every rank agreed (`agreed`: every rank's shapes, for the
+    /// calls that agree).
+    fn execute_agreed(
+        &self,
+        scope: &mut Scope<'_>,
+        call: Collective,
+        agreed: Option<Agreed>,
+    ) -> Result<CollectiveOutput, NcclError> {
         let me = self.info.index;
         let size = self.info.size();
+        let invalid = |m: &str| NcclError::InvalidArgument(m.into());
+        let kind = call.kind();
+        let nccl_type = |d: DType| nccl_dtype(kind.name(), d).map_err(|e| invalid(&e.to_string()));
         match call {
             Collective::AllReduce { data, op: reduce } => {
-                self.check_reducible(op, &data)?;
-                self.agree(op, Some(&data), &[], &[])?;
-                let buf = self.upload(op, data.as_bytes())?;
-                let t = nccl_dtype(op.name(), data.dtype())?;
-                let p = self.ptr(&buf);
-                // SAFETY: in place on a buffer of `num_elements` elements of `t`.
-                unsafe {
-                    self.comm
-                        .all_reduce(p, p, data.num_elements(), t, nccl_reduce(reduce))
+                let t = nccl_type(data.dtype())?;
+                let p = scope.upload(Slot::Input, data.as_bytes())?;
+                if data.num_elements() > 0 {
+                    // SAFETY: in place on a staging buffer of `num_elements` elements of `t`.
+                    unsafe {
+                        scope
+                            .comm
+                            .all_reduce(p, p, data.num_elements(), t, nccl_reduce(reduce))
+                    }?;
                 }
-                .map_err(self.fail(op))?;
-                let out = self.download(op, &buf, data.as_bytes().len())?;
+                let out = scope.download(p, data.as_bytes().len())?;
                 Ok(CollectiveOutput::tensor(TensorData::from_bytes_vec(
                     out,
                     data.shape().to_vec(),
@@ -418,41 +377,38 @@ impl NcclCommunicator {
                 )))
             }
             Collective::AllGather { data, dim } => {
-                let all = self.agree(op, Some(&data), &[], &[dim])?;
-                let sizes: Vec<usize> = all.iter().map(|(_, s, _)| s[dim]).collect();
+                let agreed = agreed.ok_or_else(|| invalid("a gather agrees first"))?;
+                let sizes: Vec<usize> = agreed.shapes.iter().map(|s| s[dim]).collect();
                 let eb = data.dtype().size();
                 let layout = gather_layout(AlongDim::new(data.shape(), dim, eb), &sizes, me);
-                let input = self.upload(op, data.as_bytes())?;
+                let input = scope.upload(Slot::Input, data.as_bytes())?;
                 let send = match layout.pack {
                     Some(c) => {
-                        let send = self.alloc(op, layout.piece_bytes)?;
+                        let send = scope.buffer(Slot::Send, layout.piece_bytes)?;
                         // SAFETY: the plan stays inside the input and the padded piece.
-                        unsafe { self.comm.copy_2d(self.ptr(&input), self.ptr(&send), c) }
-                            .map_err(self.fail(op))?;
+                        unsafe { scope.comm.copy_2d(input, send, c) }?;
                         send
                     }
                     None => input,
                 };
-                let gathered = self.alloc(op, layout.piece_bytes * size)?;
+                let gathered = scope.buffer(Slot::Recv, layout.piece_bytes * size)?;
                 if layout.piece_bytes > 0 {
                     // SAFETY: `send` holds one padded piece, `gathered` one per rank.
                     unsafe {
-                        self.comm.all_gather(
-                            self.ptr(&send),
-                            self.ptr(&gathered),
+                        scope.comm.all_gather(
+                            send,
+                            gathered,
                             layout.piece_bytes,
                             NcclDataType::Uint8,
                         )
-                    }
-                    .map_err(self.fail(op))?;
+                    }?;
                 }
                 let out = match &layout.unpack {
                     Some(copies) => {
-                        let out = self.alloc(op, layout.out_bytes)?;
+                        let out = scope.buffer(Slot::Output, layout.out_bytes)?;
                         for c in copies {
                             // SAFETY: the plan stays inside both buffers.
-                            unsafe { self.comm.copy_2d(self.ptr(&gathered), self.ptr(&out), *c) }
-                                .map_err(self.fail(op))?;
+                            unsafe { scope.comm.copy_2d(gathered, out, *c) }?;
                         }
                         out
                     }
@@ -460,7 +416,7 @@ impl NcclCommunicator {
                 };
                 let mut shape = data.shape().to_vec();
                 shape[dim] = sizes.iter().sum();
-                let bytes = self.download(op, &out, layout.out_bytes)?;
+                let bytes = scope.download(out, layout.out_bytes)?;
                 Ok(CollectiveOutput {
                     data: Some(TensorData::from_bytes_vec(bytes, shape, data.dtype())),
                     sizes,
@@ -472,61 +428,46 @@ impl NcclCommunicator {
                 sizes,
                 op: reduce,
             } => {
-                self.check_reducible(op, &data)?;
-                let wanted: Vec<u64> = sizes.iter().map(|s| *s as u64).collect();
-                let all = self.agree(op, Some(&data), &[], &[])?;
-                debug_assert_eq!(all.len(), size);
-                if sizes.len() != size || sizes.iter().sum::<usize>() != data.shape()[dim] {
-                    return Err(self.invalid(
-                        op,
-                        format!(
-                            "sizes {wanted:?} must give one piece per rank summing to dim {dim}"
-                        ),
-                    ));
-                }
                 let eb = data.dtype().size();
-                let t = nccl_dtype(op.name(), data.dtype())?;
+                let t = nccl_type(data.dtype())?;
                 let layout = scatter_layout(AlongDim::new(data.shape(), dim, eb), &sizes, me);
-                let input = self.upload(op, data.as_bytes())?;
+                let input = scope.upload(Slot::Input, data.as_bytes())?;
                 let send = match &layout.pack {
                     Some(copies) => {
-                        let send = self.alloc(op, layout.piece_bytes * size)?;
+                        let send = scope.buffer(Slot::Send, layout.piece_bytes * size)?;
                         for c in copies {
                             // SAFETY: the plan stays inside both buffers.
-                            unsafe { self.comm.copy_2d(self.ptr(&input), self.ptr(&send), *c) }
-                                .map_err(self.fail(op))?;
+                            unsafe { scope.comm.copy_2d(input, send, *c) }?;
                         }
                         send
                     }
                     None => input,
                 };
-                let recv = self.alloc(op, layout.piece_bytes)?;
+                let recv = scope.buffer(Slot::Recv, layout.piece_bytes)?;
                 if layout.piece_bytes > 0 {
                     // SAFETY: `send` holds one padded piece per rank, `recv` one.
                     unsafe {
-                        self.comm.reduce_scatter(
-                            self.ptr(&send),
-                            self.ptr(&recv),
+                        scope.comm.reduce_scatter(
+                            send,
+                            recv,
                             layout.piece_bytes / eb,
                             t,
                             nccl_reduce(reduce),
                         )
-                    }
-                    .map_err(self.fail(op))?;
+                    }?;
                 }
                 let out = match layout.unpack {
                     Some(c) => {
-                        let out = self.alloc(op, layout.out_bytes)?;
+                        let out = scope.buffer(Slot::Output, layout.out_bytes)?;
                         // SAFETY: the plan stays inside both buffers.
-                        unsafe { self.comm.copy_2d(self.ptr(&recv), self.ptr(&out), c) }
-                            .map_err(self.fail(op))?;
+                        unsafe { scope.comm.copy_2d(recv, out, c) }?;
                         out
                     }
                     None => recv,
                 };
                 let mut shape = data.shape().to_vec();
                 shape[dim] = sizes[me];
-                let bytes = self.download(op, &out, layout.out_bytes)?;
+                let bytes = scope.download(out, layout.out_bytes)?;
                 Ok(CollectiveOutput::tensor(TensorData::from_bytes_vec(
                     bytes,
                     shape,
@@ -534,30 +475,21 @@ impl NcclCommunicator {
                 )))
             }
             Collective::Broadcast { data, root } => {
-                if root >= size {
-                    return Err(CollectiveError::NoSuchRank {
-                        op: op.name().into(),
-                        group: self.info.label.clone(),
-                        rank: root,
-                        size,
-                    });
-                }
-                if me == root && data.is_none() {
-                    return Err(self.invalid(op, "the root must provide the tensor".into()));
-                }
-                let all = self.agree(op, data.as_ref(), &[], &[])?;
-                let (dtype, shape, _) = all[root].clone();
-                let dtype = dtype.expect("the root sent its tensor");
+                let agreed = agreed.ok_or_else(|| invalid("a broadcast agrees first"))?;
+                let dtype = agreed
+                    .dtype
+                    .ok_or_else(|| invalid("the root sent its tensor"))?;
+                let shape = agreed.shapes[root].clone();
                 let len = shape.iter().product::<usize>() * dtype.size();
-                let buf = match &data {
-                    Some(d) if me == root => self.upload(op, d.as_bytes())?,
-                    _ => self.alloc(op, len)?,
+                let p = match &data {
+                    Some(d) if me == root => scope.upload(Slot::Input, d.as_bytes())?,
+                    _ => scope.buffer(Slot::Input, len)?,
                 };
-                let p = self.ptr(&buf);
-                // SAFETY: every rank's buffer holds `len` bytes.
-                unsafe { self.comm.broadcast(p, p, len, NcclDataType::Uint8, root) }
-                    .map_err(self.fail(op))?;
-                let bytes = self.download(op, &buf, len)?;
+                if len > 0 {
+                    // SAFETY: every rank's buffer holds `len` bytes.
+                    unsafe { scope.comm.broadcast(p, p, len, NcclDataType::Uint8, root) }?;
+                }
+                let bytes = scope.download(p, len)?;
                 Ok(CollectiveOutput::tensor(TensorData::from_bytes_vec(
                     bytes, shape, dtype,
                 )))
@@ -567,160 +499,98 @@ impl NcclCommunicator {
                 split_dim,
                 concat_dim,
                 send_sizes,
-            } => self.all_to_all(data, split_dim, concat_dim, send_sizes),
+            } => {
+                let agreed = agreed.ok_or_else(|| invalid("an all_to_all agrees first"))?;
+                self.all_to_all(scope, data, split_dim, concat_dim, &send_sizes, &agreed)
+            }
             Collective::Send { data, dst } => {
-                let header = self.header(op, Some((data.dtype(), &data.shape()[..])))?;
-                let hb: Vec<u8> = header.iter().flat_map(|w| w.to_le_bytes()).collect();
-                let h = self.upload(op, &hb)?;
-                let body = self.upload(op, data.as_bytes())?;
+                let header = point_to_point_header(&data)?;
+                let h = scope.upload(Slot::WordsOut, &header)?;
+                let body = scope.upload(Slot::Input, data.as_bytes())?;
                 // SAFETY: both buffers hold the counts passed.
-                unsafe {
-                    self.comm
-                        .send(self.ptr(&h), hb.len(), NcclDataType::Uint8, dst)
-                }
-                .map_err(self.fail(op))?;
+                unsafe { scope.comm.send(h, header.len(), NcclDataType::Uint8, dst) }?;
                 let len = data.as_bytes().len();
                 if len > 0 {
                     // SAFETY: as above.
-                    unsafe {
-                        self.comm
-                            .send(self.ptr(&body), len, NcclDataType::Uint8, dst)
-                    }
-                    .map_err(self.fail(op))?;
+                    unsafe { scope.comm.send(body, len, NcclDataType::Uint8, dst) }?;
                 }
-                self.comm
-                    .stream()
-                    .synchronize()
-                    .map_err(|e| self.fail(op)(cuda("cuStreamSynchronize", e)))?;
+                scope.finish()?;
                 Ok(CollectiveOutput::none())
             }
             Collective::Recv { src } => {
-                let h = self.alloc(op, META_WORDS * 8)?;
+                let h = scope.buffer(Slot::WordsIn, HEADER_BYTES)?;
                 // SAFETY: `h` holds a header.
-                unsafe {
-                    self.comm
-                        .recv(self.ptr(&h), META_WORDS * 8, NcclDataType::Uint8, src)
-                }
-                .map_err(self.fail(op))?;
-                let words: Vec<u64> = self
-                    .download(op, &h, META_WORDS * 8)?
-                    .chunks(8)
-                    .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-                    .collect();
-                let dtype = words[1]
-                    .checked_sub(1)
-                    .and_then(dtype_from_code)
-                    .ok_or_else(|| self.invalid(op, "the sender's header is corrupt".into()))?;
-                let shape: Vec<usize> = words[3..3 + (words[2] as usize).min(MAX_DIMS)]
-                    .iter()
-                    .map(|x| *x as usize)
-                    .collect();
+                unsafe { scope.comm.recv(h, HEADER_BYTES, NcclDataType::Uint8, src) }?;
+                let (dtype, shape) = read_point_to_point_header(&scope.download(h, HEADER_BYTES)?)?;
                 let len = shape.iter().product::<usize>() * dtype.size();
-                let body = self.alloc(op, len)?;
+                let body = scope.buffer(Slot::Input, len)?;
                 if len > 0 {
                     // SAFETY: `body` holds `len` bytes.
-                    unsafe {
-                        self.comm
-                            .recv(self.ptr(&body), len, NcclDataType::Uint8, src)
-                    }
-                    .map_err(self.fail(op))?;
+                    unsafe { scope.comm.recv(body, len, NcclDataType::Uint8, src) }?;
                 }
-                let bytes = self.download(op, &body, len)?;
+                let bytes = scope.download(body, len)?;
                 Ok(CollectiveOutput::tensor(TensorData::from_bytes_vec(
                     bytes, shape, dtype,
                 )))
             }
-            Collective::Barrier => {
-                self.exchange(op, &[0])?;
-                Ok(CollectiveOutput::none())
-            }
+            // The agreement was the barrier.
+            Collective::Barrier => Ok(CollectiveOutput::none()),
         }
     }
 
     fn all_to_all(
         &self,
+        scope: &mut Scope<'_>,
         data: TensorData,
         split_dim: usize,
         concat_dim: usize,
-        send_sizes: Vec<usize>,
-    ) -> Res<CollectiveOutput> {
-        let op = OpKind::AllToAll;
+        send_sizes: &[usize],
+        agreed: &Agreed,
+    ) -> Result<CollectiveOutput, NcclError> {
         let me = self.info.index;
         let size = self.info.size();
-        if send_sizes.len() != size || send_sizes.iter().sum::<usize>() != data.shape()[split_dim] {
-            return Err(self.invalid(
-                op,
-                format!("send sizes {send_sizes:?} must give one slice per rank summing to dim {split_dim}"),
-            ));
-        }
-        let extra: Vec<u64> = send_sizes.iter().map(|s| *s as u64).collect();
-        let all = self.agree(op, Some(&data), &extra, &[split_dim, concat_dim])?;
         let eb = data.dtype().size();
-        // What each source sends this rank: its shape with `send_sizes[me]` along split_dim.
-        let pieces: Vec<Vec<usize>> = all
+        // What each source sends this rank: its shape with its send size for us along split.
+        let pieces: Vec<Vec<usize>> = agreed
+            .shapes
             .iter()
-            .map(|(_, shape, sizes)| {
+            .zip(&agreed.lists)
+            .map(|(shape, sizes)| {
                 let mut s = shape.clone();
-                s[split_dim] = sizes[me] as usize;
+                s[split_dim] = sizes[me];
                 s
             })
             .collect();
-        for (src, piece) in pieces.iter().enumerate() {
-            let agrees = piece
-                .iter()
-                .zip(&pieces[0])
-                .enumerate()
-                .all(|(d, (a, b))| d == concat_dim || a == b);
-            if !agrees {
-                return Err(CollectiveError::Mismatch {
-                    group: self.info.label.clone(),
-                    seq: 0,
-                    rank_a: self.info.ranks[0],
-                    call_a: format!("all_to_all sending a slice of shape {:?}", pieces[0]),
-                    rank_b: self.info.ranks[src],
-                    call_b: format!(
-                        "all_to_all sending a slice of shape {piece:?}, which cannot be concatenated along dim {concat_dim}"
-                    ),
-                });
-            }
-        }
         let view = AlongDim::new(data.shape(), split_dim, eb);
-        let input = self.upload(op, data.as_bytes())?;
+        let input = scope.upload(Slot::Input, data.as_bytes())?;
         let send_bytes: Vec<usize> = send_sizes.iter().map(|s| view.bytes_with(*s)).collect();
-        let send = self.alloc(op, send_bytes.iter().sum())?;
+        let send = scope.buffer(Slot::Send, send_bytes.iter().sum())?;
         let send_at = offsets(&send_bytes);
-        for (j, (start, len)) in offsets(&send_sizes)
-            .into_iter()
-            .zip(&send_sizes)
-            .enumerate()
-        {
+        for (j, (start, len)) in offsets(send_sizes).into_iter().zip(send_sizes).enumerate() {
             let c = narrow_copy(view, start, *len).shifted(0, send_at[j]);
             // SAFETY: the plan stays inside both buffers.
-            unsafe { self.comm.copy_2d(self.ptr(&input), self.ptr(&send), c) }
-                .map_err(self.fail(op))?;
+            unsafe { scope.comm.copy_2d(input, send, c) }?;
         }
         let recv_bytes: Vec<usize> = pieces
             .iter()
             .map(|p| p.iter().product::<usize>() * eb)
             .collect();
-        let recv = self.alloc(op, recv_bytes.iter().sum())?;
+        let recv = scope.buffer(Slot::Recv, recv_bytes.iter().sum())?;
         let recv_at = offsets(&recv_bytes);
-        let (sp, rp) = (self.ptr(&send), self.ptr(&recv));
         let sends: Vec<(u64, usize)> = (0..size)
-            .map(|j| (sp + send_at[j] as u64, send_bytes[j]))
+            .map(|j| (send + send_at[j] as u64, send_bytes[j]))
             .collect();
         let recvs: Vec<(u64, usize)> = (0..size)
-            .map(|j| (rp + recv_at[j] as u64, recv_bytes[j]))
+            .map(|j| (recv + recv_at[j] as u64, recv_bytes[j]))
             .collect();
         // SAFETY: every (pointer, count) lies inside `send` or `recv`.
-        unsafe { self.comm.all_to_all(&sends, &recvs, NcclDataType::Uint8) }
-            .map_err(self.fail(op))?;
+        unsafe { scope.comm.all_to_all(&sends, &recvs, NcclDataType::Uint8) }?;
         let sizes: Vec<usize> = pieces.iter().map(|p| p[concat_dim]).collect();
         let total: usize = sizes.iter().sum();
         let mut shape = pieces[0].clone();
         shape[concat_dim] = total;
         let out_len = shape.iter().product::<usize>() * eb;
-        let out = self.alloc(op, out_len)?;
+        let out = scope.buffer(Slot::Output, out_len)?;
         let at = offsets(&sizes);
         for (src, piece) in pieces.iter().enumerate() {
             let c = place_copy(
@@ -731,33 +601,107 @@ impl NcclCommunicator {
             )
             .shifted(recv_at[src], 0);
             // SAFETY: the plan stays inside both buffers.
-            unsafe { self.comm.copy_2d(self.ptr(&recv), self.ptr(&out), c) }
-                .map_err(self.fail(op))?;
+            unsafe { scope.comm.copy_2d(recv, out, c) }?;
         }
-        let bytes = self.download(op, &out, out_len)?;
+        let bytes = scope.download(out, out_len)?;
         Ok(CollectiveOutput {
             data: Some(TensorData::from_bytes_vec(bytes, shape, data.dtype())),
             sizes,
         })
     }
-
-    fn check_reducible(&self, op: OpKind, data: &TensorData) -> Res<()> {
-        if reducible(data.dtype()) {
-            Ok(())
-        } else {
-            Err(CollectiveError::UnsupportedDtype {
-                op: op.name().into(),
-                dtype: format!("{:?}", data.dtype()),
-            })
-        }
-    }
 }
 
-fn cuda(call: &'static str, e: cudarc::driver::DriverError) -> NcclError {
-    NcclError::Cuda {
-        call,
-        message: format!("{e:?}"),
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What a host call states for the agreement (`None`: point-to-point, which does not agree).
+fn host_spec(call: &Collective) -> Option<CallSpec> {
+    let tensor = |d: &TensorData| Some((d.dtype(), d.shape().to_vec()));
+    let (t, kind) = match call {
+        Collective::AllReduce { data, .. } => (tensor(data), CallKind::Same),
+        Collective::AllGather { data, dim } => (
+            tensor(data),
+            CallKind::Gather {
+                dim: *dim,
+                sizes: None,
+            },
+        ),
+        Collective::ReduceScatter {
+            data, dim, sizes, ..
+        } => (
+            tensor(data),
+            CallKind::Scatter {
+                dim: *dim,
+                sizes: sizes.clone(),
+            },
+        ),
+        Collective::Broadcast { data, root } => (
+            data.as_ref().and_then(tensor),
+            CallKind::Broadcast { root: *root },
+        ),
+        Collective::AllToAll {
+            data,
+            split_dim,
+            concat_dim,
+            send_sizes,
+        } => (
+            tensor(data),
+            CallKind::AllToAll {
+                split: *split_dim,
+                concat: *concat_dim,
+                send: send_sizes.clone(),
+            },
+        ),
+        Collective::Barrier => (None, CallKind::Barrier),
+        Collective::Send { .. } | Collective::Recv { .. } => return None,
+    };
+    Some(CallSpec {
+        op: call.kind(),
+        tensor: t,
+        kind,
+    })
+}
+
+/// Bytes of a point-to-point header: dtype code, ndim, dims.
+const HEADER_BYTES: usize = (2 + MAX_DIMS) * 8;
+
+/// The header a send puts ahead of its payload, so the receiver learns what arrives.
+fn point_to_point_header(data: &TensorData) -> Result<Vec<u8>, NcclError> {
+    let shape = data.shape();
+    if shape.len() > MAX_DIMS {
+        return Err(NcclError::InvalidArgument(format!(
+            "the nccl engine sends tensors of at most {MAX_DIMS} dimensions, not {}",
+            shape.len()
+        )));
     }
+    let code = dtype_code(data.dtype()).ok_or_else(|| {
+        NcclError::InvalidArgument(format!("NCCL cannot send dtype {:?}", data.dtype()))
+    })?;
+    let mut words = [0u64; 2 + MAX_DIMS];
+    words[0] = code;
+    words[1] = shape.len() as u64;
+    for (w, s) in words[2..].iter_mut().zip(shape.iter()) {
+        *w = *s as u64;
+    }
+    Ok(words.iter().flat_map(|w| w.to_le_bytes()).collect())
+}
+
+fn read_point_to_point_header(bytes: &[u8]) -> Result<(DType, Vec<usize>), NcclError> {
+    let words: Vec<u64> = bytes
+        .chunks(8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        .collect();
+    let corrupt = || NcclError::InvalidArgument("the sender's header is corrupt".into());
+    let dtype = dtype_from_code(words[0]).ok_or_else(corrupt)?;
+    let ndim = words[1] as usize;
+    if ndim > MAX_DIMS {
+        return Err(corrupt());
+    }
+    Ok((
+        dtype,
+        words[2..2 + ndim].iter().map(|x| *x as usize).collect(),
+    ))
 }
 
 impl Communicator for NcclCommunicator {
@@ -770,12 +714,7 @@ impl Communicator for NcclCommunicator {
         let out = self.execute(call)?;
         let produced = out.data.as_ref().map_or(0, |d| d.as_bytes().len());
         let (sent, received) = bytes.traffic(produced);
-        for stats in [&self.stats, &*self.rank_stats] {
-            stats
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .record(bytes.kind(), sent, received);
-        }
+        self.record(bytes.kind(), sent, received);
         Ok(out)
     }
 
@@ -812,16 +751,47 @@ pub fn nccl_comm(group: &crate::transport::group::ProcessGroup) -> Option<Arc<Nc
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// Without CUDA the launchers fail with the library message, before touching cudarc.
+    /// Without CUDA the launcher fails with the library message, before touching cudarc; with
+    /// CUDA and NCCL it runs a real one-rank all_reduce and agreement on GPU 0 (or names the
+    /// missing GPU). Whichever half cannot run here says so on the terminal.
     #[test]
-    fn launching_without_cuda_is_a_clear_error() {
-        if super::super::library::check_libraries().is_ok() {
-            return;
+    fn launching_runs_on_a_gpu_or_fails_clearly_without_one() {
+        match super::super::library::check_libraries() {
+            Err(missing) => {
+                let e = launch_local(&[0], |_ctx| Ok::<(), String>(())).unwrap_err();
+                assert!(e.first().message.contains("lib"), "{e}");
+                skipped("the GPU half of the NCCL launch test", &missing.to_string());
+            }
+            Ok(()) => {
+                let run = launch_local(&[0], |ctx| {
+                    let world = ctx.world()?;
+                    let x = TensorData::new(vec![1.5f32, -2.0, 3.25], [3]);
+                    let y = world.all_reduce(x.clone(), crate::ReduceOp::Sum)?;
+                    let again = world.all_reduce(x.clone(), crate::ReduceOp::Sum)?;
+                    Ok::<_, CollectiveError>((x, y, again))
+                });
+                match run {
+                    Ok(out) => {
+                        let (x, y, again) = &out[0];
+                        assert_eq!(x, y);
+                        assert_eq!(x, again);
+                    }
+                    Err(e) if e.to_string().contains("does not exist") => {
+                        skipped("the GPU half of the NCCL launch test", &e.to_string())
+                    }
+                    Err(e) => panic!("NCCL on GPU 0 failed: {e}"),
+                }
+            }
         }
-        let e = launch_local(&[0], |_ctx| Ok::<(), String>(())).unwrap_err();
-        assert!(e.first().message.contains("lib"), "{e}");
+    }
+
+    /// Tells the terminal that part of a test could not run here (output the harness does not
+    /// capture, so a skip is never a silent pass).
+    pub(crate) fn skipped(what: &str, why: &str) {
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), "SKIPPED {what}: {why}");
     }
 }

@@ -54,6 +54,50 @@ impl Copy2d {
     }
 }
 
+/// How the device runs a [`Copy2d`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyPlan {
+    /// Nothing to move.
+    Empty,
+    /// One contiguous run of `bytes` (height 1, or rows back to back on both sides): a linear
+    /// copy, which has no pitch limit.
+    Linear {
+        /// Where the run starts in the source.
+        src_offset: usize,
+        /// Where it goes in the destination.
+        dst_offset: usize,
+        /// Its length.
+        bytes: usize,
+    },
+    /// One strided 2-D copy (pitches within the device's limit).
+    Strided(Copy2d),
+    /// One linear copy per row: a pitch past the device's limit for 2-D copies.
+    Rows(Copy2d),
+}
+
+/// The largest pitch a 2-D device copy takes (`cuMemcpy2D`'s limit on current GPUs).
+pub const MAX_COPY_PITCH: usize = i32::MAX as usize;
+
+impl Copy2d {
+    /// How to run this copy on a device whose 2-D copies take pitches up to `max_pitch`.
+    pub fn plan(&self, max_pitch: usize) -> CopyPlan {
+        let contiguous = |pitch: usize| pitch == self.width || self.height == 1;
+        if self.is_empty() {
+            CopyPlan::Empty
+        } else if contiguous(self.src_pitch) && contiguous(self.dst_pitch) {
+            CopyPlan::Linear {
+                src_offset: self.src_offset,
+                dst_offset: self.dst_offset,
+                bytes: self.width * self.height,
+            }
+        } else if self.src_pitch.max(self.dst_pitch) > max_pitch {
+            CopyPlan::Rows(*self)
+        } else {
+            CopyPlan::Strided(*self)
+        }
+    }
+}
+
 /// A shape seen along `dim`: `outer` runs of `len` rows of `row` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AlongDim {
@@ -390,5 +434,70 @@ mod tests {
         place_copy(view, 2, 0, 5).apply(a.as_bytes(), &mut out);
         place_copy(view, 3, 2, 5).apply(b.as_bytes(), &mut out);
         assert_eq!(out, t.as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod copy_plan_tests {
+    use super::*;
+
+    fn copy(width: usize, height: usize, src_pitch: usize, dst_pitch: usize) -> Copy2d {
+        Copy2d {
+            src_offset: 8,
+            src_pitch,
+            dst_offset: 16,
+            dst_pitch,
+            width,
+            height,
+        }
+    }
+
+    /// Every plan moves exactly the bytes the 2-D copy names, checked on host bytes.
+    fn run_plan(plan: CopyPlan, src: &[u8], dst: &mut [u8]) {
+        match plan {
+            CopyPlan::Empty => {}
+            CopyPlan::Linear {
+                src_offset,
+                dst_offset,
+                bytes,
+            } => dst[dst_offset..dst_offset + bytes]
+                .copy_from_slice(&src[src_offset..src_offset + bytes]),
+            CopyPlan::Strided(c) | CopyPlan::Rows(c) => c.apply(src, dst),
+        }
+    }
+
+    #[test]
+    fn height_one_and_back_to_back_rows_are_linear_copies() {
+        // A height-1 copy with a pitch far past the 2-D limit is still one linear copy.
+        let huge = copy(100, 1, 1 << 40, 1 << 40);
+        assert!(matches!(
+            huge.plan(MAX_COPY_PITCH),
+            CopyPlan::Linear { bytes: 100, .. }
+        ));
+        assert!(matches!(
+            copy(4, 3, 4, 4).plan(MAX_COPY_PITCH),
+            CopyPlan::Linear { bytes: 12, .. }
+        ));
+        assert_eq!(
+            copy(4, 3, 6, 4).plan(MAX_COPY_PITCH),
+            CopyPlan::Strided(copy(4, 3, 6, 4))
+        );
+        assert_eq!(copy(4, 3, 6, 4).plan(5), CopyPlan::Rows(copy(4, 3, 6, 4)));
+        assert_eq!(copy(0, 3, 6, 4).plan(5), CopyPlan::Empty);
+        for c in [
+            copy(4, 3, 4, 4),
+            copy(4, 3, 6, 4),
+            copy(4, 1, 9, 9),
+            copy(3, 2, 3, 7),
+        ] {
+            let src: Vec<u8> = (0..64).collect();
+            let (mut want, mut got) = (vec![0u8; 64], vec![0u8; 64]);
+            c.apply(&src, &mut want);
+            for max_pitch in [5, MAX_COPY_PITCH] {
+                got.fill(0);
+                run_plan(c.plan(max_pitch), &src, &mut got);
+                assert_eq!(got, want, "{c:?}");
+            }
+        }
     }
 }

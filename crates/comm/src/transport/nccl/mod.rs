@@ -11,26 +11,35 @@
 //! machine: [`split`] (group -> `ncclCommSplit` color/key), [`unique_id`] (rank 0's id through
 //! the environment), [`types`] (dtype and reduce-op mapping), [`layout`] (uneven pieces as
 //! strided copies around NCCL's equal-sized collectives) and [`library`] (the messages for
-//! missing libraries).
+//! missing libraries), [`agreement`] (what the ranks state and agree on before a call, and
+//! its cache) and [`watchdog`] (aborting calls that cannot finish).
 
+pub mod agreement;
 pub mod layout;
 pub mod library;
 pub mod split;
 pub mod types;
 pub mod unique_id;
+pub mod watchdog;
 
 #[cfg(feature = "nccl")]
 pub mod comm;
 #[cfg(feature = "nccl")]
 pub mod engine;
+#[cfg(feature = "nccl")]
+pub(crate) mod scope;
 
+pub use agreement::{AgreementMode, CHECK_ENV};
 #[cfg(feature = "nccl")]
 pub use comm::{DeviceWork, NcclComm, NcclError, nccl_version, new_unique_id};
 /// The cudarc this engine is built on (the copy Burn's CUDA backend uses).
 #[cfg(feature = "nccl")]
 pub use cudarc;
 #[cfg(feature = "nccl")]
-pub use engine::{NcclCommunicator, NcclEngine, launch_local, nccl_comm};
+pub use engine::{
+    NcclCommunicator, NcclEngine, NcclOptions, launch_local, launch_local_with, nccl_comm,
+};
 pub use library::{CudaLibrary, LibraryMissing};
 pub use split::{SplitKey, mesh_split_key, split_key};
 pub use unique_id::{ID_ENV, LaunchEnv, UniqueIdBytes};
+pub use watchdog::FailureSignal;
