@@ -14,6 +14,7 @@ mod fsdp_memory;
 mod fsdp_offload;
 mod fsdp_tp;
 mod fsdp_units;
+mod gpu_kit;
 mod llama_hf;
 mod llama_inputs;
 mod llama_train;
