@@ -162,14 +162,33 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
         assert_eq!(
             keys,
             [
+                "all_gather_s",
+                "all_reduce_s",
+                "backward_s",
+                "forward_s",
                 "grad_norm",
                 "loss",
+                "minor_faults",
+                "optimizer_s",
                 "peak_model_state_bytes_per_rank",
+                "peak_rss_bytes",
+                "reduce_scatter_s",
                 "step",
                 "step_time_s",
                 "tokens_per_s"
             ]
         );
+        // The split adds up to the step; FSDP2 gathers and reduce-scatters inside it.
+        let t = r.times;
+        let parts = t.forward_s + t.backward_s + t.optimizer_s;
+        assert!(
+            (parts - r.step_time_s).abs() < 1e-6,
+            "{t:?} vs {}",
+            r.step_time_s
+        );
+        assert!(t.all_gather_s > 0.0 && t.reduce_scatter_s > 0.0, "{t:?}");
+        assert!(t.all_gather_s + t.reduce_scatter_s < r.step_time_s, "{t:?}");
+        assert!(r.peak_rss_bytes > 1 << 20);
         assert_eq!(v["step"].as_u64(), Some(r.step as u64));
         assert!(v["loss"].as_f64().unwrap() > 0.0 && v["tokens_per_s"].as_f64().unwrap() > 0.0);
         // SGD: params + grads; the rank with the largest shards.

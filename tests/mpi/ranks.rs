@@ -49,7 +49,7 @@ fn properties(group: &ProcessGroup, count: usize) -> Result<()> {
                 )
                 .into());
             }
-            if &stats != threads_stats {
+            if stats.traffic() != threads_stats.traffic() {
                 return Err(format!(
                     "{} case {i}: counters {stats:?}, threads engine {threads_stats:?}",
                     group.label()

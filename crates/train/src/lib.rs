@@ -20,6 +20,7 @@ mod optim;
 mod resume;
 mod state;
 mod trainer;
+mod usage;
 
 pub use burn_parallel_comm::EngineKind;
 pub use burn_parallel_parallelizer::{MeshSizes, StepReport, Strategy};
@@ -28,4 +29,5 @@ pub use error::TrainError;
 pub use mesh::{distributed_config, mesh_sizes};
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use state::model_state_bytes;
-pub use trainer::{StepLog, TrainSummary, train};
+pub use trainer::{StepLog, StepTimes, TrainSummary, train};
+pub use usage::ProcessUsage;

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel_checkpoint::LoadOptions;
-use burn_parallel_comm::run_ranks_on;
+use burn_parallel_comm::{OpKind, run_ranks_on};
 use burn_parallel_fsdp::{RowRequest, gather_full};
 use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, save_llama};
 use burn_parallel_models::data::TokenData;
@@ -23,6 +23,7 @@ use crate::error::TrainError;
 use crate::mesh::{distributed_config, mesh_sizes};
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
 use crate::state::model_state_bytes;
+use crate::usage::ProcessUsage;
 
 /// One step as rank 0 saw it; what `--json` prints (one flat object per step).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -39,6 +40,33 @@ pub struct StepLog {
     pub tokens_per_s: f64,
     /// The largest model-state size (parameters, gradients, optimizer state) of any rank.
     pub peak_model_state_bytes_per_rank: u64,
+    /// Where rank 0's step time went.
+    #[serde(flatten)]
+    pub times: StepTimes,
+    /// Page faults of rank 0's process during the step (every rank of the process on the
+    /// threads engine).
+    pub minor_faults: u64,
+    /// Peak resident memory of rank 0's process so far, in bytes.
+    pub peak_rss_bytes: u64,
+}
+
+/// Where a step's time went, as rank 0 saw it, in seconds. The collectives' times are inside
+/// forward and backward (FSDP gathers and reduce-scatters run there), not added to them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StepTimes {
+    /// Forward and loss.
+    pub forward_s: f64,
+    /// Backward, the gradient sync and the global-norm clipping (`train_step` but the
+    /// optimizer).
+    pub backward_s: f64,
+    /// The optimizer's update.
+    pub optimizer_s: f64,
+    /// All-gathers issued during the step (FSDP's parameter gathers, TP's).
+    pub all_gather_s: f64,
+    /// Reduce-scatters (FSDP's gradient reduction, TP's).
+    pub reduce_scatter_s: f64,
+    /// All-reduces (DDP's buckets, HSDP's replicas, the loss and the gradient norm).
+    pub all_reduce_s: f64,
 }
 
 /// A finished run.
@@ -205,6 +233,7 @@ fn run_rank(
     let mut checkpoints = Vec::new();
     for step in start..cfg.steps {
         let start_time = Instant::now();
+        let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
         let samples = position + rows.rows.start..position + rows.rows.end;
         let batch = data.batch(0, cfg.global_batch, samples);
         let (b, t) = (batch.rows, batch.seq_len);
@@ -217,18 +246,37 @@ fn run_rank(
         // The mean over this rank's tokens (in f32; over a vocab split when tp > 1):
         // `train_step` weights it by the rows' share of the global batch.
         let loss = loss_parallel(logits, targets, mesh.tp_group(), vocab)?;
+        let forward_s = start_time.elapsed().as_secs_f64();
+        let mut optimizer_s = 0.0;
         let (next, done) = train_step_with(model, loss, &rows, cfg.grad_clip, &mesh, |m, g| {
-            optimizer.step(m, &g)
+            let started = Instant::now();
+            let m = optimizer.step(m, &g);
+            optimizer_s = started.elapsed().as_secs_f64();
+            m
         })?;
         model = next;
         position += cfg.global_batch;
         let step_time_s = start_time.elapsed().as_secs_f64();
+        let usage = ProcessUsage::now();
+        let comm = ctx.stats().since(&comm_before);
+        let comm_s = |kind| comm.op(kind).time.as_secs_f64();
+        let times = StepTimes {
+            forward_s,
+            backward_s: step_time_s - forward_s - optimizer_s,
+            optimizer_s,
+            all_gather_s: comm_s(OpKind::AllGather),
+            reduce_scatter_s: comm_s(OpKind::ReduceScatter),
+            all_reduce_s: comm_s(OpKind::AllReduce),
+        };
         let report = StepLog {
             step,
             report: done,
             step_time_s,
             tokens_per_s: global_tokens as f64 / step_time_s.max(1e-12),
             peak_model_state_bytes_per_rank: peak_state,
+            times,
+            minor_faults: usage.minor_faults - usage_before.minor_faults,
+            peak_rss_bytes: usage.peak_rss_bytes,
         };
         if ctx.rank() == 0 {
             on_step(&report);

@@ -34,6 +34,7 @@ pub(crate) struct DeviceCall<'a> {
     group: &'a ProcessGroup,
     engine: &'a NcclCommunicator,
     scope: Scope<'a>,
+    started: std::time::Instant,
 }
 
 /// A gather, reduce-scatter or all-reduce, agreed on: the output's shape and the pieces.
@@ -80,6 +81,7 @@ impl<'a> DeviceCall<'a> {
             group,
             engine,
             scope,
+            started: std::time::Instant::now(),
         })
     }
 
@@ -261,6 +263,7 @@ impl<'a> DeviceCall<'a> {
             plan.dtype.size(),
             plan.out_bytes(),
             0,
+            self.started.elapsed(),
         );
         Ok(())
     }
@@ -284,8 +287,14 @@ impl<'a> DeviceCall<'a> {
         let eb = plan.dtype.size();
         let sent: usize = sends.iter().map(|(_, n)| n * eb).sum();
         let received: usize = recvs.iter().map(|(_, n)| n * eb).sum();
-        self.engine
-            .record_device(OpKind::AllToAll, sent, eb, received, plan.kept);
+        self.engine.record_device(
+            OpKind::AllToAll,
+            sent,
+            eb,
+            received,
+            plan.kept,
+            self.started.elapsed(),
+        );
         Ok(())
     }
 }

@@ -14,6 +14,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::AddAssign;
+use std::time::Duration;
 
 /// The kinds of operation, as counted in [`CommStats`].
 #[derive(
@@ -85,6 +86,8 @@ pub struct OpCounters {
     pub bytes_sent: u64,
     /// Bytes received, as the direct-exchange model above counts them.
     pub bytes_received: u64,
+    /// Time from issue to completion, summed over the calls (as the issuing rank saw it).
+    pub time: Duration,
 }
 
 impl AddAssign for OpCounters {
@@ -92,6 +95,7 @@ impl AddAssign for OpCounters {
         self.calls += o.calls;
         self.bytes_sent += o.bytes_sent;
         self.bytes_received += o.bytes_received;
+        self.time += o.time;
     }
 }
 
@@ -102,12 +106,13 @@ pub struct CommStats {
 }
 
 impl CommStats {
-    /// Counts one call of `kind` and its bytes.
-    pub fn record(&mut self, kind: OpKind, bytes_sent: u64, bytes_received: u64) {
+    /// Counts one call of `kind`, its bytes and the time it took.
+    pub fn record(&mut self, kind: OpKind, bytes_sent: u64, bytes_received: u64, time: Duration) {
         self.by_op[kind.index()] += OpCounters {
             calls: 1,
             bytes_sent,
             bytes_received,
+            time,
         };
     }
 
@@ -137,6 +142,14 @@ impl CommStats {
             .collect()
     }
 
+    /// The calls and bytes without the times: what two engines running the same calls agree
+    /// on.
+    pub fn traffic(&self) -> CommStats {
+        let mut out = self.clone();
+        out.by_op.iter_mut().for_each(|c| c.time = Duration::ZERO);
+        out
+    }
+
     /// What happened since `earlier` (a snapshot of the same counters).
     pub fn since(&self, earlier: &CommStats) -> CommStats {
         let mut out = CommStats::default();
@@ -146,6 +159,7 @@ impl CommStats {
                 calls: a.calls - b.calls,
                 bytes_sent: a.bytes_sent - b.bytes_sent,
                 bytes_received: a.bytes_received - b.bytes_received,
+                time: a.time.saturating_sub(b.time),
             };
         }
         out

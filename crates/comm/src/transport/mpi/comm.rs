@@ -200,6 +200,7 @@ impl GroupState {
     fn execute(&self, call: Collective) -> CollectiveResult {
         let kind = call.kind();
         let bytes = CallBytes::of(&call, &self.info);
+        let started = std::time::Instant::now();
         let result = match kind {
             OpKind::Send | OpKind::Recv => p2p::execute(self, call),
             _ => self.collective(call),
@@ -207,8 +208,9 @@ impl GroupState {
         if let Ok(out) = &result {
             let produced = out.data.as_ref().map_or(0, |d| d.as_bytes().len());
             let (sent, received) = bytes.traffic(produced);
-            lock(&self.stats).record(kind, sent, received);
-            lock(&self.rank_stats).record(kind, sent, received);
+            let took = started.elapsed();
+            lock(&self.stats).record(kind, sent, received, took);
+            lock(&self.rank_stats).record(kind, sent, received, took);
         }
         result
     }

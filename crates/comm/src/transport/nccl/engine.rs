@@ -320,15 +320,16 @@ impl NcclCommunicator {
         elem: usize,
         output: usize,
         kept: usize,
+        took: Duration,
     ) {
         let (sent, received) =
             CallBytes::sized(kind, &self.info, input, elem, kept).traffic(output);
-        self.record(kind, sent, received);
+        self.record(kind, sent, received, took);
     }
 
-    fn record(&self, kind: OpKind, sent: u64, received: u64) {
+    fn record(&self, kind: OpKind, sent: u64, received: u64, took: Duration) {
         for stats in [&self.stats, &*self.rank_stats] {
-            lock(stats).record(kind, sent, received);
+            lock(stats).record(kind, sent, received, took);
         }
     }
 
@@ -711,10 +712,11 @@ impl Communicator for NcclCommunicator {
 
     fn run(&self, call: Collective) -> CollectiveResult {
         let bytes = CallBytes::of(&call, &self.info);
+        let started = std::time::Instant::now();
         let out = self.execute(call)?;
         let produced = out.data.as_ref().map_or(0, |d| d.as_bytes().len());
         let (sent, received) = bytes.traffic(produced);
-        self.record(bytes.kind(), sent, received);
+        self.record(bytes.kind(), sent, received, started.elapsed());
         Ok(out)
     }
 

@@ -1,6 +1,7 @@
 //! The threads engine's `Engine` and `Communicator`: a rank's handles on the shared world.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
 
@@ -120,7 +121,7 @@ impl ThreadCommunicator {
         }
     }
 
-    fn record(&self, bytes: CallBytes, result: &CollectiveResult) {
+    fn record(&self, bytes: CallBytes, result: &CollectiveResult, took: Duration) {
         if let Ok(out) = result {
             let produced = out
                 .data
@@ -128,9 +129,9 @@ impl ThreadCommunicator {
                 .map_or(0, |d: &TensorData| d.as_bytes().len());
             let (sent, received) = bytes.traffic(produced);
             let kind = bytes.kind();
-            lock(&self.shared.stats[self.info.index]).record(kind, sent, received);
+            lock(&self.shared.stats[self.info.index]).record(kind, sent, received, took);
             lock(&self.world.rank_stats[self.info.ranks[self.info.index]])
-                .record(kind, sent, received);
+                .record(kind, sent, received, took);
         }
     }
 }
@@ -142,13 +143,15 @@ impl Communicator for ThreadCommunicator {
 
     fn run(&self, call: Collective) -> CollectiveResult {
         let bytes = CallBytes::of(&call, &self.info);
+        let started = Instant::now();
         let result = self.issue(call).and_then(|i| self.finish(i));
-        self.record(bytes, &result);
+        self.record(bytes, &result, started.elapsed());
         result
     }
 
     fn start(&self, call: Collective) -> CollectiveHandle {
         let bytes = CallBytes::of(&call, &self.info);
+        let started = Instant::now();
         let kind = call.kind();
         let label = self.info.label.clone();
         let issued = match self.issue(call) {
@@ -164,7 +167,7 @@ impl Communicator for ThreadCommunicator {
             .name(format!("{kind}-{}", self.info.label))
             .spawn(move || {
                 let result = this.finish(issued);
-                this.record(bytes, &result);
+                this.record(bytes, &result, started.elapsed());
                 result
             })
             .expect("spawning a collective thread");
