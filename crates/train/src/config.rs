@@ -89,6 +89,11 @@ impl Backend {
     /// naming the cargo feature this build lacks.
     #[allow(deprecated)] // burn-ndarray and burn-tch are deprecated in Burn 0.22, not removed
     pub fn device(self, gpu: usize) -> Result<Device, TrainError> {
+        #[cfg(any(feature = "cuda", feature = "tch"))]
+        if matches!(self, Backend::Cuda | Backend::Tch) {
+            burn_parallel_comm::nccl::check_gpu(gpu)
+                .map_err(|e| TrainError::Config(format!("--backend {self}: {e}")))?;
+        }
         let _ = gpu;
         let base = match self {
             Backend::Ndarray => Device::ndarray(),

@@ -216,13 +216,22 @@ impl InFlight for Issued<'_> {
     }
 }
 
-fn context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>), NcclError> {
+/// Checks that the CUDA driver loads and GPU `ordinal` exists: a clear error where Burn's CUDA
+/// backend would panic on its device thread.
+pub fn check_gpu(ordinal: usize) -> Result<(), NcclError> {
+    super::library::check_driver()?;
     let count = CudaContext::device_count().map_err(cuda_err("cuDeviceGetCount"))?;
     if ordinal >= count as usize {
         return Err(NcclError::InvalidArgument(format!(
-            "GPU {ordinal} does not exist: this machine has {count} CUDA device(s)"
+            "GPU {ordinal} does not exist: this machine has {count} CUDA device(s) (ranks take \
+             the GPU of the launcher's LOCAL_RANK, else their rank)"
         )));
     }
+    Ok(())
+}
+
+fn context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>), NcclError> {
+    check_gpu(ordinal)?;
     let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuCtxCreate"))?;
     // SAFETY: this context's buffers are the engine's staging buffers, used on their
     // communicator's stream only and reused after the engine waited for that stream, so

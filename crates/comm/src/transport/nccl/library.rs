@@ -105,10 +105,11 @@ pub fn missing_message(library: CudaLibrary, versioned: &[PathBuf]) -> String {
     }
 }
 
-/// Checks that the CUDA driver and NCCL can be loaded, before any call that would panic.
+/// Checks that the CUDA driver can be loaded, before any call that would panic (cudarc, and
+/// Burn's CUDA backend on its device thread, panic when it cannot).
 #[cfg(feature = "nccl")]
-pub fn check_libraries() -> Result<(), LibraryMissing> {
-    // SAFETY: these only try to open the shared libraries (dlopen) and close them again.
+pub fn check_driver() -> Result<(), LibraryMissing> {
+    // SAFETY: this only tries to open the shared library (dlopen) and closes it again.
     let driver = unsafe { cudarc::driver::sys::is_culib_present() };
     if !driver {
         return Err(LibraryMissing {
@@ -116,7 +117,14 @@ pub fn check_libraries() -> Result<(), LibraryMissing> {
             message: missing_message(CudaLibrary::Driver, &[]),
         });
     }
-    // SAFETY: as above.
+    Ok(())
+}
+
+/// Checks that the CUDA driver and NCCL can be loaded, before any call that would panic.
+#[cfg(feature = "nccl")]
+pub fn check_libraries() -> Result<(), LibraryMissing> {
+    check_driver()?;
+    // SAFETY: this only tries to open the shared library (dlopen) and closes it again.
     let nccl = unsafe { cudarc::nccl::sys::is_culib_present() };
     if !nccl {
         let dirs = search_dirs(std::env::var("LD_LIBRARY_PATH").ok().as_deref());

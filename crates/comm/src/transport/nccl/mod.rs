@@ -31,7 +31,7 @@ pub(crate) mod scope;
 
 pub use agreement::{AgreementMode, CHECK_ENV};
 #[cfg(feature = "nccl")]
-pub use comm::{DeviceWork, NcclComm, NcclError, nccl_version, new_unique_id};
+pub use comm::{DeviceWork, NcclComm, NcclError, check_gpu, nccl_version, new_unique_id};
 /// The cudarc this engine is built on (the copy Burn's CUDA backend uses).
 #[cfg(feature = "nccl")]
 pub use cudarc;
