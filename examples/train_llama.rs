@@ -24,8 +24,8 @@ use std::sync::Mutex;
 use burn_parallel::comm::memory::peak_rss_bytes;
 use burn_parallel::models::LlamaConfig;
 use burn_parallel::train::{
-    Backend, EngineKind, OptimizerKind, Precision, StepLog, Strategy, TrainConfig, TrainSummary,
-    train,
+    Backend, EngineKind, Malloc, OptimizerKind, Precision, StepLog, Strategy, TrainConfig,
+    TrainSummary, train,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -113,6 +113,10 @@ struct Args {
     /// rank (one thread per GPU, or one process per GPU when the launcher sets RANK).
     #[arg(long)]
     engine: Option<EngineKind>,
+    /// kept | system: whether freed memory stays in the process for the next step (kept, the
+    /// default: FSDP's per-step buffers then cost no page faults) or goes back to the system.
+    #[arg(long, default_value = "kept")]
+    malloc: Malloc,
 }
 
 impl Args {
@@ -217,6 +221,8 @@ fn print_summary(args: &Args, s: &TrainSummary) {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // Before any rank thread allocates.
+    args.malloc.apply();
     let cfg = match args.config() {
         Ok(cfg) => cfg,
         Err(e) => {
@@ -264,7 +270,7 @@ fn main() -> ExitCode {
             }
             if let Some(rss) = peak_rss_bytes() {
                 eprintln!(
-                    "process {} (ranks {:?}): peak RSS {}",
+                    "process {} (ranks {:?}): peak RSS while training {}",
                     std::process::id(),
                     summary.ranks,
                     mib(rss)

@@ -6,15 +6,16 @@
 #   --steps N      steps per run (default 4; the first is left out of the figures)
 #   --config FILE  a Hugging Face config.json (default examples/models/llama_95m.json)
 #   --runs LIST    which runs, from: single ddp2 fsdp2 fsdp2-mpi fsdp2x4 (default: all)
-#   --malloc LIST  allocator settings to run each config under, from: default kept
-#                  (kept: glibc keeps freed pages, GLIBC_TUNABLES mmap and trim thresholds at
-#                  their maximum; default: "default")
+#   --malloc LIST  train_llama's allocator settings to run each config under, from: kept
+#                  (freed pages stay in the process, train_llama's default) and system (the C
+#                  library's defaults); default: "system kept"
 # Builds `train_llama` in release with the `mpi` feature first (Open MPI and libclang needed
 # for the MPI run; leave fsdp2-mpi out of --runs without them, and the build skips the feature),
 # unless TRAIN_LLAMA names a binary to run.
 # Prints, per run: the median step time over the steps after the first, the time split (forward,
 # backward, optimizer; the gathers, reduce-scatters and all-reduces inside them), page faults
-# per step and the peak RSS of rank 0's process, and the ratios to single and to ddp x2.
+# per step, the peak RSS of rank 0's process while training (the model's construction left
+# out) next to the model state per rank, and the ratios to single and to ddp x2.
 # Batch: global 4 x 128 tokens, AdamW, one thread per rank, flex.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 steps=4
 config=examples/models/llama_95m.json
 runs="single ddp2 fsdp2 fsdp2-mpi fsdp2x4"
-mallocs="default"
+mallocs="system kept"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --steps) steps="$2"; shift ;;
@@ -48,21 +49,18 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
 common=(--config "$config" --steps "$steps" --global-batch 4 --seq-len 128 --json)
-kept="glibc.malloc.mmap_threshold=4294967295:glibc.malloc.trim_threshold=4294967295"
-
 run_one() {
-  local name="$1" malloc="$2" tunables=""
-  [[ "$malloc" == kept ]] && tunables="$kept"
-  local out="$work/$name-$malloc.jsonl"
+  local name="$1" malloc="$2"
+  local out="$work/$name-$malloc.jsonl" args=("${common[@]}" --malloc "$malloc")
   echo "== $name ($malloc malloc)" >&2
   case "$name" in
-    single) GLIBC_TUNABLES="$tunables" "$bin" "${common[@]}" --strategy single --world-size 1 > "$out" ;;
-    ddp2) GLIBC_TUNABLES="$tunables" "$bin" "${common[@]}" --strategy ddp --world-size 2 > "$out" ;;
-    fsdp2) GLIBC_TUNABLES="$tunables" "$bin" "${common[@]}" --strategy fsdp2 --world-size 2 > "$out" ;;
-    fsdp2x4) GLIBC_TUNABLES="$tunables" "$bin" "${common[@]}" --strategy fsdp2 --world-size 4 > "$out" ;;
+    single) "$bin" "${args[@]}" --strategy single --world-size 1 > "$out" ;;
+    ddp2) "$bin" "${args[@]}" --strategy ddp --world-size 2 > "$out" ;;
+    fsdp2) "$bin" "${args[@]}" --strategy fsdp2 --world-size 2 > "$out" ;;
+    fsdp2x4) "$bin" "${args[@]}" --strategy fsdp2 --world-size 4 > "$out" ;;
     fsdp2-mpi)
-      mpirun --allow-run-as-root --oversubscribe -np 2 -x GLIBC_TUNABLES="$tunables" \
-        "$bin" "${common[@]}" --strategy fsdp2 --world-size 2 --engine mpi > "$out" ;;
+      mpirun --allow-run-as-root --oversubscribe -np 2 \
+        "$bin" "${args[@]}" --strategy fsdp2 --world-size 2 --engine mpi > "$out" ;;
     *) echo "bench-large: unknown run '$name'" >&2; exit 2 ;;
   esac
 }
@@ -83,15 +81,16 @@ def load(name, malloc):
         "opt": med("optimizer_s"), "ag": med("all_gather_s"), "rs": med("reduce_scatter_s"),
         "ar": med("all_reduce_s"), "faults": med("minor_faults"),
         "rss": max(s["peak_rss_bytes"] for s in steps) / 2**20,
+        "state": max(s["peak_model_state_bytes_per_rank"] for s in steps) / 2**20,
     }
 rows = {(n, m): load(n, m) for m in mallocs for n in runs}
 print(f"{'run':<11}{'malloc':<9}{'step s':>8}{'fwd':>7}{'bwd':>7}{'opt':>7}{'gather':>8}{'r-scat':>8}"
-      f"{'a-red':>7}{'faults/step':>13}{'peak RSS MiB':>14}{'/single':>9}{'/ddp2':>7}")
+      f"{'a-red':>7}{'faults/step':>13}{'peak RSS MiB':>14}{'state MiB':>11}{'/single':>9}{'/ddp2':>7}")
 for (n, m), r in rows.items():
     single = rows.get(("single", m), {}).get("step")
     ddp = rows.get(("ddp2", m), {}).get("step")
     ratio = lambda base: f"{r['step'] / base:.2f}" if base else "-"
     print(f"{n:<11}{m:<9}{r['step']:>8.2f}{r['fwd']:>7.2f}{r['bwd']:>7.2f}{r['opt']:>7.2f}"
-          f"{r['ag']:>8.2f}{r['rs']:>8.2f}{r['ar']:>7.2f}{r['faults']:>13.0f}{r['rss']:>14.0f}"
+          f"{r['ag']:>8.2f}{r['rs']:>8.2f}{r['ar']:>7.2f}{r['faults']:>13.0f}{r['rss']:>14.0f}{r['state']:>11.0f}"
           f"{ratio(single):>9}{ratio(ddp):>7}")
 PY

@@ -1,8 +1,6 @@
 //! What a training run is: strategy and sizes, optimizer, precision, model and data.
 
-use std::fmt;
 use std::path::PathBuf;
-use std::str::FromStr;
 
 use burn::tensor::Device;
 use burn_parallel_comm::EngineKind;
@@ -27,13 +25,13 @@ macro_rules! named_enum {
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
         }
 
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str(match self { $($name::$variant => $text),+ })
             }
         }
 
-        impl FromStr for $name {
+        impl std::str::FromStr for $name {
             type Err = String;
             fn from_str(s: &str) -> Result<Self, String> {
                 match s {
@@ -48,6 +46,7 @@ macro_rules! named_enum {
         }
     };
 }
+pub(crate) use named_enum;
 
 named_enum!(
     /// The backend each rank computes on: a CPU backend, or one GPU per rank (`cuda`: Burn's

@@ -15,6 +15,7 @@
 
 mod config;
 mod error;
+mod malloc;
 mod mesh;
 mod optim;
 mod resume;
@@ -26,6 +27,7 @@ pub use burn_parallel_comm::EngineKind;
 pub use burn_parallel_parallelizer::{MeshSizes, StepReport, Strategy};
 pub use config::{Backend, OptimizerKind, Precision, TrainConfig};
 pub use error::TrainError;
+pub use malloc::Malloc;
 pub use mesh::{distributed_config, mesh_sizes};
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use state::model_state_bytes;

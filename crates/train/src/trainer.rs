@@ -24,6 +24,7 @@ use crate::mesh::{distributed_config, mesh_sizes};
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
 use crate::state::model_state_bytes;
 use crate::usage::ProcessUsage;
+use burn_parallel_comm::memory::reset_peak_rss;
 
 /// One step as rank 0 saw it; what `--json` prints (one flat object per step).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -46,7 +47,8 @@ pub struct StepLog {
     /// Page faults of rank 0's process during the step (every rank of the process on the
     /// threads engine).
     pub minor_faults: u64,
-    /// Peak resident memory of rank 0's process so far, in bytes.
+    /// Peak resident memory of rank 0's process since training started (the model's
+    /// construction left out where the platform allows), in bytes.
     pub peak_rss_bytes: u64,
 }
 
@@ -224,6 +226,9 @@ fn run_rank(
     };
     let my_state = model_state_bytes(&model, optimizer.states_per_param());
     let peak_state = max_over_world(&ctx, my_state)?;
+    // Every rank has built its model by now (the max above waited for all): the peak RSS the
+    // steps report is training's, not the full model each rank builds before sharding it.
+    reset_peak_rss();
 
     let rows = mesh.local_rows(cfg.global_batch);
     let global_tokens = (cfg.global_batch * cfg.seq_len) as f32;

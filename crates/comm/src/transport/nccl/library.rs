@@ -79,9 +79,9 @@ pub fn versioned_nccl(dirs: &[PathBuf]) -> Vec<PathBuf> {
 /// files found on the system (see [`versioned_nccl`]).
 pub fn missing_message(library: CudaLibrary, versioned: &[PathBuf]) -> String {
     match library {
-        CudaLibrary::Driver => "the NCCL engine needs the CUDA driver library (libcuda.so), which \
-             could not be loaded: this machine has no NVIDIA driver, or it is not on the loader \
-             path (LD_LIBRARY_PATH)"
+        CudaLibrary::Driver => "CUDA (the NCCL engine, the cuda and tch backends) needs the CUDA \
+             driver library (libcuda.so), which could not be loaded: this machine has no NVIDIA \
+             driver, or it is not on the loader path (LD_LIBRARY_PATH)"
             .into(),
         CudaLibrary::Nccl => match versioned.first() {
             Some(path) => {
