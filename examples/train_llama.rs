@@ -222,7 +222,12 @@ fn print_summary(args: &Args, s: &TrainSummary) {
 fn main() -> ExitCode {
     let args = Args::parse();
     // Before any rank thread allocates.
-    args.malloc.apply();
+    if !args.malloc.apply() {
+        eprintln!(
+            "note: --malloc {} has no effect with this C library",
+            args.malloc
+        );
+    }
     let cfg = match args.config() {
         Ok(cfg) => cfg,
         Err(e) => {

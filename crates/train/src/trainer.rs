@@ -56,7 +56,7 @@ pub struct StepLog {
 /// forward and backward (FSDP gathers and reduce-scatters run there), not added to them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct StepTimes {
-    /// Forward and loss.
+    /// The batch's tensors, forward and loss.
     pub forward_s: f64,
     /// Backward, the gradient sync and the global-norm clipping (`train_step` but the
     /// optimizer).

@@ -144,6 +144,11 @@ impl<'a> DeviceCall<'a> {
                 return Err(self.invalid("all_to_all is planned by plan_all_to_all".into()));
             }
         };
+        // The agreement checks the pieces on every rank (a bad split is every rank's error).
+        let pieces = match &kind {
+            CallKind::Scatter { sizes, .. } => sizes.clone(),
+            _ => Vec::new(),
+        };
         let spec = CallSpec {
             op: self.op.kind(),
             tensor: Some((dtype, shape.to_vec())),
@@ -162,20 +167,11 @@ impl<'a> DeviceCall<'a> {
                 out_shape[*dim] = sizes.iter().sum();
                 sizes
             }
-            DeviceOp::ReduceScatter { dim, sizes, .. } => {
-                let sizes = sizes.get().unwrap_or_else(|| chunk_sizes(shape[*dim], n));
-                if sizes.len() != n || sizes.iter().sum::<usize>() != shape[*dim] {
-                    return Err(self.invalid(format!(
-                        "pieces {sizes:?} do not split {} rows over {n} ranks",
-                        shape[*dim]
-                    )));
-                }
-                out_shape[*dim] = sizes[me];
-                sizes
+            DeviceOp::ReduceScatter { dim, .. } => {
+                out_shape[*dim] = pieces[me];
+                pieces
             }
-            DeviceOp::AllToAll { .. } => {
-                return Err(self.invalid("all_to_all is planned by plan_all_to_all".into()));
-            }
+            DeviceOp::AllToAll { .. } => unreachable!("returned before the agreement"),
         };
         Ok(Planned {
             shape: shape.to_vec(),

@@ -412,7 +412,6 @@ impl AgreementMode {
 pub struct Agreement {
     mode: AgreementMode,
     agreed: HashMap<Vec<u64>, Agreed>,
-    exchanges: u64,
 }
 
 impl Agreement {
@@ -422,11 +421,6 @@ impl Agreement {
             mode,
             ..Self::default()
         }
-    }
-
-    /// How many times the words went round (the calls that were not served from the cache).
-    pub fn exchanges(&self) -> u64 {
-        self.exchanges
     }
 
     /// Agrees on `spec` with the group: from the cache when the call was agreed before, else
@@ -445,7 +439,6 @@ impl Agreement {
         if let Some(agreed) = key.as_ref().and_then(|k| self.agreed.get(k)) {
             return Ok(agreed.clone());
         }
-        self.exchanges += 1;
         let all = exchange(&spec.words(group))?;
         let agreed = decide(spec, &all, group)?;
         if let Some(key) = key {

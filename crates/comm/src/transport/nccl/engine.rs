@@ -252,12 +252,6 @@ impl NcclCommunicator {
         &self.comm
     }
 
-    /// How many times this group's ranks exchanged their statements (calls not served by the
-    /// agreement cache).
-    pub fn agreement_exchanges(&self) -> u64 {
-        lock(&self.agreement).exchanges()
-    }
-
     /// Starts a call of `op`: the watchdog's guard and the staging buffers.
     pub(crate) fn scope(&self, op: OpKind) -> Res<Scope<'_>> {
         Scope::new(

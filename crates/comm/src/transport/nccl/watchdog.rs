@@ -161,11 +161,6 @@ impl Watchdog {
         Self { shared }
     }
 
-    /// The failure signal this watchdog follows.
-    pub fn signal(&self) -> &FailureSignal {
-        &self.shared.signal
-    }
-
     /// Guards a call named `what` on `target` until the guard drops; a failure already raised
     /// stops it before it starts.
     pub fn guard(&self, what: impl Into<String>, target: Arc<dyn Abort>) -> Result<Guard, Stopped> {
