@@ -116,7 +116,7 @@ fn measure(config: &LlamaConfig, world: usize, root: &Path, repeats: usize) -> C
             .load_scalars(&serde_json::json!({ "step": 1 }))
             .unwrap();
         for p in placements(&model).unwrap() {
-            let zeros = || Tensor::<1>::zeros([p.region.volume()], &p.device.clone().inner());
+            let zeros = || Tensor::<1>::zeros([p.volume()], &p.device.clone().inner());
             optimizer.load_param_state(p.id, vec![zeros(), zeros()]);
         }
         let world_group = mesh.world_group().clone();

@@ -119,11 +119,16 @@ impl Gpt2 {
 
     /// Logits `[batch, seq, vocab]` (this rank's vocab chunk under tensor parallelism).
     fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
-        let [_, seq] = ids.dims();
-        let positions = Tensor::<1, Int>::arange(0..seq as i64, &ids.device()).unsqueeze();
-        let x = self.wte.forward(ids) + self.wpe.forward(positions);
-        let x = forward_units(&self.h, x, |block, x| block.forward(x));
-        self.lm_head.forward(self.ln_f.forward(x))
+        // Under FSDP, the parameters outside the blocks (embeddings, final norm, head) are
+        // gathered once, together, for the whole forward.
+        let body = || {
+            let [_, seq] = ids.dims();
+            let positions = Tensor::<1, Int>::arange(0..seq as i64, &ids.device()).unsqueeze();
+            let x = self.wte.forward(ids.clone()) + self.wpe.forward(positions);
+            let x = forward_units(&self.h, x, |block, x| block.forward(x));
+            self.lm_head.forward(self.ln_f.forward(x))
+        };
+        with_module_unit(self, body).unwrap_or_else(|e| panic!("{e}"))
     }
 }
 
@@ -350,8 +355,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         save: None,
     };
     let reference = train(single, &model, &init, &whole)?;
+    let width = configs
+        .iter()
+        .map(|(n, _)| n.len())
+        .max()
+        .unwrap_or(0)
+        .max(6);
     println!(
-        "{:<10} {:>5} {:>10} {:>14} {:>14}",
+        "{:<width$} {:>5} {:>10} {:>14} {:>14}",
         "config", "ranks", "last loss", "loss vs single", "weights vs single"
     );
     let mut worst = 0.0f32;
@@ -361,7 +372,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             differences(&run, &reference).map_err(|e| format!("{name}: {e}"))?;
         worst = worst.max(loss_diff).max(weight_diff);
         println!(
-            "{name:<10} {:>5} {:>10.5} {loss_diff:>14.2e} {weight_diff:>14.2e}",
+            "{name:<width$} {:>5} {:>10.5} {loss_diff:>14.2e} {weight_diff:>14.2e}",
             config.world_size.unwrap_or(1),
             run.0.last().copied().unwrap_or(f32::NAN),
         );
@@ -372,8 +383,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::env::temp_dir().join(format!("gpt2-checkpoints-{}", std::process::id()))
     });
     let half = args.steps / 2;
+    let pair_width = 2 * width + 4;
     println!(
-        "\n{:<24} {:>14} {:>14}",
+        "\n{:<pair_width$} {:>14} {:>14}",
         "saved -> resumed", "loss vs single", "weights vs single"
     );
     for (i, (saved_name, saved_config)) in configs.iter().enumerate() {
@@ -396,7 +408,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (loss_diff, weight_diff) =
             differences(&(losses, state), &reference).map_err(|e| format!("{pair}: {e}"))?;
         worst = worst.max(loss_diff).max(weight_diff);
-        println!("{pair:<24} {loss_diff:>14.2e} {weight_diff:>14.2e}");
+        println!("{pair:<pair_width$} {loss_diff:>14.2e} {weight_diff:>14.2e}");
     }
     std::fs::remove_dir_all(&save_dir).map_err(|e| format!("{}: {e}", save_dir.display()))?;
     if worst > 1e-5 {

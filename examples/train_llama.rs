@@ -25,7 +25,7 @@ use burn_parallel::comm::memory::peak_rss_bytes;
 use burn_parallel::models::LlamaConfig;
 use burn_parallel::train::{
     Backend, EngineKind, Malloc, OptimizerKind, Precision, StepLog, Strategy, TrainConfig,
-    TrainSummary, train,
+    TrainSummary, ZeroDpStrategy, train,
 };
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -43,7 +43,7 @@ struct Args {
     /// Flat little-endian u16 token file (default: a built-in synthetic corpus).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// single | ddp | fsdp2 | hsdp | tp | fsdp2_tp
+    /// single | ddp | fsdp2 | hsdp | tp | fsdp2_tp | megatron_fsdp
     #[arg(long, default_value = "fsdp2")]
     strategy: Strategy,
     #[arg(long, default_value_t = 4)]
@@ -51,9 +51,17 @@ struct Args {
     /// Tensor-parallel size (tp: the world size; fsdp2_tp: default 2).
     #[arg(long)]
     tp: Option<usize>,
-    /// Replica count under hsdp (default 2).
+    /// Replica count under hsdp (default 2) and megatron_fsdp (default 1).
     #[arg(long)]
     dp_replicate: Option<usize>,
+    /// What megatron_fsdp shards: 1 | optim, 2 | optim_grads, 3 | optim_grads_params
+    /// (default 3; 1 and 2 keep the gathered weights through backward).
+    #[arg(long)]
+    zero_dp_strategy: Option<ZeroDpStrategy>,
+    /// megatron_fsdp: elements one collective may gather for consecutive decoder layers
+    /// (default: one collective per layer).
+    #[arg(long, value_name = "ELEMENTS")]
+    bucket_size: Option<usize>,
     /// llama | llama-sp (sequence parallel).
     #[arg(long, default_value = "llama")]
     tp_plan: String,
@@ -135,6 +143,8 @@ impl Args {
             world_size: self.world_size,
             tp: self.tp,
             dp_replicate: self.dp_replicate,
+            zero_dp_strategy: self.zero_dp_strategy,
+            bucket_size: self.bucket_size,
             tp_plan: self.tp_plan.clone(),
             steps: self.steps,
             global_batch: self.global_batch,

@@ -22,7 +22,7 @@ pub use burn_parallel_macros::parallelize;
 /// of a model's forward, the config, the context, the launch, the step and the whole model back.
 pub mod prelude {
     pub use burn_parallel_comm::run_ranks;
-    pub use burn_parallel_fsdp::forward_units;
+    pub use burn_parallel_fsdp::{forward_units, with_module_unit};
     pub use burn_parallel_macros::parallelize;
     pub use burn_parallel_parallelizer::{
         DistributedConfig, MeshContext, Parallelize, Strategy, full_model, parallelize_model,

@@ -427,15 +427,8 @@ fn a_resharded_load_reads_and_holds_only_this_ranks_regions() {
                 .load(model, Some(&mut optimizer), mesh, &LoadOptions::default())
                 .unwrap();
             // What this rank stores: its region of each parameter and of both moments.
-            let stored: u64 = placed
-                .iter()
-                .map(|p| p.region.volume() as u64 * 4 * 3)
-                .sum();
-            let largest = placed
-                .iter()
-                .map(|p| p.region.volume() as u64 * 4)
-                .max()
-                .unwrap();
+            let stored: u64 = placed.iter().map(|p| p.volume() as u64 * 4 * 3).sum();
+            let largest = placed.iter().map(|p| p.volume() as u64 * 4).max().unwrap();
             drop(model);
             (report, stored, largest)
         })

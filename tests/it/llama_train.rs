@@ -47,7 +47,7 @@ pub fn run(cfg: &TrainConfig) -> TrainSummary {
 }
 
 #[track_caller]
-fn assert_curves(got: &TrainSummary, want: &TrainSummary, tol: f32, what: &str) {
+pub(crate) fn assert_curves(got: &TrainSummary, want: &TrainSummary, tol: f32, what: &str) {
     assert_eq!(got.steps.len(), want.steps.len(), "{what}");
     for (g, w) in got.steps.iter().zip(&want.steps) {
         for (name, a, b) in [
@@ -162,7 +162,9 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
         assert_eq!(
             keys,
             [
+                "all_gather_calls",
                 "all_gather_s",
+                "all_reduce_calls",
                 "all_reduce_s",
                 "backward_s",
                 "forward_s",
@@ -172,6 +174,7 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
                 "optimizer_s",
                 "peak_model_state_bytes_per_rank",
                 "peak_rss_bytes",
+                "reduce_scatter_calls",
                 "reduce_scatter_s",
                 "step",
                 "step_time_s",

@@ -19,6 +19,7 @@ mod llama_hf;
 mod llama_inputs;
 mod llama_train;
 mod megatron;
+mod megatron_fsdp;
 mod mesh;
 mod parallelize_config;
 mod parallelize_macro;

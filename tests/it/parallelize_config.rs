@@ -11,7 +11,7 @@ use burn_parallel::parallelizer::{
 
 use crate::common::ndarray_ad;
 
-fn temp_path(name: &str) -> std::path::PathBuf {
+pub(crate) fn temp_path(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("burn-parallel-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
@@ -206,10 +206,22 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
         (
             DistributedConfig {
                 strategy: Strategy::MegatronFsdp,
+                tp_size: 2,
+                ..base()
+            },
+            4,
+            "megatron_fsdp with tensor or sequence parallelism",
+        ),
+        (
+            DistributedConfig {
+                megatron_fsdp: burn_parallel::parallelizer::MegatronFsdpConfig {
+                    bucket_size: Some(100),
+                    ..Default::default()
+                },
                 ..base()
             },
             2,
-            "strategy megatron_fsdp is not yet supported",
+            "[megatron_fsdp] options apply to strategy megatron_fsdp",
         ),
         (
             DistributedConfig {
@@ -307,7 +319,7 @@ fn effect(config: DistributedConfig) -> String {
             .collect();
         Ok(format!(
             "sizes {:?} groups {groups:?} checkpointing {} policy {:?} offload {} prefetch {} \
-             defers {} ddp {}",
+             defers {} ddp {} layout {:?} reduction {:?} buckets {:?}",
             ctx.sizes(),
             ctx.on_checkpointing_device(),
             fsdp.mixed_precision,
@@ -315,6 +327,9 @@ fn effect(config: DistributedConfig) -> String {
             fsdp.forward_prefetch_depth,
             !fsdp.requires_gradient_sync(),
             ctx.uses_ddp(),
+            fsdp.layout,
+            fsdp.gradient_reduction,
+            fsdp.bucket_elements,
         ))
     })
     .unwrap();
@@ -393,6 +408,14 @@ fn every_config_field_has_an_effect_or_is_rejected() {
             c.defer_fsdp_grad_sync = false
         }),
         ("ddp_bucket_cap_mb", none, |c| c.ddp_bucket_cap_mb = 0.0),
+        (
+            "megatron_fsdp",
+            |c| c.strategy = Strategy::MegatronFsdp,
+            |c| {
+                c.megatron_fsdp.zero_dp_strategy =
+                    burn_parallel::parallelizer::ZeroDpStrategy::Optim
+            },
+        ),
     ];
     let fields = serde_json::to_value(base()).unwrap();
     let mut fields: Vec<&str> = fields

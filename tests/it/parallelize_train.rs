@@ -11,12 +11,12 @@ use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::comm::launch;
-use burn_parallel::fsdp::{forward_units, gather_full};
+use burn_parallel::fsdp::{forward_units, gather_full, with_module_unit};
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
-    DistributedConfig, LocalRows, MeshContext, MixedPrecisionConfig, ModelDescription,
-    ModelParallelizer, ParallelError, ParallelizableModel, Parallelize, Strategy, fsdp_config,
-    full_model, parallelize_model, train_step,
+    DistributedConfig, LocalRows, MegatronFsdpConfig, MeshContext, MixedPrecisionConfig,
+    ModelDescription, ModelParallelizer, ParallelError, ParallelizableModel, Parallelize, Strategy,
+    ZeroDpStrategy, fsdp_config, full_model, parallelize_model, train_step,
 };
 use burn_parallel::tp::{Tp, loss_parallel};
 
@@ -83,11 +83,15 @@ impl TinyLm {
 
     /// `[tokens, vocab or this rank's vocab chunk]` logits.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<2> {
-        let x = self.embed_tokens.forward(ids);
-        let x = forward_units(&self.layers, x, |layer, x| layer.forward(x));
-        let logits = self.lm_head.forward(self.norm.forward(x));
-        let [b, s, v] = logits.dims();
-        logits.reshape([b * s, v])
+        // The root's own parameters (embedding, norm, head) gathered once for the forward.
+        with_module_unit(self, || {
+            let x = self.embed_tokens.forward(ids);
+            let x = forward_units(&self.layers, x, |layer, x| layer.forward(x));
+            let logits = self.lm_head.forward(self.norm.forward(x));
+            let [b, s, v] = logits.dims();
+            logits.reshape([b * s, v])
+        })
+        .unwrap_or_else(|e| panic!("{e}"))
     }
 }
 
@@ -114,7 +118,7 @@ pub(crate) fn batch(
 
 /// This data-parallel rank's rows of the global batch.
 #[derive(Clone, Copy, Debug)]
-enum Opt {
+pub(crate) enum Opt {
     Sgd,
     AdamW,
 }
@@ -229,7 +233,7 @@ struct RankRun {
     full: Vec<Vec<f32>>,
 }
 
-fn config(strategy: Strategy, tp: usize, dp_replicate: usize) -> DistributedConfig {
+pub(crate) fn config(strategy: Strategy, tp: usize, dp_replicate: usize) -> DistributedConfig {
     DistributedConfig {
         strategy,
         tp_size: tp,
@@ -278,7 +282,7 @@ fn run(
     .unwrap()
 }
 
-fn check(name: &str, world: usize, cfg: DistributedConfig, opt: Opt, clip: Option<f32>) {
+pub(crate) fn check(name: &str, world: usize, cfg: DistributedConfig, opt: Opt, clip: Option<f32>) {
     let reference = reference(opt, clip);
     let runs = run(world, cfg, opt, clip, &reference);
     for (rank, r) in runs.iter().enumerate() {
@@ -474,9 +478,21 @@ fn a_custom_sidecar_changes_only_its_hook() {
 fn deferred_gradient_sync_accumulates_like_one_big_batch() {
     let reference = reference(Opt::Sgd, None);
     // dp = 2 gives every rank two non-empty micro-batches of the 5 rows (3 and 2 rows).
+    // Megatron-FSDP's flat buffers too: ZeRO-3 per layer, ZeRO-1 (full-gradient all-reduce)
+    // with every layer in one bucket.
+    let megatron = |zero, bucket_size| DistributedConfig {
+        megatron_fsdp: MegatronFsdpConfig {
+            zero_dp_strategy: zero,
+            bucket_size,
+            ..MegatronFsdpConfig::default()
+        },
+        ..config(Strategy::MegatronFsdp, 1, 1)
+    };
     for (world, cfg) in [
         (2, config(Strategy::Fsdp2, 1, 1)),
         (4, config(Strategy::Fsdp2, 2, 1)),
+        (2, megatron(ZeroDpStrategy::OptimGradsParams, None)),
+        (2, megatron(ZeroDpStrategy::Optim, Some(1 << 20))),
     ] {
         let runs = launch(world, |rank| {
             let ctx = MeshContext::new(&rank, cfg.clone(), ndarray_ad())?;

@@ -14,11 +14,15 @@ use crate::error::CheckpointError;
 use crate::meta::dtype_name;
 use crate::region::Region;
 
-/// A tensor on its way into a shard file: its checkpoint name, the region of the full tensor it
-/// holds, and its value (flattened; Burn tensors are immutable, so a clone is a snapshot).
+/// A tensor on its way into a shard file: its checkpoint name, its name in the file, the region
+/// of the full tensor it holds, and its value (flattened; Burn tensors are immutable, so a
+/// clone is a snapshot).
 #[derive(Debug, Clone)]
 pub struct ShardTensor {
     pub key: String,
+    /// Its safetensors entry name, unique in the file (which may hold several boxes of one
+    /// tensor): the key, or the key and the box's start.
+    pub entry: String,
     pub region: Region,
     pub dtype: DType,
     pub value: Tensor<1>,
@@ -37,6 +41,7 @@ pub struct WrittenFile {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct WrittenTensor {
     pub key: String,
+    pub entry: String,
     pub region: Region,
     pub dtype: String,
     pub crc32: u32,
@@ -76,13 +81,13 @@ pub fn write_shard_file(
 ) -> Result<WrittenFile, CheckpointError> {
     let path = dir.join(name);
     // Safetensors' own order (widest dtype first, then name) keeps every tensor aligned.
-    tensors.sort_by(|a, b| (b.dtype.size(), &a.key).cmp(&(a.dtype.size(), &b.key)));
+    tensors.sort_by(|a, b| (b.dtype.size(), &a.entry).cmp(&(a.dtype.size(), &b.entry)));
     let mut infos = Vec::with_capacity(tensors.len());
     let mut offset = 0;
     for t in &tensors {
         let len = t.region.volume() * t.dtype.size();
         infos.push((
-            t.key.clone(),
+            t.entry.clone(),
             TensorInfo {
                 dtype: st_dtype(t.dtype),
                 shape: t.region.shape.clone(),
@@ -124,6 +129,7 @@ pub fn write_shard_file(
             out.put(bytes)?;
             written.push(WrittenTensor {
                 key: t.key,
+                entry: t.entry,
                 region: t.region,
                 dtype: dtype_name(t.dtype).expect("a float dtype").to_string(),
                 crc32: crc32fast::hash(bytes),
@@ -194,22 +200,23 @@ impl ShardFile {
         &self.path
     }
 
-    /// The stored bytes of tensor `key`, checked against the region and dtype the metadata
+    /// The stored bytes of the entry named `entry` (a tensor's key, or the name the metadata
+    /// records for one of its regions), checked against the region and dtype the metadata
     /// gives it.
     pub fn tensor(
         &self,
-        key: &str,
+        entry: &str,
         region: &Region,
         dtype: &str,
     ) -> Result<&[u8], CheckpointError> {
-        let info = self.header.info(key).ok_or_else(|| {
-            CheckpointError::corrupted(&self.path, format!("it does not hold tensor `{key}`"))
+        let info = self.header.info(entry).ok_or_else(|| {
+            CheckpointError::corrupted(&self.path, format!("it does not hold tensor `{entry}`"))
         })?;
         if info.shape != region.shape || format!("{:?}", info.dtype) != dtype {
             return Err(CheckpointError::corrupted(
                 &self.path,
                 format!(
-                    "tensor `{key}` is {:?} {:?} in the file, {dtype} {:?} in the metadata",
+                    "tensor `{entry}` is {:?} {:?} in the file, {dtype} {:?} in the metadata",
                     info.dtype, info.shape, region.shape
                 ),
             ));
@@ -247,6 +254,7 @@ mod tests {
         let values: Vec<f32> = (0..6).map(|i| i as f32 * 0.5).collect();
         let t = ShardTensor {
             key: "model/a.weight".into(),
+            entry: "model/a.weight".into(),
             region: Region {
                 start: vec![2, 0],
                 shape: vec![2, 3],

@@ -7,7 +7,8 @@
 //! A checkpoint is a directory (by convention `save_dir/step-00000005`, see [`step_dir`]):
 //!
 //! - `model-RRRRR.safetensors`: the parameter shards rank `RRRRR` owns, each under its module
-//!   path (`model/layers.0.mlp.up_proj.weight`) with the shape of its region;
+//!   path (`model/layers.0.mlp.up_proj.weight`) with the shape of its region (a rank's further
+//!   regions of the same tensor under `{path}@{start}`, recorded in the metadata's `entry`);
 //! - `optim-RRRRR.safetensors`: the optimizer state of those shards (`optim/exp_avg/...`);
 //! - `checkpoint.json` ([`Metadata`]), written once by rank 0: every tensor's global shape,
 //!   dtype and the regions (start and shape per dim) each file holds, with a CRC32 per region
@@ -16,8 +17,11 @@
 //!   schedule); the optimizer's kind and scalars; the format and crate versions.
 //!
 //! A region is what one rank stores: under FSDP its rows along dim 0, under tensor parallelism
-//! its slice of the split dim, both combined under FSDP + TP. Replicas (DDP, HSDP, parameters
-//! tensor parallelism leaves whole) hold identical regions, which the lowest rank writes once.
+//! its slice of the split dim, both combined under FSDP + TP. A piece of an FSDP flat buffer
+//! (Megatron-FSDP) is a contiguous run of the row-major elements that need not be whole rows:
+//! it is stored as the few regions [`boxes_of_range`] splits it into. Replicas (DDP, HSDP,
+//! parameters tensor parallelism leaves whole) hold identical regions, which the lowest rank
+//! writes once.
 //!
 //! # Saving and resuming from your own loop
 //!
@@ -65,6 +69,8 @@ mod dirs;
 mod error;
 mod exchange;
 mod files;
+#[cfg(test)]
+mod flat_tests;
 mod load;
 mod meta;
 mod optim;
@@ -82,5 +88,5 @@ pub use meta::{
 };
 pub use optim::OptimizerState;
 pub use placement::{Placement, placements};
-pub use region::Region;
+pub use region::{Region, boxes_of_range};
 pub use save::{PendingSave, SaveFault, SaveOptions, SaveReport, save, save_async};

@@ -7,9 +7,10 @@
 //! `i mod world`, so the whole checkpoint is verified once, in parallel). The ranks agree on
 //! the outcome, so a bad checkpoint is an error on every rank before any training step.
 //!
-//! Then each parameter in turn: a buffer the size of this rank's region of it is filled from
-//! the memory-mapped files (only the overlapping parts are copied) and becomes the parameter's
-//! new value. The loader holds at most one such buffer: [`LoadReport`] counts it.
+//! Then each parameter in turn: a buffer the size of what this rank stores of it (its region,
+//! or the boxes of its flat-buffer piece one after the other) is filled from the
+//! memory-mapped files (only the overlapping parts are copied) and becomes the parameter's new
+//! value. The loader holds at most one such buffer: [`LoadReport`] counts it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -48,10 +49,11 @@ pub struct LoadReport {
     /// Bytes copied out of the checkpoint's files into this rank's parameters and optimizer
     /// state: exactly what this rank stores, whatever the layout it was saved from.
     pub bytes_read: u64,
-    /// The most bytes the loader held at once: one tensor's region on this rank, filled before
-    /// it becomes the parameter (Burn may copy it once more into its own storage).
+    /// The most bytes the loader held at once: what this rank stores of one tensor, filled
+    /// before it becomes the parameter (Burn may copy it once more into its own storage).
     pub peak_buffer_bytes: u64,
-    /// The largest region of one tensor this rank stores: the bound on `peak_buffer_bytes`.
+    /// The most this rank stores of one tensor (all its boxes of it): the bound on
+    /// `peak_buffer_bytes`.
     pub largest_region_bytes: u64,
     /// Bytes this rank checksummed (its share of the files).
     pub verified_bytes: u64,
@@ -144,7 +146,7 @@ impl Checkpoint {
         let placed = agree(world, checked)?;
         meter.report.largest_region_bytes = placed
             .iter()
-            .map(|p| (p.region.volume() * self.dtype(&p.path).size()) as u64)
+            .map(|p| (p.volume() * self.dtype(&p.path).size()) as u64)
             .max()
             .unwrap_or(0);
         let loaded = self
@@ -249,14 +251,14 @@ impl Checkpoint {
                 .map(move |r| (key, t, r))
         });
         for (key, t, r) in regions.clone() {
-            file.tensor(key, &r.region, &t.dtype)?;
+            file.tensor(r.entry_name(key), &r.region, &t.dtype)?;
         }
         let found = file.crc32();
         if found == expected.crc32 {
             return Ok(file.byte_len() as u64);
         }
         for (key, t, r) in regions {
-            let crc = crc32fast::hash(file.tensor(key, &r.region, &t.dtype)?);
+            let crc = crc32fast::hash(file.tensor(r.entry_name(key), &r.region, &t.dtype)?);
             if crc != r.crc32 {
                 return Err(CheckpointError::corrupted(
                     file.path(),
@@ -313,7 +315,7 @@ impl Checkpoint {
             .load_scalars(&saved.scalars)
             .map_err(CheckpointError::Optimizer)?;
         let mut files = Files::new(self);
-        for p in placed.iter().filter(|p| !p.region.is_empty()) {
+        for p in placed.iter().filter(|p| !p.is_empty()) {
             let keys: Vec<String> = saved
                 .state_names
                 .iter()
@@ -336,9 +338,9 @@ impl Checkpoint {
             let device = p.device.clone().inner();
             let mut state = Vec::with_capacity(keys.len());
             for key in &keys {
-                let (bytes, dtype) = self.read_region(&mut files, key, &p.region, meter)?;
+                let (bytes, dtype) = self.read_regions(&mut files, key, &p.regions, meter)?;
                 let len = bytes.len();
-                let data = TensorData::from_bytes_vec(bytes, [p.region.volume()], dtype);
+                let data = tensor_data(bytes, vec![p.volume()], dtype);
                 state.push(Tensor::<1>::from_data(data, &device));
                 meter.release(len);
             }
@@ -347,29 +349,53 @@ impl Checkpoint {
         optimizer.finish_load().map_err(CheckpointError::Optimizer)
     }
 
-    /// This rank's `region` of tensor `key`, assembled from the stored regions that overlap
-    /// it, and its dtype.
-    fn read_region(
+    /// The boxes `regions` of tensor `key`, one after the other in one buffer (held on the
+    /// meter until it becomes a tensor), each assembled from the stored regions that overlap
+    /// it, and the tensor's dtype.
+    fn read_regions(
         &self,
         files: &mut Files<'_>,
         key: &str,
-        region: &Region,
+        regions: &[Region],
         meter: &mut Meter,
     ) -> Result<(Vec<u8>, DType), CheckpointError> {
         let t = &self.meta.tensors[key];
         let dtype = dtype_of(&t.dtype).expect("checked dtypes");
         let elem = dtype.size();
-        let mut buf = vec![0u8; region.volume() * elem];
+        let mut buf = vec![0u8; regions.iter().map(Region::volume).sum::<usize>() * elem];
         meter.hold(buf.len());
+        let mut at = 0;
+        for region in regions {
+            let len = region.volume() * elem;
+            self.fill_region(files, key, region, &mut buf[at..at + len], meter)?;
+            at += len;
+        }
+        Ok((buf, dtype))
+    }
+
+    /// Fills `dst` (laid out row-major over `region`) with `region` of tensor `key`, copied
+    /// from the stored regions that overlap it; an error when they leave part of it uncovered.
+    fn fill_region(
+        &self,
+        files: &mut Files<'_>,
+        key: &str,
+        region: &Region,
+        dst: &mut [u8],
+        meter: &mut Meter,
+    ) -> Result<(), CheckpointError> {
+        let t = &self.meta.tensors[key];
+        let elem = dtype_of(&t.dtype).expect("checked dtypes").size();
         let mut covered = 0;
         for stored in &t.regions {
             let Some(part) = stored.region.intersect(region) else {
                 continue;
             };
-            let src = files
-                .get(&stored.file)?
-                .tensor(key, &stored.region, &t.dtype)?;
-            copy_part(src, &stored.region, &mut buf, region, &part, elem);
+            let src = files.get(&stored.file)?.tensor(
+                stored.entry_name(key),
+                &stored.region,
+                &t.dtype,
+            )?;
+            copy_part(src, &stored.region, dst, region, &part, elem);
             covered += part.volume();
             meter.report.bytes_read += (part.volume() * elem) as u64;
         }
@@ -383,7 +409,7 @@ impl Checkpoint {
                 ),
             });
         }
-        Ok((buf, dtype))
+        Ok(())
     }
 
     /// The whole of tensor `key` (`model/{path}` or `optim/{name}/{path}`), assembled on the
@@ -397,10 +423,10 @@ impl Checkpoint {
                 path: self.dir.clone(),
                 reason: format!("no tensor `{key}`"),
             })?;
-        let full = Region::full(&t.shape);
+        let full = [Region::full(&t.shape)];
         let mut meter = Meter::default();
-        let (bytes, dtype) = self.read_region(&mut Files::new(self), key, &full, &mut meter)?;
-        Ok(TensorData::from_bytes_vec(bytes, t.shape.clone(), dtype))
+        let (bytes, dtype) = self.read_regions(&mut Files::new(self), key, &full, &mut meter)?;
+        Ok(tensor_data(bytes, t.shape.clone(), dtype))
     }
 
     /// Checksums every file on this rank (no communication), naming the first bad file and
@@ -454,19 +480,18 @@ impl ModuleMapper for ParamLoader<'_, '_> {
             return param;
         };
         let key = model_key(&p.path);
-        let (bytes, dtype) =
-            match self
-                .checkpoint
-                .read_region(&mut self.files, &key, &p.region, self.meter)
-            {
-                Ok(read) => read,
-                Err(e) => {
-                    self.error = Some(e);
-                    return param;
-                }
-            };
+        let read = self
+            .checkpoint
+            .read_regions(&mut self.files, &key, &p.regions, self.meter);
+        let (bytes, dtype) = match read {
+            Ok(read) => read,
+            Err(e) => {
+                self.error = Some(e);
+                return param;
+            }
+        };
         let len = bytes.len();
-        let data = TensorData::from_bytes_vec(bytes, p.region.shape.clone(), dtype);
+        let data = tensor_data(bytes, p.shape.clone(), dtype);
         let value = Tensor::<D>::from_data(data, &p.device);
         self.meter.release(len);
         if !param.is_initialized() {
@@ -482,4 +507,13 @@ impl ModuleMapper for ParamLoader<'_, '_> {
             }
         })
     }
+}
+
+/// `bytes` of `dtype` as tensor data of `shape`. An empty tensor (an empty FSDP piece) is
+/// built from an empty value list, as FSDP builds its own empty shards.
+fn tensor_data(bytes: Vec<u8>, shape: Vec<usize>, dtype: DType) -> TensorData {
+    if bytes.is_empty() {
+        return TensorData::new(Vec::<f32>::new(), shape).convert_dtype(dtype);
+    }
+    TensorData::from_bytes_vec(bytes, shape, dtype)
 }

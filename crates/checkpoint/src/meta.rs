@@ -3,7 +3,7 @@
 //! strategy the checkpoint was saved under; the training progress and optimizer scalars; the
 //! format and crate versions.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 use burn::tensor::DType;
@@ -65,13 +65,25 @@ pub struct OptimizerMeta {
 /// One region of a tensor stored in one file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredRegion {
-    /// The file (relative to the checkpoint directory) and the tensor's name in it.
+    /// The file (relative to the checkpoint directory).
     pub file: String,
     /// The box of the tensor the file holds.
     #[serde(flatten)]
     pub region: Region,
     /// CRC32 of the region's bytes.
     pub crc32: u32,
+    /// The region's entry name in the file when it is not the tensor's key: a rank that
+    /// stores several boxes of one tensor (a piece of an FSDP flat buffer that is not whole
+    /// rows) names the others `{key}@{start}`. Absent in checkpoints written before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entry: Option<String>,
+}
+
+impl StoredRegion {
+    /// The region's entry name in its file: [`entry`](Self::entry), or else `key`.
+    pub fn entry_name<'a>(&'a self, key: &'a str) -> &'a str {
+        self.entry.as_deref().unwrap_or(key)
+    }
 }
 
 /// One tensor of the checkpoint: a parameter (`model/{path}`) or an optimizer state tensor
@@ -186,6 +198,9 @@ impl Metadata {
     }
 
     fn check(&self) -> Result<(), String> {
+        // Each region is read by its entry name: two under one name in a file would read the
+        // same bytes twice.
+        let mut entries = HashSet::new();
         for (name, t) in &self.tensors {
             if dtype_of(&t.dtype).is_none() {
                 return Err(format!("tensor `{name}` has unknown dtype {}", t.dtype));
@@ -201,6 +216,14 @@ impl Metadata {
                 if !self.files.contains_key(&r.file) {
                     return Err(format!(
                         "tensor `{name}` names file {}, which is not listed",
+                        r.file
+                    ));
+                }
+                if !entries.insert((r.file.as_str(), r.entry_name(name))) {
+                    return Err(format!(
+                        "tensor `{name}`: region {} is entry `{}` of file {}, as another region is",
+                        r.region.describe(),
+                        r.entry_name(name),
                         r.file
                     ));
                 }

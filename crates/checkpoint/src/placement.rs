@@ -1,19 +1,27 @@
 //! Where each of this rank's stored parameters lies in the full tensor: the tensor-parallel
-//! split (a dim cut by the layer's shard spec) and, inside it, the FSDP rows along dim 0. The
-//! same computation places shards when saving and decides what to read when loading, whatever
-//! the strategy: a replicated parameter simply covers its whole tensor.
+//! split (a dim cut by the layer's shard spec) and, inside it, the FSDP shard: rows along
+//! dim 0, or (the flat layout) a contiguous run of the row-major elements, described as the
+//! few boxes it splits into. The same computation places shards when saving and decides what
+//! to read when loading, whatever the strategy: a replicated parameter simply covers its whole
+//! tensor.
 
 use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Device, Tensor};
-use burn_parallel_fsdp::{PathVisitor, param_states, visit_with_paths};
+use burn_parallel_fsdp::{ParamState, PathVisitor, param_states, visit_with_paths};
 use burn_parallel_tp::{ShardSpec, TpModule};
 
 use crate::error::CheckpointError;
-use crate::region::Region;
+use crate::region::{Region, boxes_of_range};
 
-/// One stored parameter of this rank.
+/// One stored parameter of this rank, and which elements of the full tensor it holds.
+///
+/// The stored tensor, flattened row-major, is the concatenation of `regions`, each read
+/// row-major. Usually that is one box shaped like the stored tensor (FSDP rows, a
+/// tensor-parallel slice, a replicated parameter's whole tensor). A piece of an FSDP flat
+/// buffer, stored as `[len, 1, ..]`, need not be whole rows: it is the few boxes
+/// [`boxes_of_range`](crate::boxes_of_range) splits it into, and none when it is empty.
 #[derive(Debug, Clone)]
 pub struct Placement {
     /// Burn's module path (`layers.0.mlp.up_proj.weight`): the tensor's name in a checkpoint.
@@ -22,12 +30,26 @@ pub struct Placement {
     pub id: ParamId,
     /// The full (unsharded) tensor's shape.
     pub global_shape: Vec<usize>,
-    /// The part of it this rank stores.
-    pub region: Region,
+    /// The boxes of the full tensor this rank stores, in the order of its stored elements.
+    pub regions: Vec<Region>,
+    /// The shape of the tensor this rank stores (`[len, 1, ..]` for a flat-buffer piece).
+    pub shape: Vec<usize>,
     /// `None` for a lazy parameter not initialized yet (it takes the checkpoint's dtype).
     pub dtype: Option<DType>,
     /// Where the parameter lives (or will, for a lazy one).
     pub device: Device,
+}
+
+impl Placement {
+    /// Elements this rank stores of the parameter (the volume of its boxes together).
+    pub fn volume(&self) -> usize {
+        self.regions.iter().map(Region::volume).sum()
+    }
+
+    /// Whether this rank stores no element of the parameter.
+    pub fn is_empty(&self) -> bool {
+        self.volume() == 0
+    }
 }
 
 /// A stored parameter as a visitor sees it: path, id, shape and dtype.
@@ -110,12 +132,15 @@ pub fn placements<M: Module + TpModule>(model: &M) -> Result<Vec<Placement>, Che
                     .into(),
             ));
         }
-        // The tensor before FSDP: the tp shard (or the whole parameter without tp).
-        let (mut shape, rows) = match fsdp.get(&p.id) {
-            Some(state) => (state.global_shape().to_vec(), Some(state.rows())),
-            None => (p.shape.clone(), None),
+        // The tensor before FSDP (the tp shard, or the whole parameter without tp) and the
+        // boxes of it this rank stores.
+        let (mut shape, mut regions) = match fsdp.get(&p.id) {
+            Some(state) => (
+                state.global_shape().to_vec(),
+                fsdp_boxes(state).map_err(bad)?,
+            ),
+            None => (p.shape.clone(), vec![Region::full(&p.shape)]),
         };
-        let mut region = Region::full(&shape);
         if let Some((dim, spec, layer)) = splits.get(&p.id) {
             if shape.get(*dim) != Some(&spec.range.len()) {
                 return Err(bad(format!(
@@ -125,27 +150,69 @@ pub fn placements<M: Module + TpModule>(model: &M) -> Result<Vec<Placement>, Che
                 )));
             }
             shape[*dim] = spec.full;
-            region.start[*dim] = spec.range.start;
+            for region in &mut regions {
+                region.start[*dim] += spec.range.start;
+            }
         }
-        if let Some(rows) = rows {
-            region.start[0] += rows.start;
-            region.shape[0] = rows.len();
-        }
-        if region.shape != p.shape || !region.fits(&shape) {
-            return Err(bad(format!(
-                "it stores {:?}, but its shards say {} of {shape:?}",
-                p.shape,
-                region.describe()
-            )));
-        }
+        let flat = fsdp.get(&p.id).is_some_and(|s| s.rows().is_none());
+        check_stored(&regions, &p.shape, &shape, flat).map_err(bad)?;
         out.push(Placement {
             path: p.path,
             id: p.id,
             global_shape: shape,
-            region,
+            regions,
+            shape: p.shape,
             dtype: p.dtype,
             device: p.device,
         });
     }
     Ok(out)
+}
+
+/// The boxes of the FSDP shard of `state`, in the tensor FSDP sharded (the tp shard or the
+/// whole parameter): its rows, or the boxes of its flat-buffer piece.
+fn fsdp_boxes(state: &ParamState) -> Result<Vec<Region>, String> {
+    let shape = state.global_shape();
+    if let Some(rows) = state.rows() {
+        let mut region = Region::full(shape);
+        region.start[0] = rows.start;
+        region.shape[0] = rows.len();
+        return Ok(vec![region]);
+    }
+    let elements = state.elements();
+    let total: usize = shape.iter().product();
+    if elements.end > total && !elements.is_empty() {
+        return Err(format!(
+            "its FSDP flat-buffer piece holds elements {elements:?}, past the {total} of its \
+             shape {shape:?}"
+        ));
+    }
+    Ok(boxes_of_range(shape, elements))
+}
+
+/// Checks that the boxes describe the stored tensor of shape `stored`: each inside the full
+/// tensor of shape `full`, as many elements together as it holds, and (but for a flat-buffer
+/// piece, which has its own `[len, 1, ..]` shape) one box shaped like it.
+fn check_stored(
+    regions: &[Region],
+    stored: &[usize],
+    full: &[usize],
+    flat: bool,
+) -> Result<(), String> {
+    let describe = || {
+        let boxes: Vec<String> = regions.iter().map(Region::describe).collect();
+        format!("[{}]", boxes.join(" "))
+    };
+    let volume: usize = regions.iter().map(Region::volume).sum();
+    let shaped = flat || matches!(regions, [one] if one.shape == stored);
+    if !shaped
+        || volume != stored.iter().product::<usize>()
+        || !regions.iter().all(|r| r.fits(full))
+    {
+        return Err(format!(
+            "it stores {stored:?}, but its shards say {} of {full:?}",
+            describe()
+        ));
+    }
+    Ok(())
 }

@@ -1,5 +1,8 @@
 //! Regions: the box of a tensor one shard covers (a start and a length per dim), their
-//! intersections, and copying the intersection of two row-major boxes.
+//! intersections, copying the intersection of two row-major boxes, and the boxes a contiguous
+//! run of row-major elements (a piece of an FSDP flat buffer) splits into.
+
+use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
@@ -133,6 +136,80 @@ pub fn copy_part(
     }
 }
 
+/// The boxes, in element order, whose concatenation (each read row-major) is exactly the
+/// elements `elements` of a tensor of `shape` flattened row-major: how a contiguous piece that
+/// need not be whole rows (an FSDP flat-buffer shard) is described as regions. Splits on dim 0
+/// into a partial leading row (split further along the trailing dims), a block of whole rows
+/// and a partial trailing row, so a piece of a `D`-dim tensor needs at most `2D - 1` boxes.
+/// Every box is non-empty; an empty range gives none.
+///
+/// # Panics
+/// When `elements` reaches past the tensor's last element (callers check it first).
+pub fn boxes_of_range(shape: &[usize], elements: Range<usize>) -> Vec<Region> {
+    let total: usize = shape.iter().product();
+    assert!(
+        elements.end <= total || elements.is_empty(),
+        "elements {elements:?} outside a tensor of shape {shape:?} ({total} elements)"
+    );
+    let mut out = Vec::new();
+    push_boxes(shape, elements, &mut Vec::new(), &mut out);
+    out
+}
+
+/// Appends the boxes of `elements` of the sub-tensor of `shape` that the leading indices
+/// `prefix` (one element each along the dims before it) select.
+fn push_boxes(
+    shape: &[usize],
+    elements: Range<usize>,
+    prefix: &mut Vec<usize>,
+    out: &mut Vec<Region>,
+) {
+    if elements.is_empty() {
+        return;
+    }
+    let Some((_, inner)) = shape.split_first() else {
+        // A scalar (the only non-empty range of it is its one element).
+        out.push(prefixed(prefix, Region::full(&[])));
+        return;
+    };
+    let row: usize = inner.iter().product();
+    let (first, lead) = (elements.start / row, elements.start % row);
+    let (last, tail) = (elements.end / row, elements.end % row);
+    if first == last {
+        // Inside one row: the piece is a range of that row.
+        prefix.push(first);
+        push_boxes(inner, lead..tail, prefix, out);
+        prefix.pop();
+        return;
+    }
+    let mut whole = first;
+    if lead != 0 {
+        prefix.push(first);
+        push_boxes(inner, lead..row, prefix, out);
+        prefix.pop();
+        whole += 1;
+    }
+    if last > whole {
+        let mut block = Region::full(shape);
+        block.start[0] = whole;
+        block.shape[0] = last - whole;
+        out.push(prefixed(prefix, block));
+    }
+    if tail != 0 {
+        prefix.push(last);
+        push_boxes(inner, 0..tail, prefix, out);
+        prefix.pop();
+    }
+}
+
+/// `region` of the sub-tensor at the leading indices `prefix`, as a box of the whole tensor.
+fn prefixed(prefix: &[usize], region: Region) -> Region {
+    Region {
+        start: prefix.iter().copied().chain(region.start).collect(),
+        shape: prefix.iter().map(|_| 1).chain(region.shape).collect(),
+    }
+}
+
 /// Whether `boxes` (distinct, non-empty) tile a tensor of `shape` exactly: inside it, pairwise
 /// disjoint, and together as large as it.
 pub fn tiles(boxes: &[&Region], shape: &[usize]) -> bool {
@@ -211,6 +288,130 @@ mod tests {
         assert!(!tiles(&[&a, &c], &[4, 4]), "an overlap");
         let d = region(&[2, 0], &[3, 4]);
         assert!(!tiles(&[&a, &d], &[4, 4]), "outside");
+    }
+
+    /// Every shape of `dims` dims, each of size 1..=4.
+    fn small_shapes(dims: usize) -> Vec<Vec<usize>> {
+        (0..dims).fold(vec![Vec::new()], |shapes, _| {
+            shapes
+                .iter()
+                .flat_map(|s| (1..=4).map(move |n| [s.clone(), vec![n]].concat()))
+                .collect()
+        })
+    }
+
+    /// Every index of a box of `shape`, row-major.
+    fn indices(shape: &[usize]) -> Vec<Vec<usize>> {
+        shape.iter().fold(vec![Vec::new()], |acc, &n| {
+            acc.iter()
+                .flat_map(|i| (0..n).map(move |j| [i.clone(), vec![j]].concat()))
+                .collect()
+        })
+    }
+
+    /// The row-major flat indices, in `shape`, of the elements of `b` read row-major.
+    fn flat_elements(shape: &[usize], b: &Region) -> Vec<usize> {
+        indices(&b.shape)
+            .iter()
+            .map(|i| (0..shape.len()).fold(0, |at, d| at * shape[d] + b.start[d] + i[d]))
+            .collect()
+    }
+
+    /// Every non-empty box of `shape` whose row-major elements are a contiguous run of the
+    /// flattened tensor, as (first element, length).
+    fn contiguous_boxes(shape: &[usize]) -> Vec<(usize, usize)> {
+        let ranges = shape
+            .iter()
+            .fold(vec![(Vec::new(), Vec::new())], |acc, &n| {
+                let spans: Vec<(usize, usize)> = (0..n)
+                    .flat_map(|s| (1..=n - s).map(move |l| (s, l)))
+                    .collect();
+                acc.iter()
+                    .flat_map(|(st, sh): &(Vec<usize>, Vec<usize>)| {
+                        spans.iter().map(move |&(s, l)| {
+                            (
+                                [st.clone(), vec![s]].concat(),
+                                [sh.clone(), vec![l]].concat(),
+                            )
+                        })
+                    })
+                    .collect()
+            });
+        ranges
+            .into_iter()
+            .map(|(start, shape_)| flat_elements(shape, &region(&start, &shape_)))
+            .filter(|e| e.windows(2).all(|w| w[1] == w[0] + 1))
+            .map(|e| (e[0], e.len()))
+            .collect()
+    }
+
+    /// The fewest contiguous boxes, in element order, that make up `elements`.
+    fn fewest_boxes(runs: &[(usize, usize)], elements: Range<usize>) -> usize {
+        let mut best = vec![usize::MAX; elements.end + 1];
+        best[elements.start] = 0;
+        for at in elements.clone() {
+            if best[at] == usize::MAX {
+                continue;
+            }
+            for &(first, len) in runs.iter().filter(|(first, _)| *first == at) {
+                if first + len <= elements.end {
+                    best[first + len] = best[first + len].min(best[at] + 1);
+                }
+            }
+        }
+        best[elements.end]
+    }
+
+    #[test]
+    fn boxes_of_every_range_of_small_shapes_are_exactly_it_and_fewest() {
+        for dims in 1..=3 {
+            for shape in small_shapes(dims) {
+                let total: usize = shape.iter().product();
+                let runs = contiguous_boxes(&shape);
+                for start in 0..=total {
+                    for end in start..=total {
+                        let boxes = boxes_of_range(&shape, start..end);
+                        let read: Vec<usize> = boxes
+                            .iter()
+                            .flat_map(|b| flat_elements(&shape, b))
+                            .collect();
+                        let what = format!("{shape:?} {start}..{end}: {boxes:?}");
+                        assert_eq!(read, (start..end).collect::<Vec<_>>(), "{what}");
+                        assert!(
+                            boxes.iter().all(|b| b.fits(&shape) && !b.is_empty()),
+                            "{what}"
+                        );
+                        if start < end {
+                            assert_eq!(boxes.len(), fewest_boxes(&runs, start..end), "{what}");
+                            assert!(boxes.len() < 2 * dims, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_piece_of_a_three_dim_tensor_is_a_partial_row_a_block_and_whole_rows() {
+        assert_eq!(
+            boxes_of_range(&[2, 3, 4], 3..24),
+            vec![
+                region(&[0, 0, 3], &[1, 1, 1]),
+                region(&[0, 1, 0], &[1, 2, 4]),
+                region(&[1, 0, 0], &[1, 3, 4]),
+            ]
+        );
+        assert_eq!(
+            boxes_of_range(&[2, 3, 4], 5..7),
+            vec![region(&[0, 1, 1], &[1, 1, 2])]
+        );
+        assert_eq!(
+            boxes_of_range(&[2, 3, 4], 0..24),
+            vec![region(&[0, 0, 0], &[2, 3, 4])]
+        );
+        assert_eq!(boxes_of_range(&[2, 3, 4], 7..7), Vec::<Region>::new());
+        assert_eq!(boxes_of_range(&[0, 3], 0..0), Vec::<Region>::new());
+        assert_eq!(boxes_of_range(&[], 0..1), vec![region(&[], &[])]);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Saving: every rank writes only the shards it owns, and the checkpoint appears atomically.
 //!
 //! 1. Plan (collective): rank 0 makes the hidden temporary directory; every rank lists what it
-//!    holds (each parameter's region and its optimizer state) and all ranks exchange the lists.
+//!    holds (each parameter's regions and their optimizer state) and all ranks exchange the
+//!    lists.
 //!    Identical regions on several ranks (DDP and HSDP replicas, parameters tensor parallelism
 //!    leaves whole) are written once, by the lowest rank holding them; the regions of every
 //!    tensor must tile it exactly, or the save stops before writing anything.
@@ -19,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use burn_parallel_parallelizer::MeshContext;
 use burn_parallel_tp::TpModule;
 use serde::{Deserialize, Serialize};
@@ -33,7 +34,7 @@ use crate::meta::{
     TensorMeta, TrainingProgress, dtype_name, model_key, optim_key,
 };
 use crate::optim::OptimizerState;
-use crate::placement::placements;
+use crate::placement::{Placement, placements};
 use crate::region::{Region, tiles};
 
 /// How a save runs.
@@ -117,7 +118,8 @@ struct LocalTensors {
     order: Vec<String>,
 }
 
-/// This rank's tensors: every parameter's stored shard, then the optimizer state of each.
+/// This rank's tensors: every parameter's stored shard, then the optimizer state of each,
+/// one [`Local`] per box of the shard.
 fn local_tensors<M: Module + TpModule>(
     model: &M,
     optimizer: Option<&dyn OptimizerState>,
@@ -127,55 +129,20 @@ fn local_tensors<M: Module + TpModule>(
     let names = optimizer.map(|o| o.state_names()).unwrap_or_default();
     let (mut params, mut states, mut order) = (Vec::new(), Vec::new(), Vec::new());
     for p in placed {
-        let bad = |reason: String| CheckpointError::Placement {
-            param: p.path.clone(),
-            reason,
-        };
         let value = values
             .get(&p.id)
             .cloned()
             .expect("every placed parameter has a value");
         let dtype = value.dtype();
-        let dtype_str = dtype_name(dtype).ok_or_else(|| {
-            bad(format!(
-                "its dtype {dtype:?} is not a float checkpoints hold"
-            ))
+        let dtype_str = dtype_name(dtype).ok_or_else(|| CheckpointError::Placement {
+            param: p.path.clone(),
+            reason: format!("its dtype {dtype:?} is not a float checkpoints hold"),
         })?;
-        let local = |key: String, value: Tensor<1>| Local {
-            held: Held {
-                key: key.clone(),
-                shape: p.global_shape.clone(),
-                dtype: dtype_str.to_string(),
-                region: p.region.clone(),
-            },
-            tensor: ShardTensor {
-                key,
-                region: p.region.clone(),
-                dtype: value.dtype(),
-                value,
-            },
-        };
-        params.push(local(model_key(&p.path), value));
+        params.extend(box_locals(&p, &model_key(&p.path), dtype_str, value));
         if let Some(state) = optimizer.and_then(|o| o.param_state(p.id)) {
-            if state.len() != names.len() {
-                return Err(CheckpointError::Optimizer(format!(
-                    "`{}` has {} state tensors, the optimizer names {}",
-                    p.path,
-                    state.len(),
-                    names.len()
-                )));
-            }
+            check_state(&p, &names, &state, dtype)?;
             for (name, t) in names.iter().zip(state) {
-                if t.dims()[0] != p.region.volume() || t.dtype() != dtype {
-                    return Err(CheckpointError::Optimizer(format!(
-                        "`{name}` of `{}` has {} {:?} elements, its shard {} {dtype:?}",
-                        p.path,
-                        t.dims()[0],
-                        t.dtype(),
-                        p.region.volume()
-                    )));
-                }
-                states.push(local(optim_key(name, &p.path), t));
+                states.extend(box_locals(&p, &optim_key(name, &p.path), dtype_str, t));
             }
         }
         order.push(p.path);
@@ -185,6 +152,80 @@ fn local_tensors<M: Module + TpModule>(
         states,
         order,
     })
+}
+
+/// One [`Local`] of tensor `key` per box of `p`: the part of `value` (the stored elements,
+/// flattened) that box holds, under its own entry name in the file.
+fn box_locals(p: &Placement, key: &str, dtype: &str, value: Tensor<1>) -> Vec<Local> {
+    let mut offset = 0;
+    let mut out = Vec::with_capacity(p.regions.len());
+    for (index, region) in p.regions.iter().enumerate() {
+        let len = region.volume();
+        // One box is the whole value: a handle, no slicing.
+        let part = if p.regions.len() == 1 {
+            value.clone()
+        } else {
+            value.clone().narrow(0, offset, len)
+        };
+        offset += len;
+        out.push(Local {
+            held: Held {
+                key: key.to_string(),
+                shape: p.global_shape.clone(),
+                dtype: dtype.to_string(),
+                region: region.clone(),
+            },
+            tensor: ShardTensor {
+                key: key.to_string(),
+                entry: entry_name(key, index, region),
+                region: region.clone(),
+                dtype: part.dtype(),
+                value: part,
+            },
+        });
+    }
+    out
+}
+
+/// The name of box `index` of a tensor in a shard file. Safetensors names are unique in a
+/// file, and a flat-buffer piece puts several boxes of one tensor in the same file: the first
+/// keeps the tensor's key, the others add their start (`{key}@0,1,0`).
+fn entry_name(key: &str, index: usize, region: &Region) -> String {
+    if index == 0 {
+        return key.to_string();
+    }
+    let start: Vec<String> = region.start.iter().map(|s| s.to_string()).collect();
+    format!("{key}@{}", start.join(","))
+}
+
+/// Checks that the optimizer's state of `p` has one tensor per state name, each with the
+/// stored element count and dtype.
+fn check_state(
+    p: &Placement,
+    names: &[String],
+    state: &[Tensor<1>],
+    dtype: DType,
+) -> Result<(), CheckpointError> {
+    if state.len() != names.len() {
+        return Err(CheckpointError::Optimizer(format!(
+            "`{}` has {} state tensors, the optimizer names {}",
+            p.path,
+            state.len(),
+            names.len()
+        )));
+    }
+    for (name, t) in names.iter().zip(state) {
+        if t.dims()[0] != p.volume() || t.dtype() != dtype {
+            return Err(CheckpointError::Optimizer(format!(
+                "`{name}` of `{}` has {} {:?} elements, its shard {} {dtype:?}",
+                p.path,
+                t.dims()[0],
+                t.dtype(),
+                p.volume()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Every stored parameter's value, flattened, without autodiff (handles, not copies).
@@ -538,13 +579,15 @@ impl PendingSave {
                     },
                 );
                 for t in &f.tensors {
-                    let entry = tensors
+                    let meta = tensors
                         .get_mut(&t.key)
                         .expect("written tensors were planned");
-                    entry.regions.push(StoredRegion {
+                    meta.regions.push(StoredRegion {
                         file: f.name.clone(),
                         region: t.region.clone(),
                         crc32: t.crc32,
+                        // The key is the default: checkpoints without the field read the same.
+                        entry: (t.entry != t.key).then(|| t.entry.clone()),
                     });
                 }
             }

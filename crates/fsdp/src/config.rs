@@ -29,6 +29,15 @@ pub struct FsdpConfig {
     /// How many units after the computing one [`forward_units`](crate::forward_units) keeps
     /// gathering (FSDP2's forward prefetch; 0: none; default 1).
     pub forward_prefetch_depth: usize,
+    /// How each unit's parameters are split over `group` (default FSDP2's per-parameter rows).
+    pub layout: ShardLayout,
+    /// How gradients reach the shards (default a reduce-scatter).
+    pub gradient_reduction: GradientReduction,
+    /// Under the flat layout, consecutive units of a [`forward_units`](crate::forward_units)
+    /// stack are gathered (and their gradients reduced) by one collective while their buffers
+    /// add up to at most this many elements (Megatron-FSDP's communication bucket; `None`, the
+    /// default: one collective per unit).
+    pub bucket_elements: Option<usize>,
     sync: Arc<AtomicBool>,
     memory: MemoryTracker,
 }
@@ -43,6 +52,9 @@ impl FsdpConfig {
             mixed_precision: MixedPrecisionPolicy::default(),
             offload: None,
             forward_prefetch_depth: 1,
+            layout: ShardLayout::Rows,
+            gradient_reduction: GradientReduction::ReduceScatter,
+            bucket_elements: None,
             sync: Arc::new(AtomicBool::new(true)),
             memory: MemoryTracker::new(),
         }
@@ -103,4 +115,48 @@ impl FsdpConfig {
         self.forward_prefetch_depth = depth;
         self
     }
+
+    /// Splits each unit's parameters as `layout` says (see [`ShardLayout`]).
+    pub fn layout(mut self, layout: ShardLayout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// Gathers consecutive flat units together up to `elements` (see the field).
+    pub fn bucket_elements(mut self, elements: Option<usize>) -> Self {
+        self.bucket_elements = elements;
+        self
+    }
+
+    /// Reduces gradients as `reduction` says (see [`GradientReduction`]).
+    pub fn gradient_reduction(mut self, reduction: GradientReduction) -> Self {
+        self.gradient_reduction = reduction;
+        self
+    }
+}
+
+/// How a unit's parameters are split over the shard group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ShardLayout {
+    /// FSDP2: each parameter split on dim 0 in pad-to-ceil chunks of rows; a unit's gather
+    /// concatenates every parameter's padded chunk.
+    #[default]
+    Rows,
+    /// Megatron-FSDP: the unit's parameters, flattened in module order, form one buffer split
+    /// evenly over the group (only the last rank's tail is padded); a parameter may straddle
+    /// ranks, and each rank stores its contiguous piece of each parameter as a `[len, 1, ..]`
+    /// tensor. A unit's gather is one buffer whose slices are the parameters, without
+    /// per-parameter padding or reordering. Every parameter of a unit has the same dtype.
+    FlatBuffer,
+}
+
+/// How the gradient of a gathered weight becomes this rank's gradient shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradientReduction {
+    /// Reduce-scatter: each rank receives only its shard's sum (FSDP2; ZeRO-2 and ZeRO-3).
+    #[default]
+    ReduceScatter,
+    /// All-reduce of the full gradient, of which each rank keeps its shard (ZeRO-1: the
+    /// optimizer state alone is sharded; every rank holds the whole reduced gradient once).
+    AllReduce,
 }

@@ -29,6 +29,23 @@ pub enum FsdpError {
         /// What went wrong.
         message: String,
     },
+    /// A unit sharded into one flat buffer has parameters of different dtypes.
+    #[error(
+        "the flat-buffer layout keeps a unit's parameters in one buffer of one dtype, but \
+         {path} is {dtype} where the unit's first parameter is {first}: cast the module to one \
+         dtype before sharding, or make that parameter its own unit"
+    )]
+    FlatDtypes {
+        /// Path of the parameter whose dtype differs.
+        path: String,
+        /// Its dtype.
+        dtype: String,
+        /// The dtype of the unit's first parameter.
+        first: String,
+    },
+    /// A module gathered as one flat-buffer unit does not hold exactly that unit's parameters.
+    #[error("{0}")]
+    FlatUnit(String),
     /// A collective (gather, reduce-scatter, ...) failed.
     #[error(transparent)]
     Collective(#[from] burn_parallel_comm::CollectiveError),

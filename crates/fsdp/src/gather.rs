@@ -16,6 +16,7 @@ use burn_parallel_comm::collectives::{
 };
 use burn_parallel_comm::{CollectiveError, ReduceOp};
 
+use crate::config::GradientReduction;
 use crate::memory::{Hold, MemoryKind};
 use crate::state::UnitState;
 
@@ -94,7 +95,8 @@ pub(crate) fn start_gather<const D: usize>(
 }
 
 /// The step lists of one gather: forward cast + all-gather; backward cast, deferral, the
-/// reduce-scatter (releasing `backward_hold`), the replica all-reduce, the cast back and the
+/// reduce-scatter (or, for ZeRO-1, the all-reduce and this rank's piece; releasing
+/// `backward_hold`), the replica all-reduce, the cast back and the
 /// gradient shard's bytes; with resharding, the forward again as the recomputation.
 fn gather_steps<const D: usize>(
     shard: &Tensor<D>,
@@ -140,14 +142,24 @@ fn gather_steps<const D: usize>(
             pending.counters().add(MemoryKind::Grads, after);
         }),
     }));
-    backward.push(run(
-        DeviceOp::ReduceScatter {
-            dim: 0,
-            sizes,
-            op: ReduceOp::Sum,
-        },
-        &shards,
-    ));
+    match unit.reduction {
+        GradientReduction::ReduceScatter => backward.push(run(
+            DeviceOp::ReduceScatter {
+                dim: 0,
+                sizes,
+                op: ReduceOp::Sum,
+            },
+            &shards,
+        )),
+        GradientReduction::AllReduce => {
+            backward.push(run(DeviceOp::AllReduce { op: ReduceOp::Sum }, &shards));
+            backward.push(DeviceStep::Piece {
+                dim: 0,
+                sizes,
+                index: unit.group.index(),
+            });
+        }
+    }
     let held = backward_hold.clone();
     backward.push(DeviceStep::Observe(Observer::new(move |_| held.release())));
     if let Some(r) = &replicas {

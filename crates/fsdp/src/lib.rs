@@ -66,7 +66,7 @@ mod state;
 mod unit;
 
 pub use clip::{SquareSums, clip_grad_norm, clip_to_norm, grad_square_sums, scale_grads};
-pub use config::FsdpConfig;
+pub use config::{FsdpConfig, GradientReduction, ShardLayout};
 pub use error::FsdpError;
 pub use load::{
     StateDictRanks, for_each_full_param, full_state_dict, fully_shard_from, gather_full,
@@ -78,4 +78,4 @@ pub use policy::MixedPrecisionPolicy;
 pub use reparam::{ShardGather, param_states};
 pub use shard::{RowRequest, fully_shard};
 pub use state::{ParamState, UnitState};
-pub use unit::{UnitInput, forward_units, with_gathered_unit};
+pub use unit::{UnitInput, forward_units, with_gathered_unit, with_module_unit};

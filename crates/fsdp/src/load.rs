@@ -86,6 +86,16 @@ fn stored_params<M: Module>(module: &M) -> Vec<Stored> {
     params.0
 }
 
+/// `data` (of as many elements) viewed with `shape`.
+fn with_shape(data: TensorData, shape: &[usize]) -> TensorData {
+    debug_assert_eq!(data.num_elements(), shape.iter().product::<usize>());
+    if data.shape().as_slice() == shape {
+        return data;
+    }
+    let dtype = data.dtype();
+    TensorData::from_bytes(data.into_bytes(), shape.to_vec(), dtype)
+}
+
 /// Concatenates row blocks (same dtype and trailing dims) along dim 0.
 fn concat_rows(parts: Vec<TensorData>) -> TensorData {
     let dtype = parts[0].dtype();
@@ -134,7 +144,8 @@ pub fn for_each_full_param<M: Module>(
             }
         };
         if let Some(full) = full {
-            debug_assert_eq!(full.shape().to_vec(), state.global_shape);
+            // Flat pieces (`[len, 1, ..]`) gather into the flattened parameter.
+            let full = with_shape(full, &state.global_shape);
             f(path, full);
         }
     }

@@ -19,7 +19,6 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::gather::start_gather;
 use crate::state::ParamState;
-use burn_parallel_comm::chunk::chunk_sizes;
 
 /// The reparameterization of a sharded parameter: its effective value is the all-gather of the
 /// shards along dim 0.
@@ -47,11 +46,16 @@ impl Reparameterization for ShardGather {
         let elems = state.global_shape.iter().product();
         // `Param::val` cannot return an error; the launcher reports the panic as this rank's
         // failure and releases the others.
-        let rows = chunk_sizes(state.global_shape[0], state.unit.group.size());
-        let pending = start_gather(base, &state.unit, &state.accumulator, rows, elems, None)
+        let sizes = state.gather_sizes();
+        let pending = start_gather(base, &state.unit, &state.accumulator, sizes, elems, None)
             .unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"));
         // A per-parameter gather lives for the op that uses it: its forward hold ends here.
-        pending.finish().0
+        let gathered = pending.finish().0;
+        match state.flat_offset() {
+            // Flat pieces are `[len, 1, ..]`: their concatenation is the flattened parameter.
+            Some(_) => gathered.reshape(state.shape::<D>()),
+            None => gathered,
+        }
     }
 }
 

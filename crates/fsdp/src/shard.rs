@@ -6,14 +6,14 @@ use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::module::{Module, Param, ParamId, Reparameterizer};
-use burn::tensor::{Tensor, TensorData};
+use burn::module::{Module, ModuleVisitor, Param, ParamId, Reparameterizer};
+use burn::tensor::{DType, Tensor, TensorData};
 use burn_parallel_comm::chunk::chunk_range;
 
-use crate::config::FsdpConfig;
+use crate::config::{FsdpConfig, ShardLayout};
 use crate::error::FsdpError;
 use crate::reparam::{ShardGather, collect, is_marker};
-use crate::state::{ParamState, UnitState};
+use crate::state::{FlatBuffer, ParamState, UnitState};
 
 /// What a sharded load asks its source for: rows `rows` (along dim 0) of the full parameter at
 /// `path` (Burn's module path, e.g. `layers.0.weight`), whose full shape is `shape`. `rows` is
@@ -27,7 +27,8 @@ pub struct RowRequest<'a> {
     pub id: ParamId,
     /// The full (unsharded) shape.
     pub shape: &'a [usize],
-    /// The rows (along dim 0) this rank stores.
+    /// The rows (along dim 0) this rank stores; under the flat layout, the rows that cover its
+    /// piece (the rest of their elements is dropped after the read).
     pub rows: Range<usize>,
 }
 
@@ -42,22 +43,70 @@ struct Sharder<'a> {
     /// Where a sharded load takes each shard's rows from (`None`: from the module itself).
     source: Option<Source<'a>>,
     error: Option<FsdpError>,
+    /// The unit's flat buffer (flat layout only), and where the next parameter starts in it.
+    flat: Option<FlatBuffer>,
+    next_offset: usize,
+    /// The dtype of the unit's first parameter: a flat buffer holds one dtype.
+    flat_dtype: Option<DType>,
+    /// The unit's nesting level (see `UnitState::level`).
+    level: usize,
+}
+
+/// An empty `[0, ..]` tensor of `shape`'s trailing dims: Burn cannot narrow to zero elements.
+fn empty<const D: usize>(
+    mut shape: [usize; D],
+    dtype: DType,
+    device: &burn::tensor::Device,
+) -> Tensor<D> {
+    shape[0] = 0;
+    let data = TensorData::new(Vec::<f32>::new(), shape).convert_dtype(dtype);
+    // The dtype given explicitly: `from_data` alone takes the device's default float dtype.
+    Tensor::<D>::from_data(data, (device, dtype))
+}
+
+/// The stored shape of a flat piece of `len` elements: `[len, 1, ..]`, so that gathering the
+/// pieces along dim 0 concatenates the flattened parameter.
+fn piece_shape<const D: usize>(len: usize) -> [usize; D] {
+    let mut shape = [1; D];
+    shape[0] = len;
+    shape
+}
+
+/// Elements `piece` of `full` (flattened), as a fresh `[len, 1, ..]` tensor.
+fn cut_piece<const D: usize>(full: Tensor<D>, piece: &Range<usize>) -> Tensor<D> {
+    if piece.is_empty() {
+        return empty(piece_shape::<D>(0), full.dtype(), &full.device());
+    }
+    let n = full.shape().num_elements();
+    full.reshape([n])
+        .narrow(0, piece.start, piece.len())
+        .reshape(piece_shape::<D>(piece.len()))
 }
 
 impl Sharder<'_> {
-    /// This rank's rows of a full parameter, as a fresh leaf.
-    fn slice<const D: usize>(&self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+    /// This rank's piece of the parameter at `offset` in the unit's flat buffer (flat layout).
+    fn flat_piece(&self, offset: usize, shape: &[usize]) -> Option<Range<usize>> {
+        let group = &self.config.group;
+        self.flat.map(|flat| {
+            flat.pieces(offset, shape.iter().product(), group.size())[group.index()].clone()
+        })
+    }
+
+    /// This rank's rows (or flat piece) of a full parameter, as a fresh leaf.
+    fn slice<const D: usize>(
+        &self,
+        param: Param<Tensor<D>>,
+        piece: Option<Range<usize>>,
+    ) -> Param<Tensor<D>> {
         let group = &self.config.group;
         param.map(|full| {
             let rows = chunk_range(full.dims()[0], group.size(), group.index());
             let trainable = full.is_require_grad();
             // A fresh leaf: the shard, not a view into the full tensor, is what is trained.
-            let shard = if rows.is_empty() {
-                // Burn cannot narrow to zero rows; an empty shard is built directly.
-                let mut shape = full.dims();
-                shape[0] = 0;
-                let data = TensorData::new(Vec::<f32>::new(), shape).convert_dtype(full.dtype());
-                Tensor::<D>::from_data(data, &full.device())
+            let shard = if let Some(piece) = &piece {
+                cut_piece(full, piece).detach()
+            } else if rows.is_empty() {
+                empty(full.dims(), full.dtype(), &full.device())
             } else {
                 full.narrow(0, rows.start, rows.len()).detach()
             };
@@ -70,14 +119,21 @@ impl Sharder<'_> {
     }
 
     /// This rank's rows read from the source; the (lazy) full parameter is never initialized.
+    /// A flat piece reads the rows that cover it and keeps its elements.
     fn load<const D: usize>(
         &mut self,
         path: &str,
         param: Param<Tensor<D>>,
+        piece: Option<Range<usize>>,
     ) -> Result<Param<Tensor<D>>, FsdpError> {
         let group = &self.config.group;
         let shape = param.lazy_shape().to_vec();
-        let rows = chunk_range(shape[0], group.size(), group.index());
+        let row_len: usize = shape[1..].iter().product();
+        let rows = match &piece {
+            Some(p) if p.is_empty() => 0..0,
+            Some(p) => p.start / row_len..p.end.div_ceil(row_len),
+            None => chunk_range(shape[0], group.size(), group.index()),
+        };
         let mut want = shape.clone();
         want[0] = rows.len();
         let source = self.source.as_mut().expect("a sharded load has a source");
@@ -103,6 +159,13 @@ impl Sharder<'_> {
             });
         }
         let shard = Tensor::<D>::from_data(data, &param.lazy_device());
+        let shard = match &piece {
+            Some(p) => {
+                let first = request.rows.start * row_len;
+                cut_piece(shard, &(p.start - first..p.end - first))
+            }
+            None => shard,
+        };
         let id = param.id;
         // Takes the parameter's device and gradient setting without running its initializer.
         Ok(param.transform_for_load(shard, id))
@@ -110,9 +173,9 @@ impl Sharder<'_> {
 
     /// The unit of this call, made on the first parameter (whose device computes).
     fn unit(&mut self, compute: &burn::tensor::Device) -> Arc<UnitState> {
-        let config = self.config;
+        let (config, flat, level) = (self.config, self.flat, self.level);
         self.unit
-            .get_or_insert_with(|| Arc::new(UnitState::new(config, compute)))
+            .get_or_insert_with(|| Arc::new(UnitState::new(config, compute, flat, level)))
             .clone()
     }
 }
@@ -141,12 +204,15 @@ impl Reparameterizer for &mut Sharder<'_> {
         }
         // A sharded load reads only parameters that are still lazy: ones an earlier step (a
         // tensor-parallel split) materialized are sliced like any other.
+        let offset = self.next_offset;
+        self.next_offset += shape.iter().product::<usize>();
+        let piece = self.flat_piece(offset, &shape);
         let shard = if self.source.is_some() && !param.is_initialized() {
             if self.error.is_some() {
                 // Ask the source for nothing more once a load failed.
                 return (param, None);
             }
-            match self.load(path, param.clone()) {
+            match self.load(path, param.clone(), piece) {
                 Ok(shard) => shard,
                 Err(e) => {
                     self.error = Some(e);
@@ -154,14 +220,29 @@ impl Reparameterizer for &mut Sharder<'_> {
                 }
             }
         } else {
-            self.slice(param)
+            self.slice(param, piece)
         };
+        if self.flat.is_some() {
+            let dtype = shard.val().dtype();
+            match self.flat_dtype {
+                None => self.flat_dtype = Some(dtype),
+                Some(first) if first != dtype && self.error.is_none() => {
+                    self.error = Some(FsdpError::FlatDtypes {
+                        path: path.to_string(),
+                        dtype: format!("{dtype:?}"),
+                        first: format!("{first:?}"),
+                    });
+                }
+                Some(_) => {}
+            }
+        }
         let shard = match &self.config.offload {
             Some(offload) => shard.map(|s| offload.place(s)),
             None => shard,
         };
         let unit = self.unit(&compute);
-        let gather = ShardGather::new(ParamState::new(id, shape, unit), &shard.lazy_device());
+        let state = ParamState::new(id, shape, unit, offset);
+        let gather = ShardGather::new(state, &shard.lazy_device());
         (shard, Some(gather))
     }
 }
@@ -180,17 +261,56 @@ pub(crate) fn shard_module<'a, M: Module>(
     config: &'a FsdpConfig,
     source: Option<Source<'a>>,
 ) -> Result<M, FsdpError> {
-    let already_sharded = collect(&module).iter().map(|c| c.state.id).collect();
+    let inner = collect(&module);
+    let level = inner
+        .iter()
+        .map(|c| c.state.unit.level + 1)
+        .max()
+        .unwrap_or(0);
+    let already_sharded: HashSet<ParamId> = inner.iter().map(|c| c.state.id).collect();
+    let flat = (config.layout == ShardLayout::FlatBuffer).then(|| {
+        let (total, params) = unsharded_elements(&module, &already_sharded);
+        FlatBuffer::new(total, params, config.group.size())
+    });
     let mut sharder = Sharder {
         config,
         unit: None,
         already_sharded,
         source,
         error: None,
+        flat,
+        next_offset: 0,
+        flat_dtype: None,
+        level,
     };
     let sharded = module.apply_reparameterization(&mut sharder);
     match sharder.error {
         Some(e) => Err(e),
         None => Ok(sharded),
     }
+}
+
+/// The elements and the count of `module`'s float parameters not in `sharded` (what one
+/// `fully_shard` call shards), read from their shapes without initializing lazy ones.
+fn unsharded_elements<M: Module>(module: &M, sharded: &HashSet<ParamId>) -> (usize, usize) {
+    struct Count<'a> {
+        sharded: &'a HashSet<ParamId>,
+        elements: usize,
+        params: usize,
+    }
+    impl ModuleVisitor for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !self.sharded.contains(&param.id) {
+                self.elements += param.lazy_shape().iter().product::<usize>();
+                self.params += 1;
+            }
+        }
+    }
+    let mut count = Count {
+        sharded,
+        elements: 0,
+        params: 0,
+    };
+    module.visit(&mut count);
+    (count.elements, count.params)
 }

@@ -14,7 +14,7 @@ use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::chunk::padded_chunk;
 use burn_parallel_comm::collectives::DevicePending;
 
-use crate::config::FsdpConfig;
+use crate::config::{FsdpConfig, GradientReduction, ShardLayout};
 use crate::memory::MemoryTracker;
 use crate::policy::MixedPrecisionPolicy;
 
@@ -32,11 +32,67 @@ pub struct UnitState {
     pub(crate) prefetch_depth: usize,
     pub(crate) sync: Arc<AtomicBool>,
     pub(crate) memory: MemoryTracker,
+    /// The unit's flat buffer under [`ShardLayout::FlatBuffer`] (`None`: per-parameter rows).
+    pub(crate) flat: Option<FlatBuffer>,
+    pub(crate) reduction: GradientReduction,
+    pub(crate) bucket_elements: Option<usize>,
+    /// 0 for a unit with no unit inside its module, else one more than the highest level
+    /// inside: a module's own unit is the highest-level one among its parameters.
+    pub(crate) level: usize,
+}
+
+/// A unit's flat buffer (Megatron-FSDP): its parameters' elements, in module order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlatBuffer {
+    /// Elements of every parameter of the unit.
+    pub total: usize,
+    /// Elements each rank stores (and contributes to a gather): `total` over the group,
+    /// rounded up; the last ranks' tails are padding.
+    pub per_rank: usize,
+    /// How many parameters the buffer holds.
+    pub params: usize,
+}
+
+impl FlatBuffer {
+    /// The buffer of `params` parameters of `total` elements split over `world` ranks.
+    pub fn new(total: usize, params: usize, world: usize) -> Self {
+        Self {
+            total,
+            per_rank: total.div_ceil(world),
+            params,
+        }
+    }
+
+    /// The elements of the parameter at `offset` (of `len` elements) that each rank stores,
+    /// as ranges of the parameter's own (flattened) elements.
+    pub fn pieces(&self, offset: usize, len: usize, world: usize) -> Vec<Range<usize>> {
+        (0..world)
+            .map(|r| {
+                let (lo, hi) = (r * self.per_rank, ((r + 1) * self.per_rank).min(self.total));
+                let start = offset.max(lo).min(offset + len);
+                let end = (offset + len).min(hi).max(start);
+                start - offset..end - offset
+            })
+            .collect()
+    }
 }
 
 impl UnitState {
-    pub(crate) fn new(config: &FsdpConfig, compute: &Device) -> Self {
+    /// The state of a unit sharded with `config` that computes on `compute`; `flat` is its
+    /// buffer when the config's layout is [`ShardLayout::FlatBuffer`], `level` its nesting
+    /// level.
+    pub(crate) fn new(
+        config: &FsdpConfig,
+        compute: &Device,
+        flat: Option<FlatBuffer>,
+        level: usize,
+    ) -> Self {
+        debug_assert_eq!(flat.is_some(), config.layout == ShardLayout::FlatBuffer);
         Self {
+            flat,
+            level,
+            bucket_elements: config.bucket_elements,
+            reduction: config.gradient_reduction,
             group: config.group.clone(),
             replicate_group: config.replicate_group.clone(),
             reshard_after_forward: config.reshard_after_forward,
@@ -82,15 +138,52 @@ impl UnitState {
     pub(crate) fn reduce_dtype(&self) -> Option<DType> {
         self.policy.reduce_dtype.map(DType::from)
     }
+
+    /// The unit's flat buffer (Megatron-FSDP layout), `None` under per-parameter rows.
+    pub fn flat_buffer(&self) -> Option<&FlatBuffer> {
+        self.flat.as_ref()
+    }
+
+    /// How the unit's gradients reach the shards.
+    pub fn gradient_reduction(&self) -> GradientReduction {
+        self.reduction
+    }
+
+    /// Whether `other` gathers exactly as this unit does (groups, policy, resharding,
+    /// reduction, gradient-sync switch), so that one collective can serve both.
+    pub(crate) fn gathers_like(&self, other: &UnitState) -> bool {
+        let ranks = |g: Option<&ProcessGroup>| g.map(|g| g.ranks().to_vec());
+        self.group.ranks() == other.group.ranks()
+            && ranks(self.replicate_group.as_ref()) == ranks(other.replicate_group.as_ref())
+            && self.reshard_after_forward == other.reshard_after_forward
+            && self.policy == other.policy
+            && self.reduction == other.reduction
+            && self.compute.is_none()
+            && other.compute.is_none()
+            && Arc::ptr_eq(&self.sync, &other.sync)
+    }
+}
+
+/// Which part of the full parameter this rank stores.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Split {
+    /// Rows along dim 0 (FSDP2's pad-to-ceil chunk).
+    Rows(Range<usize>),
+    /// A piece of the unit's flat buffer: the parameter starts at `offset` in it, and rank
+    /// `r` stores the parameter's elements `pieces[r]`.
+    Flat {
+        offset: usize,
+        pieces: Vec<Range<usize>>,
+    },
 }
 
 /// One sharded parameter (FSDP2's `FSDPParam`): dim 0 split in pad-to-ceil chunks over the
-/// unit's group, this rank holding `rows`.
+/// unit's group, or (Megatron-FSDP's flat layout) a contiguous piece of the unit's buffer.
 #[derive(Debug)]
 pub struct ParamState {
     pub(crate) id: ParamId,
     pub(crate) global_shape: Vec<usize>,
-    pub(crate) rows: Range<usize>,
+    pub(crate) split: Split,
     pub(crate) unit: Arc<UnitState>,
     /// The gradient summed over micro-steps while gradient sync is off (full, unsharded).
     pub(crate) accumulator: DevicePending,
@@ -99,14 +192,30 @@ pub struct ParamState {
 }
 
 impl ParamState {
-    pub(crate) fn new(id: ParamId, global_shape: Vec<usize>, unit: Arc<UnitState>) -> Self {
+    /// The state of the parameter `id` of shape `global_shape`, starting at `offset` in its
+    /// unit's flat buffer when the unit has one.
+    pub(crate) fn new(
+        id: ParamId,
+        global_shape: Vec<usize>,
+        unit: Arc<UnitState>,
+        offset: usize,
+    ) -> Self {
         let group = &unit.group;
-        let rows =
-            burn_parallel_comm::chunk::chunk_range(global_shape[0], group.size(), group.index());
+        let split = match &unit.flat {
+            None => Split::Rows(burn_parallel_comm::chunk::chunk_range(
+                global_shape[0],
+                group.size(),
+                group.index(),
+            )),
+            Some(flat) => Split::Flat {
+                offset,
+                pieces: flat.pieces(offset, global_shape.iter().product(), group.size()),
+            },
+        };
         Self {
             id,
             global_shape,
-            rows,
+            split,
             unit,
             accumulator: DevicePending::default(),
             served: Mutex::new(None),
@@ -123,9 +232,42 @@ impl ParamState {
         &self.global_shape
     }
 
-    /// The rows (along dim 0) of the full parameter this rank stores.
-    pub fn rows(&self) -> Range<usize> {
-        self.rows.clone()
+    /// The rows (along dim 0) of the full parameter this rank stores; `None` under the flat
+    /// layout, where a rank's piece need not be whole rows (see [`Self::elements`]).
+    pub fn rows(&self) -> Option<Range<usize>> {
+        match &self.split {
+            Split::Rows(rows) => Some(rows.clone()),
+            Split::Flat { .. } => None,
+        }
+    }
+
+    /// The elements of the full parameter, flattened row-major, that this rank stores (a
+    /// contiguous range under both layouts).
+    pub fn elements(&self) -> Range<usize> {
+        match &self.split {
+            Split::Rows(rows) => rows.start * self.row_len()..rows.end * self.row_len(),
+            Split::Flat { pieces, .. } => pieces[self.unit.group.index()].clone(),
+        }
+    }
+
+    /// What each rank stores along dim 0 of its stored tensor: rows, or (flat layout, where
+    /// a piece is stored as `[len, 1, ..]`) elements. The sizes a gather of the parameter
+    /// concatenates.
+    pub(crate) fn gather_sizes(&self) -> Vec<usize> {
+        match &self.split {
+            Split::Rows(_) => {
+                burn_parallel_comm::chunk::chunk_sizes(self.global_shape[0], self.unit.group.size())
+            }
+            Split::Flat { pieces, .. } => pieces.iter().map(|p| p.len()).collect(),
+        }
+    }
+
+    /// Where the parameter starts in its unit's flat buffer (`None`: per-parameter rows).
+    pub(crate) fn flat_offset(&self) -> Option<usize> {
+        match &self.split {
+            Split::Rows(_) => None,
+            Split::Flat { offset, .. } => Some(*offset),
+        }
     }
 
     /// Rows per rank once padded (FSDP2's pad-to-ceil chunk).
@@ -143,14 +285,52 @@ impl ParamState {
         &self.unit
     }
 
+    /// The full parameter's shape as an array (the stored tensor's rank).
+    pub(crate) fn shape<const D: usize>(&self) -> [usize; D] {
+        self.global_shape.clone().try_into().expect("rank kept")
+    }
+
     /// The value served while the unit runs, reshaped to the full parameter.
     pub(crate) fn served<const D: usize>(&self) -> Option<Tensor<D>> {
         let served = self.served.lock().unwrap_or_else(|e| e.into_inner());
-        let shape: [usize; D] = self.global_shape.clone().try_into().expect("rank kept");
-        served.as_ref().map(|flat| flat.clone().reshape(shape))
+        served
+            .as_ref()
+            .map(|flat| flat.clone().reshape(self.shape::<D>()))
     }
 
     pub(crate) fn serve(&self, value: Option<Tensor<1>>) {
         *self.served.lock().unwrap_or_else(|e| e.into_inner()) = value;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FlatBuffer;
+
+    /// Every element of a buffer of parameters lands on exactly one rank, in order.
+    #[test]
+    fn flat_pieces_cover_each_parameter_once_in_rank_order() {
+        for world in 1..=5 {
+            let lens = [7usize, 1, 0, 12, 5];
+            let total = lens.iter().sum();
+            let flat = FlatBuffer::new(total, lens.len(), world);
+            assert!(flat.per_rank * world >= total && flat.per_rank * world < total + world);
+            let mut offset = 0;
+            for &len in &lens {
+                let pieces = flat.pieces(offset, len, world);
+                let mut next = 0;
+                for (r, p) in pieces.iter().enumerate() {
+                    if !p.is_empty() {
+                        assert_eq!(p.start, next, "world {world}, rank {r}");
+                        // The piece lies inside rank r's slice of the buffer.
+                        assert!(offset + p.start >= r * flat.per_rank);
+                        assert!(offset + p.end <= (r + 1) * flat.per_rank);
+                    }
+                    next = next.max(p.end);
+                }
+                assert_eq!(next, len);
+                offset += len;
+            }
+        }
     }
 }

@@ -19,7 +19,7 @@ use crate::gather::{PendingGather, start_gather};
 use crate::memory::Hold;
 use crate::policy::MixedPrecisionPolicy;
 use crate::reparam::{Collected, collect};
-use crate::state::{ParamState, UnitState};
+use crate::state::{FlatBuffer, ParamState, UnitState};
 
 /// Stops serving a unit's parameters when its scope ends, even by panic; when resharding
 /// after forward, that is also when its gathered bytes are released.
@@ -36,17 +36,31 @@ impl Drop for ServeGuard {
 
 fn zeros(n: usize, dtype: DType, device: &burn::tensor::Device) -> Tensor<1> {
     let data = TensorData::new(vec![0f32; n], [n]).convert_dtype(dtype);
-    Tensor::from_data(data, device)
+    // The dtype given explicitly: `from_data` alone takes the device's default float dtype.
+    Tensor::from_data(data, (device, dtype))
 }
 
-/// A unit whose gather is in flight.
+/// One unit's share of a gather: what this rank contributes (its pieces in order, padded to
+/// `per_rank` elements) and how the gathered share maps to the parameters.
+struct Part {
+    pieces: Vec<Tensor<1>>,
+    /// Each parameter's state and its padded chunk's start in a rank's contribution (rows),
+    /// or its start in the unit's gathered buffer (flat).
+    params: Vec<(Arc<ParamState>, usize)>,
+    /// Elements each rank contributes.
+    per_rank: usize,
+    flat: bool,
+}
+
+/// A gather in flight: one collective for one or more parts (a bucket of flat units).
 struct PendingUnit {
     gather: PendingGather<1>,
     world: usize,
-    /// Elements each rank contributes.
+    /// Each part's parameters and layout, and where its elements start in a rank's
+    /// contribution.
+    parts: Vec<(Part, usize)>,
+    /// Elements each rank contributes, over every part.
     per_rank: usize,
-    /// Each parameter's state and its padded chunk's start in a rank's contribution.
-    params: Vec<(Arc<ParamState>, usize)>,
 }
 
 /// The unit state shared by `collected`, or an error naming two groups that differ.
@@ -67,37 +81,101 @@ fn common_unit(collected: &[Collected]) -> Result<Option<Arc<UnitState>>, FsdpEr
     Ok(Some(unit))
 }
 
-/// Collects `module`'s shards and starts their one gather; `None` when it has nothing to
-/// gather. `after`: see [`start_gather`].
-fn start_unit<M: Module>(
-    module: &M,
-    after: Option<Tensor<1>>,
-) -> Result<Option<PendingUnit>, FsdpError> {
-    let collected = collect(module);
-    let Some(unit) = common_unit(&collected)? else {
-        return Ok(None);
-    };
-    let world = unit.group.size();
-    let first = &collected[0];
-    let device = first.shard.device();
-    let dtype = first.shard.dtype();
-
-    // Each parameter's padded chunk, concatenated: every rank contributes the same length.
+/// FSDP2's layout: each parameter's padded chunk, concatenated, so every rank contributes the
+/// same length.
+fn row_part(collected: &[Collected]) -> Part {
     let mut pieces = Vec::new();
     let mut params = Vec::new();
     let mut per_rank = 0;
-    for c in &collected {
+    for c in collected {
         let padded = c.state.padded_rows() * c.state.row_len();
         let own = c.shard.dims()[0];
         pieces.push(c.shard.clone());
         if padded > own {
-            pieces.push(zeros(padded - own, dtype, &device));
+            pieces.push(zeros(padded - own, c.shard.dtype(), &c.shard.device()));
         }
         params.push((c.state.clone(), per_rank));
         per_rank += padded;
     }
+    Part {
+        pieces,
+        params,
+        per_rank,
+        flat: false,
+    }
+}
+
+/// The flat layout: this rank's slice of the unit's buffer is its pieces back to back (padded
+/// at the buffer's end), and the gathered buffer is the parameters back to back. `collected`
+/// must be exactly the unit's parameters.
+fn flat_part(
+    collected: &[Collected],
+    unit: &Arc<UnitState>,
+    flat: &FlatBuffer,
+) -> Result<Part, FsdpError> {
+    let in_unit = collected
+        .iter()
+        .filter(|c| Arc::ptr_eq(&c.state.unit, unit))
+        .count();
+    if in_unit != collected.len() || in_unit != flat.params {
+        return Err(FsdpError::FlatUnit(format!(
+            "a flat-buffer unit is gathered as a whole, but the module holds {in_unit} of its \
+             {} parameters and {} parameters of other units: gather the module the unit was \
+             sharded on",
+            flat.params,
+            collected.len() - in_unit
+        )));
+    }
+    let mut pieces: Vec<Tensor<1>> = collected.iter().map(|c| c.shard.clone()).collect();
+    let own: usize = collected.iter().map(|c| c.shard.dims()[0]).sum();
+    if own < flat.per_rank {
+        let first = &collected[0].shard;
+        pieces.push(zeros(flat.per_rank - own, first.dtype(), &first.device()));
+    }
+    let params = collected
+        .iter()
+        .map(|c| {
+            let offset = c.state.flat_offset().expect("a flat unit's parameter");
+            (c.state.clone(), offset)
+        })
+        .collect();
+    Ok(Part {
+        pieces,
+        params,
+        per_rank: flat.per_rank,
+        flat: true,
+    })
+}
+
+/// The part of `collected` (parameters of `unit`'s layout).
+fn part_of(collected: &[Collected], unit: &Arc<UnitState>) -> Result<Part, FsdpError> {
+    match &unit.flat {
+        Some(flat) => flat_part(collected, unit, flat),
+        None => Ok(row_part(collected)),
+    }
+}
+
+/// Starts ONE gather of `parts` (all gathering like `unit`), whose shards are `collected`;
+/// `None` when there is nothing to gather. `after`: see [`start_gather`].
+fn start_parts(
+    parts: Vec<Part>,
+    collected: &[Collected],
+    unit: &UnitState,
+    after: Option<Tensor<1>>,
+) -> Result<Option<PendingUnit>, FsdpError> {
+    let world = unit.group.size();
+    let per_rank: usize = parts.iter().map(|p| p.per_rank).sum();
     if per_rank == 0 {
         return Ok(None);
+    }
+    let mut pieces = Vec::new();
+    let mut placed = Vec::new();
+    let mut start = 0;
+    for mut part in parts {
+        pieces.append(&mut part.pieces);
+        let len = part.per_rank;
+        placed.push((part, start));
+        start += len;
     }
     let mut local = Tensor::cat(pieces, 0);
     if !local.is_tracked() {
@@ -115,8 +193,8 @@ fn start_unit<M: Module>(
     }
     let gather = start_gather(
         local,
-        &unit,
-        &first.state.accumulator,
+        unit,
+        &collected[0].state.accumulator,
         vec![per_rank; world],
         world * per_rank,
         after,
@@ -124,30 +202,82 @@ fn start_unit<M: Module>(
     Ok(Some(PendingUnit {
         gather,
         world,
+        parts: placed,
         per_rank,
-        params,
     }))
 }
 
+/// The flat unit `collected` is exactly the parameters of, if any.
+fn whole_flat_unit(collected: &[Collected]) -> Option<Arc<UnitState>> {
+    let unit = &collected.first()?.state.unit;
+    let flat = unit.flat.as_ref()?;
+    let whole = collected.len() == flat.params
+        && collected.iter().all(|c| Arc::ptr_eq(&c.state.unit, unit));
+    whole.then(|| unit.clone())
+}
+
+/// Collects `module`'s shards and starts their one gather (see [`with_gathered_unit`]). In a
+/// stack (`in_stack`), a module that holds part of a flat unit (a layer of a unit sharded on
+/// the whole model) is not gathered on its own: its parameters are served by the enclosing
+/// unit's scope, or gathered one by one.
+fn start_unit<M: Module>(
+    module: &M,
+    after: Option<Tensor<1>>,
+    in_stack: bool,
+) -> Result<Option<PendingUnit>, FsdpError> {
+    let collected = collect(module);
+    let Some(unit) = common_unit(&collected)? else {
+        return Ok(None);
+    };
+    if in_stack && unit.flat.is_some() && whole_flat_unit(&collected).is_none() {
+        return Ok(None);
+    }
+    let part = part_of(&collected, &unit)?;
+    start_parts(vec![part], &collected, &unit, after)
+}
+
+/// Starts one gather for a bucket of flat units (consecutive units of a stack, see
+/// [`buckets`]); a bucket of one unit is [`start_unit`].
+fn start_bucket<U: Module>(
+    units: &[U],
+    after: Option<Tensor<1>>,
+) -> Result<Option<PendingUnit>, FsdpError> {
+    if units.len() == 1 {
+        return start_unit(&units[0], after, true);
+    }
+    let mut all = Vec::new();
+    let mut parts = Vec::new();
+    for u in units {
+        let collected = collect(u);
+        let unit = common_unit(&collected)?.expect("a bucket holds sharded units");
+        parts.push(part_of(&collected, &unit)?);
+        all.extend(collected);
+    }
+    let unit = all[0].state.unit.clone();
+    start_parts(parts, &all, &unit, after)
+}
+
 impl PendingUnit {
-    /// Waits for the gather and serves the unit's parameters until the guard drops.
+    /// Waits for the gather and serves the parameters until the guard drops.
     fn serve(self) -> ServeGuard {
         let (gathered, forward_hold) = self.gather.finish();
-        let by_rank = gathered.reshape([self.world, self.per_rank]);
         let mut served = Vec::new();
-        for (state, start) in self.params {
-            let padded = state.padded_rows() * state.row_len();
-            if padded == 0 {
-                continue;
+        let single = self.parts.len() == 1;
+        for (part, start) in self.parts {
+            // A part's own gathered buffer: the whole gather, or its columns of every rank's
+            // contribution.
+            let buffer = match single {
+                true => gathered.clone(),
+                false => gathered
+                    .clone()
+                    .reshape([self.world, self.per_rank])
+                    .narrow(1, start, part.per_rank)
+                    .reshape([self.world * part.per_rank]),
+            };
+            match part.flat {
+                true => serve_flat(buffer, part.params, &mut served),
+                false => serve_rows(buffer, self.world, part.per_rank, part.params, &mut served),
             }
-            let rows = by_rank
-                .clone()
-                .narrow(1, start, padded)
-                .reshape([self.world * padded]);
-            // Padding sits after the last rows, so the first values are the parameter.
-            let len = state.global_shape.iter().product();
-            state.serve(Some(rows.narrow(0, 0, len)));
-            served.push(state);
         }
         ServeGuard {
             served,
@@ -156,14 +286,106 @@ impl PendingUnit {
     }
 }
 
+/// A flat unit's gathered buffer is its parameters back to back: each is one slice.
+fn serve_flat(
+    buffer: Tensor<1>,
+    params: Vec<(Arc<ParamState>, usize)>,
+    served: &mut Vec<Arc<ParamState>>,
+) {
+    for (state, offset) in params {
+        let len = state.global_shape.iter().product();
+        if len > 0 {
+            state.serve(Some(buffer.clone().narrow(0, offset, len)));
+            served.push(state);
+        }
+    }
+}
+
+/// Per-parameter rows: each parameter's padded chunks, one per rank, taken from every rank's
+/// contribution.
+fn serve_rows(
+    buffer: Tensor<1>,
+    world: usize,
+    per_rank: usize,
+    params: Vec<(Arc<ParamState>, usize)>,
+    served: &mut Vec<Arc<ParamState>>,
+) {
+    let by_rank = buffer.reshape([world, per_rank]);
+    for (state, start) in params {
+        let padded = state.padded_rows() * state.row_len();
+        if padded == 0 {
+            continue;
+        }
+        let rows = by_rank
+            .clone()
+            .narrow(1, start, padded)
+            .reshape([world * padded]);
+        // Padding sits after the last rows, so the first values are the parameter.
+        let len = state.global_shape.iter().product();
+        state.serve(Some(rows.narrow(0, 0, len)));
+        served.push(state);
+    }
+}
+
 /// Runs `f` (typically the unit's forward) with every parameter of `unit` (a module sharded by
 /// `fully_shard`) gathered by ONE all-gather; their gradients are reduce-scattered by ONE
 /// reduce-scatter (plus, under HSDP, one all-reduce across replicas). Units nest and follow
 /// each other: parameters outside every running unit are gathered one by one. Collective:
-/// every rank of the shard group runs the same units in the same order.
+/// every rank of the shard group runs the same units in the same order. A flat-buffer unit
+/// (Megatron-FSDP layout) is gathered whole: `unit` must hold exactly its parameters.
 pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Result<R, FsdpError> {
-    let _guard = start_unit(unit, None)?.map(PendingUnit::serve);
+    let _guard = start_unit(unit, None, false)?.map(PendingUnit::serve);
     Ok(f())
+}
+
+/// Runs `f` (typically a model's whole forward) with the parameters of `module`'s own unit
+/// (the one `fully_shard` made when called on `module` itself: for a model's root, what no
+/// inner unit took, such as the embedding, the final norm and the LM head) gathered by ONE
+/// all-gather, as FSDP2 and Megatron-FSDP gather the root's parameters when the forward
+/// starts; without it each of them is gathered on its own when used (a tied embedding twice).
+/// The inner units' parameters are left to their own scopes ([`forward_units`]). Nothing is
+/// gathered when `module` has no sharded parameter. Collective, like [`with_gathered_unit`].
+pub fn with_module_unit<M: Module, R>(module: &M, f: impl FnOnce() -> R) -> Result<R, FsdpError> {
+    let collected = collect(module);
+    let Some(level) = collected.iter().map(|c| c.state.unit.level).max() else {
+        return Ok(f());
+    };
+    let own: Vec<Collected> = collected
+        .into_iter()
+        .filter(|c| c.state.unit.level == level)
+        .collect();
+    let unit = common_unit(&own)?.expect("the module has sharded parameters");
+    let part = part_of(&own, &unit)?;
+    let _guard = start_parts(vec![part], &own, &unit, None)?.map(PendingUnit::serve);
+    Ok(f())
+}
+
+/// Groups a stack's units into gathers: consecutive units that are each exactly one flat unit
+/// and gather alike, up to their config's bucket size in elements; every other unit alone.
+fn buckets<U: Module>(units: &[U]) -> Vec<std::ops::Range<usize>> {
+    let flat: Vec<Option<Arc<UnitState>>> =
+        units.iter().map(|u| whole_flat_unit(&collect(u))).collect();
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut filled = 0;
+    for (i, unit) in flat.iter().enumerate() {
+        let size = unit.as_ref().and_then(|u| u.flat).map_or(0, |f| f.total);
+        let joins = match (out.last(), unit) {
+            (Some(last), Some(unit)) => {
+                let limit = unit.bucket_elements.unwrap_or(0);
+                let prev = flat[last.end - 1].as_ref();
+                prev.is_some_and(|p| p.gathers_like(unit)) && filled + size <= limit
+            }
+            _ => false,
+        };
+        if joins {
+            out.last_mut().expect("joined a bucket").end = i + 1;
+            filled += size;
+        } else {
+            out.push(i..i + 1);
+            filled = size;
+        }
+    }
+    out
 }
 
 /// What a stack of units passes from one unit to the next (an activation tensor).
@@ -265,21 +487,25 @@ pub fn forward_units<U: Module, T: UnitInput>(
     }
     let depth = unit_state.as_ref().map_or(0, |u| u.prefetch_depth);
     let policy = unit_state.map(|u| u.policy);
+    let buckets = buckets(units);
     let mut x = input;
-    // Gathers issued ahead, in unit order: units[started - in_flight.len() .. started].
+    // Gathers issued ahead, in bucket order: buckets[started - in_flight.len() .. started].
     let mut in_flight = VecDeque::new();
     let mut started = 0;
-    for (i, unit) in units.iter().enumerate() {
-        // Keep `depth` units after this one in flight (this one's gather, when not
+    for (b, bucket) in buckets.iter().enumerate() {
+        // Keep `depth` buckets after this one in flight (this one's gather, when not
         // prefetched, starts now).
-        while started < units.len() && started <= i + depth {
-            let pending = start_unit(&units[started], x.order_anchor())
-                .unwrap_or_else(|e| panic!("FSDP unit {started}: {e}"));
+        while started < buckets.len() && started <= b + depth {
+            let range = buckets[started].clone();
+            let pending = start_bucket(&units[range.clone()], x.order_anchor())
+                .unwrap_or_else(|e| panic!("FSDP units {range:?}: {e}"));
             in_flight.push_back(pending);
             started += 1;
         }
         let _guard = in_flight.pop_front().flatten().map(PendingUnit::serve);
-        x = unit_forward(policy, unit, x, &mut f);
+        for unit in &units[bucket.clone()] {
+            x = unit_forward(policy, unit, x, &mut f);
+        }
     }
     x
 }

@@ -458,6 +458,12 @@ impl Llama {
     /// As [`forward`](Self::forward), returning the embedding's and the LM head's
     /// tensor-parallel errors (the decoder layers panic on theirs).
     pub fn try_forward(&self, ids: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
+        // Under FSDP the root's own parameters (embedding, final norm, LM head) are gathered
+        // once, together, for the whole forward.
+        burn_parallel_fsdp::with_module_unit(self, || self.forward_body(ids))?
+    }
+
+    fn forward_body(&self, ids: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
         let seq = ids.dims()[1];
         let x = self.embed_tokens.try_forward(ids)?;
         // Positions span the whole sequence: under sequence parallelism attention gathers it.

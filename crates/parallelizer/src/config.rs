@@ -34,7 +34,9 @@ pub enum Strategy {
     Tp,
     /// FSDP2 over `world / tp_size` ranks with tensor parallelism over `tp_size` inside.
     Fsdp2Tp,
-    /// Megatron-style flat-buffer FSDP: not implemented yet.
+    /// Megatron-FSDP: each FSDP unit's parameters in one flat buffer split evenly over
+    /// dp_shard (HSDP when `dp_replicate_size > 1`), one all-gather and one reduce-scatter per
+    /// unit, ZeRO-1/2/3 by `megatron_fsdp.zero_dp_strategy`. No tensor parallelism.
     MegatronFsdp,
 }
 
@@ -205,6 +207,130 @@ impl MixedPrecisionConfig {
     }
 }
 
+/// What Megatron-FSDP shards, as its `zero_dp_strategy` names it (`1`/`optim`,
+/// `2`/`optim_grads`, `3`/`optim_grads_params`). Every stage stores only this rank's piece of
+/// each parameter and its optimizer state between steps; they differ in the step's
+/// communication and in what is held during it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ZeroDpStrategy {
+    /// ZeRO-1: the full gradient is all-reduced and each rank keeps its piece; weights are
+    /// gathered once per step and kept through backward.
+    Optim,
+    /// ZeRO-2: gradients are reduce-scattered; weights gathered once per step and kept
+    /// through backward.
+    OptimGrads,
+    /// ZeRO-3 (the default): gradients reduce-scattered; weights freed after each unit's
+    /// forward and gathered again in backward (resharding, on a checkpointing device).
+    #[default]
+    OptimGradsParams,
+}
+
+impl ZeroDpStrategy {
+    /// The name config files use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Optim => "optim",
+            Self::OptimGrads => "optim_grads",
+            Self::OptimGradsParams => "optim_grads_params",
+        }
+    }
+
+    /// The ZeRO stage (1, 2 or 3).
+    pub fn stage(self) -> u8 {
+        match self {
+            Self::Optim => 1,
+            Self::OptimGrads => 2,
+            Self::OptimGradsParams => 3,
+        }
+    }
+
+    /// The strategy of a ZeRO stage or name, or an error listing what is accepted.
+    pub fn parse(word: &str) -> Result<Self, ParallelError> {
+        let all = [Self::Optim, Self::OptimGrads, Self::OptimGradsParams];
+        if let Some(s) = all
+            .into_iter()
+            .find(|s| s.name() == word || s.stage().to_string() == word)
+        {
+            return Ok(s);
+        }
+        let hint = match word {
+            "0" | "no_shard" => " (no sharding is strategy ddp)",
+            _ => "",
+        };
+        Err(invalid(format!(
+            "unknown megatron_fsdp zero_dp_strategy `{word}`{hint}: use 1 or optim, 2 or \
+             optim_grads, 3 or optim_grads_params"
+        )))
+    }
+}
+
+impl std::str::FromStr for ZeroDpStrategy {
+    type Err = ParallelError;
+
+    fn from_str(s: &str) -> Result<Self, ParallelError> {
+        Self::parse(s)
+    }
+}
+
+impl std::fmt::Display for ZeroDpStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Serialize for ZeroDpStrategy {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for ZeroDpStrategy {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            Stage(u64),
+            Name(String),
+        }
+        let word = match Written::deserialize(d)? {
+            Written::Stage(n) => n.to_string(),
+            Written::Name(name) => name,
+        };
+        Self::parse(&word).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Megatron-FSDP's options, named as NeMo AutoModel's Megatron-FSDP config names them. The
+/// buckets are the FSDP units (the model's `#[fsdp(unit)]` layers, then the root), as
+/// Megatron-FSDP buckets by `fsdp_unit_modules`: each is one flat buffer and one collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MegatronFsdpConfig {
+    /// What is sharded (default ZeRO-3, `optim_grads_params`).
+    pub zero_dp_strategy: ZeroDpStrategy,
+    /// Reduce gradients in f32 whatever `mp_policy.param_dtype` is (default `false`: in
+    /// `mp_policy.reduce_dtype`).
+    pub grad_reduce_in_fp32: bool,
+    /// Gather the next units' buffers while one computes (default `true`; the depth is
+    /// `fsdp2_forward_prefetch_depth`).
+    pub overlap_param_gather: bool,
+    /// Elements one collective may move for a run of consecutive units (decoder layers):
+    /// units are gathered and reduced together while their buffers add up to at most this
+    /// (default `None`: one collective per unit, Megatron-FSDP's bucket per unit module).
+    pub bucket_size: Option<usize>,
+}
+
+impl Default for MegatronFsdpConfig {
+    fn default() -> Self {
+        Self {
+            zero_dp_strategy: ZeroDpStrategy::default(),
+            grad_reduce_in_fp32: false,
+            overlap_param_gather: true,
+            bucket_size: None,
+        }
+    }
+}
+
 /// FSDP2's CPU offload: with `offload_params`, shards, their gradients and the optimizer step
 /// live on the host (a CPU device); each gather first copies the shard to the compute device.
 /// On a CPU compute device the host is the compute device itself.
@@ -308,6 +434,8 @@ pub struct DistributedConfig {
     pub defer_fsdp_grad_sync: bool,
     /// DDP all-reduce bucket size in MiB (PyTorch DDP's `bucket_cap_mb`; default 25).
     pub ddp_bucket_cap_mb: f64,
+    /// Megatron-FSDP's options (strategy `megatron_fsdp` only; a `[megatron_fsdp]` table).
+    pub megatron_fsdp: MegatronFsdpConfig,
 }
 
 impl Default for DistributedConfig {
@@ -335,6 +463,7 @@ impl Default for DistributedConfig {
             enable_async_tensor_parallel: false,
             defer_fsdp_grad_sync: true,
             ddp_bucket_cap_mb: 25.0,
+            megatron_fsdp: MegatronFsdpConfig::default(),
         }
     }
 }
@@ -458,7 +587,13 @@ impl DistributedConfig {
     fn check_supported(&self) -> Result<(), ParallelError> {
         let unsupported = |what: String| Err(ParallelError::NotSupported(what));
         if self.strategy == Strategy::MegatronFsdp {
-            return unsupported("strategy megatron_fsdp".into());
+            self.check_megatron_fsdp()?;
+        } else if self.megatron_fsdp != MegatronFsdpConfig::default() {
+            return Err(invalid(format!(
+                "[megatron_fsdp] options apply to strategy megatron_fsdp, not {}: remove them \
+                 or set strategy = \"megatron_fsdp\"",
+                self.strategy
+            )));
         }
         if self.ep_size > 1 {
             return unsupported(format!("expert parallelism (ep_size {})", self.ep_size));
@@ -491,6 +626,70 @@ impl DistributedConfig {
         Ok(())
     }
 
+    /// The combinations megatron_fsdp refuses, each named.
+    fn check_megatron_fsdp(&self) -> Result<(), ParallelError> {
+        let unsupported = |what: &str| {
+            Err(ParallelError::NotSupported(format!(
+                "megatron_fsdp with {what}"
+            )))
+        };
+        if self.tp_size > 1 || self.sequence_parallel {
+            return unsupported(
+                "tensor or sequence parallelism (tp_size > 1): shard over data-parallel ranks \
+                 only, or use fsdp2_tp",
+            );
+        }
+        if self.offload_policy.is_some_and(|o| o.offload_params) {
+            return unsupported("offload_policy (use fsdp2 to offload)");
+        }
+        if self.megatron_fsdp.bucket_size == Some(0) {
+            return Err(invalid(
+                "megatron_fsdp bucket_size must be at least 1 element (leave it out for one \
+                 collective per unit)",
+            ));
+        }
+        let zero = self.megatron_fsdp.zero_dp_strategy;
+        if zero != ZeroDpStrategy::OptimGradsParams && self.reshard_after_forward == Some(true) {
+            return Err(invalid(format!(
+                "megatron_fsdp zero_dp_strategy {} keeps the gathered weights through backward; \
+                 reshard_after_forward = true is optim_grads_params (3)",
+                zero.name()
+            )));
+        }
+        if self.megatron_fsdp.grad_reduce_in_fp32
+            && self.mp_policy.reduce_dtype.is_some_and(|d| d != Dtype::F32)
+        {
+            return Err(invalid(
+                "megatron_fsdp grad_reduce_in_fp32 = true contradicts mp_policy.reduce_dtype; \
+                 set one of them",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether units drop their gathered weights after forward: `reshard_after_forward`, except
+    /// under megatron_fsdp's ZeRO-1 and ZeRO-2, which keep them (`None`: each unit's default).
+    pub fn resharding(&self) -> Option<bool> {
+        match self.strategy {
+            Strategy::MegatronFsdp
+                if self.megatron_fsdp.zero_dp_strategy != ZeroDpStrategy::OptimGradsParams =>
+            {
+                Some(false)
+            }
+            _ => self.reshard_after_forward,
+        }
+    }
+
+    /// The mixed-precision policy FSDP applies: `mp_policy`, with f32 reduction under
+    /// megatron_fsdp's `grad_reduce_in_fp32`.
+    pub fn fsdp_policy(&self) -> MixedPrecisionPolicy {
+        let mut policy = self.mp_policy.policy();
+        if self.strategy == Strategy::MegatronFsdp && self.megatron_fsdp.grad_reduce_in_fp32 {
+            policy.reduce_dtype = Some(FloatDType::F32);
+        }
+        policy
+    }
+
     /// What the strategy makes of the sizes: the mesh `dp_replicate x dp_shard x tp`.
     fn strategy_sizes(&self, world: usize) -> Result<MeshSizes, ParallelError> {
         let s = self.strategy;
@@ -498,7 +697,8 @@ impl DistributedConfig {
         let (replicate, tp) = (self.dp_replicate_size, self.tp_size);
         if matches!(s, Strategy::Single | Strategy::Ddp | Strategy::Tp) && replicate > 1 {
             return bad(format!(
-                "dp_replicate_size {replicate} applies to hsdp and fsdp2 only: leave it at 1"
+                "dp_replicate_size {replicate} applies to hsdp, fsdp2 and megatron_fsdp only: leave \
+                 it at 1"
             ));
         }
         let sizes = |dp_replicate, dp_shard, tp| MeshSizes {
@@ -527,7 +727,7 @@ impl DistributedConfig {
                 Ok(sizes(1, 1, t))
             }
             Strategy::Fsdp2Tp if tp == 1 => bad("needs tp_size > 1".into()),
-            Strategy::Fsdp2 | Strategy::Fsdp2Tp | Strategy::Hsdp => {
+            Strategy::Fsdp2 | Strategy::Fsdp2Tp | Strategy::Hsdp | Strategy::MegatronFsdp => {
                 let model_parallel = tp * self.cp_size * replicate;
                 if !world.is_multiple_of(model_parallel) {
                     return Err(invalid(format!(
@@ -542,7 +742,6 @@ impl DistributedConfig {
                 let dp_shard = self.dp_size.unwrap_or(world / model_parallel);
                 Ok(sizes(replicate, dp_shard, tp))
             }
-            Strategy::MegatronFsdp => unreachable!("rejected by check_supported"),
         }
     }
 
@@ -601,4 +800,58 @@ pub fn style_by_name(name: &str) -> Result<ParallelStyle, ParallelError> {
             )));
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn megatron(options: MegatronFsdpConfig) -> DistributedConfig {
+        DistributedConfig {
+            strategy: Strategy::MegatronFsdp,
+            megatron_fsdp: options,
+            mp_policy: MixedPrecisionConfig {
+                param_dtype: Some(Dtype::Bf16),
+                ..MixedPrecisionConfig::default()
+            },
+            ..DistributedConfig::default()
+        }
+    }
+
+    #[test]
+    fn grad_reduce_in_fp32_reduces_in_f32_whatever_the_param_dtype() {
+        let plain = megatron(MegatronFsdpConfig::default());
+        assert_eq!(plain.fsdp_policy().reduce_dtype, None);
+        let fp32 = megatron(MegatronFsdpConfig {
+            grad_reduce_in_fp32: true,
+            ..MegatronFsdpConfig::default()
+        });
+        assert_eq!(fp32.fsdp_policy().reduce_dtype, Some(FloatDType::F32));
+        assert_eq!(fp32.fsdp_policy().param_dtype, Some(FloatDType::BF16));
+        let mut contradicting = fp32.clone();
+        contradicting.mp_policy.reduce_dtype = Some(Dtype::Bf16);
+        let err = contradicting.validate(2).unwrap_err().to_string();
+        assert!(err.contains("grad_reduce_in_fp32"), "{err}");
+    }
+
+    #[test]
+    fn zero_stages_below_3_keep_gathered_weights() {
+        for (zero, reshards) in [
+            (ZeroDpStrategy::Optim, Some(false)),
+            (ZeroDpStrategy::OptimGrads, Some(false)),
+            (ZeroDpStrategy::OptimGradsParams, None),
+        ] {
+            let config = megatron(MegatronFsdpConfig {
+                zero_dp_strategy: zero,
+                ..MegatronFsdpConfig::default()
+            });
+            assert_eq!(config.resharding(), reshards, "{zero}");
+            assert_eq!(
+                ZeroDpStrategy::parse(&zero.stage().to_string()).unwrap(),
+                zero
+            );
+            assert_eq!(ZeroDpStrategy::parse(zero.name()).unwrap(), zero);
+        }
+        assert!(ZeroDpStrategy::parse("4").is_err());
+    }
 }

@@ -4,9 +4,11 @@ use burn::tensor::{Device, GradientCheckpointingStrategy};
 use burn_parallel_comm::collectives::is_cuda_device;
 use burn_parallel_comm::device::describe;
 use burn_parallel_comm::{DeviceMesh, MeshShape, ProcessGroup, RankContext};
-use burn_parallel_fsdp::{FsdpConfig, MemoryTracker, OffloadPolicy};
+use burn_parallel_fsdp::{
+    FsdpConfig, GradientReduction, MemoryTracker, OffloadPolicy, ShardLayout,
+};
 
-use crate::config::{DistributedConfig, MeshSizes, Strategy};
+use crate::config::{DistributedConfig, MeshSizes, Strategy, ZeroDpStrategy};
 use crate::error::ParallelError;
 
 /// The name of the flattened data-parallel dimension (dp_replicate x dp_shard): the group over
@@ -65,12 +67,20 @@ impl MeshContext {
         } else {
             FsdpConfig::new(shard)
         }
-        .mixed_precision(config.mp_policy.policy())
-        .forward_prefetch_depth(if config.enable_fsdp2_prefetch {
+        .mixed_precision(config.fsdp_policy())
+        .forward_prefetch_depth(if prefetches(&config) {
             config.fsdp2_forward_prefetch_depth
         } else {
             0
         });
+        if config.strategy == Strategy::MegatronFsdp {
+            fsdp = fsdp
+                .layout(ShardLayout::FlatBuffer)
+                .bucket_elements(config.megatron_fsdp.bucket_size);
+            if config.megatron_fsdp.zero_dp_strategy == ZeroDpStrategy::Optim {
+                fsdp = fsdp.gradient_reduction(GradientReduction::AllReduce);
+            }
+        }
         if config.offload_policy.is_some_and(|o| o.offload_params) {
             fsdp = fsdp.offload(OffloadPolicy::new(offload_host(&device)));
         }
@@ -254,8 +264,7 @@ fn check_device(
                model's inputs on it)";
     let needs = if config.activation_checkpointing {
         Some("activation_checkpointing recomputes activations")
-    } else if config.reshard_after_forward == Some(true) && sizes.dp_shard > 1 && !uses_ddp(config)
-    {
+    } else if config.resharding() == Some(true) && sizes.dp_shard > 1 && !uses_ddp(config) {
         Some("reshard_after_forward = true frees gathered weights after forward")
     } else {
         None
@@ -266,6 +275,15 @@ fn check_device(
             describe(device)
         ))),
         None => Ok(()),
+    }
+}
+
+/// Whether units gather ahead: `enable_fsdp2_prefetch`, or megatron_fsdp's
+/// `overlap_param_gather`.
+fn prefetches(config: &DistributedConfig) -> bool {
+    match config.strategy {
+        Strategy::MegatronFsdp => config.megatron_fsdp.overlap_param_gather,
+        _ => config.enable_fsdp2_prefetch,
     }
 }
 

@@ -30,8 +30,8 @@ pub use burn_parallel_describe::{
     describe_unit_vec, map_unit_option, map_unit_vec,
 };
 pub use config::{
-    DistributedConfig, Dtype, MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig, Strategy,
-    TpShardPlan, style_by_name,
+    DistributedConfig, Dtype, MegatronFsdpConfig, MeshNames, MeshSizes, MixedPrecisionConfig,
+    OffloadConfig, Strategy, TpShardPlan, ZeroDpStrategy, style_by_name,
 };
 pub use context::{DP, LocalRows, MeshContext, WORLD};
 pub use error::ParallelError;
@@ -86,7 +86,6 @@ pub fn parallelize_model_from<M: ParallelizableModel, E: std::fmt::Display>(
             let model = sidecar::move_to_context_device(&sidecar, model, ctx)?;
             ddp::replicate(model, ctx)
         }
-        Strategy::MegatronFsdp => Err(ParallelError::NotSupported("strategy megatron_fsdp".into())),
         _ => {
             let (model, description) = sidecar::tp_then_device(&sidecar, model, ctx)?;
             let mut source =

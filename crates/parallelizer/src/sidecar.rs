@@ -17,10 +17,11 @@ use crate::error::ParallelError;
 /// The parallelizer hooks, narrowest first: `fully_shard_module` (the FSDP primitive),
 /// `apply_fsdp_sharding` (unit boundaries), `fully_shard_untied_input_output_embeddings`,
 /// `validate_tp_mesh`, `apply_tp`, `use_full_layer_activation_checkpointing`, `apply` (the
-/// whole dense flow) and `parallelize` (the dispatch).
+/// whole dense flow), `parallelize_megatron_fsdp` and `parallelize` (the dispatch).
 pub trait ModelParallelizer {
-    /// Dispatches on the strategy: DDP, or the dense flow (FSDP2, HSDP, TP, FSDP2 + TP, and
-    /// unsharded FSDP2 where a mixed-precision policy needs it: one rank, or DDP that casts).
+    /// Dispatches on the strategy: DDP, Megatron-FSDP, or the dense flow (FSDP2, HSDP, TP,
+    /// FSDP2 + TP, and unsharded FSDP2 where a mixed-precision policy needs it: one rank, or
+    /// DDP that casts).
     fn parallelize<M: Parallelize>(&self, model: M, ctx: &MeshContext) -> Result<M, ParallelError>
     where
         Self: Sized,
@@ -30,11 +31,23 @@ pub trait ModelParallelizer {
                 let model = move_to_context_device(self, model, ctx)?;
                 ddp::replicate(model, ctx)
             }
-            Strategy::MegatronFsdp => {
-                Err(ParallelError::NotSupported("strategy megatron_fsdp".into()))
-            }
+            Strategy::MegatronFsdp => self.parallelize_megatron_fsdp(model, ctx),
             _ => self.apply(model, ctx),
         }
+    }
+
+    /// Megatron-FSDP: the dense flow's unit boundaries ([`Self::apply_fsdp_sharding`]) with
+    /// the context's FSDP config, whose layout is one flat buffer per unit (see
+    /// [`ShardLayout::FlatBuffer`](burn_parallel_fsdp::ShardLayout)).
+    fn parallelize_megatron_fsdp<M: Parallelize>(
+        &self,
+        model: M,
+        ctx: &MeshContext,
+    ) -> Result<M, ParallelError>
+    where
+        Self: Sized,
+    {
+        self.apply(model, ctx)
     }
 
     /// The dense flow: tensor parallelism, activation checkpointing, then FSDP sharding.
@@ -185,7 +198,8 @@ pub(crate) fn move_to_context_device<S: ModelParallelizer, M: Module>(
 }
 
 /// Whether the context needs FSDP at all: sharded or replicated data parallelism, or a
-/// mixed-precision or offload policy that only FSDP applies. Plain tensor parallelism (or one
+/// mixed-precision or offload policy that only FSDP applies, or megatron_fsdp (whose flat
+/// buffers are the strategy, even on one rank). Plain tensor parallelism (or one
 /// rank) in f32 leaves the parameters as they are.
 fn needs_fsdp(ctx: &MeshContext) -> bool {
     let sizes = ctx.sizes();
@@ -193,7 +207,8 @@ fn needs_fsdp(ctx: &MeshContext) -> bool {
         .config()
         .offload_policy
         .is_some_and(|o| o.offload_params);
-    sizes.dp_shard * sizes.dp_replicate > 1 || ctx.config().mp_policy.casts() || offload
+    let megatron = ctx.strategy() == Strategy::MegatronFsdp;
+    sizes.dp_shard * sizes.dp_replicate > 1 || ctx.config().mp_policy.casts() || offload || megatron
 }
 
 /// The default unit boundaries (see [`ModelParallelizer::apply_fsdp_sharding`]). With a row
@@ -210,7 +225,7 @@ pub(crate) fn shard_units<S: ModelParallelizer, M: Parallelize>(
         return Ok(model);
     }
     let base = fsdp_config(ctx);
-    let explicit = ctx.config().reshard_after_forward;
+    let explicit = ctx.config().resharding();
     let last = description.units.last().cloned();
     let mut sharder = UnitSharder {
         sidecar,

@@ -6,7 +6,7 @@ use burn::tensor::Device;
 use burn_parallel_comm::EngineKind;
 use burn_parallel_describe::plan_name;
 use burn_parallel_models::LlamaConfig;
-use burn_parallel_parallelizer::Strategy;
+use burn_parallel_parallelizer::{Strategy, ZeroDpStrategy};
 
 use crate::error::TrainError;
 
@@ -131,8 +131,13 @@ pub struct TrainConfig {
     pub world_size: usize,
     /// Tensor-parallel size (tp and fsdp2_tp; `None`: the whole world for tp, 2 for fsdp2_tp).
     pub tp: Option<usize>,
-    /// Replicas under hsdp (`None`: 2).
+    /// Replicas under hsdp (`None`: 2) and megatron_fsdp (`None`: 1).
     pub dp_replicate: Option<usize>,
+    /// What megatron_fsdp shards (`None`: ZeRO-3, `optim_grads_params`).
+    pub zero_dp_strategy: Option<ZeroDpStrategy>,
+    /// Elements megatron_fsdp gathers in one collective for consecutive decoder layers
+    /// (`None`: one collective per layer).
+    pub bucket_size: Option<usize>,
     /// The tp plan: `llama` or `llama-sp` (sequence parallel; default `llama`).
     pub tp_plan: String,
     /// Total optimizer steps (default 40).
@@ -196,6 +201,8 @@ impl Default for TrainConfig {
             world_size: 4,
             tp: None,
             dp_replicate: None,
+            zero_dp_strategy: None,
+            bucket_size: None,
             tp_plan: "llama".into(),
             steps: 40,
             global_batch: 8,

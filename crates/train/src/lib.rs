@@ -24,12 +24,12 @@ mod trainer;
 mod usage;
 
 pub use burn_parallel_comm::EngineKind;
-pub use burn_parallel_parallelizer::{MeshSizes, StepReport, Strategy};
+pub use burn_parallel_parallelizer::{MeshSizes, StepReport, Strategy, ZeroDpStrategy};
 pub use config::{Backend, OptimizerKind, Precision, TrainConfig};
 pub use error::TrainError;
 pub use malloc::Malloc;
 pub use mesh::{distributed_config, mesh_sizes};
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use state::model_state_bytes;
-pub use trainer::{StepLog, StepTimes, TrainSummary, train};
+pub use trainer::{StepCalls, StepLog, StepTimes, TrainSummary, train};
 pub use usage::ProcessUsage;

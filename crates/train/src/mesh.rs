@@ -4,7 +4,8 @@
 
 use burn_parallel_models::LlamaConfig;
 use burn_parallel_parallelizer::{
-    DistributedConfig, Dtype, MeshSizes, MixedPrecisionConfig, Strategy,
+    DistributedConfig, Dtype, MegatronFsdpConfig, MeshSizes, MixedPrecisionConfig, Strategy,
+    ZeroDpStrategy,
 };
 use burn_parallel_tp::local_heads;
 
@@ -21,6 +22,13 @@ pub fn distributed_config(cfg: &TrainConfig) -> DistributedConfig {
         Strategy::Fsdp2Tp => cfg.tp.unwrap_or(2),
         _ => cfg.tp.unwrap_or(1),
     };
+    let zero = cfg.zero_dp_strategy.unwrap_or_default();
+    // ZeRO-1 and ZeRO-2 keep gathered weights through backward whatever the resharding flag
+    // (whose default is on) says.
+    let reshard = match cfg.strategy {
+        Strategy::MegatronFsdp if zero != ZeroDpStrategy::OptimGradsParams => None,
+        _ => Some(cfg.reshard_after_forward),
+    };
     DistributedConfig {
         strategy: cfg.strategy,
         world_size: Some(cfg.world_size),
@@ -36,8 +44,17 @@ pub fn distributed_config(cfg: &TrainConfig) -> DistributedConfig {
             output_dtype: None,
             cast_forward_inputs: true,
         },
-        reshard_after_forward: Some(cfg.reshard_after_forward),
+        reshard_after_forward: reshard,
         enable_fsdp2_prefetch: cfg.prefetch,
+        megatron_fsdp: match cfg.strategy {
+            Strategy::MegatronFsdp => MegatronFsdpConfig {
+                zero_dp_strategy: zero,
+                overlap_param_gather: cfg.prefetch,
+                bucket_size: cfg.bucket_size,
+                ..MegatronFsdpConfig::default()
+            },
+            _ => MegatronFsdpConfig::default(),
+        },
         ..DistributedConfig::default()
     }
 }
@@ -52,8 +69,12 @@ pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, T
     if cfg.tp.is_some() && !matches!(s, Strategy::Tp | Strategy::Fsdp2Tp) {
         return bad("--tp applies to tp and fsdp2_tp only".into());
     }
-    if cfg.dp_replicate.is_some() && s != Strategy::Hsdp {
-        return bad("--dp-replicate applies to hsdp only".into());
+    if cfg.dp_replicate.is_some() && !matches!(s, Strategy::Hsdp | Strategy::MegatronFsdp) {
+        return bad("--dp-replicate applies to hsdp and megatron_fsdp only".into());
+    }
+    if (cfg.zero_dp_strategy.is_some() || cfg.bucket_size.is_some()) && s != Strategy::MegatronFsdp
+    {
+        return bad("--zero-dp-strategy and --bucket-size apply to megatron_fsdp only".into());
     }
     let sizes = distributed_config(cfg)
         .validate(cfg.world_size)

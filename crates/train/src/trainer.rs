@@ -44,6 +44,9 @@ pub struct StepLog {
     /// Where rank 0's step time went.
     #[serde(flatten)]
     pub times: StepTimes,
+    /// The collectives rank 0 issued during the step.
+    #[serde(flatten)]
+    pub calls: StepCalls,
     /// Page faults of rank 0's process during the step (every rank of the process on the
     /// threads engine).
     pub minor_faults: u64,
@@ -69,6 +72,18 @@ pub struct StepTimes {
     pub reduce_scatter_s: f64,
     /// All-reduces (DDP's buckets, HSDP's replicas, the loss and the gradient norm).
     pub all_reduce_s: f64,
+}
+
+/// How many collectives of each kind rank 0 issued during a step (FSDP's gathers and
+/// reduce-scatters, DDP's buckets, the loss and the gradient norm's all-reduces).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StepCalls {
+    /// All-gathers.
+    pub all_gather_calls: u64,
+    /// Reduce-scatters.
+    pub reduce_scatter_calls: u64,
+    /// All-reduces.
+    pub all_reduce_calls: u64,
 }
 
 /// A finished run.
@@ -273,6 +288,11 @@ fn run_rank(
             reduce_scatter_s: comm_s(OpKind::ReduceScatter),
             all_reduce_s: comm_s(OpKind::AllReduce),
         };
+        let calls = StepCalls {
+            all_gather_calls: comm.op(OpKind::AllGather).calls,
+            reduce_scatter_calls: comm.op(OpKind::ReduceScatter).calls,
+            all_reduce_calls: comm.op(OpKind::AllReduce).calls,
+        };
         let report = StepLog {
             step,
             report: done,
@@ -280,6 +300,7 @@ fn run_rank(
             tokens_per_s: global_tokens as f64 / step_time_s.max(1e-12),
             peak_model_state_bytes_per_rank: peak_state,
             times,
+            calls,
             minor_faults: usage.minor_faults - usage_before.minor_faults,
             peak_rss_bytes: usage.peak_rss_bytes,
         };

@@ -561,6 +561,13 @@ pub fn piece<B: Backend>(
     start: usize,
     len: usize,
 ) -> FloatTensor<B> {
+    if len == 0 {
+        // Backends refuse empty slices; an empty piece (a rank holding nothing) is built.
+        let mut dims = x.shape().to_vec();
+        dims[dim] = 0;
+        let device = x.device();
+        return B::float_zeros(dims.into(), &device, x.dtype().into());
+    }
     let ndim = x.shape().num_dims();
     let slices: Vec<Slice> = (0..ndim)
         .map(|d| match d == dim {
