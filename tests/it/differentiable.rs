@@ -483,3 +483,46 @@ fn prefetched_gather_matches_blocking() {
         assert_eq!(grad, vec![6.0; 6]);
     }
 }
+
+/// `split_views` (the views FSDP serves parameters as): values are the slices, and the
+/// gradient reaching the buffer is each view's gradient in place with zeros in the gaps, as
+/// Burn's own slices give it; on a plain device, a checkpointing one, and without autodiff.
+#[test]
+fn split_views_match_plain_slices_values_and_gradients() {
+    let ranges = [0..3, 5..9, 9..10, 12..17];
+    let weights = |d: &Device| {
+        ranges
+            .iter()
+            .enumerate()
+            .map(|(i, r)| tensor(40 + i as u64, [r.len()], d))
+            .collect::<Vec<_>>()
+    };
+    for device in [ndarray_ad(), ndarray_ad().gradient_checkpointing()] {
+        let x = tensor(3, [20], &device).require_grad();
+        let (w, views) = (weights(&device), coll::split_views(x.clone(), &ranges));
+        // A view used twice (its gradient summed) and one through a nonlinear op.
+        let loss = (views[0].clone() * w[0].clone()).sum()
+            + (views[1].clone().exp() * w[1].clone()).sum()
+            + (views[2].clone() * w[2].clone()).sum() * 2.0
+            + (views[3].clone() * w[3].clone()).sum()
+            + views[0].clone().sum();
+        let grads = loss.backward();
+        let got = vec_of(&x.grad(&grads).unwrap());
+
+        let y = tensor(3, [20], &device).require_grad();
+        let slice = |r: &std::ops::Range<usize>| y.clone().narrow(0, r.start, r.len());
+        let want_loss = (slice(&ranges[0]) * w[0].clone()).sum()
+            + (slice(&ranges[1]).exp() * w[1].clone()).sum()
+            + (slice(&ranges[2]) * w[2].clone()).sum() * 2.0
+            + (slice(&ranges[3]) * w[3].clone()).sum()
+            + slice(&ranges[0]).sum();
+        let want = vec_of(&y.grad(&want_loss.backward()).unwrap());
+        assert_close(&got, &want, 1e-6, "split gradient");
+        for (i, v) in views.iter().enumerate() {
+            let plain = tensor(3, [20], &device).narrow(0, ranges[i].start, ranges[i].len());
+            assert_close(&vec_of(v), &vec_of(&plain), 0.0, "split value");
+        }
+    }
+    let plain = coll::split_views(tensor(3, [20], &ndarray()), &ranges);
+    assert_eq!(plain[3].dims(), [5]);
+}

@@ -8,11 +8,12 @@
 //! sharded with.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
-use burn_parallel_comm::collectives::device_mismatch;
+use burn_parallel_comm::collectives::{device_mismatch, split_views};
 
 use crate::error::FsdpError;
 use crate::gather::{PendingGather, start_gather};
@@ -262,18 +263,21 @@ impl PendingUnit {
     fn serve(self) -> ServeGuard {
         let (gathered, forward_hold) = self.gather.finish();
         let mut served = Vec::new();
-        let single = self.parts.len() == 1;
-        for (part, start) in self.parts {
-            // A part's own gathered buffer: the whole gather, or its columns of every rank's
-            // contribution.
-            let buffer = match single {
-                true => gathered.clone(),
-                false => gathered
-                    .clone()
-                    .reshape([self.world, self.per_rank])
-                    .narrow(1, start, part.per_rank)
-                    .reshape([self.world * part.per_rank]),
-            };
+        // Each part's own gathered buffer: the whole gather, or its columns of every rank's
+        // contribution.
+        let parts: Vec<(Part, usize)> = self
+            .parts
+            .into_iter()
+            .filter(|(p, _)| p.per_rank > 0)
+            .collect();
+        let buffers = match parts.len() {
+            1 => vec![gathered],
+            _ => {
+                let blocks: Vec<_> = parts.iter().map(|(p, s)| *s..s + p.per_rank).collect();
+                column_blocks(gathered, self.world, self.per_rank, &blocks)
+            }
+        };
+        for ((part, _), buffer) in parts.into_iter().zip(buffers) {
             match part.flat {
                 true => serve_flat(buffer, part.params, &mut served),
                 false => serve_rows(buffer, self.world, part.per_rank, part.params, &mut served),
@@ -286,18 +290,60 @@ impl PendingUnit {
     }
 }
 
-/// A flat unit's gathered buffer is its parameters back to back: each is one slice.
+/// For each block of columns of a `[world, per_rank]` buffer (flattened), that block of every
+/// rank's row, in rank order (`[world * block.len()]`). One transposing copy of the buffer
+/// makes each block contiguous, and the blocks are views of it (`split_views`), so backward
+/// builds the buffer's gradient once rather than once per block. (Concatenating one view per
+/// rank instead would copy less, but Burn keeps a concatenation's output for backward, which
+/// would defeat resharding after forward.)
+fn column_blocks(
+    buffer: Tensor<1>,
+    world: usize,
+    per_rank: usize,
+    blocks: &[Range<usize>],
+) -> Vec<Tensor<1>> {
+    if world == 1 {
+        return split_views(buffer, blocks);
+    }
+    let by_column = buffer
+        .reshape([world, per_rank])
+        .swap_dims(0, 1)
+        .reshape([per_rank * world]);
+    let ranges: Vec<_> = blocks
+        .iter()
+        .map(|b| b.start * world..b.end * world)
+        .collect();
+    split_views(by_column, &ranges)
+        .into_iter()
+        .zip(blocks)
+        .map(|(view, b)| {
+            view.reshape([b.len(), world])
+                .swap_dims(0, 1)
+                .reshape([world * b.len()])
+        })
+        .collect()
+}
+
+/// A flat unit's gathered buffer is its parameters back to back: each is one view.
 fn serve_flat(
     buffer: Tensor<1>,
     params: Vec<(Arc<ParamState>, usize)>,
     served: &mut Vec<Arc<ParamState>>,
 ) {
-    for (state, offset) in params {
-        let len = state.global_shape.iter().product();
-        if len > 0 {
-            state.serve(Some(buffer.clone().narrow(0, offset, len)));
-            served.push(state);
-        }
+    let params: Vec<_> = params
+        .into_iter()
+        .filter(|(state, _)| state.global_shape.iter().product::<usize>() > 0)
+        .collect();
+    let ranges: Vec<_> = params
+        .iter()
+        .map(|(state, offset)| *offset..offset + state.global_shape.iter().product::<usize>())
+        .collect();
+    if ranges.is_empty() {
+        return;
+    }
+    for ((state, _), view) in params.into_iter().zip(split_views(buffer, &ranges)) {
+        state.serve(Some(view));
+        served.push(state);
     }
 }
 
@@ -310,19 +356,28 @@ fn serve_rows(
     params: Vec<(Arc<ParamState>, usize)>,
     served: &mut Vec<Arc<ParamState>>,
 ) {
-    let by_rank = buffer.reshape([world, per_rank]);
-    for (state, start) in params {
-        let padded = state.padded_rows() * state.row_len();
-        if padded == 0 {
-            continue;
-        }
-        let rows = by_rank
-            .clone()
-            .narrow(1, start, padded)
-            .reshape([world * padded]);
+    let params: Vec<_> = params
+        .into_iter()
+        .filter(|(state, _)| state.padded_rows() * state.row_len() > 0)
+        .collect();
+    let blocks: Vec<_> = params
+        .iter()
+        .map(|(state, start)| *start..start + state.padded_rows() * state.row_len())
+        .collect();
+    if blocks.is_empty() {
+        return;
+    }
+    for ((state, _), rows) in params
+        .into_iter()
+        .zip(column_blocks(buffer, world, per_rank, &blocks))
+    {
         // Padding sits after the last rows, so the first values are the parameter.
         let len = state.global_shape.iter().product();
-        state.serve(Some(rows.narrow(0, 0, len)));
+        let value = match rows.dims()[0] == len {
+            true => rows,
+            false => rows.narrow(0, 0, len),
+        };
+        state.serve(Some(value));
         served.push(state);
     }
 }

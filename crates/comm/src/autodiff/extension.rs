@@ -16,6 +16,12 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Flex, NdArray, backend_extension};
 
+use std::ops::Range;
+
+use burn::backend::TensorMetadata;
+use burn::tensor::Slice;
+
+use super::split::SplitHub;
 use crate::device::{DeviceCollective, DeviceStep, NcclCall, Phase, no_nccl, run_steps};
 
 /// A backend that runs [`DeviceCollective`]s on its tensors and, on CUDA backends, NCCL steps
@@ -38,6 +44,18 @@ pub trait CollectiveBackend: Backend {
     /// routing (`device::route`) sends NCCL steps to CUDA tensors only.
     fn nccl_step(x: FloatTensor<Self>, call: NcclCall) -> FloatTensor<Self> {
         no_nccl::<Self>(x, call)
+    }
+
+    /// The hub of a split (`split::split_views`): the tensor itself; on the autodiff backend, a
+    /// node that gathers its views' gradients into one.
+    fn split_hub(x: FloatTensor<Self>, _hub: SplitHub) -> FloatTensor<Self> {
+        x
+    }
+
+    /// A view of a 1-D tensor's elements `range`; on the autodiff backend its gradient goes to
+    /// the hub.
+    fn split_piece(x: FloatTensor<Self>, _hub: SplitHub, range: Range<usize>) -> FloatTensor<Self> {
+        Self::float_slice(x, &[Slice::from(range)])
     }
 }
 
@@ -91,7 +109,121 @@ impl<B: CollectiveBackend> RetroForward for Recompute<B> {
     }
 }
 
+/// The hub's backward: the views' gradients, in place in one tensor of the input's length.
+#[derive(Debug)]
+struct HubBackward;
+
+impl<B: CollectiveBackend> Backward<B, 1> for HubBackward {
+    type State = (SplitHub, usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (hub, len) = ops.state;
+        // The views' one-element markers: they only made this node run.
+        let marker = grads.consume::<B>(&ops.node);
+        let pieces = hub.take::<FloatTensor<B>>();
+        let Some(parent) = &ops.parents[0] else {
+            return;
+        };
+        let device = marker.device();
+        let dtype = pieces.first().map_or(marker.dtype(), |(_, g)| g.dtype());
+        let zeros = |n: usize| B::float_zeros([n].into(), &device, dtype.into());
+        let mut parts = Vec::with_capacity(2 * pieces.len() + 1);
+        let mut at = 0;
+        for (start, grad) in pieces {
+            if start > at {
+                parts.push(zeros(start - at));
+            }
+            at = start + grad.shape().num_elements();
+            parts.push(grad);
+        }
+        if at < len {
+            parts.push(zeros(len - at));
+        }
+        let grad = match parts.len() {
+            1 => parts.pop().expect("one part"),
+            _ => B::float_cat(parts, 0),
+        };
+        grads.register::<B>(parent.id, grad);
+    }
+}
+
+/// A view's backward: its gradient goes to the hub, and a one-element marker to the hub node.
+#[derive(Debug)]
+struct PieceBackward;
+
+impl<B: CollectiveBackend> Backward<B, 1> for PieceBackward {
+    type State = (SplitHub, usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (hub, start) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(parent) = &ops.parents[0] {
+            let marker = B::float_zeros([1].into(), &grad.device(), grad.dtype().into());
+            hub.deposit(start, grad);
+            grads.register::<B>(parent.id, marker);
+        }
+    }
+}
+
+/// Recomputes a dropped output from its input's state: the hub (identity) or a view (slice).
+#[derive(Debug)]
+struct RetroSplit<B> {
+    input: NodeId,
+    range: Option<Range<usize>>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: CollectiveBackend> RetroForward for RetroSplit<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let input = states.get_state::<FloatTensor<B>>(&self.input);
+        let output = match &self.range {
+            Some(r) => B::float_slice(input, &[Slice::from(r.clone())]),
+            None => input,
+        };
+        states.save(out_node, output);
+    }
+}
+
 impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff<B, C> {
+    fn split_hub(x: FloatTensor<Self>, hub: SplitHub) -> FloatTensor<Self> {
+        let len = x.shape().num_elements();
+        let retro = RetroSplit::<B> {
+            input: x.id(),
+            range: None,
+            _backend: std::marker::PhantomData,
+        };
+        match HubBackward
+            .prepare::<C>([x.node()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&x])
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((hub, len), x.into_primitive()),
+            OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
+        }
+    }
+
+    fn split_piece(x: FloatTensor<Self>, hub: SplitHub, range: Range<usize>) -> FloatTensor<Self> {
+        let retro = RetroSplit::<B> {
+            input: x.id(),
+            range: Some(range.clone()),
+            _backend: std::marker::PhantomData,
+        };
+        let start = range.start;
+        let slice = |x| B::float_slice(x, &[Slice::from(range)]);
+        match PieceBackward
+            .prepare::<C>([x.node()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&x])
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((hub, start), slice(x.into_primitive())),
+            OpsKind::UnTracked(prep) => prep.finish(slice(x.into_primitive())),
+        }
+    }
+
     fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
         let backward = op.adjoint();
         let forward = DeviceCollective::steps(op.forward);

@@ -3,6 +3,8 @@
 
 pub mod extension;
 pub mod ops;
+pub mod split;
 
 pub use extension::CollectiveBackend;
 pub use ops::*;
+pub use split::{SplitHub, split_views};
