@@ -4,6 +4,7 @@
 //! cargo run --release --example train_llama                      # fsdp2 on 4 ranks, tiny model
 //! cargo run --release --example train_llama -- --strategy fsdp2_tp --world-size 4 --tp 2
 //! cargo run --release --example train_llama -- --checkpoint DIR --data tokens.bin --json
+//! cargo run --release --example train_llama -- --model tiny-moe --strategy fsdp2 --ep 2
 //! cargo run --release --example train_llama -- --config config.json --strategy ddp   # seeded init
 //! cargo run --release --example train_llama -- --steps 10 --save-every 5 --save-dir ckpt
 //! cargo run --release --example train_llama -- --steps 20 --resume ckpt --strategy fsdp2_tp
@@ -54,6 +55,14 @@ struct Args {
     /// Replica count under hsdp (default 2) and megatron_fsdp (default 1).
     #[arg(long)]
     dp_replicate: Option<usize>,
+    /// Expert-parallel size for a MoE model (ddp, fsdp2, hsdp): its experts are split over this
+    /// many consecutive data-parallel ranks.
+    #[arg(long)]
+    ep: Option<usize>,
+    /// The built-in model when neither --checkpoint nor --config is given: tiny (a Llama) or
+    /// tiny-moe (a Qwen3-MoE with 8 experts, top-2).
+    #[arg(long, default_value = "tiny", value_parser = ["tiny", "tiny-moe"])]
+    model: String,
     /// What megatron_fsdp shards: 1 | optim, 2 | optim_grads, 3 | optim_grads_params
     /// (default 3; 1 and 2 keep the gathered weights through backward).
     #[arg(long)]
@@ -133,9 +142,10 @@ impl Args {
             Some(engine) => engine,
             None => EngineKind::detect().map_err(|e| e.to_string())?,
         };
-        let model = match &self.config {
-            Some(file) => LlamaConfig::load(file).map_err(|e| e.to_string())?,
-            None => LlamaConfig::tiny(),
+        let model = match (&self.config, self.model.as_str()) {
+            (Some(file), _) => LlamaConfig::load(file).map_err(|e| e.to_string())?,
+            (None, "tiny-moe") => LlamaConfig::tiny_moe(),
+            (None, _) => LlamaConfig::tiny(),
         };
         Ok(TrainConfig {
             model,
@@ -143,6 +153,7 @@ impl Args {
             world_size: self.world_size,
             tp: self.tp,
             dp_replicate: self.dp_replicate,
+            ep: self.ep,
             zero_dp_strategy: self.zero_dp_strategy,
             bucket_size: self.bucket_size,
             tp_plan: self.tp_plan.clone(),

@@ -10,6 +10,7 @@
 pub use burn_parallel_checkpoint as checkpoint;
 pub use burn_parallel_comm as comm;
 pub use burn_parallel_describe as describe;
+pub use burn_parallel_ep as ep;
 pub use burn_parallel_fsdp as fsdp;
 pub use burn_parallel_models as models;
 pub use burn_parallel_parallelizer as parallelizer;

@@ -166,6 +166,7 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
                 "all_gather_s",
                 "all_reduce_calls",
                 "all_reduce_s",
+                "all_to_all_calls",
                 "backward_s",
                 "forward_s",
                 "grad_norm",

@@ -21,6 +21,7 @@ mod llama_train;
 mod megatron;
 mod megatron_fsdp;
 mod mesh;
+mod moe;
 mod parallelize_config;
 mod parallelize_macro;
 mod parallelize_train;

@@ -226,10 +226,19 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
         (
             DistributedConfig {
                 ep_size: 2,
+                strategy: Strategy::Tp,
                 ..base()
             },
             2,
-            "expert parallelism (ep_size 2) is not yet supported",
+            "expert parallelism (ep_size 2) with strategy tp",
+        ),
+        (
+            DistributedConfig {
+                ep_size: 2,
+                ..base()
+            },
+            3,
+            "ep_size 2 does not divide the dp_shard size 3",
         ),
         (
             DistributedConfig {
@@ -258,7 +267,8 @@ fn mesh_sizes_are_inferred_from_the_world() {
         MeshSizes {
             dp_replicate: 2,
             dp_shard: 2,
-            tp: 2
+            tp: 2,
+            ep: 1,
         }
     );
 }

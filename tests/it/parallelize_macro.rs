@@ -184,6 +184,7 @@ fn describe_lists_units_styles_plans_and_heads() {
             heads("maybe_block.attn"),
         ],
         absent: Vec::new(),
+        experts: Vec::new(),
     };
     assert_eq!(got, want);
 }

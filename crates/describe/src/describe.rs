@@ -1,6 +1,7 @@
 //! What a model tells the parallelizer about itself: the contract `#[parallelize]` implements.
 
 use burn::module::Module;
+use burn_parallel_ep::ExpertModule;
 use burn_parallel_tp::{ParallelStyle, TpModule, TpPlan, child_path};
 
 use crate::plan::{NamedPlan, plan_name};
@@ -21,6 +22,9 @@ pub struct ModelDescription {
     /// Optional `Tp` modules this instance does not have (`None`, as a tied LM head): entries
     /// of a named plan that address exactly one of them are left out.
     pub absent: Vec<String>,
+    /// Mixture-of-experts modules (`#[experts]` fields): their parameters are split over the
+    /// ep group under expert parallelism.
+    pub experts: Vec<String>,
 }
 
 /// The head counts of one attention module, validated against the tp size.
@@ -45,6 +49,20 @@ pub struct DescribeError {
 }
 
 impl ModelDescription {
+    /// Records a mixture-of-experts module at `path`.
+    pub fn add_experts(&mut self, path: &str) {
+        self.experts.push(path.to_string());
+    }
+
+    /// Whether the parameter at `param_path` belongs to a mixture-of-experts module.
+    pub fn is_expert_param(&self, param_path: &str) -> bool {
+        self.experts.iter().any(|e| {
+            param_path
+                .strip_prefix(e.as_str())
+                .is_some_and(|rest| rest.starts_with('.'))
+        })
+    }
+
     /// Records an FSDP unit at `path`.
     pub fn add_unit(&mut self, path: &str) {
         self.units.push(path.to_string());
@@ -138,6 +156,12 @@ pub trait UnitMap {
 
     /// The unit at `path`, rebuilt (e.g. sharded).
     fn unit<M: Module>(&mut self, path: &str, module: M) -> Result<M, Self::Error>;
+
+    /// The mixture-of-experts module of an `#[experts]` field at `path`, rebuilt (e.g. its
+    /// experts split over an ep group); the default keeps it as it is.
+    fn experts<M: ExpertModule>(&mut self, _path: &str, module: M) -> Result<M, Self::Error> {
+        Ok(module)
+    }
 }
 
 /// The sidecar a model gets when it names none: the parallelizer's default hooks.

@@ -65,6 +65,26 @@ struct PendingUnit {
 }
 
 /// The unit state shared by `collected`, or an error naming two groups that differ.
+/// The parameters of `collected` sharded over the same group as the outermost unit: a nested
+/// unit over another group (a MoE layer's experts, sharded over the ranks holding the same
+/// experts) is gathered in its own scope, not with the unit around it.
+fn outer_group(collected: Vec<Collected>) -> Vec<Collected> {
+    let Some(outer) = collected.iter().max_by_key(|c| c.state.unit.level) else {
+        return collected;
+    };
+    let (group, level) = (outer.state.unit.group.clone(), outer.state.unit.level);
+    // Units of the outer level that disagree stay in, for `common_unit` to name them.
+    let keep = |c: &Collected| {
+        c.state.unit.level == level
+            || (c.state.unit.group.ranks() == group.ranks()
+                && c.state.unit.group.label() == group.label())
+    };
+    if collected.iter().all(keep) {
+        return collected;
+    }
+    collected.into_iter().filter(keep).collect()
+}
+
 fn common_unit(collected: &[Collected]) -> Result<Option<Arc<UnitState>>, FsdpError> {
     let Some(first) = collected.first() else {
         return Ok(None);
@@ -226,7 +246,7 @@ fn start_unit<M: Module>(
     after: Option<Tensor<1>>,
     in_stack: bool,
 ) -> Result<Option<PendingUnit>, FsdpError> {
-    let collected = collect(module);
+    let collected = outer_group(collect(module));
     let Some(unit) = common_unit(&collected)? else {
         return Ok(None);
     };

@@ -111,6 +111,9 @@ fn bounds(
         if s.unit {
             par.push(parse_quote!(#inner: #p::Module));
         }
+        if s.experts {
+            par.push(parse_quote!(#inner: #p::ExpertModule));
+        }
     }
     let name = &input.ident;
     let (_, ty_generics, _) = input.generics.split_for_impl();
@@ -184,6 +187,17 @@ fn describe_body(args: &StructArgs, specs: &[FieldSpec], p: &TokenStream) -> Tok
             });
         } else if s.nested {
             parts.push(quote!(#p::Parallelize::describe(&#field, &__p, out);));
+        }
+        if s.experts {
+            parts.push(match s.shape {
+                Shape::One => quote!(out.add_experts(&__p);),
+                Shape::Vec => quote! {
+                    for __i in 0..#field.len() {
+                        out.add_experts(&#p::child_path(&__p, &__i.to_string()));
+                    }
+                },
+                Shape::Option => quote!(if #field.is_some() { out.add_experts(&__p); }),
+            });
         }
         if s.is_tp && s.shape == Shape::Option {
             parts.push(quote!(if #field.is_none() { out.add_absent(&__p); }));
@@ -259,6 +273,27 @@ fn map_units_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
             }
         } else if s.nested {
             quote!(#p::Parallelize::map_units(#field, &__p, f)?)
+        } else if s.experts {
+            match s.shape {
+                Shape::One => quote!(#p::UnitMap::experts(f, &__p, #field)?),
+                Shape::Option => quote! {
+                    match #field {
+                        ::core::option::Option::Some(__e) => {
+                            ::core::option::Option::Some(#p::UnitMap::experts(f, &__p, __e)?)
+                        }
+                        ::core::option::Option::None => ::core::option::Option::None,
+                    }
+                },
+                Shape::Vec => quote! {
+                    #field
+                        .into_iter()
+                        .enumerate()
+                        .map(|(__i, __e)| {
+                            #p::UnitMap::experts(f, &#p::child_path(&__p, &__i.to_string()), __e)
+                        })
+                        .collect::<::core::result::Result<_, __F::Error>>()?
+                },
+            }
         } else {
             return quote!(#ident: #field);
         };

@@ -10,7 +10,7 @@ use syn::{
 use crate::style::Style;
 
 /// The attributes this macro owns (stripped from the re-emitted struct).
-const OWN_ATTRS: &[&str] = &["tp", "nested", "fsdp", "checkpoint"];
+const OWN_ATTRS: &[&str] = &["tp", "nested", "fsdp", "experts", "checkpoint"];
 
 /// Whether the field is one value, or each element of a `Vec` / the content of an `Option`.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -36,6 +36,8 @@ pub struct FieldSpec {
     pub heads: Option<HeadRole>,
     pub nested: bool,
     pub unit: bool,
+    /// `#[experts]`: a mixture-of-experts module whose experts expert parallelism splits.
+    pub experts: bool,
 }
 
 /// What one `#[tp(..)]` says.
@@ -57,6 +59,7 @@ impl FieldSpec {
             heads: None,
             nested: false,
             unit: false,
+            experts: false,
         };
         let mut seen: Vec<&str> = Vec::new();
         for attr in &field.attrs {
@@ -82,6 +85,10 @@ impl FieldSpec {
                     }
                     spec.nested = true;
                 }
+                "experts" => {
+                    no_args(attr, "experts")?;
+                    spec.experts = true;
+                }
                 "fsdp" => {
                     attr.parse_args_with(|input: ParseStream| {
                         let arg: Ident = input.parse()?;
@@ -104,6 +111,15 @@ impl FieldSpec {
                     ));
                 }
             }
+        }
+        if spec.experts && (spec.is_tp || spec.nested || spec.unit || spec.style.is_some()) {
+            return Err(syn::Error::new_spanned(
+                &field.ty,
+                format!(
+                    "#[experts] stands alone: field `{}` is a mixture-of-experts module (implementing ExpertModule), not a Tp, nested or unit field",
+                    spec.ident
+                ),
+            ));
         }
         Ok(spec)
     }

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::ModelError;
+use crate::moe_config::{MoeConfig, MoeFlavor};
 
 /// The architecture of a Llama. Field names are Hugging Face's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,6 +43,13 @@ pub struct LlamaConfig {
     pub initializer_range: f64,
     /// The dtype the checkpoint was saved in (`torch_dtype` / `dtype`), if given.
     pub dtype: Option<String>,
+    /// Qwen3's RMSNorm of each query and key head before the rotary embedding.
+    #[serde(default)]
+    pub qk_norm: bool,
+    /// The mixture-of-experts settings of a Qwen3-MoE or Mixtral model (`None`: every layer
+    /// has a dense MLP, as a Llama).
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
 }
 
 /// Rotary-embedding frequency scaling (`rope_scaling` / `rope_parameters`).
@@ -66,6 +74,24 @@ pub enum RopeScaling {
     },
 }
 
+/// `o[k]` as a count: `None` when absent or null, an error naming the key when it is not a
+/// non-negative integer.
+pub(crate) fn count_key(
+    o: &serde_json::Map<String, Value>,
+    k: &str,
+) -> Result<Option<usize>, ModelError> {
+    match o.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| ModelError::BadConfig {
+                path: "config.json".into(),
+                reason: format!("`{k}` is not a non-negative integer: {x}"),
+            }),
+    }
+}
+
 impl LlamaConfig {
     /// A small model for examples and tests: sizes that 2, 3 and 4 ranks do not all divide.
     pub fn tiny() -> Self {
@@ -86,7 +112,35 @@ impl LlamaConfig {
             mlp_bias: false,
             initializer_range: 0.02,
             dtype: None,
+            qk_norm: false,
+            moe: None,
         }
+    }
+
+    /// A tiny Qwen3-MoE for tests and examples: the [`tiny`](Self::tiny) Llama's attention
+    /// with q/k norms, 8 experts of width 48 with top-2 routing (renormalized), the first
+    /// layer dense.
+    pub fn tiny_moe() -> Self {
+        Self {
+            qk_norm: true,
+            moe: Some(MoeConfig {
+                flavor: MoeFlavor::Qwen3Moe,
+                num_experts: 8,
+                num_experts_per_tok: 2,
+                moe_intermediate_size: 48,
+                norm_topk_prob: true,
+                decoder_sparse_step: 1,
+                mlp_only_layers: vec![0],
+                router_aux_loss_coef: 0.001,
+                output_router_logits: false,
+            }),
+            ..Self::tiny()
+        }
+    }
+
+    /// Whether decoder layer `layer` has a sparse MoE block instead of a dense MLP.
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.is_sparse(layer))
     }
 
     /// Reads `dir/config.json` (or the file itself).
@@ -115,8 +169,10 @@ impl LlamaConfig {
         let o = v
             .as_object()
             .ok_or_else(|| bad("not a JSON object".into()))?;
-        match o.get("model_type").and_then(Value::as_str) {
-            Some("llama") => {}
+        let flavor = match o.get("model_type").and_then(Value::as_str) {
+            Some("llama") => None,
+            Some("qwen3_moe") => Some(MoeFlavor::Qwen3Moe),
+            Some("mixtral") => Some(MoeFlavor::Mixtral),
             Some(other) => {
                 return Err(ModelError::NotLlama {
                     what: "model_type",
@@ -124,25 +180,22 @@ impl LlamaConfig {
                 });
             }
             None => return Err(bad("no `model_type`".into())),
-        }
+        };
+        let family = match flavor {
+            None => "Llama",
+            Some(MoeFlavor::Qwen3Moe) => "Qwen3Moe",
+            Some(MoeFlavor::Mixtral) => "Mixtral",
+        };
         if let Some(archs) = o.get("architectures").and_then(Value::as_array) {
             let names: Vec<&str> = archs.iter().filter_map(Value::as_str).collect();
-            if names.iter().any(|a| !a.starts_with("Llama")) {
+            if names.iter().any(|a| !a.starts_with(family)) {
                 return Err(ModelError::NotLlama {
                     what: "architectures",
                     found: names.join(", "),
                 });
             }
         }
-        let usize_of = |k: &str| -> Result<Option<usize>, ModelError> {
-            match o.get(k) {
-                None | Some(Value::Null) => Ok(None),
-                Some(x) => x
-                    .as_u64()
-                    .map(|n| Some(n as usize))
-                    .ok_or_else(|| bad(format!("`{k}` is not a non-negative integer: {x}"))),
-            }
-        };
+        let usize_of = |k: &str| count_key(o, k);
         let need = |k: &str| usize_of(k)?.ok_or_else(|| bad(format!("missing `{k}`")));
         let f64_of = |k: &str, obj: &serde_json::Map<String, Value>| -> Option<f64> {
             obj.get(k).and_then(Value::as_f64)
@@ -220,10 +273,15 @@ impl LlamaConfig {
             .or_else(|| o.get("dtype"))
             .and_then(Value::as_str)
             .map(str::to_string);
+        let intermediate_size = need("intermediate_size")?;
+        let moe = match flavor {
+            None => None,
+            Some(flavor) => Some(MoeConfig::from_json(flavor, o, intermediate_size)?),
+        };
         let config = Self {
             vocab_size: need("vocab_size")?,
             hidden_size,
-            intermediate_size: need("intermediate_size")?,
+            intermediate_size,
             num_hidden_layers: need("num_hidden_layers")?,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
@@ -238,6 +296,8 @@ impl LlamaConfig {
             mlp_bias: bool_of("mlp_bias", false),
             initializer_range: f64_of("initializer_range", o).unwrap_or(0.02),
             dtype,
+            qk_norm: flavor == Some(MoeFlavor::Qwen3Moe),
+            moe,
         };
         Ok(config)
     }
@@ -283,6 +343,13 @@ impl LlamaConfig {
             }),
         };
         v["rope_scaling"] = scaling;
+        if let Some(moe) = &self.moe {
+            v["architectures"] = serde_json::json!([moe.flavor.architecture()]);
+            v["model_type"] = moe.flavor.model_type().into();
+            if let (Some(out), Some(keys)) = (v.as_object_mut(), moe.hf_keys().as_object()) {
+                out.extend(keys.clone());
+            }
+        }
         v
     }
 
@@ -299,10 +366,19 @@ impl LlamaConfig {
             } else {
                 0
             };
+        let qk_norm = if self.qk_norm { 2 * self.head_dim } else { 0 };
         let mlp = 3 * h * i + if self.mlp_bias { 2 * i + h } else { 0 };
-        let layer = attn + mlp + 2 * h;
+        let layers: usize = (0..self.num_hidden_layers)
+            .map(|l| {
+                let ffn = match &self.moe {
+                    Some(moe) if moe.is_sparse(l) => moe.block_params(h),
+                    _ => mlp,
+                };
+                attn + qk_norm + ffn + 2 * h
+            })
+            .sum();
         let head = if self.tie_word_embeddings { 0 } else { h * v };
-        v * h + self.num_hidden_layers * layer + h + head
+        v * h + layers + h + head
     }
 }
 

@@ -88,6 +88,9 @@ pub enum ModelError {
     /// A tp plan name the model does not provide.
     #[error(transparent)]
     Plan(#[from] burn_parallel_describe::DescribeError),
+    /// Expert parallelism failed (an ep size that does not divide the experts, an exchange).
+    #[error(transparent)]
+    Ep(#[from] burn_parallel_ep::EpError),
 }
 
 impl ModelError {

@@ -17,6 +17,8 @@ pub mod data;
 mod error;
 mod init;
 mod llama;
+mod moe;
+mod moe_config;
 mod parallel;
 mod plan;
 
@@ -24,4 +26,6 @@ pub use config::{LlamaConfig, RopeScaling};
 pub use error::ModelError;
 pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal};
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm, Rope};
+pub use moe::{Experts, RouterStats, SparseMoe, load_balancing_loss};
+pub use moe_config::{ExpertProj, MoeConfig, MoeFlavor};
 pub use plan::{LLAMA_PLAN, llama_plan};

@@ -11,9 +11,14 @@ use burn_parallel_comm::collectives as coll;
 use burn_parallel_macros::parallelize;
 use burn_parallel_tp::{Layout, ParallelStyle, Tp, forward_shared};
 
+use burn_parallel_comm::ProcessGroup;
+use burn_parallel_ep::{ExpertModule, ExpertShard};
+
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::error::ModelError;
 use crate::init::{ParamKind, SeededInit, TensorSource};
+use crate::moe::{Experts, SparseMoe};
+use crate::moe_config::{ExpertProj, MoeConfig};
 
 /// Root-mean-square norm, computed in f32 whatever the activation dtype (as transformers).
 #[derive(Module, Debug)]
@@ -130,6 +135,10 @@ pub struct Attention {
     pub v_proj: Tp<Linear>,
     /// Output projection, `heads * head_dim -> hidden`.
     pub o_proj: Tp<Linear>,
+    /// Qwen3's RMSNorm of each query head, over `head_dim`, before the rotary embedding.
+    pub q_norm: Option<RmsNorm>,
+    /// Qwen3's RMSNorm of each key head.
+    pub k_norm: Option<RmsNorm>,
     /// Query heads.
     #[module(skip)]
     #[tp(heads)]
@@ -153,8 +162,12 @@ impl Attention {
         let [b, s, _] = q.dims();
         let hd = self.head_dim;
         let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, hd]).swap_dims(1, 2);
-        let q = Rope::apply(split(q, self.heads), cos, sin);
-        let k = Rope::apply(split(k, self.kv_heads), cos, sin);
+        let head_norm = |n: &Option<RmsNorm>, t: Tensor<4>| match n {
+            Some(n) => n.forward(t),
+            None => t,
+        };
+        let q = Rope::apply(head_norm(&self.q_norm, split(q, self.heads)), cos, sin);
+        let k = Rope::apply(head_norm(&self.k_norm, split(k, self.kv_heads)), cos, sin);
         let v = split(v, self.kv_heads);
         let groups = self.heads / self.kv_heads;
         let repeat = |t: Tensor<4>| {
@@ -218,7 +231,8 @@ impl Mlp {
     }
 }
 
-/// One pre-norm decoder layer: `h = x + attn(norm(x))`, then `h + mlp(norm(h))`.
+/// One pre-norm decoder layer: `h = x + attn(norm(x))`, then `h + ffn(norm(h))`, the
+/// feed-forward `ffn` being the dense `mlp` or, in a sparse layer of a MoE model, `moe`.
 #[parallelize]
 #[derive(Module, Debug)]
 pub struct DecoderLayer {
@@ -229,9 +243,12 @@ pub struct DecoderLayer {
     pub self_attn: Attention,
     /// The norm before the MLP.
     pub post_attention_layernorm: Tp<RmsNorm>,
-    /// The SwiGLU MLP.
+    /// The SwiGLU MLP (`None` in a sparse layer).
     #[nested]
-    pub mlp: Mlp,
+    pub mlp: Option<Mlp>,
+    /// The sparse mixture-of-experts block (`None` in a dense layer).
+    #[nested]
+    pub moe: Option<SparseMoe>,
 }
 
 fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
@@ -242,11 +259,31 @@ fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
 impl DecoderLayer {
     /// The layer on `x` `[batch, seq, hidden]`, with the rotary `cos`/`sin`.
     pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
+        self.forward_routed(x, cos, sin).0
+    }
+
+    /// As [`forward`](Self::forward), also returning a sparse layer's router logits
+    /// `[batch * seq, experts]`. Collective over the ep group when the experts are sharded.
+    pub fn forward_routed(
+        &self,
+        x: Tensor<3>,
+        cos: &Tensor<4>,
+        sin: &Tensor<4>,
+    ) -> (Tensor<3>, Option<Tensor<2>>) {
         let h = x.clone()
             + self
                 .self_attn
                 .forward(norm(&self.input_layernorm, x), cos, sin);
-        h.clone() + self.mlp.forward(norm(&self.post_attention_layernorm, h))
+        let normed = norm(&self.post_attention_layernorm, h.clone());
+        let (ffn, router_logits) = match (&self.mlp, &self.moe) {
+            (Some(mlp), _) => (mlp.forward(normed), None),
+            (None, Some(moe)) => {
+                let (out, logits) = moe.forward(normed).unwrap_or_else(|e| panic!("{e}"));
+                (out, Some(logits))
+            }
+            (None, None) => panic!("a decoder layer needs a dense MLP or a MoE block"),
+        };
+        (h + ffn, router_logits)
     }
 }
 
@@ -357,6 +394,83 @@ fn rms_norm(
     }))
 }
 
+fn dense_mlp(
+    s: &mut dyn TensorSource,
+    layer: &str,
+    c: &LlamaConfig,
+    device: &Device,
+) -> Result<Mlp, ModelError> {
+    let (h, i, b) = (c.hidden_size, c.intermediate_size, c.mlp_bias);
+    Ok(Mlp {
+        gate_proj: linear(s, &format!("{layer}.mlp.gate_proj"), h, i, b, device)?,
+        up_proj: linear(s, &format!("{layer}.mlp.up_proj"), h, i, b, device)?,
+        down_proj: linear(s, &format!("{layer}.mlp.down_proj"), i, h, b, device)?,
+    })
+}
+
+/// A sparse layer's router and experts; with `shard`, only this rank's experts are read.
+fn sparse_moe(
+    s: &mut dyn TensorSource,
+    layer: &str,
+    c: &LlamaConfig,
+    moe: &MoeConfig,
+    shard: Option<ExpertShard>,
+    device: &Device,
+) -> Result<SparseMoe, ModelError> {
+    let (h, i, flavor) = (c.hidden_size, moe.moe_intermediate_size, moe.flavor);
+    let router = param(
+        s,
+        &flavor.router_name(layer),
+        [h, moe.num_experts],
+        ParamKind::LinearWeight,
+        device,
+    )?;
+    let local = match &shard {
+        Some(shard) => shard.local_experts(),
+        None => 0..moe.num_experts,
+    };
+    let mut stack =
+        |proj: ExpertProj| -> Result<Param<Tensor<3>>, ModelError> {
+            let shape = match proj {
+                ExpertProj::Gate | ExpertProj::Up => [h, i],
+                ExpertProj::Down => [i, h],
+            };
+            let mut values = Vec::with_capacity(local.len() * h * i);
+            for e in local.clone() {
+                let name = flavor.expert_name(layer, e, proj);
+                let data = s.tensor(&name, &shape, ParamKind::LinearWeight)?;
+                if data.shape().dims::<2>() != shape {
+                    return Err(ModelError::ShapeMismatch {
+                        name,
+                        found: data.shape().to_vec(),
+                        expected: shape.to_vec(),
+                    });
+                }
+                values.extend(data.convert::<f32>().try_into_vec::<f32>().map_err(|e| {
+                    ModelError::Unsupported(format!("expert weight `{name}`: {e:?}"))
+                })?);
+            }
+            let data = TensorData::new(values, [local.len(), shape[0], shape[1]]);
+            Ok(Param::from_tensor(Tensor::from_data(data, device)))
+        };
+    let experts = Experts {
+        gate_proj: stack(ExpertProj::Gate)?,
+        up_proj: stack(ExpertProj::Up)?,
+        down_proj: stack(ExpertProj::Down)?,
+        num_experts: moe.num_experts,
+        shard,
+    };
+    Ok(SparseMoe {
+        gate: Linear {
+            weight: router,
+            bias: None,
+        },
+        experts,
+        top_k: moe.num_experts_per_tok,
+        norm_topk_prob: moe.norm_topk_prob,
+    })
+}
+
 impl Llama {
     /// A model with Hugging Face's initialisation, identical on every rank for one `seed`.
     pub fn seeded(config: &LlamaConfig, seed: u64, device: &Device) -> Self {
@@ -370,9 +484,25 @@ impl Llama {
         source: &mut dyn TensorSource,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        Self::from_source_ep(config, source, device, None)
+    }
+
+    /// As [`from_source`](Self::from_source), with a MoE model's experts split over
+    /// `ep_group` (expert parallelism): each rank reads and holds only its own experts. An
+    /// expert count the group size does not divide is an error naming both.
+    pub fn from_source_ep(
+        config: &LlamaConfig,
+        source: &mut dyn TensorSource,
+        device: &Device,
+        ep_group: Option<&ProcessGroup>,
+    ) -> Result<Self, ModelError> {
         let c = config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let shard = match (&c.moe, ep_group) {
+            (Some(moe), Some(group)) => Some(ExpertShard::new(group.clone(), moe.num_experts)?),
+            _ => None,
+        };
         let embed_tokens = Tp::new(Embedding {
             weight: param(
                 source,
@@ -386,51 +516,45 @@ impl Llama {
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let ab = c.attention_bias;
-            let mb = c.mlp_bias;
             let s = &mut *source;
+            let head_norm = |s: &mut dyn TensorSource, which: &str| -> Result<_, ModelError> {
+                if !c.qk_norm {
+                    return Ok(None);
+                }
+                let name = format!("{p}.self_attn.{which}.weight");
+                Ok(Some(RmsNorm {
+                    weight: param(s, &name, [hd], ParamKind::Norm, device)?,
+                    eps: c.rms_norm_eps,
+                }))
+            };
+            let self_attn = Attention {
+                q_proj: linear(s, &format!("{p}.self_attn.q_proj"), h, q, ab, device)?,
+                k_proj: linear(s, &format!("{p}.self_attn.k_proj"), h, kv, ab, device)?,
+                v_proj: linear(s, &format!("{p}.self_attn.v_proj"), h, kv, ab, device)?,
+                o_proj: linear(s, &format!("{p}.self_attn.o_proj"), q, h, ab, device)?,
+                q_norm: head_norm(s, "q_norm")?,
+                k_norm: head_norm(s, "k_norm")?,
+                heads: c.num_attention_heads,
+                kv_heads: c.num_key_value_heads,
+                head_dim: hd,
+            };
+            let (mlp, moe) = match &c.moe {
+                Some(m) if m.is_sparse(i) => {
+                    (None, Some(sparse_moe(s, &p, c, m, shard.clone(), device)?))
+                }
+                _ => (Some(dense_mlp(s, &p, c, device)?), None),
+            };
             layers.push(DecoderLayer {
                 input_layernorm: rms_norm(s, &format!("{p}.input_layernorm"), c, device)?,
-                self_attn: Attention {
-                    q_proj: linear(s, &format!("{p}.self_attn.q_proj"), h, q, ab, device)?,
-                    k_proj: linear(s, &format!("{p}.self_attn.k_proj"), h, kv, ab, device)?,
-                    v_proj: linear(s, &format!("{p}.self_attn.v_proj"), h, kv, ab, device)?,
-                    o_proj: linear(s, &format!("{p}.self_attn.o_proj"), q, h, ab, device)?,
-                    heads: c.num_attention_heads,
-                    kv_heads: c.num_key_value_heads,
-                    head_dim: hd,
-                },
+                self_attn,
                 post_attention_layernorm: rms_norm(
                     s,
                     &format!("{p}.post_attention_layernorm"),
                     c,
                     device,
                 )?,
-                mlp: Mlp {
-                    gate_proj: linear(
-                        s,
-                        &format!("{p}.mlp.gate_proj"),
-                        h,
-                        c.intermediate_size,
-                        mb,
-                        device,
-                    )?,
-                    up_proj: linear(
-                        s,
-                        &format!("{p}.mlp.up_proj"),
-                        h,
-                        c.intermediate_size,
-                        mb,
-                        device,
-                    )?,
-                    down_proj: linear(
-                        s,
-                        &format!("{p}.mlp.down_proj"),
-                        c.intermediate_size,
-                        h,
-                        mb,
-                        device,
-                    )?,
-                },
+                mlp,
+                moe,
             });
         }
         let norm = rms_norm(source, "model.norm", c, device)?;
@@ -458,24 +582,66 @@ impl Llama {
     /// As [`forward`](Self::forward), returning the embedding's and the LM head's
     /// tensor-parallel errors (the decoder layers panic on theirs).
     pub fn try_forward(&self, ids: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
+        Ok(self.try_forward_routed(ids)?.0)
+    }
+
+    /// As [`try_forward`](Self::try_forward), also returning the router logits
+    /// `[batch * seq, experts]` of every sparse layer in order (empty for a dense model), for
+    /// [`load_balancing_loss`](Self::load_balancing_loss).
+    pub fn try_forward_routed(
+        &self,
+        ids: Tensor<2, Int>,
+    ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
         // Under FSDP the root's own parameters (embedding, final norm, LM head) are gathered
         // once, together, for the whole forward.
         burn_parallel_fsdp::with_module_unit(self, || self.forward_body(ids))?
     }
 
-    fn forward_body(&self, ids: Tensor<2, Int>) -> Result<Tensor<3>, ModelError> {
+    fn forward_body(&self, ids: Tensor<2, Int>) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
         let seq = ids.dims()[1];
         let x = self.embed_tokens.try_forward(ids)?;
         // Positions span the whole sequence: under sequence parallelism attention gathers it.
         let (cos, sin) = self.rope.cos_sin(seq, &x.device(), x.dtype());
-        let layer = |l: &DecoderLayer, x: Tensor<3>| l.forward(x, &cos, &sin);
+        let mut router_logits = Vec::new();
+        let layer = |l: &DecoderLayer, x: Tensor<3>| {
+            let (x, logits) = l.forward_routed(x, &cos, &sin);
+            router_logits.extend(logits);
+            x
+        };
         // Each decoder layer is one FSDP unit when sharded; a plain loop otherwise.
         let x = burn_parallel_fsdp::forward_units(&self.layers, x, layer);
         let x = norm(&self.norm, x);
-        match &self.lm_head {
-            Some(head) => Ok(head.try_forward(x)?),
-            None => self.tied_logits(x),
+        let logits = match &self.lm_head {
+            Some(head) => head.try_forward(x)?,
+            None => self.tied_logits(x)?,
+        };
+        Ok((logits, router_logits))
+    }
+
+    /// transformers' load-balancing loss of a MoE model's router logits (as
+    /// [`try_forward_routed`](Self::try_forward_routed) returns them), unweighted: the
+    /// training loss adds `router_aux_loss_coef` times it when `output_router_logits` is on.
+    /// `None` for a dense model.
+    pub fn load_balancing_loss(&self, router_logits: &[Tensor<2>]) -> Option<Tensor<1>> {
+        let moe = self.config.moe.as_ref()?;
+        (!router_logits.is_empty())
+            .then(|| crate::moe::load_balancing_loss(router_logits, moe.num_experts_per_tok))
+    }
+
+    /// Splits every sparse layer's experts over `ep_group` (expert parallelism): each rank
+    /// keeps its `experts / ep` experts. Collective in the forward and backward that follow:
+    /// every rank of the group runs the same layers. An expert count the group size does not
+    /// divide is an error naming both; a dense model is returned as it is.
+    pub fn shard_experts(mut self, ep_group: &ProcessGroup) -> Result<Self, ModelError> {
+        for layer in &mut self.layers {
+            if let Some(moe) = layer.moe.take() {
+                layer.moe = Some(SparseMoe {
+                    experts: moe.experts.shard_experts(ep_group)?,
+                    ..moe
+                });
+            }
         }
+        Ok(self)
     }
 
     /// The LM head tied to the embedding table `[vocab, hidden]`. A vocab-parallel table gives

@@ -393,7 +393,9 @@ pub struct DistributedConfig {
     pub tp_size: usize,
     /// Context-parallel ranks (default 1; more is not supported).
     pub cp_size: usize,
-    /// Expert-parallel ranks (default 1; more is not supported).
+    /// Expert-parallel ranks (default 1: none): a MoE model's experts are split over `ep`
+    /// consecutive dp_shard ranks, which exchange tokens; `ep_size` must divide the dp_shard
+    /// size (strategies ddp, fsdp2 and hsdp).
     pub ep_size: usize,
     /// The mesh dimension names (default NeMo's: `dp_replicate`, `dp_shard_cp`, `tp`).
     pub mesh_names: MeshNames,
@@ -477,6 +479,9 @@ pub struct MeshSizes {
     pub dp_shard: usize,
     /// Tensor-parallel ranks.
     pub tp: usize,
+    /// Expert-parallel ranks: consecutive dp_shard ranks that split a MoE model's experts
+    /// (1: none).
+    pub ep: usize,
 }
 
 impl MeshSizes {
@@ -580,7 +585,17 @@ impl DistributedConfig {
         if self.sequence_parallel && sizes.tp == 1 {
             return Err(invalid("sequence_parallel requires more than one tp rank"));
         }
-        Ok(sizes)
+        if !sizes.dp_shard.is_multiple_of(self.ep_size) {
+            return Err(invalid(format!(
+                "ep_size {} does not divide the dp_shard size {}: experts are split over \
+                 consecutive dp_shard ranks",
+                self.ep_size, sizes.dp_shard
+            )));
+        }
+        Ok(MeshSizes {
+            ep: self.ep_size,
+            ..sizes
+        })
     }
 
     /// Options of the reference systems that do not exist here, each an error naming it.
@@ -596,7 +611,22 @@ impl DistributedConfig {
             )));
         }
         if self.ep_size > 1 {
-            return unsupported(format!("expert parallelism (ep_size {})", self.ep_size));
+            if !matches!(
+                self.strategy,
+                Strategy::Ddp | Strategy::Fsdp2 | Strategy::Hsdp
+            ) {
+                return unsupported(format!(
+                    "expert parallelism (ep_size {}) with strategy {} (ep works with ddp, fsdp2 \
+                     and hsdp)",
+                    self.ep_size, self.strategy
+                ));
+            }
+            if self.tp_size > 1 {
+                return unsupported(format!(
+                    "expert parallelism (ep_size {}) with tensor parallelism (tp_size {})",
+                    self.ep_size, self.tp_size
+                ));
+            }
         }
         if self.cp_size > 1 {
             return unsupported(format!("context parallelism (cp_size {})", self.cp_size));
@@ -705,6 +735,7 @@ impl DistributedConfig {
             dp_replicate,
             dp_shard,
             tp,
+            ep: 1,
         };
         match s {
             Strategy::Single if world != 1 => bad(format!("runs on 1 rank, not {world}")),

@@ -30,6 +30,47 @@ pub struct MeshContext {
     /// The FSDP settings every unit of a model parallelized with this context shares (so one
     /// gradient-sync switch reaches them all).
     fsdp: FsdpConfig,
+    /// The expert-parallel groups (`None` without expert parallelism).
+    experts: Option<ExpertGroups>,
+}
+
+/// The groups of expert parallelism. dp_shard splits into `ep_shard x ep` (ep innermost):
+/// the `ep` consecutive dp_shard ranks of one group hold one copy of every expert between them
+/// and exchange tokens.
+#[derive(Debug, Clone)]
+pub struct ExpertGroups {
+    /// The ranks that split the experts (and exchange tokens).
+    pub ep: ProcessGroup,
+    /// The ranks of one dp_shard group holding the same experts: FSDP shards the experts over
+    /// them.
+    pub shard: ProcessGroup,
+    /// Every data-parallel rank holding the same experts (dp_replicate x shard): DDP averages
+    /// the experts' gradients over them.
+    pub replicas: ProcessGroup,
+}
+
+impl ExpertGroups {
+    /// The groups of the rank `rank` of a `dp_replicate x dp_shard x tp` mesh (tp innermost)
+    /// whose dp_shard splits into `ep_shard x ep`. Every rank builds its own, in this order.
+    fn new(ctx: &RankContext, sizes: MeshSizes) -> Result<Self, ParallelError> {
+        let (shards, ep, tp) = (sizes.dp_shard, sizes.ep, sizes.tp);
+        let me = ctx.rank();
+        let (t, shard, replica) = (me % tp, (me / tp) % shards, me / (tp * shards));
+        let (block, e) = (shard / ep, shard % ep);
+        let global =
+            |replica: usize, block: usize, e: usize| ((replica * shards) + block * ep + e) * tp + t;
+        let ep_ranks: Vec<usize> = (0..ep).map(|e| global(replica, block, e)).collect();
+        let shard_ranks: Vec<usize> = (0..shards / ep).map(|b| global(replica, b, e)).collect();
+        let replica_ranks: Vec<usize> = (0..sizes.dp_replicate)
+            .flat_map(|r| (0..shards / ep).map(move |b| (r, b)))
+            .map(|(r, b)| global(r, b, e))
+            .collect();
+        Ok(Self {
+            ep: ctx.group("ep", &ep_ranks)?,
+            shard: ctx.group("ep_shard", &shard_ranks)?,
+            replicas: ctx.group("ep_replicas", &replica_ranks)?,
+        })
+    }
 }
 
 impl MeshContext {
@@ -84,6 +125,10 @@ impl MeshContext {
         if config.offload_policy.is_some_and(|o| o.offload_params) {
             fsdp = fsdp.offload(OffloadPolicy::new(offload_host(&device)));
         }
+        let experts = match sizes.ep > 1 {
+            true => Some(ExpertGroups::new(rank, sizes)?),
+            false => None,
+        };
         Ok(Self {
             config,
             sizes,
@@ -91,6 +136,7 @@ impl MeshContext {
             device,
             checkpointing,
             fsdp,
+            experts,
         })
     }
 
@@ -118,6 +164,21 @@ impl MeshContext {
     /// there.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The expert-parallel groups, when `ep_size > 1`.
+    pub fn expert_groups(&self) -> Option<&ExpertGroups> {
+        self.experts.as_ref()
+    }
+
+    /// The FSDP config of the experts of a MoE model: this context's (sharing its
+    /// gradient-sync switch and memory tracker), sharded over the ranks that hold the same
+    /// experts. `None` without expert parallelism.
+    pub fn expert_fsdp_config(&self) -> Option<FsdpConfig> {
+        let groups = self.experts.as_ref()?;
+        let mut config = self.fsdp.clone();
+        config.group = groups.shard.clone();
+        Some(config)
     }
 
     /// The FSDP config of this context: FSDP2 over dp_shard, or HSDP with the replicas, in

@@ -18,6 +18,9 @@ pub enum ParallelError {
     #[error("fsdp: {0}")]
     Fsdp(#[from] FsdpError),
     /// The device mesh could not be built.
+    #[error("expert parallel: {0}")]
+    Ep(#[from] burn_parallel_ep::EpError),
+    /// A mesh could not be built.
     #[error("mesh: {0}")]
     Mesh(#[from] MeshError),
     /// A collective (a DDP all-reduce, the replica check, ...) failed.

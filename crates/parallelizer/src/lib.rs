@@ -33,7 +33,7 @@ pub use config::{
     DistributedConfig, Dtype, MegatronFsdpConfig, MeshNames, MeshSizes, MixedPrecisionConfig,
     OffloadConfig, Strategy, TpShardPlan, ZeroDpStrategy, style_by_name,
 };
-pub use context::{DP, LocalRows, MeshContext, WORLD};
+pub use context::{DP, ExpertGroups, LocalRows, MeshContext, WORLD};
 pub use error::ParallelError;
 pub use full::{full_model, full_state_dict};
 pub use sidecar::{ModelParallelizer, fsdp_config};

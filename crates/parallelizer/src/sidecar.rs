@@ -4,8 +4,10 @@
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives::same_device;
 use burn_parallel_describe::{DefaultParallelizer, ModelDescription, Parallelize, UnitMap};
+use burn_parallel_ep::ExpertModule;
 use burn_parallel_fsdp::{FsdpConfig, RowRequest, fully_shard, fully_shard_from};
 use burn_parallel_tp::{TpApplier, TpModule, local_heads};
 
@@ -17,7 +19,8 @@ use crate::error::ParallelError;
 /// The parallelizer hooks, narrowest first: `fully_shard_module` (the FSDP primitive),
 /// `apply_fsdp_sharding` (unit boundaries), `fully_shard_untied_input_output_embeddings`,
 /// `validate_tp_mesh`, `apply_tp`, `use_full_layer_activation_checkpointing`, `apply` (the
-/// whole dense flow), `parallelize_megatron_fsdp` and `parallelize` (the dispatch).
+/// whole dense flow), `parallelize_megatron_fsdp`, `parallelize_moe` and `parallelize` (the
+/// dispatch).
 pub trait ModelParallelizer {
     /// Dispatches on the strategy: DDP, Megatron-FSDP, or the dense flow (FSDP2, HSDP, TP,
     /// FSDP2 + TP, and unsharded FSDP2 where a mixed-precision policy needs it: one rank, or
@@ -26,6 +29,9 @@ pub trait ModelParallelizer {
     where
         Self: Sized,
     {
+        if ctx.expert_groups().is_some() {
+            return self.parallelize_moe(model, ctx);
+        }
         match ctx.strategy() {
             Strategy::Ddp if ctx.uses_ddp() => {
                 let model = move_to_context_device(self, model, ctx)?;
@@ -34,6 +40,40 @@ pub trait ModelParallelizer {
             Strategy::MegatronFsdp => self.parallelize_megatron_fsdp(model, ctx),
             _ => self.apply(model, ctx),
         }
+    }
+
+    /// Expert parallelism (`ep_size > 1`), as NeMo's MoE parallelizer: every `#[experts]`
+    /// module keeps its share of the experts (split over the context's ep group), then the
+    /// data parallelism of the strategy: DDP replicates the dense parameters over every
+    /// data-parallel rank and the experts over the ranks holding the same ones; FSDP2/HSDP
+    /// shards the dense units over dp_shard and each experts module as a unit of its own over
+    /// the ranks holding the same experts. A model without `#[experts]` modules is an error.
+    fn parallelize_moe<M: Parallelize>(
+        &self,
+        model: M,
+        ctx: &MeshContext,
+    ) -> Result<M, ParallelError>
+    where
+        Self: Sized,
+    {
+        let groups = ctx
+            .expert_groups()
+            .expect("parallelize_moe runs with expert parallelism");
+        let mut description = ModelDescription::default();
+        model.describe("", &mut description);
+        if description.experts.is_empty() {
+            return Err(ParallelError::Config(format!(
+                "ep_size is {} but the model has no mixture-of-experts module: mark the field \
+                 holding each layer's experts #[experts] (its type implements ExpertModule)",
+                groups.ep.size()
+            )));
+        }
+        let model = move_to_context_device(self, model, ctx)?;
+        let model = model.map_units("", &mut ExpertSharder(&groups.ep))?;
+        if ctx.uses_ddp() {
+            return ddp::replicate_with_experts(model, &description, ctx);
+        }
+        self.apply(model, ctx)
     }
 
     /// Megatron-FSDP: the dense flow's unit boundaries ([`Self::apply_fsdp_sharding`]) with
@@ -230,6 +270,7 @@ pub(crate) fn shard_units<S: ModelParallelizer, M: Parallelize>(
     let mut sharder = UnitSharder {
         sidecar,
         base: &base,
+        experts: ctx.expert_fsdp_config(),
         reshard: |path: &str| explicit.unwrap_or(Some(path) != last.as_deref()),
         source: source.as_deref_mut(),
     };
@@ -261,6 +302,8 @@ where
 struct UnitSharder<'a, S, R, F: ?Sized> {
     sidecar: &'a S,
     base: &'a FsdpConfig,
+    /// The experts' config under expert parallelism.
+    experts: Option<FsdpConfig>,
     reshard: R,
     source: Option<&'a mut F>,
 }
@@ -279,6 +322,39 @@ where
             .clone()
             .reshard_after_forward((self.reshard)(path));
         shard_one(self.sidecar, module, &config, self.source.as_deref_mut())
+    }
+
+    /// Under expert parallelism an experts module is a unit of its own, sharded over the
+    /// ranks that hold the same experts (before its layer's unit takes the rest).
+    fn experts<N: ExpertModule>(&mut self, path: &str, module: N) -> Result<N, ParallelError> {
+        let Some(config) = &self.experts else {
+            return Ok(module);
+        };
+        if self.source.is_some() {
+            return Err(ParallelError::NotSupported(
+                "a lazy sharded load (parallelize_model_from) with expert parallelism: load \
+                 each rank's experts with the model's own loader (load_llama_ep), then \
+                 parallelize_model"
+                    .into(),
+            ));
+        }
+        let config = config.clone().reshard_after_forward((self.reshard)(path));
+        shard_one(self.sidecar, module, &config, self.source.as_deref_mut())
+    }
+}
+
+/// Splits every `#[experts]` module's experts over the ep group; units stay as they are.
+struct ExpertSharder<'a>(&'a ProcessGroup);
+
+impl UnitMap for ExpertSharder<'_> {
+    type Error = ParallelError;
+
+    fn unit<N: Module>(&mut self, _path: &str, module: N) -> Result<N, ParallelError> {
+        Ok(module)
+    }
+
+    fn experts<N: ExpertModule>(&mut self, _path: &str, module: N) -> Result<N, ParallelError> {
+        Ok(module.shard_experts(self.0)?)
     }
 }
 

@@ -7,6 +7,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{DType, Gradients, Tensor, TensorData};
 use burn_parallel_comm::ReduceOp;
+use burn_parallel_describe::{ModelDescription, Parallelize};
 use burn_parallel_fsdp::{clip_to_norm, grad_square_sums, scale_grads};
 use burn_parallel_tp::TpModule;
 
@@ -33,7 +34,7 @@ pub struct StepReport {
 /// `loss` is the mean over this rank's `rows` (from [`MeshContext::local_rows`]); it is
 /// weighted by the rows' share of the global batch, so that the step trains on the mean over
 /// the global batch however unevenly the rows split.
-pub fn train_step<M: Module + TpModule>(
+pub fn train_step<M: Parallelize>(
     model: M,
     loss: Tensor<1>,
     rows: &LocalRows,
@@ -51,7 +52,7 @@ pub fn train_step<M: Module + TpModule>(
 /// [`train_step`] with any optimizer: `optimizer_step` receives the model and its
 /// synchronized, averaged and clipped gradients (of this rank's shards under FSDP) and returns
 /// the updated model.
-pub fn train_step_with<M: Module + TpModule>(
+pub fn train_step_with<M: Parallelize>(
     model: M,
     loss: Tensor<1>,
     rows: &LocalRows,
@@ -68,11 +69,17 @@ pub fn train_step_with<M: Module + TpModule>(
     if !ctx.uses_ddp() && ctx.dp_size() > 1 {
         scale_grads(&model, &mut grads, 1.0 / ctx.dp_size() as f32);
     }
+    let experts = expert_params(&model, ctx);
     if ctx.uses_ddp() {
         let bucket = (ctx.config().ddp_bucket_cap_mb * 1024.0 * 1024.0) as usize;
-        ddp::all_reduce_gradients(&model, &mut grads, ctx.dp_group(), bucket)?;
+        match experts.is_empty() {
+            true => ddp::all_reduce_gradients(&model, &mut grads, ctx.dp_group(), bucket)?,
+            false => {
+                ddp::all_reduce_gradients_with_experts(&model, &mut grads, &experts, ctx, bucket)?
+            }
+        }
     }
-    let grad_norm = global_grad_norm(&model, &grads, ctx)?;
+    let grad_norm = grad_norm_with_experts(&model, &grads, &experts, ctx)?;
     if let Some(max) = max_grad_norm {
         clip_to_norm(&model, &mut grads, grad_norm, max);
     }
@@ -88,6 +95,37 @@ fn scalar(data: TensorData) -> f32 {
     data.convert_dtype(DType::F32)
         .try_into_vec::<f32>()
         .expect("an f32 scalar")[0]
+}
+
+/// The parameters split over the ep group under expert parallelism (none without it).
+fn expert_params<M: Parallelize>(model: &M, ctx: &MeshContext) -> HashSet<ParamId> {
+    if ctx.expert_groups().is_none() {
+        return HashSet::new();
+    }
+    let mut description = ModelDescription::default();
+    model.describe("", &mut description);
+    ddp::expert_param_ids(model, &description)
+}
+
+/// [`global_grad_norm`], counting split experts once: under FSDP their shards are disjoint
+/// over dp_shard like every other shard; under DDP the dense gradients are replicated and the
+/// experts' differ over the ep group, so only theirs are summed over it.
+fn grad_norm_with_experts<M: Module + TpModule>(
+    model: &M,
+    grads: &Gradients,
+    experts: &HashSet<ParamId>,
+    ctx: &MeshContext,
+) -> Result<f32, ParallelError> {
+    let groups = match ctx.expert_groups() {
+        Some(groups) if ctx.uses_ddp() && !experts.is_empty() => groups,
+        _ => return global_grad_norm(model, grads, ctx),
+    };
+    let sums = grad_square_sums(model, grads, |id| experts.contains(&id));
+    let summed = groups
+        .ep
+        .all_reduce(TensorData::new(vec![sums.marked], [1]), ReduceOp::Sum)?;
+    let expert_sum = summed.try_into_vec::<f64>().expect("an f64 sum")[0];
+    Ok((sums.other + expert_sum).sqrt() as f32)
 }
 
 /// The global gradient norm: FSDP shards hold disjoint elements (summed over the shard group),

@@ -138,6 +138,9 @@ pub struct TrainConfig {
     /// Elements megatron_fsdp gathers in one collective for consecutive decoder layers
     /// (`None`: one collective per layer).
     pub bucket_size: Option<usize>,
+    /// Expert-parallel size for a MoE model under ddp, fsdp2 and hsdp (`None`: 1): its experts
+    /// are split over `ep` consecutive data-parallel ranks.
+    pub ep: Option<usize>,
     /// The tp plan: `llama` or `llama-sp` (sequence parallel; default `llama`).
     pub tp_plan: String,
     /// Total optimizer steps (default 40).
@@ -201,6 +204,7 @@ impl Default for TrainConfig {
             world_size: 4,
             tp: None,
             dp_replicate: None,
+            ep: None,
             zero_dp_strategy: None,
             bucket_size: None,
             tp_plan: "llama".into(),

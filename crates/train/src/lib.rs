@@ -13,6 +13,7 @@
 
 #![warn(missing_docs)]
 
+mod aux;
 mod config;
 mod error;
 mod malloc;

@@ -37,6 +37,7 @@ pub fn distributed_config(cfg: &TrainConfig) -> DistributedConfig {
             _ => cfg.dp_replicate.unwrap_or(1),
         },
         tp_size,
+        ep_size: cfg.ep.unwrap_or(1),
         sequence_parallel: cfg.sequence_parallel(),
         mp_policy: MixedPrecisionConfig {
             param_dtype: dtype(cfg.param_dtype),
@@ -75,6 +76,26 @@ pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, T
     if (cfg.zero_dp_strategy.is_some() || cfg.bucket_size.is_some()) && s != Strategy::MegatronFsdp
     {
         return bad("--zero-dp-strategy and --bucket-size apply to megatron_fsdp only".into());
+    }
+    if let Some(ep) = cfg.ep.filter(|&ep| ep > 1) {
+        let Some(moe) = &model.moe else {
+            return bad(format!(
+                "--ep {ep} needs a mixture-of-experts model (--model tiny-moe, or a qwen3_moe or \
+                 mixtral config or checkpoint)"
+            ));
+        };
+        if !moe.num_experts.is_multiple_of(ep) {
+            return bad(format!(
+                "--ep {ep} does not divide the model's {} experts",
+                moe.num_experts
+            ));
+        }
+        if cfg.save_every.is_some() || cfg.resume.is_some() {
+            return bad(format!(
+                "--ep {ep} with --save-every or --resume: sharded training checkpoints of split \
+                 experts are not supported yet (--save writes the whole model)"
+            ));
+        }
     }
     let sizes = distributed_config(cfg)
         .validate(cfg.world_size)

@@ -9,7 +9,9 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel_checkpoint::LoadOptions;
 use burn_parallel_comm::{OpKind, run_ranks_on};
 use burn_parallel_fsdp::{RowRequest, gather_full};
-use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, save_llama};
+use burn_parallel_models::checkpoint::{
+    SaveDtype, hf_tensors, lazy_llama, load_llama_ep, save_llama,
+};
 use burn_parallel_models::data::TokenData;
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
@@ -18,6 +20,7 @@ use burn_parallel_parallelizer::{
 use burn_parallel_tp::loss_parallel;
 use serde::Serialize;
 
+use crate::aux::aux_loss;
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::mesh::{distributed_config, mesh_sizes};
@@ -53,6 +56,11 @@ pub struct StepLog {
     /// Peak resident memory of rank 0's process since training started (the model's
     /// construction left out where the platform allows), in bytes.
     pub peak_rss_bytes: u64,
+    /// A MoE model's load-balancing loss over the global batch, unweighted, when the model
+    /// adds it to the loss (`output_router_logits`; the loss above includes
+    /// `router_aux_loss_coef` times it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f32>,
 }
 
 /// Where a step's time went, as rank 0 saw it, in seconds. The collectives' times are inside
@@ -84,6 +92,8 @@ pub struct StepCalls {
     pub reduce_scatter_calls: u64,
     /// All-reduces.
     pub all_reduce_calls: u64,
+    /// All-to-alls (expert parallelism's token and count exchanges).
+    pub all_to_all_calls: u64,
 }
 
 /// A finished run.
@@ -200,6 +210,11 @@ fn build_model(
 ) -> Result<Llama, TrainError> {
     let device = mesh.device();
     Ok(match &cfg.checkpoint {
+        // Each rank reads its own experts; the dense parameters are read whole and then
+        // sharded (the lazy row reads do not cover split experts).
+        Some(dir) if let Some(groups) = mesh.expert_groups() => {
+            parallelize_model(load_llama_ep(dir, device, &groups.ep)?, mesh)?
+        }
         Some(dir) => {
             let (model, rows) = lazy_llama(dir, device)?;
             parallelize_model_from(model, mesh, |r: &RowRequest| {
@@ -260,12 +275,16 @@ fn run_rank(
         let ids = Tensor::<2, Int>::from_data(TensorData::new(batch.inputs, [b, t]), &device);
         let targets = Tensor::<1, Int>::from_data(TensorData::new(batch.targets, [b * t]), &device);
 
-        let logits = model.try_forward(ids)?;
+        let (logits, router_logits) = model.try_forward_routed(ids)?;
         let local_vocab = logits.dims()[2];
         let logits = logits.reshape([b * t, local_vocab]);
         // The mean over this rank's tokens (in f32; over a vocab split when tp > 1):
         // `train_step` weights it by the rows' share of the global batch.
-        let loss = loss_parallel(logits, targets, mesh.tp_group(), vocab)?;
+        let mut loss = loss_parallel(logits, targets, mesh.tp_group(), vocab)?;
+        let aux = aux_loss(&model, &router_logits, &rows, &mesh)?;
+        if let Some((term, _)) = &aux {
+            loss = loss + term.clone();
+        }
         let forward_s = start_time.elapsed().as_secs_f64();
         let mut optimizer_s = 0.0;
         let (next, done) = train_step_with(model, loss, &rows, cfg.grad_clip, &mesh, |m, g| {
@@ -292,6 +311,7 @@ fn run_rank(
             all_gather_calls: comm.op(OpKind::AllGather).calls,
             reduce_scatter_calls: comm.op(OpKind::ReduceScatter).calls,
             all_reduce_calls: comm.op(OpKind::AllReduce).calls,
+            all_to_all_calls: comm.op(OpKind::AllToAll).calls,
         };
         let report = StepLog {
             step,
@@ -303,6 +323,7 @@ fn run_rank(
             calls,
             minor_faults: usage.minor_faults - usage_before.minor_faults,
             peak_rss_bytes: usage.peak_rss_bytes,
+            aux_loss: aux.map(|(_, global)| global),
         };
         if ctx.rank() == 0 {
             on_step(&report);

@@ -9,5 +9,5 @@ mod reader;
 mod writer;
 
 pub use lazy::{CheckpointRows, lazy_llama};
-pub use reader::{CheckpointSource, HfCheckpoint, load_llama};
+pub use reader::{CheckpointSource, HfCheckpoint, load_llama, load_llama_ep};
 pub use writer::{SaveDtype, hf_tensors, save_llama, save_safetensors};

@@ -344,3 +344,19 @@ pub fn load_llama(dir: impl AsRef<Path>, device: &Device) -> Result<Llama, Model
     };
     Llama::from_source(&config, &mut source, device)
 }
+
+/// As [`load_llama`], with a MoE model's experts split over `ep_group`: each rank reads only
+/// its own experts' tensors (see [`Llama::from_source_ep`]).
+pub fn load_llama_ep(
+    dir: impl AsRef<Path>,
+    device: &Device,
+    ep_group: &burn_parallel_comm::ProcessGroup,
+) -> Result<Llama, ModelError> {
+    let dir = dir.as_ref();
+    let config = LlamaConfig::load(dir)?;
+    let checkpoint = HfCheckpoint::open(dir)?;
+    let mut source = CheckpointSource {
+        checkpoint: &checkpoint,
+    };
+    Llama::from_source_ep(&config, &mut source, device, Some(ep_group))
+}

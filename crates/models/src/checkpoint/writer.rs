@@ -13,6 +13,8 @@ use safetensors::tensor::{Dtype, TensorView};
 use super::reader::transpose;
 use crate::error::ModelError;
 use crate::llama::{Llama, RmsNorm};
+use crate::moe::SparseMoe;
+use crate::moe_config::{ExpertProj, MoeFlavor};
 
 /// The dtype tensors are written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +64,41 @@ fn push_linear(
     Ok(())
 }
 
+/// A sparse layer's router and its experts, one `[out, in]` tensor per expert as the hub
+/// stores them. Experts split over an ep group are gathered first (collective over it).
+fn push_moe(
+    out: &mut Vec<(String, TensorData)>,
+    layer: &str,
+    moe: &SparseMoe,
+    flavor: MoeFlavor,
+) -> Result<(), ModelError> {
+    out.push((
+        flavor.router_name(layer),
+        transpose(value(&moe.gate.weight)),
+    ));
+    let experts = &moe.experts;
+    for (proj, stack) in
+        ExpertProj::ALL
+            .into_iter()
+            .zip([&experts.gate_proj, &experts.up_proj, &experts.down_proj])
+    {
+        let mut stack = value(stack);
+        if let Some(shard) = &experts.shard {
+            stack = shard
+                .group()
+                .all_gather(stack, 0)
+                .map_err(burn_parallel_ep::EpError::from)?;
+        }
+        let [n, rows, cols] = stack.shape().dims();
+        let values = stack.try_into_vec::<f32>().expect("f32 data");
+        for (e, one) in values.chunks(rows * cols).enumerate().take(n) {
+            let one = TensorData::new(one.to_vec(), [rows, cols]);
+            out.push((flavor.expert_name(layer, e, proj), transpose(one)));
+        }
+    }
+    Ok(())
+}
+
 fn push_norm(
     out: &mut Vec<(String, TensorData)>,
     name: &str,
@@ -99,12 +136,22 @@ pub fn hf_tensors(model: &Llama) -> Result<Vec<(String, TensorData)>, ModelError
             &format!("{p}.post_attention_layernorm"),
             &l.post_attention_layernorm,
         )?;
-        for (n, lin) in [
-            ("gate_proj", &l.mlp.gate_proj),
-            ("up_proj", &l.mlp.up_proj),
-            ("down_proj", &l.mlp.down_proj),
-        ] {
-            push_linear(&mut out, &format!("{p}.mlp.{n}"), lin)?;
+        for (name, n) in [("q_norm", &a.q_norm), ("k_norm", &a.k_norm)] {
+            if let Some(n) = n {
+                out.push((format!("{p}.self_attn.{name}.weight"), value(&n.weight)));
+            }
+        }
+        if let Some(mlp) = &l.mlp {
+            for (n, lin) in [
+                ("gate_proj", &mlp.gate_proj),
+                ("up_proj", &mlp.up_proj),
+                ("down_proj", &mlp.down_proj),
+            ] {
+                push_linear(&mut out, &format!("{p}.mlp.{n}"), lin)?;
+            }
+        }
+        if let (Some(moe), Some(config)) = (&l.moe, &model.config.moe) {
+            push_moe(&mut out, &p, moe, config.flavor)?;
         }
     }
     push_norm(&mut out, "model.norm", &model.norm)?;
