@@ -33,6 +33,11 @@ pub struct RmsNorm {
 impl RmsNorm {
     /// `x / rms(x) * weight` over the last dim, in `x`'s dtype.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward_scaled(x, self.weight.val())
+    }
+
+    /// The norm with `weight` as its scale (the parameter's value, or it after a collective).
+    fn forward_scaled<const D: usize>(&self, x: Tensor<D>, weight: Tensor<1>) -> Tensor<D> {
         let dtype = x.dtype();
         let x = x.cast(FloatDType::F32);
         let inv_rms = x
@@ -43,8 +48,7 @@ impl RmsNorm {
             .sqrt()
             .recip();
         let normed = (x * inv_rms).cast(dtype);
-        let weight = self.weight.val();
-        let weight = weight.clone().cast(dtype);
+        let weight = weight.cast(dtype);
         normed * weight.unsqueeze::<D>()
     }
 }
@@ -162,9 +166,15 @@ impl Attention {
         let [b, s, _] = q.dims();
         let hd = self.head_dim;
         let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, hd]).swap_dims(1, 2);
-        let head_norm = |n: &Option<RmsNorm>, t: Tensor<4>| match n {
-            Some(n) => n.forward(t),
-            None => t,
+        // Under tensor parallelism each rank norms its own heads with the shared scale, whose
+        // gradient is then partial: copy_to_group sums it over the tp ranks in backward.
+        let tp_group = self.q_proj.sharding().map(|s| s.group.clone());
+        let head_norm = |n: &Option<RmsNorm>, t: Tensor<4>| match (n, &tp_group) {
+            (Some(n), Some(group)) => {
+                n.forward_scaled(t, coll::copy_to_group(n.weight.val(), group))
+            }
+            (Some(n), None) => n.forward(t),
+            (None, _) => t,
         };
         let q = Rope::apply(head_norm(&self.q_norm, split(q, self.heads)), cos, sin);
         let k = Rope::apply(head_norm(&self.k_norm, split(k, self.kv_heads)), cos, sin);

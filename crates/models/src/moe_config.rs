@@ -246,3 +246,31 @@ impl MoeConfig {
         hidden * self.num_experts + self.num_experts * 3 * hidden * self.moe_intermediate_size
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::LlamaConfig;
+
+    const QWEN: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe",
+        "vocab_size":101,"hidden_size":24,"intermediate_size":40,"num_hidden_layers":4,
+        "num_attention_heads":4,"num_key_value_heads":2,"head_dim":6,"num_experts":8,
+        "num_experts_per_tok":2,"moe_intermediate_size":14,"decoder_sparse_step":2,
+        "mlp_only_layers":[3]}"#;
+
+    #[test]
+    fn reads_either_expert_count_key_and_the_sparse_layers() {
+        let c = LlamaConfig::from_json(QWEN).unwrap();
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.norm_topk_prob), (8, false));
+        assert!(c.qk_norm);
+        // (i + 1) % 2 == 0 and not in mlp_only_layers: layer 1 only.
+        let sparse: Vec<usize> = (0..4).filter(|&l| c.is_sparse_layer(l)).collect();
+        assert_eq!(sparse, vec![1]);
+        let other_key = QWEN.replace("\"num_experts\":8", "\"num_local_experts\":6");
+        let c = LlamaConfig::from_json(&other_key).unwrap();
+        assert_eq!(c.moe.unwrap().num_experts, 6);
+        let tiny = LlamaConfig::tiny_moe();
+        let back = LlamaConfig::from_json(&tiny.to_hf_json().to_string()).unwrap();
+        assert_eq!((back.moe, back.qk_norm), (tiny.moe, tiny.qk_norm));
+    }
+}

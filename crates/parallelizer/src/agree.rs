@@ -6,21 +6,23 @@ use burn::module::{Module, Param};
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
 
+use burn_parallel_describe::{ModelDescription, Parallelize};
+
 use crate::context::MeshContext;
 use crate::error::ParallelError;
 
 /// Module paths and checksums (sum, sum of squares, in f32 on the parameter's device) of the
 /// initialized float parameters, in module order. Lazy parameters (read from one checkpoint on
 /// every rank) are left out.
-fn checksums<M: Module>(model: &M) -> (Vec<String>, Vec<Tensor<1>>) {
-    #[derive(Default)]
-    struct Sums {
+fn checksums<M: Module>(model: &M, skip: &dyn Fn(&str) -> bool) -> (Vec<String>, Vec<Tensor<1>>) {
+    struct Sums<'a> {
+        skip: &'a dyn Fn(&str) -> bool,
         paths: Vec<String>,
         sums: Vec<Tensor<1>>,
     }
-    impl PathVisitor for Sums {
+    impl PathVisitor for Sums<'_> {
         fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
-            if !param.is_initialized() {
+            if !param.is_initialized() || (self.skip)(path) {
                 return;
             }
             let value = param.val().detach().cast(FloatDType::F32);
@@ -31,14 +33,19 @@ fn checksums<M: Module>(model: &M) -> (Vec<String>, Vec<Tensor<1>>) {
             self.sums.push(flat.clone().mul(flat).sum());
         }
     }
-    let mut sums = Sums::default();
+    let mut sums = Sums {
+        skip,
+        paths: Vec::new(),
+        sums: Vec::new(),
+    };
     visit_with_paths(model, &mut sums);
     (sums.paths, sums.sums)
 }
 
 /// Checks that every rank of the mesh holds the same parameters as rank 0, naming the first
-/// parameter and rank that differ. Collective over the whole mesh.
-pub(crate) fn check_replicas_agree<M: Module>(
+/// parameter and rank that differ. Under expert parallelism the experts are left out: a model
+/// loaded for it already holds each rank's own. Collective over the whole mesh.
+pub(crate) fn check_replicas_agree<M: Parallelize>(
     model: &M,
     ctx: &MeshContext,
 ) -> Result<(), ParallelError> {
@@ -46,7 +53,11 @@ pub(crate) fn check_replicas_agree<M: Module>(
     if world.size() == 1 {
         return Ok(());
     }
-    let (paths, sums) = checksums(model);
+    let mut description = ModelDescription::default();
+    if ctx.expert_groups().is_some() {
+        model.describe("", &mut description);
+    }
+    let (paths, sums) = checksums(model, &|path| description.is_expert_param(path));
     let local: Vec<f32> = match sums.is_empty() {
         true => Vec::new(),
         false => Tensor::cat(sums, 0)

@@ -610,23 +610,16 @@ impl DistributedConfig {
                 self.strategy
             )));
         }
-        if self.ep_size > 1 {
-            if !matches!(
-                self.strategy,
-                Strategy::Ddp | Strategy::Fsdp2 | Strategy::Hsdp
-            ) {
-                return unsupported(format!(
-                    "expert parallelism (ep_size {}) with strategy {} (ep works with ddp, fsdp2 \
-                     and hsdp)",
-                    self.ep_size, self.strategy
-                ));
-            }
-            if self.tp_size > 1 {
-                return unsupported(format!(
-                    "expert parallelism (ep_size {}) with tensor parallelism (tp_size {})",
-                    self.ep_size, self.tp_size
-                ));
-            }
+        let splits_experts = matches!(
+            self.strategy,
+            Strategy::Ddp | Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp
+        );
+        if self.ep_size > 1 && !splits_experts {
+            return unsupported(format!(
+                "expert parallelism (ep_size {}) with strategy {} (ep works with ddp, fsdp2, \
+                 hsdp and fsdp2_tp)",
+                self.ep_size, self.strategy
+            ));
         }
         if self.cp_size > 1 {
             return unsupported(format!("context parallelism (cp_size {})", self.cp_size));

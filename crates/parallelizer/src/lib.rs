@@ -81,10 +81,22 @@ pub fn parallelize_model_from<M: ParallelizableModel, E: std::fmt::Display>(
     if !ctx.uses_ddp() {
         agree::check_replicas_agree(&model, ctx)?;
     }
+    // Experts split over the ep group are read whole (a model built to be loaded may already
+    // hold only its own, as `load_llama_ep` builds it); the dense parameters stay lazy.
+    let (model, experts) = match ctx.expert_groups() {
+        Some(_) => {
+            let (model, description) = sidecar::split_experts(model, ctx)?;
+            (model, Some(description))
+        }
+        None => (model, None),
+    };
     match ctx.strategy() {
         Strategy::Ddp if ctx.uses_ddp() => {
             let model = sidecar::move_to_context_device(&sidecar, model, ctx)?;
-            ddp::replicate(model, ctx)
+            match experts {
+                Some(description) => ddp::replicate_with_experts(model, &description, ctx),
+                None => ddp::replicate(model, ctx),
+            }
         }
         _ => {
             let (model, description) = sidecar::tp_then_device(&sidecar, model, ctx)?;

@@ -56,20 +56,8 @@ pub trait ModelParallelizer {
     where
         Self: Sized,
     {
-        let groups = ctx
-            .expert_groups()
-            .expect("parallelize_moe runs with expert parallelism");
-        let mut description = ModelDescription::default();
-        model.describe("", &mut description);
-        if description.experts.is_empty() {
-            return Err(ParallelError::Config(format!(
-                "ep_size is {} but the model has no mixture-of-experts module: mark the field \
-                 holding each layer's experts #[experts] (its type implements ExpertModule)",
-                groups.ep.size()
-            )));
-        }
         let model = move_to_context_device(self, model, ctx)?;
-        let model = model.map_units("", &mut ExpertSharder(&groups.ep))?;
+        let (model, description) = split_experts(model, ctx)?;
         if ctx.uses_ddp() {
             return ddp::replicate_with_experts(model, &description, ctx);
         }
@@ -330,17 +318,32 @@ where
         let Some(config) = &self.experts else {
             return Ok(module);
         };
-        if self.source.is_some() {
-            return Err(ParallelError::NotSupported(
-                "a lazy sharded load (parallelize_model_from) with expert parallelism: load \
-                 each rank's experts with the model's own loader (load_llama_ep), then \
-                 parallelize_model"
-                    .into(),
-            ));
-        }
         let config = config.clone().reshard_after_forward((self.reshard)(path));
         shard_one(self.sidecar, module, &config, self.source.as_deref_mut())
     }
+}
+
+/// Splits every `#[experts]` module's experts over the context's ep group (those already split
+/// over it stay as they are), with the model's description. A model without `#[experts]`
+/// modules is an error.
+pub(crate) fn split_experts<M: Parallelize>(
+    model: M,
+    ctx: &MeshContext,
+) -> Result<(M, ModelDescription), ParallelError> {
+    let groups = ctx
+        .expert_groups()
+        .expect("experts are split under expert parallelism");
+    let mut description = ModelDescription::default();
+    model.describe("", &mut description);
+    if description.experts.is_empty() {
+        return Err(ParallelError::Config(format!(
+            "ep_size is {} but the model has no mixture-of-experts module: mark the field \
+             holding each layer's experts #[experts] (its type implements ExpertModule)",
+            groups.ep.size()
+        )));
+    }
+    let model = model.map_units("", &mut ExpertSharder(&groups.ep))?;
+    Ok((model, description))
 }
 
 /// Splits every `#[experts]` module's experts over the ep group; units stay as they are.

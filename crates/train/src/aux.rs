@@ -1,7 +1,7 @@
-//! The router's load-balancing loss of a MoE model over the global batch, as one device
-//! computes it on the whole batch: the experts' top-k counts are summed over the
-//! data-parallel ranks, and each rank's share of the loss is differentiable through its own
-//! router probabilities.
+//! What a MoE model's routers did in a step, over the global batch: the tokens each expert
+//! received and the load-balancing loss as one device computes it on the whole batch. The
+//! experts' top-k counts are summed over the data-parallel ranks; each rank's share of the
+//! loss is differentiable through its own router probabilities.
 
 use burn::tensor::{Tensor, TensorData};
 use burn_parallel_comm::ReduceOp;
@@ -10,55 +10,107 @@ use burn_parallel_parallelizer::{LocalRows, MeshContext};
 
 use crate::error::TrainError;
 
-/// This rank's term of the weighted load-balancing loss (`router_aux_loss_coef` times it),
-/// and the unweighted loss over the global batch, when the model adds it
-/// (`output_router_logits`). `train_step` weights a rank's loss by its rows' share and
-/// averages over the data-parallel ranks; the term is scaled so that the average is the
-/// global loss.
-pub fn aux_loss(
+/// A step's routing over the global batch.
+pub struct RouterReport {
+    /// This rank's term of the weighted load-balancing loss, to add to its loss, when the
+    /// model adds it (`output_router_logits`). `train_step` weights a rank's loss by its rows'
+    /// share and averages over the data-parallel ranks; the term is scaled so that the
+    /// average is `router_aux_loss_coef` times the global loss.
+    pub term: Option<Tensor<1>>,
+    /// The unweighted load-balancing loss over the global batch (with `term`).
+    pub aux_loss: Option<f32>,
+    /// The fewest and most tokens any expert of any sparse layer received.
+    pub expert_tokens: (u64, u64),
+}
+
+/// The routing report of this step's `router_logits` (every sparse layer's, in order);
+/// `None` for a dense model. Collective over the data-parallel group.
+pub fn router_report(
     model: &Llama,
     router_logits: &[Tensor<2>],
     rows: &LocalRows,
     mesh: &MeshContext,
-) -> Result<Option<(Tensor<1>, f32)>, TrainError> {
-    let Some(moe) = model.config.moe.as_ref().filter(|m| m.output_router_logits) else {
+) -> Result<Option<RouterReport>, TrainError> {
+    let Some(moe) = model.config.moe.as_ref() else {
         return Ok(None);
     };
     if router_logits.is_empty() {
         return Ok(None);
     }
-    let stats = RouterStats::new(router_logits, moe.num_experts_per_tok);
-    let experts = stats.counts.len();
-    // One exchange: the counts, the rows and the (detached) probability sums of every rank.
-    let probs: Vec<f32> = stats
-        .prob_sums
-        .clone()
-        .into_data()
-        .convert::<f32>()
-        .try_to_vec()
-        .map_err(|e| TrainError::Config(format!("router probabilities: {e:?}")))?;
-    let mut local: Vec<f64> = stats.counts.iter().map(|&c| c as f64).collect();
-    local.push(stats.rows as f64);
-    local.extend(probs.iter().map(|&p| p as f64));
+    let k = moe.num_experts_per_tok;
+    let layers: Vec<RouterStats> = router_logits
+        .iter()
+        .map(|l| RouterStats::new(std::slice::from_ref(l), k))
+        .collect();
+    let experts = moe.num_experts;
+    let with_aux = moe.output_router_logits;
+    // One exchange: every layer's counts, the rows and (for the loss) the detached
+    // probability sums of every rank.
+    let mut local: Vec<f64> = layers
+        .iter()
+        .flat_map(|s| s.counts.iter().map(|&c| c as f64))
+        .collect();
+    local.push(layers.iter().map(|s| s.rows).sum::<usize>() as f64);
+    let prob_sums = layers
+        .iter()
+        .map(|s| s.prob_sums.clone())
+        .reduce(|a, b| a + b)
+        .expect("a sparse layer");
+    if with_aux {
+        let probs: Vec<f32> = prob_sums
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec()
+            .map_err(|e| TrainError::Config(format!("router probabilities: {e:?}")))?;
+        local.extend(probs.iter().map(|&p| p as f64));
+    }
     let n = local.len();
     let total = mesh
         .dp_group()
         .all_reduce(TensorData::new(local, [n]), ReduceOp::Sum)?
         .try_to_vec::<f64>()
         .map_err(|e| TrainError::Config(format!("summed router stats: {e:?}")))?;
-    let counts: Vec<f32> = total[..experts].iter().map(|&c| c as f32).collect();
-    let total_rows = total[experts] as usize;
-    let prob_sums = &total[experts + 1..];
+    let per_layer = &total[..layers.len() * experts];
+    // A token's k slots each reach an expert: counts are slots.
+    let min = per_layer.iter().copied().fold(f64::INFINITY, f64::min) as u64;
+    let max = per_layer.iter().copied().fold(0.0, f64::max) as u64;
+    let mut report = RouterReport {
+        term: None,
+        aux_loss: None,
+        expert_tokens: (min, max),
+    };
+    if !with_aux {
+        return Ok(Some(report));
+    }
+    // The load-balancing loss stacks every layer's rows: counts summed over layers.
+    let counts: Vec<f32> = (0..experts)
+        .map(|e| {
+            (0..layers.len())
+                .map(|l| per_layer[l * experts + e])
+                .sum::<f64>() as f32
+        })
+        .collect();
+    let total_rows = total[layers.len() * experts] as usize;
+    let global_probs = &total[layers.len() * experts + 1..];
     let global = experts as f64
         * counts
             .iter()
-            .zip(prob_sums)
+            .zip(global_probs)
             .map(|(&c, &p)| c as f64 / total_rows as f64 * p / total_rows as f64)
             .sum::<f64>();
+    let stacked = RouterStats {
+        counts: counts.clone(),
+        prob_sums,
+        rows: total_rows,
+    };
     // Undo train_step's weighting (rows' share) and averaging (1 / dp) for this term.
     let scale = mesh.dp_size() as f64 / rows.loss_weight();
-    let term = stats
-        .loss(&counts, total_rows)
-        .mul_scalar(scale * moe.router_aux_loss_coef);
-    Ok(Some((term, global as f32)))
+    report.term = Some(
+        stacked
+            .loss(&counts, total_rows)
+            .mul_scalar(scale * moe.router_aux_loss_coef),
+    );
+    report.aux_loss = Some(global as f32);
+    Ok(Some(report))
 }

@@ -9,9 +9,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel_checkpoint::LoadOptions;
 use burn_parallel_comm::{OpKind, run_ranks_on};
 use burn_parallel_fsdp::{RowRequest, gather_full};
-use burn_parallel_models::checkpoint::{
-    SaveDtype, hf_tensors, lazy_llama, load_llama_ep, save_llama,
-};
+use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama_ep, save_llama};
 use burn_parallel_models::data::TokenData;
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
@@ -20,7 +18,7 @@ use burn_parallel_parallelizer::{
 use burn_parallel_tp::loss_parallel;
 use serde::Serialize;
 
-use crate::aux::aux_loss;
+use crate::aux::router_report;
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::mesh::{distributed_config, mesh_sizes};
@@ -61,6 +59,13 @@ pub struct StepLog {
     /// `router_aux_loss_coef` times it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub aux_loss: Option<f32>,
+    /// A MoE model's fewest routed token slots any expert of any sparse layer received in the
+    /// global batch (a token routed to k experts fills k slots).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_tokens_min: Option<u64>,
+    /// The most routed token slots any expert received.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_tokens_max: Option<u64>,
 }
 
 /// Where a step's time went, as rank 0 saw it, in seconds. The collectives' times are inside
@@ -210,13 +215,10 @@ fn build_model(
 ) -> Result<Llama, TrainError> {
     let device = mesh.device();
     Ok(match &cfg.checkpoint {
-        // Each rank reads its own experts; the dense parameters are read whole and then
-        // sharded (the lazy row reads do not cover split experts).
-        Some(dir) if let Some(groups) = mesh.expert_groups() => {
-            parallelize_model(load_llama_ep(dir, device, &groups.ep)?, mesh)?
-        }
         Some(dir) => {
-            let (model, rows) = lazy_llama(dir, device)?;
+            // Under expert parallelism each rank reads its own experts whole.
+            let ep = mesh.expert_groups().map(|g| &g.ep);
+            let (model, rows) = lazy_llama_ep(dir, device, ep)?;
             parallelize_model_from(model, mesh, |r: &RowRequest| {
                 rows.read(r.id, r.rows.clone())
             })?
@@ -281,9 +283,9 @@ fn run_rank(
         // The mean over this rank's tokens (in f32; over a vocab split when tp > 1):
         // `train_step` weights it by the rows' share of the global batch.
         let mut loss = loss_parallel(logits, targets, mesh.tp_group(), vocab)?;
-        let aux = aux_loss(&model, &router_logits, &rows, &mesh)?;
-        if let Some((term, _)) = &aux {
-            loss = loss + term.clone();
+        let routing = router_report(&model, &router_logits, &rows, &mesh)?;
+        if let Some(term) = routing.as_ref().and_then(|r| r.term.clone()) {
+            loss = loss + term;
         }
         let forward_s = start_time.elapsed().as_secs_f64();
         let mut optimizer_s = 0.0;
@@ -323,7 +325,9 @@ fn run_rank(
             calls,
             minor_faults: usage.minor_faults - usage_before.minor_faults,
             peak_rss_bytes: usage.peak_rss_bytes,
-            aux_loss: aux.map(|(_, global)| global),
+            aux_loss: routing.as_ref().and_then(|r| r.aux_loss),
+            expert_tokens_min: routing.as_ref().map(|r| r.expert_tokens.0),
+            expert_tokens_max: routing.as_ref().map(|r| r.expert_tokens.1),
         };
         if ctx.rank() == 0 {
             on_step(&report);

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use burn::module::ParamId;
 use burn::tensor::{Device, TensorData};
+use burn_parallel_comm::ProcessGroup;
 
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
@@ -72,13 +73,23 @@ pub fn lazy_llama(
     dir: impl AsRef<Path>,
     device: &Device,
 ) -> Result<(Llama, CheckpointRows), ModelError> {
+    lazy_llama_ep(dir, device, None)
+}
+
+/// As [`lazy_llama`], with a MoE model's experts split over `ep_group`: each rank reads its
+/// own experts now (they are not row-sharded by FSDP's load) and nothing else.
+pub fn lazy_llama_ep(
+    dir: impl AsRef<Path>,
+    device: &Device,
+    ep_group: Option<&ProcessGroup>,
+) -> Result<(Llama, CheckpointRows), ModelError> {
     let dir = dir.as_ref();
     let config = LlamaConfig::load(dir)?;
     let mut source = Deferred {
         checkpoint: Arc::new(HfCheckpoint::open(dir)?),
         names: HashMap::new(),
     };
-    let model = Llama::from_source(&config, &mut source, device)?;
+    let model = Llama::from_source_ep(&config, &mut source, device, ep_group)?;
     let rows = CheckpointRows {
         checkpoint: source.checkpoint,
         names: source.names,

@@ -8,6 +8,6 @@ mod lazy;
 mod reader;
 mod writer;
 
-pub use lazy::{CheckpointRows, lazy_llama};
+pub use lazy::{CheckpointRows, lazy_llama, lazy_llama_ep};
 pub use reader::{CheckpointSource, HfCheckpoint, load_llama, load_llama_ep};
 pub use writer::{SaveDtype, hf_tensors, save_llama, save_safetensors};
