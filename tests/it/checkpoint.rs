@@ -50,7 +50,7 @@ fn run(cfg: &TrainConfig) -> TrainSummary {
 }
 
 /// Every tensor of a checkpoint (parameters and optimizer state), whole, by name.
-fn tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
+pub fn tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
     let c = Checkpoint::open(dir).unwrap();
     c.metadata()
         .tensors

@@ -15,8 +15,10 @@ use burn_parallel::models::checkpoint::{
 };
 use burn_parallel::models::{Llama, LlamaConfig, ModelError};
 
+use burn_parallel::checkpoint::step_dir;
 use burn_parallel::train::{OptimizerKind, Strategy, TrainConfig};
 
+use crate::checkpoint::tensors;
 use crate::common::{assert_close, ndarray, ndarray_ad, to_vec, vec_of};
 use crate::llama_hf::temp_dir;
 use crate::llama_train::{assert_curves, run, small_run};
@@ -488,4 +490,51 @@ fn moe_checkpoints_train_under_expert_parallelism_as_on_one_device() {
         }
     }
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// Split experts are saved as their rows of the whole expert stack, so a run checkpointed under
+/// one expert layout resumes under another (or on one device) and continues one device's
+/// training: the same losses and, after the last step, the same weights and AdamW moments.
+#[test]
+fn moe_training_checkpoints_resume_across_expert_layouts() {
+    let root = temp_dir("moe-resume");
+    let cfg = |strategy, world, ep, dir: &Path, steps| TrainConfig {
+        steps,
+        save_every: Some(3),
+        save_dir: Some(dir.to_path_buf()),
+        ..moe_run(strategy, world, ep, OptimizerKind::AdamW)
+    };
+    let single_dir = root.join("single");
+    let single = run(&cfg(Strategy::Single, 1, 1, &single_dir, 6));
+    let want = tensors(&step_dir(&single_dir, 6));
+    let first = root.join("first");
+    run(&cfg(Strategy::Fsdp2, 4, 2, &first, 3));
+    for (strategy, world, ep) in [
+        (Strategy::Ddp, 2, 2),
+        (Strategy::Fsdp2, 4, 4),
+        (Strategy::Single, 1, 1),
+    ] {
+        let what = format!("fsdp2 x4 ep 2 -> {strategy} x{world} ep {ep}");
+        let second = root.join(format!("{strategy}-{world}-{ep}"));
+        let resumed = run(&TrainConfig {
+            resume: Some(step_dir(&first, 3)),
+            ..cfg(strategy, world, ep, &second, 6)
+        });
+        assert_eq!(resumed.steps[0].step, 3, "{what}");
+        for (got, want) in resumed.steps.iter().zip(&single.steps[3..]) {
+            let (a, b) = (got.report.loss, want.report.loss);
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{what}: step {} loss {a} vs {b}",
+                got.step
+            );
+        }
+        let got = tensors(&step_dir(&second, 6));
+        let names = |t: &[(String, Vec<f32>)]| t.iter().map(|x| x.0.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&got), names(&want), "{what}");
+        for ((name, g), (_, w)) in got.iter().zip(&want) {
+            assert_close(g, w, 1e-5, &format!("{what}: {name}"));
+        }
+    }
+    std::fs::remove_dir_all(root).ok();
 }

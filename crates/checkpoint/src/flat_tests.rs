@@ -13,7 +13,10 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Gradients, Tensor, TensorData};
 use burn_parallel_comm::launch;
 use burn_parallel_fsdp::{FsdpConfig, ShardLayout, fully_shard};
-use burn_parallel_parallelizer::{DistributedConfig, MeshContext, Strategy};
+use burn_parallel_parallelizer::{
+    DefaultParallelizer, DistributedConfig, MeshContext, ModelDescription, Parallelize, Strategy,
+    UnitMap,
+};
 use burn_parallel_tp::{TpApplier, TpError, TpModule};
 
 use crate::{
@@ -38,6 +41,15 @@ impl TpModule for Net {
     }
     fn visit_tp_sharded<V: ModuleVisitor>(&self, _visitor: &mut V) {}
     fn gather_tp(self) -> Result<Self, TpError> {
+        Ok(self)
+    }
+}
+
+/// No units, plans or experts of its own: the test shards it by hand.
+impl Parallelize for Net {
+    type Sidecar = DefaultParallelizer;
+    fn describe(&self, _path: &str, _out: &mut ModelDescription) {}
+    fn map_units<F: UnitMap>(self, _path: &str, _f: &mut F) -> Result<Self, F::Error> {
         Ok(self)
     }
 }

@@ -17,8 +17,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_parallel_parallelizer::MeshContext;
-use burn_parallel_tp::TpModule;
+use burn_parallel_parallelizer::{MeshContext, Parallelize};
 
 use crate::dirs::resolve;
 use crate::error::CheckpointError;
@@ -118,7 +117,7 @@ impl Checkpoint {
     /// Loads the checkpoint into `model` (parallelized under `mesh`, in any layout) and, when
     /// given, `optimizer`. Collective: every rank calls it. Every check runs, and the ranks
     /// agree on it, before any parameter is replaced; an error leaves no rank half-loaded.
-    pub fn load<M: Module + TpModule>(
+    pub fn load<M: Parallelize>(
         &self,
         model: M,
         optimizer: Option<&mut dyn OptimizerState>,

@@ -9,7 +9,9 @@ use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Device, Tensor};
+use burn_parallel_ep::ExpertModule;
 use burn_parallel_fsdp::{ParamState, PathVisitor, param_states, visit_with_paths};
+use burn_parallel_parallelizer::{Parallelize, UnitMap};
 use burn_parallel_tp::{ShardSpec, TpModule};
 
 use crate::error::CheckpointError;
@@ -96,29 +98,59 @@ fn tp_splits<M: TpModule>(model: &M) -> HashMap<ParamId, (usize, ShardSpec, Stri
     splits
 }
 
+/// The expert-parallel split of each parameter of an `#[experts]` module whose experts are
+/// split over an ep group: along dim 0 (the experts), this rank's experts of how many.
+fn expert_splits<M: Parallelize>(model: &M) -> HashMap<ParamId, (std::ops::Range<usize>, usize)> {
+    struct Record(HashMap<ParamId, (std::ops::Range<usize>, usize)>);
+    impl UnitMap for Record {
+        type Error = std::convert::Infallible;
+        fn unit<N: Module>(&mut self, _path: &str, module: N) -> Result<N, Self::Error> {
+            Ok(module)
+        }
+        fn experts<N: ExpertModule>(&mut self, _path: &str, module: N) -> Result<N, Self::Error> {
+            if let Some(shard) = module.expert_shard() {
+                let split = (shard.local_experts(), shard.num_experts());
+                let mut ids = Ids(HashSet::new());
+                module.visit(&mut ids);
+                self.0
+                    .extend(ids.0.into_iter().map(|id| (id, split.clone())));
+            }
+            Ok(module)
+        }
+    }
+    let mut record = Record(HashMap::new());
+    // The walk rebuilds what it visits: a clone (its tensors are shared, not copied) takes it.
+    let Ok(_) = model.clone().map_units("", &mut record);
+    record.0
+}
+
+struct Ids(HashSet<ParamId>);
+
+impl ModuleVisitor for Ids {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.0.insert(param.id);
+    }
+}
+
 /// Ids of the parameters the model says tensor parallelism split (whether or not it reports
 /// how).
 fn tp_sharded_ids<M: TpModule>(model: &M) -> HashSet<ParamId> {
-    struct Ids(HashSet<ParamId>);
-    impl ModuleVisitor for Ids {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.insert(param.id);
-        }
-    }
     let mut ids = Ids(HashSet::new());
     model.visit_tp_sharded(&mut ids);
     ids.0
 }
 
 /// Every stored float parameter of `model` on this rank, in module order, with the part of
-/// the full tensor it holds. No communication.
-pub fn placements<M: Module + TpModule>(model: &M) -> Result<Vec<Placement>, CheckpointError> {
+/// the full tensor it holds (a split expert stack: this rank's experts along dim 0). No
+/// communication.
+pub fn placements<M: Parallelize>(model: &M) -> Result<Vec<Placement>, CheckpointError> {
     let fsdp: HashMap<ParamId, _> = param_states(model)
         .into_iter()
         .map(|s| (s.id(), s))
         .collect();
     let splits = tp_splits(model);
     let tp_sharded = tp_sharded_ids(model);
+    let experts = expert_splits(model);
     let mut out = Vec::new();
     for p in stored_params(model) {
         let bad = |reason: String| CheckpointError::Placement {
@@ -152,6 +184,18 @@ pub fn placements<M: Module + TpModule>(model: &M) -> Result<Vec<Placement>, Che
             shape[*dim] = spec.full;
             for region in &mut regions {
                 region.start[*dim] += spec.range.start;
+            }
+        }
+        if let Some((local, total)) = experts.get(&p.id) {
+            if shape.first() != Some(&local.len()) {
+                return Err(bad(format!(
+                    "expert parallelism keeps experts {local:?} of {total} on this rank, but the \
+                     parameter's shard has shape {shape:?}"
+                )));
+            }
+            shape[0] = *total;
+            for region in &mut regions {
+                region.start[0] += local.start;
             }
         }
         let flat = fsdp.get(&p.id).is_some_and(|s| s.rows().is_none());

@@ -21,8 +21,7 @@ use std::thread::JoinHandle;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
-use burn_parallel_parallelizer::MeshContext;
-use burn_parallel_tp::TpModule;
+use burn_parallel_parallelizer::{MeshContext, Parallelize};
 use serde::{Deserialize, Serialize};
 
 use crate::dirs::{fresh_dir, publish, temp_dir};
@@ -120,7 +119,7 @@ struct LocalTensors {
 
 /// This rank's tensors: every parameter's stored shard, then the optimizer state of each,
 /// one [`Local`] per box of the shard.
-fn local_tensors<M: Module + TpModule>(
+fn local_tensors<M: Parallelize>(
     model: &M,
     optimizer: Option<&dyn OptimizerState>,
 ) -> Result<LocalTensors, CheckpointError> {
@@ -327,7 +326,7 @@ enum Writing {
 /// progress to the checkpoint directory `dir` (by convention [`step_dir`](crate::step_dir)
 /// of a save directory), atomically. Collective: every rank calls it. Each rank writes only
 /// what it holds and no rank gathers a parameter.
-pub fn save<M: Module + TpModule>(
+pub fn save<M: Parallelize>(
     dir: &Path,
     model: &M,
     optimizer: Option<&dyn OptimizerState>,
@@ -343,7 +342,7 @@ pub fn save<M: Module + TpModule>(
 /// training goes on meanwhile; the snapshot keeps the old tensors alive until written. Call
 /// [`PendingSave::finish`] on every rank at the same point of the loop (before the next save
 /// at the latest) to commit. Until then the checkpoint does not exist.
-pub fn save_async<M: Module + TpModule>(
+pub fn save_async<M: Parallelize>(
     dir: &Path,
     model: &M,
     optimizer: Option<&dyn OptimizerState>,
@@ -354,7 +353,7 @@ pub fn save_async<M: Module + TpModule>(
     start(dir, model, optimizer, progress, mesh, options, true)
 }
 
-fn start<M: Module + TpModule>(
+fn start<M: Parallelize>(
     dir: &Path,
     model: &M,
     optimizer: Option<&dyn OptimizerState>,

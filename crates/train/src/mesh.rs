@@ -90,12 +90,6 @@ pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, T
                 moe.num_experts
             ));
         }
-        if cfg.save_every.is_some() || cfg.resume.is_some() {
-            return bad(format!(
-                "--ep {ep} with --save-every or --resume: sharded training checkpoints of split \
-                 experts are not supported yet (--save writes the whole model)"
-            ));
-        }
     }
     let sizes = distributed_config(cfg)
         .validate(cfg.world_size)

@@ -8,8 +8,7 @@ use burn::tensor::Gradients;
 use burn_parallel_checkpoint::{
     Checkpoint, OptimizerState, SaveOptions, TrainingProgress, save, step_dir,
 };
-use burn_parallel_parallelizer::MeshContext;
-use burn_parallel_tp::TpModule;
+use burn_parallel_parallelizer::{MeshContext, Parallelize};
 use serde_json::json;
 
 use crate::config::{OptimizerKind, TrainConfig};
@@ -106,7 +105,7 @@ pub(crate) fn saves_after(cfg: &TrainConfig, done: usize) -> bool {
 }
 
 /// Saves the run's state after `done` steps into `save_dir/step-N` (collective).
-pub(crate) fn save_checkpoint<M: Module + TpModule>(
+pub(crate) fn save_checkpoint<M: Parallelize>(
     cfg: &TrainConfig,
     save_dir: &Path,
     done: usize,
