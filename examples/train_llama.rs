@@ -55,8 +55,8 @@ struct Args {
     /// Replica count under hsdp (default 2) and megatron_fsdp (default 1).
     #[arg(long)]
     dp_replicate: Option<usize>,
-    /// Expert-parallel size for a MoE model (ddp, fsdp2, hsdp): its experts are split over this
-    /// many consecutive data-parallel ranks.
+    /// Expert-parallel size for a MoE model (ddp, fsdp2, hsdp, fsdp2_tp, megatron_fsdp): its
+    /// experts are split over this many consecutive data-parallel ranks.
     #[arg(long)]
     ep: Option<usize>,
     /// The built-in model when neither --checkpoint nor --config is given: tiny (a Llama) or

@@ -377,6 +377,7 @@ fn moe_strategies_match_single(optimizer: OptimizerKind, aux: bool) {
         (Strategy::Hsdp, 4, 2),
         (Strategy::Fsdp2, 3, 1),
         (Strategy::Fsdp2Tp, 4, 2),
+        (Strategy::MegatronFsdp, 4, 2),
     ] {
         let what = format!("{strategy} on {world}, ep {ep} ({optimizer}, aux {aux})");
         let out = dir.join(format!("{strategy}-{world}-{ep}"));
@@ -439,10 +440,10 @@ fn moe_meshes_that_do_not_fit_are_named_before_training() {
         e.contains("--ep 2") && e.contains("mixture-of-experts"),
         "{e}"
     );
-    // Megatron-FSDP does not split experts yet.
-    let e = err(moe_run(Strategy::MegatronFsdp, 2, 2, OptimizerKind::Sgd));
+    // Plain tensor parallelism has no data-parallel ranks to split experts over.
+    let e = err(moe_run(Strategy::Tp, 2, 2, OptimizerKind::Sgd));
     assert!(
-        e.contains("expert parallelism") && e.contains("megatron_fsdp"),
+        e.contains("expert parallelism") && e.contains("strategy tp"),
         "{e}"
     );
 }

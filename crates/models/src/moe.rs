@@ -77,11 +77,10 @@ impl Experts {
         let local = expert - self.local_experts().start;
         let dtype = rows.dtype();
         let weight = |p: &Param<Tensor<3>>| {
-            let [_, d_in, d_out] = p.shape().dims();
-            p.val()
-                .narrow(0, local, 1)
-                .reshape([d_in, d_out])
-                .cast(dtype)
+            // The value's shape: under FSDP the stored shard has another.
+            let value = p.val();
+            let [_, d_in, d_out] = value.dims();
+            value.narrow(0, local, 1).reshape([d_in, d_out]).cast(dtype)
         };
         let gate = rows.clone().matmul(weight(&self.gate_proj));
         let up = rows.matmul(weight(&self.up_proj));

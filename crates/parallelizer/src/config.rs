@@ -395,7 +395,7 @@ pub struct DistributedConfig {
     pub cp_size: usize,
     /// Expert-parallel ranks (default 1: none): a MoE model's experts are split over `ep`
     /// consecutive dp_shard ranks, which exchange tokens; `ep_size` must divide the dp_shard
-    /// size (strategies ddp, fsdp2 and hsdp).
+    /// size (strategies ddp, fsdp2, hsdp, fsdp2_tp and megatron_fsdp).
     pub ep_size: usize,
     /// The mesh dimension names (default NeMo's: `dp_replicate`, `dp_shard_cp`, `tp`).
     pub mesh_names: MeshNames,
@@ -612,12 +612,16 @@ impl DistributedConfig {
         }
         let splits_experts = matches!(
             self.strategy,
-            Strategy::Ddp | Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp
+            Strategy::Ddp
+                | Strategy::Fsdp2
+                | Strategy::Hsdp
+                | Strategy::Fsdp2Tp
+                | Strategy::MegatronFsdp
         );
         if self.ep_size > 1 && !splits_experts {
             return unsupported(format!(
                 "expert parallelism (ep_size {}) with strategy {} (ep works with ddp, fsdp2, \
-                 hsdp and fsdp2_tp)",
+                 hsdp, fsdp2_tp and megatron_fsdp)",
                 self.ep_size, self.strategy
             ));
         }

@@ -138,8 +138,8 @@ pub struct TrainConfig {
     /// Elements megatron_fsdp gathers in one collective for consecutive decoder layers
     /// (`None`: one collective per layer).
     pub bucket_size: Option<usize>,
-    /// Expert-parallel size for a MoE model under ddp, fsdp2 and hsdp (`None`: 1): its experts
-    /// are split over `ep` consecutive data-parallel ranks.
+    /// Expert-parallel size for a MoE model under ddp, fsdp2, hsdp, fsdp2_tp and megatron_fsdp
+    /// (`None`: 1): its experts are split over `ep` consecutive data-parallel ranks.
     pub ep: Option<usize>,
     /// The tp plan: `llama` or `llama-sp` (sequence parallel; default `llama`).
     pub tp_plan: String,
