@@ -42,6 +42,10 @@ pub enum EpError {
         /// Columns of its output rows.
         output: usize,
     },
+    /// Experts cannot be split as asked: already split otherwise, or a split of another
+    /// expert count.
+    #[error("cannot split the experts: {0}")]
+    Split(String),
     /// The experts' parameters could not be gathered (under FSDP).
     #[error("gathering the experts' parameters failed: {0}")]
     Gather(String),

@@ -42,18 +42,17 @@ impl Experts {
 
     /// Keeps this rank's experts of the full stack: those `shard` assigns to it.
     pub fn shard(self, shard: ExpertShard) -> Result<Self, EpError> {
-        if shard.num_experts() != self.num_experts || self.shard.is_some() {
-            return Err(EpError::BadCounts {
-                what: format!(
-                    "cannot shard {} experts{} as {shard:?}",
-                    self.num_experts,
-                    if self.shard.is_some() {
-                        " that are already sharded"
-                    } else {
-                        ""
-                    }
-                ),
-            });
+        if let Some(current) = &self.shard {
+            return Err(EpError::Split(format!(
+                "they are already split as {current:?}"
+            )));
+        }
+        if shard.num_experts() != self.num_experts {
+            return Err(EpError::Split(format!(
+                "the layer has {} experts, the split {shard:?} is for {}",
+                self.num_experts,
+                shard.num_experts()
+            )));
         }
         let local = shard.local_experts();
         let keep = |p: Param<Tensor<3>>| {
@@ -154,11 +153,9 @@ impl ExpertModule for Experts {
             return if shard.group().ranks() == ep_group.ranks() {
                 Ok(self)
             } else {
-                Err(EpError::BadCounts {
-                    what: format!(
-                        "the experts are already split as {shard:?}, not over {ep_group:?}"
-                    ),
-                })
+                Err(EpError::Split(format!(
+                    "they are already split as {shard:?}, not over {ep_group:?}"
+                )))
             };
         }
         let shard = ExpertShard::new(ep_group.clone(), self.num_experts)?;
