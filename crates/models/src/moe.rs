@@ -7,8 +7,9 @@
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::activation::{silu, softmax};
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::collectives::split_views;
 use burn_parallel_ep::{EpError, ExpertModule, ExpertShard, Routing, run_experts};
 use burn_parallel_fsdp::with_module_unit;
 use burn_parallel_macros::parallelize;
@@ -71,20 +72,34 @@ impl Experts {
         })
     }
 
-    /// Expert `expert` (global index, held here) on `rows` `[n, hidden]`.
-    fn forward_one(&self, expert: usize, rows: Tensor<2>) -> Tensor<2> {
-        let local = expert - self.local_experts().start;
-        let dtype = rows.dtype();
-        let weight = |p: &Param<Tensor<3>>| {
+    /// Each local expert's `[in, out]` matrices of the three projections, in `dtype`: views of
+    /// the stacks whose backward builds each stack's gradient once (a plain slice per expert
+    /// would allocate a whole stack of zeros per expert in backward).
+    fn per_expert(&self, dtype: DType) -> [Vec<Tensor<2>>; 3] {
+        let views = |p: &Param<Tensor<3>>| -> Vec<Tensor<2>> {
             // The value's shape: under FSDP the stored shard has another.
             let value = p.val();
-            let [_, d_in, d_out] = value.dims();
-            value.narrow(0, local, 1).reshape([d_in, d_out]).cast(dtype)
+            let [n, d_in, d_out] = value.dims();
+            let size = d_in * d_out;
+            let ranges: Vec<_> = (0..n).map(|e| e * size..(e + 1) * size).collect();
+            split_views(value.reshape([n * size]), &ranges)
+                .into_iter()
+                .map(|w| w.reshape([d_in, d_out]).cast(dtype))
+                .collect()
         };
-        let gate = rows.clone().matmul(weight(&self.gate_proj));
-        let up = rows.matmul(weight(&self.up_proj));
-        (silu(gate) * up).matmul(weight(&self.down_proj))
+        [
+            views(&self.gate_proj),
+            views(&self.up_proj),
+            views(&self.down_proj),
+        ]
     }
+}
+
+/// SwiGLU of one expert on `rows` `[n, hidden]`: `down(silu(rows gate) * rows up)`.
+fn swiglu(rows: Tensor<2>, [gate, up, down]: [&Tensor<2>; 3]) -> Tensor<2> {
+    let g = rows.clone().matmul(gate.clone());
+    let u = rows.matmul(up.clone());
+    (silu(g) * u).matmul(down.clone())
 }
 
 /// The sparse MoE block: `Qwen3MoeSparseMoeBlock` / `MixtralSparseMoeBlock`. Its experts
@@ -128,12 +143,17 @@ impl SparseMoe {
         let rows = x.select(0, int_tensor(&token_of, [token_of.len()], &device));
         // Under FSDP the experts are a unit of their own (sharded over the ranks holding the
         // same experts): gathered once for all of them.
+        let first = self.experts.local_experts().start;
         let outputs = with_module_unit(&self.experts, || {
+            let [gate, up, down] = self.experts.per_expert(rows.dtype());
             run_experts(
                 rows,
                 &routing.counts,
                 self.experts.shard.as_ref(),
-                |e, rows| self.experts.forward_one(e, rows),
+                |e, rows| {
+                    let local = e - first;
+                    swiglu(rows, [&gate[local], &up[local], &down[local]])
+                },
             )
         })
         .map_err(|e| EpError::Gather(e.to_string()))??;
