@@ -110,6 +110,34 @@ fn llama_every_strategy_matches_single_adamw_clipped() {
     every_strategy_matches_single(OptimizerKind::AdamW, Some(0.5));
 }
 
+/// flex runs the fused blocks' loops (ndarray their plain-op kernels): the same training on
+/// one device, and the sharded strategies (whose checkpointing device recomputes the fused
+/// blocks' outputs in backward) against it.
+#[test]
+fn llama_on_flex_matches_ndarray_and_every_strategy_matches_single() {
+    let on_ndarray = run(&small_run(Strategy::Single, 1, OptimizerKind::AdamW));
+    let single = TrainConfig {
+        backend: Backend::Flex,
+        ..small_run(Strategy::Single, 1, OptimizerKind::AdamW)
+    };
+    let on_flex = run(&single);
+    assert_curves(&on_flex, &on_ndarray, 1e-5, "flex single against ndarray");
+    for (strategy, world, tp, plan) in [
+        (Strategy::Fsdp2, 3, None, "llama"),
+        (Strategy::Tp, 2, Some(2), "llama-sp"),
+    ] {
+        let cfg = TrainConfig {
+            strategy,
+            world_size: world,
+            tp,
+            tp_plan: plan.into(),
+            ..single.clone()
+        };
+        let what = format!("flex {strategy} on {world} ({plan})");
+        assert_curves(&run(&cfg), &on_flex, 1e-5, &what);
+    }
+}
+
 #[test]
 fn llama_bf16_on_flex_is_close_to_f32() {
     let f32_run = TrainConfig {

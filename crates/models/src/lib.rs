@@ -15,6 +15,7 @@ pub mod checkpoint;
 mod config;
 pub mod data;
 mod error;
+pub mod fused;
 mod init;
 mod llama;
 mod moe;

@@ -5,8 +5,7 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear};
-use burn::tensor::activation::{silu, softmax};
-use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_parallel_comm::collectives as coll;
 use burn_parallel_macros::parallelize;
 use burn_parallel_tp::{Layout, ParallelStyle, Tp, forward_shared};
@@ -16,6 +15,7 @@ use burn_parallel_ep::{ExpertModule, ExpertShard};
 
 use crate::config::{LlamaConfig, RopeScaling};
 use crate::error::ModelError;
+use crate::fused;
 use crate::init::{ParamKind, SeededInit, TensorSource};
 use crate::moe::{Experts, SparseMoe};
 use crate::moe_config::{ExpertProj, MoeConfig};
@@ -38,18 +38,7 @@ impl RmsNorm {
 
     /// The norm with `weight` as its scale (the parameter's value, or it after a collective).
     fn forward_scaled<const D: usize>(&self, x: Tensor<D>, weight: Tensor<1>) -> Tensor<D> {
-        let dtype = x.dtype();
-        let x = x.cast(FloatDType::F32);
-        let inv_rms = x
-            .clone()
-            .square()
-            .mean_dim(D - 1)
-            .add_scalar(self.eps)
-            .sqrt()
-            .recip();
-        let normed = (x * inv_rms).cast(dtype);
-        let weight = weight.cast(dtype);
-        normed * weight.unsqueeze::<D>()
+        fused::rms_norm(x, weight, self.eps)
     }
 }
 
@@ -118,11 +107,7 @@ impl Rope {
 
     /// `x * cos + rotate_half(x) * sin` on `[batch, heads, seq, head_dim]`.
     pub fn apply(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
-        let half = x.dims()[3] / 2;
-        let x1 = x.clone().narrow(3, 0, half);
-        let x2 = x.clone().narrow(3, half, half);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        x * cos.clone() + rotated * sin.clone()
+        fused::rotary(x, cos, sin)
     }
 }
 
@@ -190,33 +175,11 @@ impl Attention {
             }
         };
         let (k, v) = (repeat(k), repeat(v));
-        let dtype = q.dtype();
-        let scores = q
-            .matmul(k.swap_dims(2, 3))
-            .mul_scalar(1.0 / (hd as f64).sqrt());
-        // Softmax in f32 with the causal mask, as transformers' eager attention.
-        let scores = scores.cast(FloatDType::F32) + causal_mask(s, &cos.device());
-        let probs = softmax(scores, 3).cast(dtype);
-        let out = probs
-            .matmul(v)
+        let out = fused::causal_attention(q, k, v, 1.0 / (hd as f64).sqrt())
             .swap_dims(1, 2)
             .reshape([b, s, self.heads * hd]);
         self.o_proj.forward(out)
     }
-}
-
-/// `[1, 1, s, s]`: 0 on and below the diagonal, -inf above.
-fn causal_mask(s: usize, device: &Device) -> Tensor<4> {
-    let v: Vec<f32> = (0..s * s)
-        .map(|i| {
-            if i % s > i / s {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_data(TensorData::new(v, [1, 1, s, s]), device)
 }
 
 /// SwiGLU: `down(silu(gate(x)) * up(x))`.
@@ -237,7 +200,7 @@ impl Mlp {
         // gate and up read the same input: one input collective serves both.
         let [gate, up] =
             forward_shared(x, [&self.gate_proj, &self.up_proj]).unwrap_or_else(|e| panic!("{e}"));
-        self.down_proj.forward(silu(gate) * up)
+        self.down_proj.forward(fused::swiglu(gate, up))
     }
 }
 

@@ -6,7 +6,7 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives::split_views;
@@ -99,7 +99,7 @@ impl Experts {
 fn swiglu(rows: Tensor<2>, [gate, up, down]: [&Tensor<2>; 3]) -> Tensor<2> {
     let g = rows.clone().matmul(gate.clone());
     let u = rows.matmul(up.clone());
-    (silu(g) * u).matmul(down.clone())
+    crate::fused::swiglu(g, u).matmul(down.clone())
 }
 
 /// The sparse MoE block: `Qwen3MoeSparseMoeBlock` / `MixtralSparseMoeBlock`. Its experts
