@@ -6,12 +6,14 @@
 //! Run: cargo bench --bench kernels
 //!
 //! Prints the median of 7 timed runs (after one warm-up) of each block and the ratio fused /
-//! op by op (below 1: the fused block is faster). One thread.
+//! op by op (below 1: the fused block is faster). One thread, freed pages kept in the process
+//! (the trainer's `Malloc::Kept`).
 
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::models::fused::{self, reference};
+use burn_parallel::train::Malloc;
 
 const ROWS: usize = 2;
 const SEQ: usize = 128;
@@ -67,6 +69,8 @@ fn report(name: &str, shape: &str, op_by_op: Duration, fused: Duration) {
 }
 
 fn main() {
+    // The trainer's allocator setting: freed pages stay in the process.
+    Malloc::Kept.apply();
     let device = Device::flex().autodiff();
     println!(
         "{:<11}{:<22}{:>12}{:>10}{:>8}",
