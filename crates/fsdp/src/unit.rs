@@ -12,8 +12,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
-use burn_parallel_comm::collectives::{device_mismatch, split_views};
+use burn::tensor::{DType, Device, FloatDType, Tensor};
+use burn_parallel_comm::collectives::{device_mismatch, place_flat, split_views};
 
 use crate::error::FsdpError;
 use crate::gather::{PendingGather, start_gather};
@@ -35,16 +35,12 @@ impl Drop for ServeGuard {
     }
 }
 
-fn zeros(n: usize, dtype: DType, device: &burn::tensor::Device) -> Tensor<1> {
-    let data = TensorData::new(vec![0f32; n], [n]).convert_dtype(dtype);
-    // The dtype given explicitly: `from_data` alone takes the device's default float dtype.
-    Tensor::from_data(data, (device, dtype))
-}
-
-/// One unit's share of a gather: what this rank contributes (its pieces in order, padded to
-/// `per_rank` elements) and how the gathered share maps to the parameters.
+/// One unit's share of a gather: what this rank contributes (each parameter's shard at its
+/// offset, zeros elsewhere, `per_rank` elements) and how the gathered share maps to the
+/// parameters.
 struct Part {
-    pieces: Vec<Tensor<1>>,
+    /// One per parameter (empty shards too), so that every rank builds the same graph.
+    pieces: Vec<(usize, Tensor<1>)>,
     /// Each parameter's state and its padded chunk's start in a rank's contribution (rows),
     /// or its start in the unit's gathered buffer (flat).
     params: Vec<(Arc<ParamState>, usize)>,
@@ -109,14 +105,9 @@ fn row_part(collected: &[Collected]) -> Part {
     let mut params = Vec::new();
     let mut per_rank = 0;
     for c in collected {
-        let padded = c.state.padded_rows() * c.state.row_len();
-        let own = c.shard.dims()[0];
-        pieces.push(c.shard.clone());
-        if padded > own {
-            pieces.push(zeros(padded - own, c.shard.dtype(), &c.shard.device()));
-        }
+        pieces.push((per_rank, c.shard.clone()));
         params.push((c.state.clone(), per_rank));
-        per_rank += padded;
+        per_rank += c.state.padded_rows() * c.state.row_len();
     }
     Part {
         pieces,
@@ -147,11 +138,11 @@ fn flat_part(
             collected.len() - in_unit
         )));
     }
-    let mut pieces: Vec<Tensor<1>> = collected.iter().map(|c| c.shard.clone()).collect();
-    let own: usize = collected.iter().map(|c| c.shard.dims()[0]).sum();
-    if own < flat.per_rank {
-        let first = &collected[0].shard;
-        pieces.push(zeros(flat.per_rank - own, first.dtype(), &first.device()));
+    let mut pieces = Vec::with_capacity(collected.len());
+    let mut own = 0;
+    for c in collected {
+        pieces.push((own, c.shard.clone()));
+        own += c.shard.dims()[0];
     }
     let params = collected
         .iter()
@@ -193,25 +184,15 @@ fn start_parts(
     let mut placed = Vec::new();
     let mut start = 0;
     for mut part in parts {
-        pieces.append(&mut part.pieces);
+        pieces.extend(part.pieces.drain(..).map(|(at, p)| (start + at, p)));
         let len = part.per_rank;
         placed.push((part, start));
         start += len;
     }
-    let mut local = Tensor::cat(pieces, 0);
-    if !local.is_tracked() {
-        // A rank that holds no rows of any trainable parameter: Burn drops empty tensors from
-        // the concatenation, so tie the buffer to the (empty) shards with an exact zero, and
-        // its backward runs the unit's reduce-scatter like every other rank's.
-        let anchor = collected
-            .iter()
-            .filter(|c| c.shard.is_tracked())
-            .map(|c| c.shard.clone().sum())
-            .reduce(|a, b| a + b);
-        if let Some(zero) = anchor {
-            local = local + zero;
-        }
-    }
+    // Rebuilt in backward, not kept, when the gather is recomputed (reshard after forward).
+    // A rank with no rows of a parameter still places its (empty) shard, so the buffer is
+    // tracked and backward runs the unit's reduce-scatter on every rank.
+    let local = place_flat(per_rank, pieces);
     let gather = start_gather(
         local,
         unit,

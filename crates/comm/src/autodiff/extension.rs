@@ -21,6 +21,7 @@ use std::ops::Range;
 use burn::backend::TensorMetadata;
 use burn::tensor::Slice;
 
+use super::concat::Placement;
 use super::split::SplitHub;
 use crate::device::{DeviceCollective, DeviceStep, NcclCall, Phase, no_nccl, run_steps};
 
@@ -56,6 +57,21 @@ pub trait CollectiveBackend: Backend {
     /// the hub.
     fn split_piece(x: FloatTensor<Self>, _hub: SplitHub, range: Range<usize>) -> FloatTensor<Self> {
         Self::float_slice(x, &[Slice::from(range)])
+    }
+
+    /// `acc` (1-D) with `piece` written at `place.offset`, one step of `concat::place_flat`
+    /// (in place where the backend owns `acc` alone); on the autodiff backend a node that
+    /// gradient checkpointing recomputes rather than keeps.
+    fn concat_place(
+        acc: FloatTensor<Self>,
+        piece: FloatTensor<Self>,
+        place: Placement,
+    ) -> FloatTensor<Self> {
+        if place.len == 0 {
+            return acc;
+        }
+        let end = place.offset + place.len;
+        Self::float_slice_assign(acc, &[Slice::from(place.offset..end)], piece)
     }
 }
 
@@ -184,7 +200,108 @@ impl<B: CollectiveBackend> RetroForward for RetroSplit<B> {
     }
 }
 
+/// A placement's backward: the buffer's gradient passes on whole (the placed range of the
+/// buffer before it was zeros no other placement reads, see `concat`), the piece gets its
+/// range of it.
+#[derive(Debug)]
+struct PlaceBackward;
+
+impl<B: CollectiveBackend> Backward<B, 2> for PlaceBackward {
+    type State = Placement;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let place = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let [acc, piece] = ops.parents;
+        if let Some(piece) = piece {
+            // An empty piece (a rank with no rows of a parameter) gets an empty gradient: Burn
+            // has no empty slice, and the steps below it expect one.
+            let piece_grad = match place.len {
+                0 => B::float_zeros([0].into(), &grad.device(), grad.dtype().into()),
+                len => {
+                    let range = place.offset..place.offset + len;
+                    B::float_slice(grad.clone(), &[Slice::from(range)])
+                }
+            };
+            grads.register::<B>(piece.id, piece_grad);
+        }
+        if let Some(acc) = acc {
+            grads.register::<B>(acc.id, grad);
+        }
+    }
+}
+
+/// Where a recomputed placement reads an input: a tracked input's saved state, or an untracked
+/// one itself (padding zeros, a frozen parameter), which the graph does not save.
+#[derive(Debug)]
+enum Source<B: Backend> {
+    Node(NodeId),
+    Value(FloatTensor<B>),
+}
+
+/// Rebuilds a dropped placement from its inputs.
+#[derive(Debug)]
+struct RetroPlace<B: Backend> {
+    /// The buffer's node; `None`: the first placement, into zeros of `place.total`.
+    acc: Option<NodeId>,
+    piece: Source<B>,
+    place: Placement,
+}
+
+impl<B: CollectiveBackend> RetroForward for RetroPlace<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let piece = match &self.piece {
+            Source::Node(id) => states.get_state::<FloatTensor<B>>(id),
+            Source::Value(v) => v.clone(),
+        };
+        let acc = match self.acc {
+            Some(id) => states.get_state::<FloatTensor<B>>(&id),
+            None => B::float_zeros(
+                [self.place.total].into(),
+                &piece.device(),
+                piece.dtype().into(),
+            ),
+        };
+        states.save(out_node, B::concat_place(acc, piece, self.place));
+    }
+}
+
 impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff<B, C> {
+    fn concat_place(
+        acc: FloatTensor<Self>,
+        piece: FloatTensor<Self>,
+        place: Placement,
+    ) -> FloatTensor<Self> {
+        let source = |t: &FloatTensor<Self>| match t.is_tracked() {
+            true => Source::Node(t.id()),
+            false => Source::Value(t.primitive().clone()),
+        };
+        let retro = RetroPlace::<B> {
+            // A first piece's buffer is untracked zeros, rebuilt rather than kept.
+            acc: acc.is_tracked().then(|| acc.id()),
+            piece: source(&piece),
+            place,
+        };
+        let tracked = [&acc, &piece].into_iter().filter(|t| t.is_tracked());
+        match PlaceBackward
+            .prepare::<C>([acc.node(), piece.node()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents(tracked)
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                place,
+                B::concat_place(acc.into_primitive(), piece.into_primitive(), place),
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(B::concat_place(
+                acc.into_primitive(),
+                piece.into_primitive(),
+                place,
+            )),
+        }
+    }
+
     fn split_hub(x: FloatTensor<Self>, hub: SplitHub) -> FloatTensor<Self> {
         let len = x.shape().num_elements();
         let retro = RetroSplit::<B> {
