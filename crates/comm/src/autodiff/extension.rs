@@ -200,9 +200,9 @@ impl<B: CollectiveBackend> RetroForward for RetroSplit<B> {
     }
 }
 
-/// A placement's backward: the buffer's gradient passes on whole (the placed range of the
-/// buffer before it was zeros no other placement reads, see `concat`), the piece gets its
-/// range of it.
+/// A placement's backward: the piece gets its range of the gradient, and the buffer before the
+/// placement the whole gradient (that range of it held zeros, which no other placement reads:
+/// `place_flat`'s pieces do not overlap).
 #[derive(Debug)]
 struct PlaceBackward;
 
@@ -232,7 +232,7 @@ impl<B: CollectiveBackend> Backward<B, 2> for PlaceBackward {
 }
 
 /// Where a recomputed placement reads an input: a tracked input's saved state, or an untracked
-/// one itself (padding zeros, a frozen parameter), which the graph does not save.
+/// one itself (a frozen parameter), which the graph does not save.
 #[derive(Debug)]
 enum Source<B: Backend> {
     Node(NodeId),
