@@ -21,7 +21,7 @@ use std::ops::Range;
 use burn::backend::TensorMetadata;
 use burn::tensor::Slice;
 
-use super::concat::Placement;
+use super::place::Placement;
 use super::split::SplitHub;
 use crate::device::{DeviceCollective, DeviceStep, NcclCall, Phase, no_nccl, run_steps};
 
@@ -59,10 +59,10 @@ pub trait CollectiveBackend: Backend {
         Self::float_slice(x, &[Slice::from(range)])
     }
 
-    /// `acc` (1-D) with `piece` written at `place.offset`, one step of `concat::place_flat`
+    /// `acc` (1-D) with `piece` written at `place.offset`, one step of `place::place_flat`
     /// (in place where the backend owns `acc` alone); on the autodiff backend a node that
     /// gradient checkpointing recomputes rather than keeps.
-    fn concat_place(
+    fn place_piece(
         acc: FloatTensor<Self>,
         piece: FloatTensor<Self>,
         place: Placement,
@@ -262,12 +262,12 @@ impl<B: CollectiveBackend> RetroForward for RetroPlace<B> {
                 piece.dtype().into(),
             ),
         };
-        states.save(out_node, B::concat_place(acc, piece, self.place));
+        states.save(out_node, B::place_piece(acc, piece, self.place));
     }
 }
 
 impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff<B, C> {
-    fn concat_place(
+    fn place_piece(
         acc: FloatTensor<Self>,
         piece: FloatTensor<Self>,
         place: Placement,
@@ -292,9 +292,9 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         {
             OpsKind::Tracked(prep) => prep.finish(
                 place,
-                B::concat_place(acc.into_primitive(), piece.into_primitive(), place),
+                B::place_piece(acc.into_primitive(), piece.into_primitive(), place),
             ),
-            OpsKind::UnTracked(prep) => prep.finish(B::concat_place(
+            OpsKind::UnTracked(prep) => prep.finish(B::place_piece(
                 acc.into_primitive(),
                 piece.into_primitive(),
                 place,

@@ -1,6 +1,7 @@
 //! The fused blocks on the autodiff backend: one node each, whose backward runs the backend's
-//! backward kernel. They are element-wise, so they are memory-bound for Burn's gradient
-//! checkpointing: under it the output is recomputed from the inputs rather than kept.
+//! backward kernel. The element-wise blocks are memory-bound for Burn's gradient checkpointing
+//! (under it their output is recomputed from the inputs rather than kept); attention, two
+//! matmuls, is compute-bound.
 
 use std::marker::PhantomData;
 

@@ -43,7 +43,7 @@ pub fn place_flat(total: usize, pieces: Vec<(usize, Tensor<1>)>) -> Tensor<1> {
             "place_flat: a piece of {len} at {offset} overruns {total}"
         );
         let place = Placement { offset, len, total };
-        buffer = Tensor::from_dispatch(<Dispatch as CollectiveBackend>::concat_place(
+        buffer = Tensor::from_dispatch(<Dispatch as CollectiveBackend>::place_piece(
             buffer.into_dispatch(),
             piece.into_dispatch(),
             place,
