@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{DType, Device, FloatDType, Tensor};
-use burn_parallel_comm::collectives::{device_mismatch, place_flat, split_views};
+use burn_parallel_comm::collectives::{device_mismatch, place_flat, split_segments};
 
 use crate::error::FsdpError;
 use crate::gather::{PendingGather, start_gather};
@@ -260,30 +260,48 @@ fn start_bucket<U: Module>(
 }
 
 impl PendingUnit {
-    /// Waits for the gather and serves the parameters until the guard drops.
+    /// Waits for the gather and serves the parameters until the guard drops. Each parameter
+    /// is one view of the gathered buffer (its runs of it, see [`Columns`]), all under one
+    /// split, so backward builds the unit's gradient once, in the gathered layout that the
+    /// reduce-scatter takes.
     fn serve(self) -> ServeGuard {
         let (gathered, forward_hold) = self.gather.finish();
-        let mut served = Vec::new();
-        // Each part's own gathered buffer: the whole gather, or its columns of every rank's
-        // contribution.
-        let parts: Vec<(Part, usize)> = self
-            .parts
-            .into_iter()
-            .filter(|(p, _)| p.per_rank > 0)
-            .collect();
-        let buffers = match parts.len() {
-            1 => vec![gathered],
-            _ => {
-                let blocks: Vec<_> = parts.iter().map(|(p, s)| *s..s + p.per_rank).collect();
-                column_blocks(gathered, self.world, self.per_rank, &blocks)
-            }
-        };
-        for ((part, _), buffer) in parts.into_iter().zip(buffers) {
-            match part.flat {
-                true => serve_flat(buffer, part.params, &mut served),
-                false => serve_rows(buffer, self.world, part.per_rank, part.params, &mut served),
+        let mut views = Vec::new();
+        for (part, start) in self.parts {
+            let columns = Columns {
+                world: self.world,
+                per_rank: self.per_rank,
+                start,
+                len: part.per_rank,
+            };
+            for (state, offset) in part.params {
+                let len: usize = state.global_shape.iter().product();
+                if len == 0 {
+                    continue;
+                }
+                let segments = match part.flat {
+                    true => columns.flat(offset..offset + len),
+                    false => {
+                        let chunk = state.padded_rows() * state.row_len();
+                        columns.rows(offset..offset + chunk, len)
+                    }
+                };
+                views.push((state, segments));
             }
         }
+        let segments: Vec<_> = views.iter().map(|(_, s)| s.clone()).collect();
+        let values = match segments.is_empty() {
+            true => Vec::new(),
+            false => split_segments(gathered, &segments),
+        };
+        let served = views
+            .into_iter()
+            .zip(values)
+            .map(|((state, _), value)| {
+                state.serve(Some(value));
+                state
+            })
+            .collect();
         ServeGuard {
             served,
             _gathered: forward_hold,
@@ -291,95 +309,56 @@ impl PendingUnit {
     }
 }
 
-/// For each block of columns of a `[world, per_rank]` buffer (flattened), that block of every
-/// rank's row, in rank order (`[world * block.len()]`). One transposing copy of the buffer
-/// makes each block contiguous, and the blocks are views of it (`split_views`), so backward
-/// builds the buffer's gradient once rather than once per block. (Concatenating one view per
-/// rank instead would copy less, but Burn keeps a concatenation's output for backward, which
-/// would defeat resharding after forward.)
-fn column_blocks(
-    buffer: Tensor<1>,
-    world: usize,
-    per_rank: usize,
-    blocks: &[Range<usize>],
-) -> Vec<Tensor<1>> {
-    if world == 1 {
-        return split_views(buffer, blocks);
-    }
-    let by_column = buffer
-        .reshape([world, per_rank])
-        .swap_dims(0, 1)
-        .reshape([per_rank * world]);
-    let ranges: Vec<_> = blocks
-        .iter()
-        .map(|b| b.start * world..b.end * world)
-        .collect();
-    split_views(by_column, &ranges)
-        .into_iter()
-        .zip(blocks)
-        .map(|(view, b)| {
-            view.reshape([b.len(), world])
-                .swap_dims(0, 1)
-                .reshape([world * b.len()])
-        })
-        .collect()
-}
-
-/// A flat unit's gathered buffer is its parameters back to back: each is one view.
-fn serve_flat(
-    buffer: Tensor<1>,
-    params: Vec<(Arc<ParamState>, usize)>,
-    served: &mut Vec<Arc<ParamState>>,
-) {
-    let params: Vec<_> = params
-        .into_iter()
-        .filter(|(state, _)| state.global_shape.iter().product::<usize>() > 0)
-        .collect();
-    let ranges: Vec<_> = params
-        .iter()
-        .map(|(state, offset)| *offset..offset + state.global_shape.iter().product::<usize>())
-        .collect();
-    if ranges.is_empty() {
-        return;
-    }
-    for ((state, _), view) in params.into_iter().zip(split_views(buffer, &ranges)) {
-        state.serve(Some(view));
-        served.push(state);
-    }
-}
-
-/// Per-parameter rows: each parameter's padded chunks, one per rank, taken from every rank's
+/// One part's place in a gathered buffer: each of the `world` ranks contributes `per_rank`
+/// elements, rank after rank, and the part is `len` of them from `start` in every rank's
 /// contribution.
-fn serve_rows(
-    buffer: Tensor<1>,
+struct Columns {
     world: usize,
     per_rank: usize,
-    params: Vec<(Arc<ParamState>, usize)>,
-    served: &mut Vec<Arc<ParamState>>,
-) {
-    let params: Vec<_> = params
-        .into_iter()
-        .filter(|(state, _)| state.padded_rows() * state.row_len() > 0)
-        .collect();
-    let blocks: Vec<_> = params
-        .iter()
-        .map(|(state, start)| *start..start + state.padded_rows() * state.row_len())
-        .collect();
-    if blocks.is_empty() {
-        return;
+    start: usize,
+    len: usize,
+}
+
+impl Columns {
+    /// Elements `range` of the part's own buffer (its columns of every rank, rank after rank:
+    /// a flat unit's parameters back to back) as ranges of the gathered buffer.
+    fn flat(&self, range: Range<usize>) -> Vec<Range<usize>> {
+        let mut segments = Vec::new();
+        let mut at = range.start;
+        while at < range.end {
+            let (rank, column) = (at / self.len, at % self.len);
+            let n = (self.len - column).min(range.end - at);
+            let start = rank * self.per_rank + self.start + column;
+            push_merged(&mut segments, start..start + n);
+            at += n;
+        }
+        segments
     }
-    for ((state, _), rows) in params
-        .into_iter()
-        .zip(column_blocks(buffer, world, per_rank, &blocks))
-    {
-        // Padding sits after the last rows, so the first values are the parameter.
-        let len = state.global_shape.iter().product();
-        let value = match rows.dims()[0] == len {
-            true => rows,
-            false => rows.narrow(0, 0, len),
-        };
-        state.serve(Some(value));
-        served.push(state);
+
+    /// A row-sharded parameter whose padded chunk is `chunk` of the part in every rank's
+    /// contribution: its first `len` elements, the padding after the last rows left out.
+    fn rows(&self, chunk: Range<usize>, len: usize) -> Vec<Range<usize>> {
+        let mut segments = Vec::new();
+        let mut left = len;
+        for rank in 0..self.world {
+            let n = chunk.len().min(left);
+            if n == 0 {
+                break;
+            }
+            let start = rank * self.per_rank + self.start + chunk.start;
+            push_merged(&mut segments, start..start + n);
+            left -= n;
+        }
+        segments
+    }
+}
+
+/// Appends `range`, joined to the last range when they touch, so that a parameter whose
+/// elements are contiguous in the buffer is one view of it rather than a copy.
+fn push_merged(segments: &mut Vec<Range<usize>>, range: Range<usize>) {
+    match segments.last_mut() {
+        Some(last) if last.end == range.start => last.end = range.end,
+        _ => segments.push(range),
     }
 }
 

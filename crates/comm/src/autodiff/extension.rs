@@ -53,10 +53,14 @@ pub trait CollectiveBackend: Backend {
         x
     }
 
-    /// A view of a 1-D tensor's elements `range`; on the autodiff backend its gradient goes to
-    /// the hub.
-    fn split_piece(x: FloatTensor<Self>, _hub: SplitHub, range: Range<usize>) -> FloatTensor<Self> {
-        Self::float_slice(x, &[Slice::from(range)])
+    /// A 1-D tensor's elements `segments`, back to back (a slice when there is one); on the
+    /// autodiff backend its gradient goes to the hub.
+    fn split_piece(
+        x: FloatTensor<Self>,
+        _hub: SplitHub,
+        segments: Vec<Range<usize>>,
+    ) -> FloatTensor<Self> {
+        segments_of::<Self>(x, &segments)
     }
 
     /// `acc` (1-D) with `piece` written at `place.offset`, one step of `place::place_flat`
@@ -72,6 +76,15 @@ pub trait CollectiveBackend: Backend {
         }
         let end = place.offset + place.len;
         Self::float_slice_assign(acc, &[Slice::from(place.offset..end)], piece)
+    }
+}
+
+/// `x`'s `segments` back to back: a slice of one, a concatenation of several.
+fn segments_of<B: Backend>(x: FloatTensor<B>, segments: &[Range<usize>]) -> FloatTensor<B> {
+    let slice = |x: FloatTensor<B>, r: &Range<usize>| B::float_slice(x, &[Slice::from(r.clone())]);
+    match segments {
+        [one] => slice(x, one),
+        _ => B::float_cat(segments.iter().map(|r| slice(x.clone(), r)).collect(), 0),
     }
 }
 
@@ -136,10 +149,10 @@ impl<B: CollectiveBackend> Backward<B, 1> for HubBackward {
         let (hub, len) = ops.state;
         // The views' one-element markers: they only made this node run.
         let marker = grads.consume::<B>(&ops.node);
-        let pieces = hub.take::<FloatTensor<B>>();
         let Some(parent) = &ops.parents[0] else {
             return;
         };
+        let pieces = segment_gradients::<B>(hub.take::<FloatTensor<B>>());
         let device = marker.device();
         let dtype = pieces.first().map_or(marker.dtype(), |(_, g)| g.dtype());
         let zeros = |n: usize| B::float_zeros([n].into(), &device, dtype.into());
@@ -163,37 +176,60 @@ impl<B: CollectiveBackend> Backward<B, 1> for HubBackward {
     }
 }
 
+/// Each view's gradient cut at its segments' bounds, as (start in the input, gradient) in
+/// input order.
+fn segment_gradients<B: Backend>(
+    views: Vec<(Vec<Range<usize>>, FloatTensor<B>)>,
+) -> Vec<(usize, FloatTensor<B>)> {
+    let mut pieces = Vec::new();
+    for (segments, grad) in views {
+        if let [one] = segments.as_slice() {
+            pieces.push((one.start, grad));
+            continue;
+        }
+        let mut at = 0;
+        for r in segments {
+            let part = at..at + r.len();
+            pieces.push((r.start, B::float_slice(grad.clone(), &[Slice::from(part)])));
+            at += r.len();
+        }
+    }
+    pieces.sort_by_key(|(start, _)| *start);
+    pieces
+}
+
 /// A view's backward: its gradient goes to the hub, and a one-element marker to the hub node.
 #[derive(Debug)]
 struct PieceBackward;
 
 impl<B: CollectiveBackend> Backward<B, 1> for PieceBackward {
-    type State = (SplitHub, usize);
+    type State = (SplitHub, Vec<Range<usize>>);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (hub, start) = ops.state;
+        let (hub, segments) = ops.state;
         let grad = grads.consume::<B>(&ops.node);
         if let Some(parent) = &ops.parents[0] {
             let marker = B::float_zeros([1].into(), &grad.device(), grad.dtype().into());
-            hub.deposit(start, grad);
+            hub.deposit(segments, grad);
             grads.register::<B>(parent.id, marker);
         }
     }
 }
 
-/// Recomputes a dropped output from its input's state: the hub (identity) or a view (slice).
+/// Recomputes a dropped output from its input's state: the hub (identity) or a view (its
+/// segments).
 #[derive(Debug)]
 struct RetroSplit<B> {
     input: NodeId,
-    range: Option<Range<usize>>,
+    segments: Option<Vec<Range<usize>>>,
     _backend: std::marker::PhantomData<B>,
 }
 
 impl<B: CollectiveBackend> RetroForward for RetroSplit<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let input = states.get_state::<FloatTensor<B>>(&self.input);
-        let output = match &self.range {
-            Some(r) => B::float_slice(input, &[Slice::from(r.clone())]),
+        let output = match &self.segments {
+            Some(segments) => segments_of::<B>(input, segments),
             None => input,
         };
         states.save(out_node, output);
@@ -306,7 +342,7 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         let len = x.shape().num_elements();
         let retro = RetroSplit::<B> {
             input: x.id(),
-            range: None,
+            segments: None,
             _backend: std::marker::PhantomData,
         };
         match HubBackward
@@ -321,14 +357,17 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         }
     }
 
-    fn split_piece(x: FloatTensor<Self>, hub: SplitHub, range: Range<usize>) -> FloatTensor<Self> {
+    fn split_piece(
+        x: FloatTensor<Self>,
+        hub: SplitHub,
+        segments: Vec<Range<usize>>,
+    ) -> FloatTensor<Self> {
         let retro = RetroSplit::<B> {
             input: x.id(),
-            range: Some(range.clone()),
+            segments: Some(segments.clone()),
             _backend: std::marker::PhantomData,
         };
-        let start = range.start;
-        let slice = |x| B::float_slice(x, &[Slice::from(range)]);
+        let view = |x| segments_of::<B>(x, &segments);
         match PieceBackward
             .prepare::<C>([x.node()])
             .memory_bound()
@@ -336,8 +375,11 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
             .parents([&x])
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish((hub, start), slice(x.into_primitive())),
-            OpsKind::UnTracked(prep) => prep.finish(slice(x.into_primitive())),
+            OpsKind::Tracked(prep) => {
+                let output = view(x.into_primitive());
+                prep.finish((hub, segments), output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(view(x.into_primitive())),
         }
     }
 

@@ -9,4 +9,18 @@ pub mod split;
 pub use extension::CollectiveBackend;
 pub use ops::*;
 pub use place::place_flat;
-pub use split::{SplitHub, split_views};
+pub use split::{SplitHub, split_segments, split_views};
+
+/// 1-D f32 tensors in and out of the autodiff tests.
+#[cfg(test)]
+mod test_values {
+    use burn::tensor::{Device, Tensor, TensorData};
+
+    pub(crate) fn tensor(values: &[f32], device: &Device) -> Tensor<1> {
+        Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
+    }
+
+    pub(crate) fn values(t: &Tensor<1>) -> Vec<f32> {
+        t.to_data().convert::<f32>().try_to_vec::<f32>().unwrap()
+    }
+}

@@ -54,17 +54,10 @@ pub fn place_flat(total: usize, pieces: Vec<(usize, Tensor<1>)>) -> Tensor<1> {
 
 #[cfg(test)]
 mod tests {
-    use burn::tensor::{Device, Tensor, TensorData};
+    use burn::tensor::{Device, Tensor};
 
     use super::place_flat;
-
-    fn tensor(values: &[f32], device: &Device) -> Tensor<1> {
-        Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
-    }
-
-    fn values(t: &Tensor<1>) -> Vec<f32> {
-        t.to_data().convert::<f32>().try_to_vec::<f32>().unwrap()
-    }
+    use crate::autodiff::test_values::{tensor, values};
 
     /// The buffer and each tracked piece's gradient, with an untracked piece (a frozen
     /// parameter) among them, with and without gradient checkpointing (where backward rebuilds
