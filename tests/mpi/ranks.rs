@@ -82,6 +82,36 @@ fn other_dtypes(ctx: &RankContext) -> Result<()> {
     Ok(())
 }
 
+/// Reductions too large for one round of the engine's exchange (4 MiB per piece): a
+/// reduce-scatter with uneven pieces of 4.4-5.6 MB and more (rank order, [rows, 2]) and an
+/// all-reduce of 4M elements give the threads engine's bits.
+fn large_reductions(ctx: &RankContext) -> Result<()> {
+    let n = ctx.world_size();
+    let sizes: Vec<usize> = (0..n).map(|j| 550_000 + 150_000 * j).collect();
+    let rows: usize = sizes.iter().sum();
+    let scatter_input =
+        |rank: usize| TensorData::new(values(rank as u64 + 70, rows * 2), [rows, 2]);
+    let reduce_input = |rank: usize| TensorData::new(values(rank as u64 + 90, 4 << 20), [4 << 20]);
+    let world = ctx.world()?;
+    let scattered =
+        world.reduce_scatter_sizes(scatter_input(ctx.rank()), 0, &sizes, ReduceOp::Sum)?;
+    let reduced = world.all_reduce(reduce_input(ctx.rank()), ReduceOp::Avg)?;
+    let threads = launch(n, |t| {
+        let world = t.world()?;
+        let scattered =
+            world.reduce_scatter_sizes(scatter_input(t.rank()), 0, &sizes, ReduceOp::Sum)?;
+        Ok::<_, CollectiveError>((
+            scattered,
+            world.all_reduce(reduce_input(t.rank()), ReduceOp::Avg)?,
+        ))
+    })?;
+    let (want_scattered, want_reduced) = &threads[ctx.rank()];
+    if &scattered != want_scattered || &reduced != want_reduced {
+        return Err("a reduction of several rounds differs from the threads engine".into());
+    }
+    Ok(())
+}
+
 /// One communicator per mesh dimension (and a flattened one), plus a group of a subset of the
 /// ranks that only its members create, listed out of order.
 fn subgroups(ctx: &RankContext) -> Result<()> {
@@ -186,6 +216,7 @@ pub fn run(ctx: RankContext) -> Result<()> {
     properties(&world, CASES)?;
     check_ring(&world)?;
     other_dtypes(&ctx)?;
+    large_reductions(&ctx)?;
     subgroups(&ctx)?;
     mismatch(&ctx)?;
     let got = fsdp::sharded(&ctx)?;

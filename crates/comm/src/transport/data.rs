@@ -171,7 +171,7 @@ pub(crate) fn reduce_bytes(sources: &[&[u8]], dtype: DType, op: ReduceOp) -> Vec
 }
 
 /// Appends the reduction of `sources` to `dst`: written once, never zero-filled first.
-fn reduce_into(sources: &[&[u8]], dst: &mut Vec<u8>, dtype: DType, op: ReduceOp) {
+pub(crate) fn reduce_into(sources: &[&[u8]], dst: &mut Vec<u8>, dtype: DType, op: ReduceOp) {
     match dtype {
         DType::F64 => reduce_run::<F64>(sources, dst, op),
         DType::F32 => reduce_run::<F32>(sources, dst, op),
