@@ -544,3 +544,45 @@ pub fn forward_units<U: Module, T: UnitInput>(
     }
     x
 }
+
+#[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // a view of one run is a list of one range
+mod tests {
+    use super::Columns;
+
+    /// 4 ranks each contribute 10 elements; the part is columns 2..8 of each.
+    const PART: Columns = Columns {
+        world: 4,
+        per_rank: 10,
+        start: 2,
+        len: 6,
+    };
+
+    /// A parameter of 5 rows of 1 element, padded to chunks of 2 rows: ranks 0 and 1 hold 2
+    /// rows, rank 2 one row and its padding, rank 3 padding only, which no run reads.
+    #[test]
+    fn rows_take_each_ranks_chunk_up_to_the_parameters_length() {
+        assert_eq!(PART.rows(1..3, 5), [3..5, 13..15, 23..24]);
+    }
+
+    /// A flat parameter spanning the end of rank 0's columns and the start of rank 1's; one
+    /// within rank 2's.
+    #[test]
+    fn flat_ranges_split_at_rank_bounds() {
+        assert_eq!(PART.flat(4..9), [6..8, 12..15]);
+        assert_eq!(PART.flat(13..15), [23..25]);
+    }
+
+    /// A part that is every rank's whole contribution: the ranks' runs join into one.
+    #[test]
+    fn contiguous_runs_merge_into_one_view() {
+        let whole = Columns {
+            world: 3,
+            per_rank: 4,
+            start: 0,
+            len: 4,
+        };
+        assert_eq!(whole.flat(2..11), [2..11]);
+        assert_eq!(whole.rows(0..4, 12), [0..12]);
+    }
+}

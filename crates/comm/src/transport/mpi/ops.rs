@@ -216,20 +216,20 @@ const REDUCE_ROUND_BYTES: usize = 4 << 20;
 /// The reduce-scatter of `send`, whose consecutive pieces of `piece_bytes` belong to the
 /// members in order: member `me`'s piece of every member's `send`, reduced in rank order (the
 /// threads engine's bits). Runs in rounds, each an all_to_all of every piece's next chunk of at
-/// most `round_bytes` reduced at once, so that the receive buffer holds one chunk per member
-/// rather than every member's whole piece (at 95M parameters under fsdp2 x2, a unit's 44 MiB
-/// more at the step's peak). Every member runs the same rounds: the longest piece sets them.
+/// most [`REDUCE_ROUND_BYTES`] reduced at once, so that the receive buffer holds one chunk per
+/// member rather than every member's whole piece (at 95M parameters under fsdp2 x2, a unit's
+/// 44 MiB more at the step's peak). Every member runs the same rounds: the longest piece sets
+/// them.
 fn reduce_scatter_bytes(
     comm: &SimpleCommunicator,
     send: &[u8],
     piece_bytes: &[usize],
     me: usize,
     (dtype, op): (DType, ReduceOp),
-    round_bytes: usize,
 ) -> Vec<u8> {
     let n = piece_bytes.len();
     let mut out = output_buffer(piece_bytes[me]);
-    for round in reduce_rounds(piece_bytes, dtype.size(), round_bytes) {
+    for round in reduce_rounds(piece_bytes, dtype.size(), REDUCE_ROUND_BYTES) {
         let mine = round.sizes[me];
         let received = all_to_all_at(comm, send, &round.sizes, &round.starts, &vec![mine; n]);
         reduce_into(&split_at(&received, &vec![mine; n]), &mut out, dtype, op);
@@ -291,14 +291,7 @@ fn all_reduce(comm: &SimpleCommunicator, data: TensorData, op: ReduceOp) -> Tens
     let chunks: Vec<usize> = (0..n)
         .map(|j| chunk_range(count, n, j).len() * elem)
         .collect();
-    let mine = reduce_scatter_bytes(
-        comm,
-        data.as_bytes(),
-        &chunks,
-        me,
-        (dtype, op),
-        REDUCE_ROUND_BYTES,
-    );
+    let mine = reduce_scatter_bytes(comm, data.as_bytes(), &chunks, me, (dtype, op));
     let out = all_gather_v(comm, &mine, &chunks);
     into_tensor_data(out, data.shape().to_vec(), dtype)
 }
@@ -333,7 +326,8 @@ fn all_gather(
 }
 
 /// An all_to_all of the slices (slice `j` to member `j`, in rounds: see
-/// [`reduce_scatter_bytes`]), then a rank-order sum of the received slices: faster than Open MPI's `MPI_Reduce_scatter` on one node (see the README), works for
+/// [`reduce_scatter_bytes`]), then a rank-order sum of the received slices: faster than Open
+/// MPI's `MPI_Reduce_scatter` on one node (see docs/engines.md), works for
 /// every dtype, and gives the threads engine's bits.
 fn reduce_scatter(
     comm: &SimpleCommunicator,
@@ -350,14 +344,7 @@ fn reduce_scatter(
         Cow::Owned(split_bytes(data, dim, sizes))
     };
     let pieces = piece_bytes(data, dim, sizes);
-    let reduced = reduce_scatter_bytes(
-        comm,
-        &send,
-        &pieces,
-        me,
-        (data.dtype(), op),
-        REDUCE_ROUND_BYTES,
-    );
+    let reduced = reduce_scatter_bytes(comm, &send, &pieces, me, (data.dtype(), op));
     drop(send);
     let mut shape = data.shape().to_vec();
     shape[dim] = sizes[me];
