@@ -22,6 +22,7 @@ mod megatron;
 mod megatron_fsdp;
 mod mesh;
 mod moe;
+mod moe_sparse;
 mod parallelize_config;
 mod parallelize_macro;
 mod parallelize_train;

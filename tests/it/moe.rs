@@ -139,7 +139,7 @@ fn moe_configs_and_meshes_name_their_errors() {
 }
 
 /// A tiny MoE small enough to check every gradient: 8 experts, top-2, uneven sizes.
-fn tiny_moe() -> LlamaConfig {
+pub(crate) fn tiny_moe() -> LlamaConfig {
     let mut c = LlamaConfig {
         vocab_size: 41,
         hidden_size: 12,
@@ -317,7 +317,8 @@ fn expert_parallel_with_ranks_that_receive_no_tokens() {
 /// The tiny MoE trained through the trainer: its config with the aux loss on or off.
 fn moe_run(strategy: Strategy, world: usize, ep: usize, optimizer: OptimizerKind) -> TrainConfig {
     let mut model = tiny_moe();
-    // The llama tp plan's MLP entries need a dense layer to match.
+    // A dense layer 0 next to the sparse one (models whose every layer is sparse are
+    // moe_sparse.rs's).
     model.moe.as_mut().unwrap().mlp_only_layers = vec![0];
     TrainConfig {
         ep: (ep > 1).then_some(ep),
@@ -336,7 +337,7 @@ fn with_aux(mut cfg: TrainConfig, on: bool) -> TrainConfig {
 }
 
 /// Every saved tensor of two runs' final models agrees to `tol`.
-fn assert_same_weights(a: &Path, b: &Path, tol: f32, what: &str) {
+pub(crate) fn assert_same_weights(a: &Path, b: &Path, tol: f32, what: &str) {
     let (a, b) = (
         HfCheckpoint::open(a).unwrap(),
         HfCheckpoint::open(b).unwrap(),

@@ -7,7 +7,9 @@
 //!   `mpirun --allow-run-as-root --oversubscribe -np N` for N in `BURN_PARALLEL_MPI_NP`
 //!   (default 2,3,4), runs the Llama trainer as an MPI job against the same run on threads
 //!   (`train.rs`), then checks that a failing rank ends the job within seconds with a message
-//!   naming the rank and the collective.
+//!   naming the rank and the collective, and that ranks calling two groups in opposite orders
+//!   time out, each naming every call it has pending. Arguments that do not start with `-`
+//!   (cargo test's filter) run only the checks whose names contain one of them.
 
 #[path = "../it/brute.rs"]
 mod brute;
@@ -40,6 +42,10 @@ use burn_parallel::comm::run_ranks;
 
 /// The argument that selects the failure check.
 const FAIL_ARG: &str = "--fail";
+/// The argument that selects the divergence check.
+const DIVERGE_ARG: &str = "--diverge";
+/// The collective timeout of the divergence check, in seconds: short, so the check is quick.
+const DIVERGE_TIMEOUT_SECS: &str = "3";
 /// A failing rank must end a job sooner than this (it takes well under a second; the margin is
 /// for a loaded machine).
 const FAIL_DEADLINE: Duration = Duration::from_secs(30);
@@ -66,6 +72,8 @@ fn main() -> ExitCode {
         }
         let checks = if args.iter().any(|a| a == FAIL_ARG) {
             ranks::fail
+        } else if args.iter().any(|a| a == DIVERGE_ARG) {
+            ranks::diverge
         } else {
             ranks::run
         };
@@ -82,7 +90,7 @@ fn main() -> ExitCode {
             }
         };
     }
-    match drive() {
+    match drive(&args[1..]) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("mpi tests FAILED: {e}");
@@ -106,7 +114,26 @@ fn mpirun(np: usize, extra: &[&str]) -> Result<Command, String> {
     Ok(cmd)
 }
 
-fn drive() -> Result<(), String> {
+/// Whether the check `name` runs: with no filter in `args`, every check does.
+fn selected(args: &[String], name: &str) -> bool {
+    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
+    filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
+}
+
+fn drive(args: &[String]) -> Result<(), String> {
+    if selected(args, "mpi_checks_and_training") {
+        checks_and_training()?;
+    }
+    if selected(args, "mpi_failing_rank_ends_the_job") {
+        failing_rank_ends_the_job()?;
+    }
+    if selected(args, "mpi_diverged_groups_time_out_naming_pending_calls") {
+        diverged_groups_time_out_naming_pending_calls()?;
+    }
+    Ok(())
+}
+
+fn checks_and_training() -> Result<(), String> {
     let sizes: Vec<usize> = std::env::var("BURN_PARALLEL_MPI_NP")
         .unwrap_or_else(|_| "2,3,4".into())
         .split(',')
@@ -141,27 +168,34 @@ fn drive() -> Result<(), String> {
             }
         }
     }
-    failing_rank_ends_the_job()
+    Ok(())
 }
 
-fn failing_rank_ends_the_job() -> Result<(), String> {
-    println!("mpi tests: a failing rank (rank 1 of 3) must end the job");
+/// Runs a job of `np` processes with `arg` that must fail within the deadline: its stderr.
+fn failing_job(np: usize, arg: &str, env: &[(&str, &str)], what: &str) -> Result<String, String> {
     let started = Instant::now();
-    let out = mpirun(3, &[FAIL_ARG])?
+    let mut cmd = mpirun(np, &[arg])?;
+    cmd.envs(env.iter().copied());
+    let out = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .output()
         .map_err(|e| format!("cannot start mpirun: {e}"))?;
     let elapsed = started.elapsed();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     if out.status.success() {
-        return Err(format!("the job with a failing rank succeeded:\n{stderr}"));
+        return Err(format!("the job {what} succeeded:\n{stderr}"));
     }
     if elapsed > FAIL_DEADLINE {
-        return Err(format!(
-            "the job took {elapsed:?} to end after rank 1 failed"
-        ));
+        return Err(format!("the job {what} took {elapsed:?} to end"));
     }
+    println!("mpi tests: the job ended in {elapsed:.1?} ({})", out.status);
+    Ok(stderr)
+}
+
+fn failing_rank_ends_the_job() -> Result<(), String> {
+    println!("mpi tests: a failing rank (rank 1 of 3) must end the job");
+    let stderr = failing_job(3, FAIL_ARG, &[], "with a failing rank")?;
     let named =
         stderr.contains("rank 1 of 3 failed") && stderr.contains("all_gather on group world");
     if !named {
@@ -169,6 +203,32 @@ fn failing_rank_ends_the_job() -> Result<(), String> {
             "the failure message must name rank 1 and the all_gather:\n{stderr}"
         ));
     }
-    println!("mpi tests: the job ended in {elapsed:.1?} ({})", out.status);
+    Ok(())
+}
+
+fn diverged_groups_time_out_naming_pending_calls() -> Result<(), String> {
+    println!(
+        "mpi tests: ranks calling groups A and B in opposite orders must time out after \
+         {DIVERGE_TIMEOUT_SECS} s, naming their pending calls"
+    );
+    let timeout_env = burn_parallel::comm::threads::TIMEOUT_ENV;
+    let stderr = failing_job(
+        2,
+        DIVERGE_ARG,
+        &[(timeout_env, DIVERGE_TIMEOUT_SECS)],
+        "whose ranks diverge",
+    )?;
+    let expected = [
+        "burn-parallel: rank 0: timed out after",
+        "burn-parallel: rank 1: timed out after",
+        "rank 0 waits in all_reduce (call #0 of group A[0, 1])",
+        "rank 0 waits in recv (group B[0, 1]) for ranks [1]",
+        "rank 1 waits in all_gather (call #0 of group B[0, 1])",
+    ];
+    if let Some(missing) = expected.iter().find(|e| !stderr.contains(*e)) {
+        return Err(format!(
+            "the diverging job's output must name each rank's pending calls ({missing:?}):\n{stderr}"
+        ));
+    }
     Ok(())
 }

@@ -239,3 +239,29 @@ pub fn fail(ctx: RankContext) -> Result<()> {
     world.barrier()?;
     Ok(())
 }
+
+/// The divergence check, on 2 processes with a timeout of a few seconds: rank 0 calls a
+/// collective of group A then one of B, with a receive on B pending; rank 1 calls B then A.
+/// Each rank's calls time out, and each rank prints every call it has pending.
+pub fn diverge(ctx: RankContext) -> Result<()> {
+    let a = ctx.group("A", &[0, 1])?;
+    let b = ctx.group("B", &[0, 1])?;
+    let x = || TensorData::new(vec![1f32; 4], [4]);
+    let outcome = if ctx.rank() == 0 {
+        let received = b.recv_async(1);
+        a.all_reduce(x(), ReduceOp::Sum)
+            .and_then(|_| b.all_gather(x(), 0))
+            .and_then(|_| received.wait_data())
+    } else {
+        b.all_gather(x(), 0)
+            .and_then(|_| a.all_reduce(x(), ReduceOp::Sum))
+            .and_then(|_| b.send(x(), 0).map(|()| x()))
+    };
+    if outcome.is_err() {
+        // Both ranks time out about together and print their pending calls then; the first to
+        // fail aborts the job, so each gives the other a moment to print first.
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+    outcome?;
+    Ok(())
+}

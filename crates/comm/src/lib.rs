@@ -39,7 +39,7 @@ pub use collective::{
     Collective, CollectiveHandle, CollectiveOutput, Communicator, GroupInfo, OpKind,
 };
 pub use engine::{Engine, RankContext};
-pub use error::{CollectiveError, LaunchError, MeshError, RankFailure};
+pub use error::{CollectiveError, LaunchError, MeshError, PendingCall, RankFailure};
 pub use group::ProcessGroup;
 pub use launch::{ENGINE_ENV, EngineKind, run_ranks, run_ranks_on};
 pub use mesh::{DeviceMesh, MeshShape};

@@ -138,10 +138,13 @@ impl ModelDescription {
         named: &NamedPlan,
         sequence_parallel: bool,
     ) -> TpPlan {
+        // The model's own plan covers every module its architecture can have; this instance
+        // may lack some (no dense MLP when every layer is sparse), so its entries may match
+        // nothing. Entries a user writes stay required.
         for (pattern, style) in named.plan(sequence_parallel).entries() {
             let full = child_path(path, pattern);
             if !self.absent.contains(&full) {
-                plan = plan.with(full, *style);
+                plan = plan.with_optional(full, *style);
             }
         }
         plan

@@ -1,4 +1,11 @@
 //! The experts' forward over sorted rows, local or across an ep group.
+//!
+//! The autodiff graph this builds has the same shape whatever the routing: every local expert
+//! runs exactly once, on a zero row when it received none, and the rows are picked and put back
+//! with the same ops whether or not any arrived. Burn runs backward by graph depth, so a graph
+//! whose shape followed the routing would make ranks issue their backward collectives (the
+//! token all_to_all, the FSDP reduce-scatters of the expert and dense units) in different
+//! orders, and hang.
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel_comm::collectives as coll;
@@ -12,9 +19,10 @@ use crate::shard::ExpertShard;
 /// `rows` `[slots, width]` are this rank's routed rows in expert-major order
 /// ([`Routing::order`](crate::Routing)), `counts[e]` of them for expert `e` (over all experts).
 /// Without `shard` (or with a one-rank group) every expert is local. With a shard, the rows
-/// travel to the ranks holding their experts and back; `expert` is called only for this
-/// rank's experts, once each, and only for an expert that received rows. Collective over the
-/// shard's group: every rank calls it for the same layer, whatever its routing.
+/// travel to the ranks holding their experts and back; `expert` is called once for each of
+/// this rank's experts, in order, whatever its routing: an expert that received no row is
+/// called on one zero row, and that output is dropped. Collective over the shard's group:
+/// every rank calls it for the same layer.
 pub fn run_experts(
     rows: Tensor<2>,
     counts: &[usize],
@@ -32,7 +40,7 @@ pub fn run_experts(
     }
     let shard = match shard {
         Some(s) if s.group().size() > 1 => s,
-        _ => return run_local(rows, counts, 0, &mut expert),
+        _ => return run_every_expert(rows, &contiguous_rows(counts), 0, &mut expert),
     };
     if counts.len() != shard.num_experts() {
         return Err(EpError::BadCounts {
@@ -61,63 +69,78 @@ pub fn run_experts(
     let from_rank: Vec<usize> = received.chunks(per_rank).map(|c| c.iter().sum()).collect();
 
     let arrived = coll::all_to_all(rows, group, 0, 0, &send_sizes)?;
-    let total: usize = from_rank.iter().sum();
-    let outputs = if total == 0 {
-        arrived
-    } else {
-        // Arrived rows are source-major; the experts want them expert-major.
-        let (to_expert_major, back_to_sources) = expert_major(&received, ranks, per_rank);
-        let device = arrived.device();
-        let by_expert = arrived.select(0, index(&to_expert_major, &device));
-        let local_counts: Vec<usize> = (0..per_rank)
-            .map(|e| (0..ranks).map(|i| received[i * per_rank + e]).sum())
-            .collect();
-        let first = shard.local_experts().start;
-        let out = run_local(by_expert, &local_counts, first, &mut expert)?;
-        out.select(0, index(&back_to_sources, &device))
-    };
+    let rows_of = arrived_rows(&received, ranks, per_rank);
+    let first = shard.local_experts().start;
+    let outputs = run_every_expert(arrived, &rows_of, first, &mut expert)?;
     let back = coll::all_to_all(outputs, group, 0, 0, &from_rank)?;
     debug_assert_eq!(back.dims(), [slots, width]);
     Ok(back)
 }
 
-/// Each expert on its contiguous rows (experts numbered from `first`), outputs concatenated.
-fn run_local(
+/// Runs each expert once (numbered from `first`) on its rows of `rows`, `rows_of[e]` being
+/// their positions, and returns every row's output at its position. An expert without rows
+/// runs on one zero row, whose output is dropped (a zero row's gradients are zero), so the
+/// graph is the same for every routing, no rows at all included.
+fn run_every_expert(
     rows: Tensor<2>,
-    counts: &[usize],
+    rows_of: &[Vec<usize>],
     first: usize,
     expert: &mut impl FnMut(usize, Tensor<2>) -> Tensor<2>,
 ) -> Result<Tensor<2>, EpError> {
-    let width = rows.dims()[1];
-    let mut outputs = Vec::new();
-    let mut offset = 0;
-    for (e, &n) in counts.iter().enumerate() {
-        if n == 0 {
-            continue;
+    let [n, width] = rows.dims();
+    let device = rows.device();
+
+    // The zero row is derived from `rows` (their sum times zero), not made anew, so that it
+    // hangs below `rows` in the graph even when `rows` is empty: Burn drops empty tensors from
+    // `cat`, and a fresh zero row would then cut the experts off the exchange on a rank that
+    // received nothing, at other depths than on its peers. `cat` makes a node either way.
+    let zero = rows.clone().sum_dim(0).mul_scalar(0.0);
+    // Row `n` of the source is the zero row.
+    let source = Tensor::cat(vec![rows, zero], 0);
+    let mut outputs = Vec::with_capacity(rows_of.len());
+    // Where each input row's output lands in the experts' concatenated outputs.
+    let mut output_of = vec![0; n];
+    let mut at = 0;
+    for (e, positions) in rows_of.iter().enumerate() {
+        let picked = if positions.is_empty() {
+            vec![n]
+        } else {
+            positions.clone()
+        };
+        for (j, &p) in positions.iter().enumerate() {
+            output_of[p] = at + j;
         }
-        let out = expert(first + e, rows.clone().narrow(0, offset, n));
-        let output = out.dims()[1];
-        if output != width {
-            return Err(EpError::ExpertWidth {
+        let out = expert(first + e, source.clone().select(0, index(&picked, &device)));
+        let input = [picked.len(), width];
+        if out.dims() != input {
+            return Err(EpError::ExpertShape {
                 expert: first + e,
-                input: width,
-                output,
+                input,
+                output: out.dims(),
             });
         }
+        at += picked.len();
         outputs.push(out);
-        offset += n;
     }
-    Ok(match outputs.len() {
-        // No routed rows at all: the (empty) input stands for the (empty) output.
-        0 => rows,
-        1 => outputs.pop().expect("one output"),
-        _ => Tensor::cat(outputs, 0),
-    })
+    Ok(Tensor::cat(outputs, 0).select(0, index(&output_of, &device)))
 }
 
-/// The permutation from source-major arrival order to local-expert-major order, and its
-/// inverse. `received[i * per_rank + e]` rows came from rank `i` for local expert `e`.
-fn expert_major(received: &[usize], ranks: usize, per_rank: usize) -> (Vec<usize>, Vec<usize>) {
+/// Each expert's row positions when the rows are expert-major, `counts[e]` for expert `e`.
+fn contiguous_rows(counts: &[usize]) -> Vec<Vec<usize>> {
+    let mut offset = 0;
+    counts
+        .iter()
+        .map(|&n| {
+            offset += n;
+            (offset - n..offset).collect()
+        })
+        .collect()
+}
+
+/// Each local expert's row positions in arrival order (source-major):
+/// `received[i * per_rank + e]` rows came from rank `i` for local expert `e`. Within an
+/// expert the rows are ordered by source rank, then as the source sent them.
+fn arrived_rows(received: &[usize], ranks: usize, per_rank: usize) -> Vec<Vec<usize>> {
     // Where each (source, expert) block starts in arrival order.
     let mut starts = vec![0; received.len()];
     let mut offset = 0;
@@ -125,18 +148,16 @@ fn expert_major(received: &[usize], ranks: usize, per_rank: usize) -> (Vec<usize
         *start = offset;
         offset += received[block];
     }
-    let mut to_expert_major = Vec::with_capacity(offset);
-    for e in 0..per_rank {
-        for i in 0..ranks {
-            let block = i * per_rank + e;
-            to_expert_major.extend(starts[block]..starts[block] + received[block]);
-        }
-    }
-    let mut back = vec![0; offset];
-    for (position, &row) in to_expert_major.iter().enumerate() {
-        back[row] = position;
-    }
-    (to_expert_major, back)
+    (0..per_rank)
+        .map(|e| {
+            (0..ranks)
+                .flat_map(|i| {
+                    let block = i * per_rank + e;
+                    starts[block]..starts[block] + received[block]
+                })
+                .collect()
+        })
+        .collect()
 }
 
 fn index(positions: &[usize], device: &burn::tensor::Device) -> Tensor<1, Int> {
@@ -149,14 +170,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn expert_major_interleaves_sources_per_expert() {
+    fn arrived_rows_interleave_sources_per_expert() {
         // Two sources, two local experts: source 0 sends [e0: 2 rows, e1: 1], source 1 sends
         // [e0: 0, e1: 2]. Arrival: 0 1 | 2 | 3 4 (source 0: e0 e0 e1, source 1: e1 e1).
-        let (to, back) = expert_major(&[2, 1, 0, 2], 2, 2);
-        assert_eq!(to, vec![0, 1, 2, 3, 4]);
-        let (to, back2) = expert_major(&[1, 1, 1, 1], 2, 2);
-        assert_eq!(to, vec![0, 2, 1, 3]);
-        assert_eq!(back2, vec![0, 2, 1, 3]);
-        assert_eq!(back, vec![0, 1, 2, 3, 4]);
+        assert_eq!(
+            arrived_rows(&[2, 1, 0, 2], 2, 2),
+            vec![vec![0, 1], vec![2, 3, 4]]
+        );
+        assert_eq!(
+            arrived_rows(&[1, 1, 1, 1], 2, 2),
+            vec![vec![0, 2], vec![1, 3]]
+        );
+        assert_eq!(
+            arrived_rows(&[0, 0, 0, 0], 2, 2),
+            vec![Vec::<usize>::new(); 2]
+        );
+    }
+
+    #[test]
+    fn contiguous_rows_follow_the_counts() {
+        assert_eq!(
+            contiguous_rows(&[2, 0, 1]),
+            vec![vec![0, 1], vec![], vec![2]]
+        );
     }
 }

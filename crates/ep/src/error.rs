@@ -32,15 +32,17 @@ pub enum EpError {
         /// What does not add up.
         what: String,
     },
-    /// An expert returned rows of another width than its input.
-    #[error("expert {expert} maps {input} columns to {output}; an expert must keep the width")]
-    ExpertWidth {
+    /// An expert returned another shape than its input's `[rows, width]`.
+    #[error(
+        "expert {expert} maps {input:?} (rows, columns) to {output:?}; an expert must keep the rows and the width"
+    )]
+    ExpertShape {
         /// The global expert index.
         expert: usize,
-        /// Columns of its input rows.
-        input: usize,
-        /// Columns of its output rows.
-        output: usize,
+        /// Its input's `[rows, columns]`.
+        input: [usize; 2],
+        /// Its output's `[rows, columns]`.
+        output: [usize; 2],
     },
     /// Experts cannot be split as asked: already split otherwise, or a split of another
     /// expert count.

@@ -17,6 +17,8 @@ use crate::tp::{Sharding, Tp};
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct TpPlan {
     entries: Vec<(String, ParallelStyle)>,
+    /// Per entry: whether it may match nothing (see [`TpPlan::with_optional`]).
+    optional: Vec<bool>,
 }
 
 impl TpPlan {
@@ -28,6 +30,17 @@ impl TpPlan {
     /// Appends an entry: modules whose path matches `pattern` (with `*`) get `style`.
     pub fn with(mut self, pattern: impl Into<String>, style: ParallelStyle) -> Self {
         self.entries.push((pattern.into(), style));
+        self.optional.push(false);
+        self
+    }
+
+    /// Appends an entry that may match no module: a model's built-in plan covers every
+    /// module the architecture can have, and one instance may lack some (a mixture-of-experts
+    /// model whose every layer is sparse has no dense MLP). The plan as a whole must still
+    /// match some module.
+    pub fn with_optional(mut self, pattern: impl Into<String>, style: ParallelStyle) -> Self {
+        self.entries.push((pattern.into(), style));
+        self.optional.push(true);
         self
     }
 
@@ -120,15 +133,18 @@ impl<'a> TpApplier<'a> {
         }
     }
 
-    /// The report, with the entries that matched no module.
+    /// The report, with the entries that matched no module: the required ones, or every
+    /// entry when none matched anything (a plan for another model).
     pub fn finish(mut self) -> TpReport {
+        let none_matched = self.hits.iter().all(|&h| h == 0);
         self.report.unmatched_entries = self
             .plan
             .entries
             .iter()
             .zip(&self.hits)
-            .filter(|(_, hits)| **hits == 0)
-            .map(|((pattern, _), _)| pattern.clone())
+            .zip(&self.plan.optional)
+            .filter(|((_, hits), optional)| **hits == 0 && (none_matched || !**optional))
+            .map(|(((pattern, _), _), _)| pattern.clone())
             .collect();
         self.report
     }
@@ -297,5 +313,34 @@ mod tests {
         };
         let msg = report.check_entries().unwrap_err().to_string();
         assert!(msg.contains("layers.*.attn.qkv"), "{msg}");
+    }
+
+    /// The entries reported unmatched after `paths` asked the plan for their styles.
+    fn unmatched(plan: &TpPlan, paths: &[&str]) -> Vec<String> {
+        burn_parallel_comm::launch(1, |ctx| {
+            let mut cx = TpApplier::new(plan, &ctx.world()?);
+            for p in paths {
+                cx.style_for(p);
+            }
+            Ok::<_, crate::TpError>(cx.finish().unmatched_entries)
+        })
+        .unwrap()
+        .remove(0)
+    }
+
+    #[test]
+    fn optional_entries_may_match_nothing_unless_nothing_matches() {
+        let plan = TpPlan::new()
+            .with_optional("layers.*.mlp.up_proj", ParallelStyle::colwise())
+            .with_optional("layers.*.attn.q_proj", ParallelStyle::colwise())
+            .with("lm_head", ParallelStyle::colwise());
+        // A model without dense MLPs: the optional MLP entry is fine, the required one is not.
+        assert_eq!(
+            unmatched(&plan, &["layers.0.attn.q_proj"]),
+            vec!["lm_head".to_string()]
+        );
+        assert!(unmatched(&plan, &["layers.0.attn.q_proj", "lm_head"]).is_empty());
+        // A plan that fits nothing of the model names every entry, optional ones included.
+        assert_eq!(unmatched(&plan, &["encoder.proj"]).len(), 3);
     }
 }

@@ -540,7 +540,13 @@ pub fn run_steps<B: Backend>(
 }
 
 fn failed(op: &DeviceOp, group: &ProcessGroup, phase: Phase, e: CollectiveError) -> ! {
-    let hint = if phase != Phase::Forward && matches!(e, CollectiveError::Timeout { .. }) {
+    let stuck = matches!(
+        e,
+        CollectiveError::Timeout { .. }
+            | CollectiveError::Stalled { .. }
+            | CollectiveError::Diverged { .. }
+    );
+    let hint = if phase != Phase::Forward && stuck {
         " (a common cause: two ranks share an autodiff tensor, which joins their graphs under \
          one lock so one rank's backward blocks the other's; build each rank's tensors on that \
          rank, or share TensorData)"

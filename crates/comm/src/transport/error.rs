@@ -55,6 +55,31 @@ pub enum CollectiveError {
         missing: Vec<usize>,
     },
 
+    /// Every rank in a set waits for another rank of the set, in calls of different groups, so
+    /// none can ever proceed: the ranks issued their collectives in different orders. Names
+    /// every rank of the set with the call it waits in (threads engine).
+    #[error(
+        "collective order diverged: {}. Every rank must issue its collectives in the same order on every group: the order must not depend on the rank or on the data (routing, token counts, padding); compare each rank's calls above with its code path",
+        list(.waits)
+    )]
+    Diverged {
+        /// The call each rank of the set is blocked in, by rank.
+        waits: Vec<PendingCall>,
+    },
+
+    /// A call did not complete within the timeout, on an engine that cannot see which ranks
+    /// are missing (MPI): names the call and every call this rank had pending at that moment.
+    #[error("timed out after {waited:?}: {call}; calls pending on this rank: {}", list(.pending))]
+    Stalled {
+        /// The call that timed out (boxed: it would make every `Result` of this error large).
+        call: Box<PendingCall>,
+        /// How long this rank waited.
+        waited: Duration,
+        /// Every call this rank had issued and not seen complete, on any group, the timed-out
+        /// one included.
+        pending: Vec<PendingCall>,
+    },
+
     /// A rank this call needs has already finished its work without joining.
     #[error("{op} (call #{seq} of group {group}): ranks {ranks:?} exited without joining it")]
     RankExited {
@@ -111,6 +136,57 @@ pub enum CollectiveError {
         /// Number of ranks in the group.
         size: usize,
     },
+}
+
+/// A call a rank has issued and not seen complete: what a divergence or a timeout reports for
+/// each rank involved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingCall {
+    /// Global rank of the caller.
+    pub rank: usize,
+    /// The op called.
+    pub op: String,
+    /// The group's label, which names its ranks, e.g. `tp[0, 1]`.
+    pub group: String,
+    /// The group's global ranks, in group order.
+    pub ranks: Vec<usize>,
+    /// The call's number in the group's collective sequence; `None` for point-to-point calls,
+    /// which are not numbered.
+    pub seq: Option<u64>,
+    /// Global ranks the call still waits for; `None` when the engine cannot tell (MPI).
+    pub missing: Option<Vec<usize>>,
+}
+
+impl PendingCall {
+    /// Where the call stands, e.g. `call #3 of group tp[0, 1]` (labels name their ranks).
+    pub fn position(&self) -> String {
+        match self.seq {
+            Some(seq) => format!("call #{seq} of group {}", self.group),
+            None => format!("group {}", self.group),
+        }
+    }
+}
+
+impl std::fmt::Display for PendingCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "rank {} waits in {} ({})",
+            self.rank,
+            self.op,
+            self.position()
+        )?;
+        match &self.missing {
+            Some(missing) => write!(f, " for ranks {missing:?}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `calls` as one line, `; ` between them.
+fn list(calls: &[PendingCall]) -> String {
+    let parts: Vec<String> = calls.iter().map(ToString::to_string).collect();
+    parts.join("; ")
 }
 
 /// Errors building a device mesh or one of its groups.

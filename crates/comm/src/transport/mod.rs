@@ -19,4 +19,5 @@ pub mod nccl;
 pub(crate) mod rank_threads;
 pub mod stats;
 pub mod threads;
+pub mod timeout;
 pub(crate) mod traffic;

@@ -5,10 +5,11 @@ use std::hash::{Hash, Hasher};
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use mpi::Rank;
 use mpi::topology::{Communicator as _, Group as _, SimpleCommunicator};
@@ -16,10 +17,11 @@ use mpi::topology::{Communicator as _, Group as _, SimpleCommunicator};
 use crate::transport::collective::{
     Collective, CollectiveHandle, CollectiveResult, Communicator, GroupInfo, OpKind,
 };
-use crate::transport::error::CollectiveError;
+use crate::transport::error::{CollectiveError, PendingCall};
 use crate::transport::stats::CommStats;
 use crate::transport::traffic::CallBytes;
 
+use super::pending::{PendingCalls, await_reply};
 use super::{ops, p2p};
 
 /// Locks ignoring poisoning: no lock is held across user code.
@@ -94,11 +96,15 @@ impl Worker {
     }
 }
 
-/// Where a group's collectives stand: the next call number, and the error that broke the group.
-#[derive(Default)]
-struct Progress {
-    seq: u64,
-    broken: Option<String>,
+/// What every group of one process shares besides MPI itself.
+#[derive(Debug, Clone)]
+pub(crate) struct Shared {
+    /// This process's counters, over all groups.
+    pub rank_stats: Arc<Mutex<CommStats>>,
+    /// This process's calls not yet complete, over all groups.
+    pub pending: Arc<PendingCalls>,
+    /// How long a caller waits for a call's result.
+    pub timeout: Duration,
 }
 
 /// What the jobs of one group share.
@@ -108,13 +114,18 @@ pub(crate) struct GroupState {
     pub comm: Comm,
     /// Point-to-point messages use a duplicate, so they never interfere with collectives.
     pub p2p: Comm,
-    progress: Mutex<Progress>,
+    /// The next collective's number, taken when it is issued (the worker runs them in order).
+    next_seq: AtomicU64,
+    /// The error that broke the group, if any.
+    broken: Mutex<Option<String>>,
     stats: Mutex<CommStats>,
     rank_stats: Arc<Mutex<CommStats>>,
 }
 
 pub(crate) struct MpiCommunicator {
     state: Arc<GroupState>,
+    pending: Arc<PendingCalls>,
+    timeout: Duration,
     collectives: Worker,
     sends: Worker,
     recvs: Worker,
@@ -139,7 +150,7 @@ impl MpiCommunicator {
     /// Creates the group's communicator; only its members take part.
     pub fn new(
         info: GroupInfo,
-        rank_stats: Arc<Mutex<CommStats>>,
+        shared: &Shared,
         registry: &WorkerRegistry,
     ) -> Result<Self, CollectiveError> {
         let world = SimpleCommunicator::world();
@@ -158,52 +169,73 @@ impl MpiCommunicator {
             info,
             comm: Comm(ManuallyDrop::new(comm)),
             p2p: Comm(ManuallyDrop::new(p2p)),
-            progress: Mutex::new(Progress::default()),
+            next_seq: AtomicU64::new(0),
+            broken: Mutex::new(None),
             stats: Mutex::new(CommStats::default()),
-            rank_stats,
+            rank_stats: shared.rank_stats.clone(),
         });
         Ok(Self {
             state,
+            pending: shared.pending.clone(),
+            timeout: shared.timeout,
             collectives: Worker::spawn(format!("mpi-{label}"), registry),
             sends: Worker::spawn(format!("mpi-send-{label}"), registry),
             recvs: Worker::spawn(format!("mpi-recv-{label}"), registry),
         })
     }
 
-    /// Queues the call on its worker; the result arrives on the returned channel.
-    fn submit(&self, call: Collective) -> mpsc::Receiver<CollectiveResult> {
-        let (reply, result) = mpsc::channel();
-        let worker = match call.kind() {
-            OpKind::Send => &self.sends,
-            OpKind::Recv => &self.recvs,
-            _ => &self.collectives,
+    /// Queues the call on its worker, entered as pending until its job ends; the result
+    /// arrives on the returned channel.
+    fn submit(&self, call: Collective) -> (mpsc::Receiver<CollectiveResult>, PendingCall) {
+        let info = &self.state.info;
+        let global = |i: &usize| info.ranks.get(*i).map(|r| vec![*r]);
+        let (worker, seq, peer) = match &call {
+            Collective::Send { dst, .. } => (&self.sends, None, global(dst)),
+            Collective::Recv { src } => (&self.recvs, None, global(src)),
+            _ => {
+                let seq = self.state.next_seq.fetch_add(1, Ordering::Relaxed);
+                (&self.collectives, Some(seq), None)
+            }
         };
+        let pending = PendingCall {
+            rank: info.ranks[info.index],
+            op: call.kind().name().into(),
+            group: info.label.clone(),
+            ranks: info.ranks.clone(),
+            seq,
+            missing: peer,
+        };
+        let entered = self.pending.enter(pending.clone());
+        let (reply, result) = mpsc::channel();
         let state = self.state.clone();
         let job: Job = Box::new(move || {
-            let _ = reply.send(state.execute(call));
+            let _entered = entered;
+            let _ = reply.send(state.execute(call, seq));
         });
         // The worker lives as long as this communicator, so the queue is open.
         let _ = worker.queue.send(job);
-        result
+        (result, pending)
     }
 
-    fn stopped(&self, kind: OpKind) -> CollectiveError {
-        CollectiveError::GroupBroken {
-            group: self.state.info.label.clone(),
+    fn stopped(&self, kind: OpKind) -> impl FnOnce() -> CollectiveError + Send + 'static {
+        let group = self.state.info.label.clone();
+        move || CollectiveError::GroupBroken {
+            group,
             reason: format!("the MPI worker stopped during a {kind}"),
         }
     }
 }
 
 impl GroupState {
-    /// Runs one call on the worker thread and records its traffic.
-    fn execute(&self, call: Collective) -> CollectiveResult {
+    /// Runs one call on the worker thread and records its traffic; `seq` is a collective's
+    /// number.
+    fn execute(&self, call: Collective, seq: Option<u64>) -> CollectiveResult {
         let kind = call.kind();
         let bytes = CallBytes::of(&call, &self.info);
         let started = std::time::Instant::now();
-        let result = match kind {
-            OpKind::Send | OpKind::Recv => p2p::execute(self, call),
-            _ => self.collective(call),
+        let result = match seq {
+            None => p2p::execute(self, call),
+            Some(seq) => self.collective(call, seq),
         };
         if let Ok(out) = &result {
             let produced = out.data.as_ref().map_or(0, |d| d.as_bytes().len());
@@ -215,22 +247,17 @@ impl GroupState {
         result
     }
 
-    /// A collective takes the next call number; an error that leaves the members out of step
-    /// (a mismatch, a panic) breaks the group, as in the threads engine.
-    fn collective(&self, call: Collective) -> CollectiveResult {
+    /// Runs collective number `seq`; an error that leaves the members out of step (a mismatch,
+    /// a panic) breaks the group, as in the threads engine.
+    fn collective(&self, call: Collective, seq: u64) -> CollectiveResult {
         let kind = call.kind();
-        let seq = {
-            let mut progress = lock(&self.progress);
-            if let Some(reason) = &progress.broken {
-                return Err(CollectiveError::GroupBroken {
-                    group: self.info.label.clone(),
-                    reason: reason.clone(),
-                });
-            }
-            progress.seq += 1;
-            progress.seq - 1
-        };
-        let break_group = |e: &CollectiveError| lock(&self.progress).broken = Some(e.to_string());
+        if let Some(reason) = lock(&self.broken).as_ref() {
+            return Err(CollectiveError::GroupBroken {
+                group: self.info.label.clone(),
+                reason: reason.clone(),
+            });
+        }
+        let break_group = |e: &CollectiveError| *lock(&self.broken) = Some(e.to_string());
         let result = catch_unwind(AssertUnwindSafe(|| {
             ops::execute(&self.comm, &self.info, seq, call, break_group)
         }))
@@ -244,7 +271,7 @@ impl GroupState {
             })
         });
         if let Err(e @ CollectiveError::GroupBroken { .. }) = &result {
-            lock(&self.progress).broken = Some(e.to_string());
+            *lock(&self.broken) = Some(e.to_string());
         }
         result
     }
@@ -255,20 +282,32 @@ impl Communicator for MpiCommunicator {
         &self.state.info
     }
 
+    /// Waits for the result up to the timeout; then returns [`CollectiveError::Stalled`] with
+    /// every call this process has pending (and prints it, see [`await_reply`]).
     fn run(&self, call: Collective) -> CollectiveResult {
-        let kind = call.kind();
-        self.submit(call)
-            .recv()
-            .unwrap_or_else(|_| Err(self.stopped(kind)))
+        let started = Instant::now();
+        let stopped = self.stopped(call.kind());
+        let (result, pending) = self.submit(call);
+        await_reply(
+            &result,
+            pending,
+            started,
+            self.timeout,
+            &self.pending,
+            stopped,
+        )
     }
 
+    /// As `run`, on a thread of its own: the handle's result is the same, timeout included.
     fn start(&self, call: Collective) -> CollectiveHandle {
+        let started = Instant::now();
         let kind = call.kind();
-        let result = self.submit(call);
         let stopped = self.stopped(kind);
+        let (result, pending) = self.submit(call);
+        let (timeout, calls) = (self.timeout, self.pending.clone());
         let waiter = std::thread::Builder::new()
             .name(format!("{kind}-{}", self.state.info.label))
-            .spawn(move || result.recv().unwrap_or(Err(stopped)))
+            .spawn(move || await_reply(&result, pending, started, timeout, &calls, stopped))
             .expect("spawning a collective thread");
         CollectiveHandle::running(kind, self.state.info.label.clone(), waiter)
     }

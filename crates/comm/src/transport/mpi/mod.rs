@@ -10,10 +10,16 @@
 //!
 //! A rank whose work fails calls `MPI_Abort` with a message naming the rank and the error
 //! (which names the collective and its group), so that no rank waits forever on a dead peer.
+//! A call (blocking or async) that does not complete within the timeout
+//! ([`TIMEOUT_ENV`](crate::transport::timeout::TIMEOUT_ENV), 300 s by default) fails with
+//! [`CollectiveError::Stalled`], naming it and every call this process has pending on any
+//! group, also printed at once: ranks that issued their calls in different orders each say
+//! where they wait, and the rank's failure then aborts the job.
 
 mod comm;
 mod ops;
 mod p2p;
+mod pending;
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -45,7 +51,8 @@ type GroupKey = (String, Vec<usize>);
 pub(crate) struct MpiEngine {
     rank: usize,
     size: usize,
-    stats: Arc<Mutex<CommStats>>,
+    /// The counters, pending calls and timeout every group of this process shares.
+    shared: comm::Shared,
     /// Asking again for a group returns the same communicator, with one call sequence, as the
     /// threads engine does.
     groups: Mutex<HashMap<GroupKey, Arc<MpiCommunicator>>>,
@@ -76,17 +83,13 @@ impl Engine for MpiEngine {
             return Ok(comm.clone());
         }
         let info = group_info(label, ranks, self.rank);
-        let comm = Arc::new(MpiCommunicator::new(
-            info,
-            self.stats.clone(),
-            &self.workers,
-        )?);
+        let comm = Arc::new(MpiCommunicator::new(info, &self.shared, &self.workers)?);
         groups.insert(key, comm.clone());
         Ok(comm)
     }
 
     fn stats(&self) -> CommStats {
-        comm::lock(&self.stats).clone()
+        comm::lock(&self.shared.rank_stats).clone()
     }
 }
 
@@ -140,7 +143,11 @@ where
     let engine = Arc::new(MpiEngine {
         rank,
         size,
-        stats: Arc::new(Mutex::new(CommStats::default())),
+        shared: comm::Shared {
+            rank_stats: Arc::new(Mutex::new(CommStats::default())),
+            pending: Arc::new(pending::PendingCalls::default()),
+            timeout: crate::transport::timeout::from_env(),
+        },
         groups: Mutex::new(HashMap::new()),
         workers: comm::WorkerRegistry::default(),
     });

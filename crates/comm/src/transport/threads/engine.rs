@@ -82,17 +82,20 @@ enum Issued {
 }
 
 impl ThreadCommunicator {
-    fn member(&self) -> Member<'_> {
+    /// This rank's member of the group; `blocking` when the caller's thread is the rank's
+    /// issuing thread, waiting for the call to finish (see [`Member::blocking`]).
+    fn member(&self, blocking: bool) -> Member<'_> {
         Member {
             world: &self.world,
             group: &self.shared,
             info: &self.info,
+            blocking,
         }
     }
 
     /// Takes the call's place in the group's order (never blocks on other ranks).
     fn issue(&self, call: Collective) -> Result<Issued, CollectiveError> {
-        let member = self.member();
+        let member = self.member(true);
         match call {
             Collective::Send { data, dst } => {
                 member.post(dst, data);
@@ -106,9 +109,10 @@ impl ThreadCommunicator {
         }
     }
 
-    /// Waits for the other ranks and builds this rank's output.
-    fn finish(&self, issued: Issued) -> CollectiveResult {
-        let member = self.member();
+    /// Waits for the other ranks and builds this rank's output; `blocking` as in
+    /// [`Self::member`].
+    fn finish(&self, issued: Issued, blocking: bool) -> CollectiveResult {
+        let member = self.member(blocking);
         match issued {
             Issued::Done => Ok(CollectiveOutput::none()),
             Issued::Recv(src) => member.take(src).map(CollectiveOutput::tensor),
@@ -144,7 +148,7 @@ impl Communicator for ThreadCommunicator {
     fn run(&self, call: Collective) -> CollectiveResult {
         let bytes = CallBytes::of(&call, &self.info);
         let started = Instant::now();
-        let result = self.issue(call).and_then(|i| self.finish(i));
+        let result = self.issue(call).and_then(|i| self.finish(i, true));
         self.record(bytes, &result, started.elapsed());
         result
     }
@@ -166,7 +170,7 @@ impl Communicator for ThreadCommunicator {
         let thread = std::thread::Builder::new()
             .name(format!("{kind}-{}", self.info.label))
             .spawn(move || {
-                let result = this.finish(issued);
+                let result = this.finish(issued, false);
                 this.record(bytes, &result, started.elapsed());
                 result
             })

@@ -15,7 +15,7 @@ use crate::transport::error::CollectiveError;
 use super::state::{GroupShared, GroupState, Slot, lock};
 use super::world::World;
 
-/// How often a waiting rank re-checks for failed or exited peers.
+/// How often a waiting rank re-checks for failed or exited peers and for a deadlock.
 const POLL: Duration = Duration::from_millis(10);
 
 /// The inputs of a slot once every member has deposited.
@@ -26,6 +26,10 @@ pub(crate) struct Member<'a> {
     pub world: &'a World,
     pub group: &'a GroupShared,
     pub info: &'a GroupInfo,
+    /// Whether this member's waits block its rank's issuing thread (a synchronous call), so
+    /// that the rank cannot issue anything else meanwhile: only such waits enter the deadlock
+    /// detector (see [`super::waits`]); a background wait (`start`) does not.
+    pub blocking: bool,
 }
 
 impl Member<'_> {
@@ -77,7 +81,8 @@ impl Member<'_> {
     pub fn wait_deposits(&self, seq: u64, kind: OpKind) -> Result<Deposits, CollectiveError> {
         self.wait(
             kind,
-            seq,
+            Some(seq),
+            self.blocking,
             |state| {
                 let slot = &state.slots[&seq];
                 if let Some(e) = &slot.error {
@@ -105,7 +110,8 @@ impl Member<'_> {
         }
     }
 
-    /// Waits for every member's partial result.
+    /// Waits for every member's partial result. Never part of a deadlock: once every member
+    /// has deposited, each computes its partial without waiting for anyone.
     pub fn wait_partials(
         &self,
         seq: u64,
@@ -113,7 +119,8 @@ impl Member<'_> {
     ) -> Result<Vec<Arc<Vec<u8>>>, CollectiveError> {
         self.wait(
             kind,
-            seq,
+            Some(seq),
+            false,
             |state| {
                 let slot = &state.slots[&seq];
                 if slot.partials.iter().all(Option::is_some) {
@@ -156,7 +163,8 @@ impl Member<'_> {
         let key = (src, self.info.index);
         self.wait(
             OpKind::Recv,
-            0,
+            None,
+            self.blocking,
             |state| match state.mailboxes.get_mut(&key).and_then(VecDeque::pop_front) {
                 Some(d) => Ok(d),
                 None => Err(None),
@@ -166,21 +174,44 @@ impl Member<'_> {
     }
 
     /// Waits until `ready` yields a value, giving up on a slot error, a failed world, a
-    /// missing member that has exited, or the timeout. `missing` lists members not yet there.
+    /// missing member that has exited, a deadlock with other ranks (when `detect`), or the
+    /// timeout. `missing` lists members not yet there; `seq` is `None` for point-to-point.
     fn wait<T>(
         &self,
         kind: OpKind,
-        seq: u64,
+        seq: Option<u64>,
+        detect: bool,
         mut ready: impl FnMut(&mut GroupState) -> Result<T, Option<CollectiveError>>,
         missing: impl Fn(&GroupState) -> Vec<usize>,
     ) -> Result<T, CollectiveError> {
         let started = Instant::now();
+        // Entered once the wait outlasts a poll: a shorter one cannot be part of a deadlock the
+        // detector reports (that takes `GRACE`), so the many quick waits cost nothing here.
+        let mut blocked = None;
         let mut state = lock(&self.group.state);
         loop {
             match ready(&mut state) {
                 Ok(v) => return Ok(v),
                 Err(Some(e)) => return Err(e),
                 Err(None) => {}
+            }
+            let absent = self.global(missing(&state));
+            let waited = started.elapsed();
+            if detect && waited >= POLL {
+                let me = self.info.ranks[self.info.index];
+                let blocked = blocked.get_or_insert_with(|| self.world.waits.enter(me));
+                blocked.refresh(kind.name(), self.info, seq, &absent);
+                // Before the failure check: once the rank that found the divergence has failed
+                // with it, the others of the set still end with the divergence, not with "rank
+                // N failed".
+                if let Some(waits) = blocked.diverged() {
+                    let error = CollectiveError::Diverged { waits };
+                    // This rank leaves its place in the group's sequence: the group is out of
+                    // step, as after a mismatch.
+                    state.broken = Some(error.to_string());
+                    self.group.cv.notify_all();
+                    return Err(error);
+                }
             }
             let op = kind.name().to_string();
             let group = self.info.label.clone();
@@ -192,7 +223,6 @@ impl Member<'_> {
                     reason,
                 });
             }
-            let absent = self.global(missing(&state));
             let gone: Vec<usize> = absent
                 .iter()
                 .copied()
@@ -202,16 +232,15 @@ impl Member<'_> {
                 return Err(CollectiveError::RankExited {
                     op,
                     group,
-                    seq,
+                    seq: seq.unwrap_or(0),
                     ranks: gone,
                 });
             }
-            let waited = started.elapsed();
             if waited >= self.world.timeout {
                 return Err(CollectiveError::Timeout {
                     op,
                     group,
-                    seq,
+                    seq: seq.unwrap_or(0),
                     waited,
                     missing: absent,
                 });

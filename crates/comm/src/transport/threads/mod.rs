@@ -1,12 +1,17 @@
 //! The `threads` engine: ranks are threads of one process that exchange tensors through shared
 //! memory. Deterministic (reductions run in rank order) and never silently stuck: a rank that
-//! fails stops the others at their next collective, and a wait past the timeout is an error
-//! that names the missing ranks.
+//! fails stops the others at their next collective, ranks that wait for each other in calls of
+//! different groups (collectives issued in different orders) end with an error naming every
+//! rank's call about a second later (`waits`), and a wait past the timeout is an error that
+//! names the missing ranks.
 
 mod compute;
 mod engine;
 mod group;
 mod state;
+#[cfg(test)]
+mod tests;
+mod waits;
 mod world;
 
 use std::sync::Arc;
@@ -19,11 +24,7 @@ use crate::transport::rank_threads::{RankThreads, run_on_threads};
 use engine::ThreadEngine;
 use world::World;
 
-/// Environment variable that overrides the default collective timeout, in seconds.
-pub const TIMEOUT_ENV: &str = "BURN_PARALLEL_TIMEOUT_SECS";
-
-/// The default time a rank waits for the others in one collective.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+pub use crate::transport::timeout::{DEFAULT_TIMEOUT, TIMEOUT_ENV};
 
 /// Runs `world_size` ranks as threads. Configure with the builder methods, then `run`.
 #[derive(Debug, Clone)]
@@ -35,14 +36,9 @@ pub struct Launcher {
 impl Launcher {
     /// A launcher of `world_size` ranks, waiting [`TIMEOUT_ENV`] seconds when set, else [`DEFAULT_TIMEOUT`].
     pub fn new(world_size: usize) -> Self {
-        let timeout = std::env::var(TIMEOUT_ENV)
-            .ok()
-            .and_then(|v| v.parse::<f64>().ok())
-            .map(Duration::from_secs_f64)
-            .unwrap_or(DEFAULT_TIMEOUT);
         Self {
             world_size,
-            timeout,
+            timeout: crate::transport::timeout::from_env(),
         }
     }
 

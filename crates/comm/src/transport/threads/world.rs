@@ -1,5 +1,5 @@
 //! State shared by all rank threads of one launch: its groups, which ranks have failed or
-//! exited, and per-rank counters.
+//! exited, what each rank is blocked in, and per-rank counters.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::transport::stats::CommStats;
 
 use super::state::{GroupShared, lock};
+use super::waits::Waits;
 
 /// A group is identified by its label and its members in order.
 type GroupKey = (String, Vec<usize>);
@@ -20,6 +21,8 @@ pub(crate) struct World {
     failure: Mutex<Option<(usize, String)>>,
     failed: AtomicBool,
     exited: Vec<AtomicBool>,
+    /// What each rank is blocked in, for the deadlock detector.
+    pub waits: Waits,
     pub rank_stats: Vec<Mutex<CommStats>>,
 }
 
@@ -32,6 +35,7 @@ impl World {
             failure: Mutex::new(None),
             failed: AtomicBool::new(false),
             exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            waits: Waits::new(size),
             rank_stats: (0..size)
                 .map(|_| Mutex::new(CommStats::default()))
                 .collect(),
