@@ -11,7 +11,9 @@
 //! reduce-scatters and all-reduces inside forward and backward), and step / single.
 
 use burn_parallel::models::LlamaConfig;
-use burn_parallel::train::{Backend, Malloc, OptimizerKind, StepLog, Strategy, TrainConfig, train};
+use burn_parallel::train::{
+    Backend, DistributedFlags, Malloc, OptimizerKind, StepLog, Strategy, TrainConfig, train,
+};
 
 const STEPS: usize = 12;
 
@@ -56,10 +58,12 @@ fn main() {
     );
     let mut single = None;
     for (name, strategy, world, tp) in runs {
-        let cfg = TrainConfig {
-            strategy,
-            world_size: world,
+        let flags = DistributedFlags {
             tp,
+            ..DistributedFlags::on(strategy, world)
+        };
+        let cfg = TrainConfig {
+            distributed: flags.resolve().unwrap_or_else(|e| panic!("{name}: {e}")),
             ..base.clone()
         };
         let summary = train(&cfg, &|_: &StepLog| {}).unwrap_or_else(|e| panic!("{name}: {e}"));

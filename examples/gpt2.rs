@@ -128,7 +128,7 @@ impl Gpt2 {
             let x = forward_units(&self.h, x, |block, x| block.forward(x));
             self.lm_head.forward(self.ln_f.forward(x))
         };
-        with_module_unit(self, body).unwrap_or_else(|e| panic!("{e}"))
+        with_module_unit(self, body)
     }
 }
 
@@ -148,7 +148,7 @@ impl Mlp {
 impl Attention {
     /// Causal self-attention over this rank's heads (all of them without tensor parallelism).
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let [q, k, v] = forward_shared(x, [&self.q, &self.k, &self.v]).expect("q, k, v");
+        let [q, k, v] = forward_shared(x, [&self.q, &self.k, &self.v]);
         let [b, t, d] = q.dims();
         let hd = d / self.heads;
         let split = |x: Tensor<3>| x.reshape([b, t, self.heads, hd]).swap_dims(1, 2);

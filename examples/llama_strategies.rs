@@ -8,7 +8,7 @@
 //! the overhead of each strategy's communication and sharding on one machine, not multi-device
 //! speed-up.
 
-use burn_parallel::train::{Backend, Strategy, TrainConfig, train};
+use burn_parallel::train::{Backend, DistributedFlags, Strategy, TrainConfig, train};
 use clap::Parser;
 
 #[derive(Parser, Debug)]
@@ -35,8 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut base: Option<(f64, u64)> = None;
     for (strategy, world) in runs {
         let cfg = TrainConfig {
-            strategy,
-            world_size: world,
+            distributed: DistributedFlags::on(strategy, world).resolve()?,
             steps: args.steps,
             backend: args.backend,
             ..TrainConfig::default()

@@ -21,8 +21,10 @@
 # Environment: BURN_PARALLEL_CUDA_CACHE (wheel cache, default ~/.cache/burn-parallel-cuda),
 #   CARGO_TARGET_DIR, KIT_DIR (default <target>/gpu-kit), KIT_LIMIT_MIB (default 60),
 #   LIBDEVICE (a libdevice.10.bc to pack instead of the wheel's),
-#   CUDARC_CUDA_VERSION (the driver API to target, e.g. 12080; default: cudarc's latest with
-#   dynamic loading, which runs on any newer driver).
+#   CUDARC_CUDA_VERSION (the CUDA driver API the binaries target; default 12040, CUDA 12.4,
+#   which runs on NVIDIA drivers 550 and newer). Without it cudarc, finding no nvcc, targets its
+#   newest API (CUDA 13.x), whose bindings resolve symbols such as cuEventElapsedTime_v2 that
+#   drivers before 570 lack, and cudarc panics when such a symbol is first called.
 # Measured on a 2-core machine: 45+ minutes and 2.1 GB of target for the first build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +36,8 @@ cache="${BURN_PARALLEL_CUDA_CACHE:-$HOME/.cache/burn-parallel-cuda}"
 target="${CARGO_TARGET_DIR:-target}"
 kit="${KIT_DIR:-$target/gpu-kit}"
 limit_mib="${KIT_LIMIT_MIB:-60}"
+# The oldest driver API the kit supports (see the header); cudarc reads it at build time.
+export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-12040}"
 
 die() { echo "cuda-build: $*" >&2; exit 2; }
 
@@ -64,6 +68,16 @@ need() {
   command -v "$1" >/dev/null || die "'$1' is needed: $2"
 }
 
+# Everything the build and the packing need, checked before the 30-45 minute build.
+tools() {
+  need cargo "install Rust (rustup.rs)"
+  need python3 "the LLVM and libdevice wheels install with pip"
+  python3 -m pip --version >/dev/null 2>&1 \
+    || die "python3 has no pip: the LLVM and libdevice wheels install with it (apt install python3-pip)"
+  need xz "the kit's binaries are xz-compressed (apt install xz-utils)"
+  need sha256sum "the kit lists its files' checksums (coreutils)"
+}
+
 llvm_home() {
   echo "${XDG_DATA_HOME:-$HOME/.local/share}/tracel/tracel-llvm-$1"
 }
@@ -75,6 +89,9 @@ check() {
   echo "tracel-llvm-bundler $v: LLVM folder $(llvm_home "$v")"
   echo "wheel cache: $cache"
   echo "kit: $kit (at most $limit_mib MiB)"
+  echo "CUDA driver API: CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION"
+  [[ "$CUDARC_CUDA_VERSION" =~ ^1[1-3]0[0-9]0$ ]] \
+    || die "CUDARC_CUDA_VERSION must look like 12040 (CUDA 12.4), got '$CUDARC_CUDA_VERSION'"
 }
 
 install_llvm() {
@@ -158,6 +175,7 @@ case "$mode" in
   pack) check >/dev/null; pack "$pack_from" ;;
   build)
     check
+    tools
     install_llvm
     build
     pack "$target/release/examples"

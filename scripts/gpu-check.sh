@@ -54,15 +54,20 @@
 #   and stderr of every run, the memory samples) are kept when something failed, or always with
 #   GPU_CHECK_KEEP=1.
 #
+# The NCCL runs get BURN_PARALLEL_TIMEOUT_SECS=60 (a stuck call ends with an error naming it,
+# well inside the run's timeout) and NCCL_DEBUG=WARN (NCCL's own reason on stderr).
+#
 # A multi-GPU machine runs the same binaries with more ranks:
 #   one process, one thread per GPU:  nccl_check --gpus 0,1,2,3,4,5,6,7
 #                                     train_llama --backend cuda --engine nccl --world-size 8
-#   one process per GPU (MPI launcher; the id travels in the environment):
-#     export BURN_PARALLEL_NCCL_ID=$(nccl_check --print-id)
-#     mpirun -np 8 -x BURN_PARALLEL_NCCL_ID bash -c \
+#   one process per GPU: rank 0's process must create NCCL's id (its bootstrap root listens
+#   there), so every process gets rank 0's address instead of an id, and rank 0 starts the root:
+#     mpirun -np 8 -x NCCL_COMM_ID=$(hostname -i):29500 bash -c \
 #       'RANK=$OMPI_COMM_WORLD_RANK WORLD_SIZE=$OMPI_COMM_WORLD_SIZE \
 #        LOCAL_RANK=$OMPI_COMM_WORLD_LOCAL_RANK exec nccl_check'
-# (across nodes, every node must reach rank 0's address in the id: NCCL_SOCKET_IFNAME).
+#   (a binary built with the mpi feature needs none of that under mpirun: rank 0 creates the
+#   id and broadcasts it over MPI). Across nodes, every node must reach rank 0's address
+#   (NCCL_SOCKET_IFNAME picks the interface).
 [ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@" # started as `sh gpu-check.sh`
 set -euo pipefail
 if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
@@ -81,6 +86,9 @@ TOL_BF16=1e-2
 # (about a relative 1e-5 at the tiny model's loss of ~5).
 TOL_ENGINE=5e-5
 LIBDEVICE_REL=nvvm/libdevice/libdevice.10.bc
+# The NCCL runs' environment: a stuck call fails within a minute naming itself (inside the
+# run's timeout), and NCCL says why on stderr.
+NCCL_ENV=(BURN_PARALLEL_TIMEOUT_SECS=60 NCCL_DEBUG=WARN)
 
 kit=""            # this script's folder: the kit, or scripts/ in the repository
 repo=""           # the repository root when run as scripts/gpu-check.sh
@@ -684,7 +692,7 @@ main() {
     if [[ -z "$nccl_check" ]]; then
       result SKIPPED "nccl_check" "no nccl_check binary (the kit's nccl_check.xz, NCCL_CHECK, or an argument)"
     else
-      if run nccl_check 1 "$nccl_check" --gpus 0 --mib "$mib" --iters 20; then
+      if run nccl_check 1 env "${NCCL_ENV[@]}" "$nccl_check" --gpus 0 --mib "$mib" --iters 20; then
         cat "$work/nccl_check.out"
         result PASS "nccl_check, 1 rank, $mib MiB" "$(tail -n 1 "$work/nccl_check.out" | sed "s/^nccl_check: //")"
       else
@@ -699,7 +707,8 @@ main() {
       fi
     fi
     train_run "$dev-fsdp2-1thread" 1 -- --backend "$dev" --strategy fsdp2 --world-size 1 --engine threads
-    train_run "$dev-fsdp2-nccl" 1 -- --backend "$dev" --strategy fsdp2 --world-size 1 --engine nccl
+    train_run "$dev-fsdp2-nccl" 1 "${NCCL_ENV[@]}" -- --backend "$dev" --strategy fsdp2 \
+      --world-size 1 --engine nccl
     check_curve "fsdp2 on 1 rank, nccl engine against threads engine" "$TOL_ENGINE" \
       "$dev-fsdp2-nccl" "$dev-fsdp2-1thread"
   fi

@@ -19,12 +19,12 @@ use burn_parallel::models::data::TokenData;
 use burn_parallel::parallelizer::{MeshContext, parallelize_model, train_step};
 use burn_parallel::tp::loss_parallel;
 use burn_parallel::train::{
-    OptimizerKind, StepLog, Strategy, TrainConfig, TrainSummary, distributed_config, train,
+    DistributedFlags, OptimizerKind, StepLog, Strategy, TrainConfig, TrainSummary, train,
 };
 
 use crate::common::{ndarray_ad, to_vec};
 use crate::llama_hf::temp_dir;
-use crate::llama_train::{small_model, small_run};
+use crate::llama_train::{resolved, small_model, small_run};
 
 /// A 10-step run (the total) under `layout`, checkpointing into `save_dir` every `every` steps.
 fn run_cfg(
@@ -35,9 +35,10 @@ fn run_cfg(
 ) -> TrainConfig {
     let (strategy, world, tp) = layout;
     TrainConfig {
-        strategy,
-        world_size: world,
-        tp,
+        distributed: resolved(DistributedFlags {
+            tp,
+            ..DistributedFlags::on(strategy, world)
+        }),
         steps: 10,
         save_every: Some(every),
         save_dir: Some(save_dir.to_path_buf()),
@@ -207,9 +208,9 @@ fn with_ranks<T: Send>(
     cfg: &TrainConfig,
     f: impl Fn(Llama, &MeshContext) -> T + Sync,
 ) -> Result<Vec<T>, burn_parallel::comm::LaunchError> {
-    launch(cfg.world_size, |ctx| {
+    launch(cfg.world_size().unwrap(), |ctx| {
         let device: Device = ndarray_ad().gradient_checkpointing();
-        let mesh = MeshContext::new(&ctx, distributed_config(cfg), device.clone()).unwrap();
+        let mesh = MeshContext::new(&ctx, cfg.distributed.clone(), device.clone()).unwrap();
         let model = parallelize_model(Llama::seeded(&small_model(), 7, &device), &mesh).unwrap();
         Ok::<_, std::convert::Infallible>(f(model, &mesh))
     })
@@ -416,7 +417,10 @@ fn a_resharded_load_reads_and_holds_only_this_ranks_regions() {
     for target in [
         small_run(Strategy::Fsdp2, 3, OptimizerKind::AdamW),
         TrainConfig {
-            tp: Some(2),
+            distributed: resolved(DistributedFlags {
+                tp: Some(2),
+                ..DistributedFlags::on(Strategy::Fsdp2Tp, 4)
+            }),
             ..small_run(Strategy::Fsdp2Tp, 4, OptimizerKind::AdamW)
         },
     ] {
@@ -433,7 +437,11 @@ fn a_resharded_load_reads_and_holds_only_this_ranks_regions() {
             (report, stored, largest)
         })
         .unwrap();
-        let what = format!("{} x{}", target.strategy, target.world_size);
+        let what = format!(
+            "{} x{}",
+            target.distributed.strategy,
+            target.world_size().unwrap()
+        );
         let mut verified = 0;
         for (rank, (report, stored, largest)) in reports.into_iter().enumerate() {
             assert_eq!(
@@ -460,7 +468,13 @@ fn a_resharded_load_reads_and_holds_only_this_ranks_regions() {
 fn an_asynchronous_save_writes_the_same_checkpoint_while_training_goes_on() {
     let root = temp_dir("ckpt-async");
     let cfg = small_run(Strategy::Fsdp2Tp, 4, OptimizerKind::Sgd);
-    let cfg = TrainConfig { tp: Some(2), ..cfg };
+    let cfg = TrainConfig {
+        distributed: resolved(DistributedFlags {
+            tp: Some(2),
+            ..DistributedFlags::on(Strategy::Fsdp2Tp, 4)
+        }),
+        ..cfg
+    };
     let progress = TrainingProgress {
         step: 3,
         data_position: 15,
@@ -603,7 +617,10 @@ fn a_users_own_loop_resumes_burns_adamw_in_any_layout() {
     assert_eq!(same, straight[3..]);
     // Another layout (FSDP + TP on 4 ranks): single-device training's losses.
     let fsdp2_tp = TrainConfig {
-        tp: Some(2),
+        distributed: resolved(DistributedFlags {
+            tp: Some(2),
+            ..DistributedFlags::on(Strategy::Fsdp2Tp, 4)
+        }),
         ..small_run(Strategy::Fsdp2Tp, 4, OptimizerKind::AdamW)
     };
     let other = user_loop(&fsdp2_tp, 3..6, Some(&half), None);

@@ -248,7 +248,7 @@ fn sharded(replicas: usize, shard: usize, opts: Opts) -> Vec<(Run, usize, [u64; 
                 let l = if opts.unit {
                     with_gathered_unit(&model, || {
                         loss(&model, step, part.clone(), &device, &config.mixed_precision)
-                    })?
+                    })
                 } else {
                     loss(&model, step, part, &device, &config.mixed_precision)
                 };

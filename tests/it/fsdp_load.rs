@@ -3,7 +3,7 @@
 //! sharding the fully loaded module; the gathered full state (on every rank or the first)
 //! round-trips exactly, keyed by module path.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::Linear;
@@ -11,8 +11,12 @@ use burn::tensor::{Device, Shape, Tensor, TensorData};
 use burn_parallel::comm::chunk::chunk_range;
 use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{
-    FsdpConfig, FsdpError, RowRequest, StateDictRanks, full_state_dict, fully_shard,
-    fully_shard_from,
+    FsdpConfig, FsdpError, PathVisitor, RowRequest, ShardLayout, StateDictRanks, full_state_dict,
+    fully_shard, fully_shard_from, param_states, visit_with_paths,
+};
+use burn_parallel::parallelize;
+use burn_parallel::parallelizer::{
+    DistributedConfig, MeshContext, ModelParallelizer, ParallelError, parallelize_model_from,
 };
 
 use crate::common::{ndarray_ad, values};
@@ -182,4 +186,74 @@ fn a_source_returning_the_wrong_rows_is_an_error_naming_the_parameter() {
         missing.to_string(),
         "loading layers.0.weight: layers.0.weight is not in the file"
     );
+}
+
+/// Each parameter's id and module path.
+fn paths_by_id<M: Module>(module: &M) -> Vec<(ParamId, String)> {
+    struct Paths(Vec<(ParamId, String)>);
+    impl PathVisitor for Paths {
+        fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
+            self.0.push((param.id, path.to_string()));
+        }
+    }
+    let mut paths = Paths(Vec::new());
+    visit_with_paths(module, &mut paths);
+    paths.0
+}
+
+/// A sidecar overriding the FSDP primitive: every unit in the flat-buffer layout.
+#[derive(Default)]
+pub struct FlatUnits;
+
+impl ModelParallelizer for FlatUnits {
+    fn fully_shard_module<N: Module>(
+        &self,
+        module: N,
+        config: &FsdpConfig,
+    ) -> Result<N, ParallelError> {
+        Ok(fully_shard(
+            module,
+            &config.clone().layout(ShardLayout::FlatBuffer),
+        )?)
+    }
+}
+
+/// The lazy stack, parallelized by [`FlatUnits`].
+#[parallelize(sidecar = FlatUnits)]
+#[derive(Module, Debug)]
+pub struct FlatLazyStack {
+    #[fsdp(unit)]
+    layers: Vec<Linear>,
+}
+
+#[test]
+fn a_sidecars_fully_shard_module_serves_the_sharded_load_too() {
+    let state = checkpoint();
+    let runs = launch(2, |ctx| {
+        let mesh = MeshContext::new(&ctx, DistributedConfig::default(), ndarray_ad())?;
+        let model = FlatLazyStack {
+            layers: lazy_stack(mesh.device()).layers,
+        };
+        // Requests name a parameter's path within its unit: the source keys on ids.
+        let source: HashMap<ParamId, TensorData> = paths_by_id(&model)
+            .into_iter()
+            .map(|(id, path)| (id, state[&path].clone()))
+            .collect();
+        let model = parallelize_model_from(model, &mesh, move |r: &RowRequest| {
+            Ok::<_, String>(rows_of(&source[&r.id], r.rows.clone()))
+        })?;
+        let flat = param_states(&model)
+            .iter()
+            .all(|s| s.unit().flat_buffer().is_some());
+        let all = full_state_dict(&model, StateDictRanks::All)?;
+        Ok::<_, Box<dyn std::error::Error>>((flat, all))
+    })
+    .unwrap();
+    for (rank, (flat, all)) in runs.into_iter().enumerate() {
+        assert!(
+            flat,
+            "rank {rank}: every unit sharded by the sidecar's hook"
+        );
+        assert_eq!(all, state, "rank {rank}: the loaded state");
+    }
 }

@@ -6,7 +6,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::comm::chunk::chunk_range;
 use burn_parallel::comm::{OpKind, ReduceOp, launch};
 use burn_parallel::fsdp::{
-    FsdpConfig, forward_units, fully_shard, gather_full, with_gathered_unit,
+    FsdpConfig, forward_units, fully_shard, gather_full, try_with_gathered_unit,
 };
 
 use crate::common::{assert_close, ndarray_ad, sgd, values, vec_of};
@@ -127,7 +127,7 @@ fn a_unit_mixing_shard_groups_is_an_error() {
         let mixed = Stack {
             layers: [first.layers, second.layers].concat(),
         };
-        let err = with_gathered_unit(&mixed, || ()).unwrap_err();
+        let err = try_with_gathered_unit(&mixed, || ()).unwrap_err();
         Ok::<_, Box<dyn std::error::Error>>(err.to_string())
     })
     .unwrap();

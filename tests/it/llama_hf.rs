@@ -228,15 +228,17 @@ fn llama_lazy_sharded_load_reads_only_each_ranks_rows() {
                 };
                 let mesh = MeshContext::new(&rank, config, crate::common::ndarray_ad())?;
                 let (model, rows) = lazy_llama(&dir, mesh.device())?;
-                let mut asked = Vec::new();
-                let model = parallelize_model_from(model, &mesh, |r: &RowRequest| {
-                    asked.push((
+                let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+                let log = asked.clone();
+                let model = parallelize_model_from(model, &mesh, move |r: &RowRequest| {
+                    log.lock().unwrap().push((
                         rows.name(r.id).unwrap().to_string(),
                         r.shape[0],
                         r.rows.clone(),
                     ));
                     rows.read(r.id, r.rows.clone())
                 })?;
+                let asked = std::mem::take(&mut *asked.lock().unwrap());
                 let full = hf_tensors(&gather_full(model)?)?;
                 let (shard_rank, shards) = (mesh.dp_rank(), mesh.dp_size());
                 Ok::<_, Box<dyn std::error::Error>>((asked, full, shard_rank, shards))

@@ -2,13 +2,15 @@
 //! saved under FSDP equals the one saved by a single device.
 
 use burn_parallel::models::checkpoint::HfCheckpoint;
+use burn_parallel::parallelizer::TpShardPlan;
 use burn_parallel::train::{
-    Backend, EngineKind, OptimizerKind, Precision, Strategy, TrainConfig, TrainError, train,
+    Backend, DistributedConfig, DistributedFlags, Dtype, EngineKind, OptimizerKind, Strategy,
+    TrainConfig, TrainError, train,
 };
 
 use crate::common::{assert_close, to_vec};
 use crate::llama_hf::{fixture, temp_dir};
-use crate::llama_train::small_run;
+use crate::llama_train::{resolved, small_run};
 
 fn error_of(cfg: &TrainConfig) -> String {
     let e: TrainError = train(cfg, &|_| {}).expect_err("bad input must fail");
@@ -68,54 +70,64 @@ fn llama_bad_inputs_are_named_errors() {
     for (cfg, want) in [
         (
             TrainConfig {
-                strategy: Strategy::Single,
+                distributed: resolved(DistributedFlags::on(Strategy::Single, 2)),
                 ..base.clone()
             },
             "runs on 1 rank",
         ),
         (
             TrainConfig {
-                strategy: Strategy::Tp,
-                world_size: 3,
+                distributed: resolved(DistributedFlags::on(Strategy::Tp, 3)),
                 ..base.clone()
             },
             "num_heads",
         ),
         (
             TrainConfig {
-                strategy: Strategy::Hsdp,
-                world_size: 3,
-                dp_replicate: Some(2),
+                distributed: resolved(DistributedFlags {
+                    dp_replicate: Some(2),
+                    ..DistributedFlags::on(Strategy::Hsdp, 3)
+                }),
                 ..base.clone()
             },
             "world size 3 is not divisible by dp_replicate_size 2",
         ),
         (
             TrainConfig {
-                world_size: 6,
+                distributed: resolved(DistributedFlags::on(Strategy::Fsdp2, 6)),
                 ..base.clone()
             },
             "no rows",
         ),
         (
+            // fsdp2 takes a tp size (tensor parallelism inside FSDP2); ddp does not.
             TrainConfig {
-                tp: Some(2),
+                distributed: resolved(DistributedFlags {
+                    tp: Some(2),
+                    ..DistributedFlags::on(Strategy::Ddp, 2)
+                }),
                 ..base.clone()
             },
-            "--tp applies",
+            "cannot use tp_size 2",
         ),
         (
+            // `--tp-plan gpt` is refused by the flag parser (tests/it/train_flags.rs); a file's
+            // `tp_shard_plan` is checked against the Llama's plans.
             TrainConfig {
-                strategy: Strategy::Fsdp2Tp,
-                world_size: 4,
-                tp_plan: "gpt".into(),
+                distributed: DistributedConfig {
+                    tp_shard_plan: Some(TpShardPlan::Named("gpt".into())),
+                    ..resolved(DistributedFlags::on(Strategy::Fsdp2Tp, 4))
+                },
                 ..base.clone()
             },
             "unknown tp plan `gpt`",
         ),
         (
             TrainConfig {
-                param_dtype: Precision::Bf16,
+                distributed: resolved(DistributedFlags {
+                    param_dtype: Some(Dtype::Bf16),
+                    ..DistributedFlags::on(Strategy::Fsdp2, 2)
+                }),
                 ..base.clone()
             },
             "needs --backend flex",
@@ -192,7 +204,10 @@ fn llama_checkpoint_loads_lazily_under_every_strategy() {
     let run = |strategy, world, tp| {
         let cfg = TrainConfig {
             checkpoint: Some(dir.clone()),
-            tp,
+            distributed: resolved(DistributedFlags {
+                tp,
+                ..DistributedFlags::on(strategy, world)
+            }),
             steps: 3,
             ..small_run(strategy, world, OptimizerKind::AdamW)
         };

@@ -4,7 +4,8 @@
 
 use burn_parallel::models::LlamaConfig;
 use burn_parallel::train::{
-    Backend, OptimizerKind, Precision, StepLog, Strategy, TrainConfig, TrainSummary, train,
+    Backend, DistributedConfig, DistributedFlags, Dtype, OptimizerKind, StepLog, Strategy,
+    TrainConfig, TrainSummary, train,
 };
 
 /// Small sizes none of 2, 3, 4 all divide: vocab 67, hidden 20, intermediate 27.
@@ -21,10 +22,14 @@ pub fn small_model() -> LlamaConfig {
     }
 }
 
+/// The `DistributedConfig` the trainer's command line gives for `flags`.
+pub fn resolved(flags: DistributedFlags) -> DistributedConfig {
+    flags.resolve().unwrap_or_else(|e| panic!("{flags:?}: {e}"))
+}
+
 pub fn small_run(strategy: Strategy, world: usize, optimizer: OptimizerKind) -> TrainConfig {
     TrainConfig {
-        strategy,
-        world_size: world,
+        distributed: resolved(DistributedFlags::on(strategy, world)),
         steps: 5,
         // 5 rows: uneven over 2, 3 and 4 data-parallel ranks.
         global_batch: 5,
@@ -87,11 +92,12 @@ fn every_strategy_matches_single(optimizer: OptimizerKind, clip: Option<f32>) {
     assert!(losses[4] < losses[0], "the loss falls: {losses:?}");
     for (strategy, world, tp, replicate, plan) in variants() {
         let cfg = TrainConfig {
-            strategy,
-            world_size: world,
-            tp,
-            dp_replicate: replicate,
-            tp_plan: plan.into(),
+            distributed: resolved(DistributedFlags {
+                tp,
+                dp_replicate: replicate,
+                tp_plan: Some(plan.parse().unwrap()),
+                ..DistributedFlags::on(strategy, world)
+            }),
             ..base.clone()
         };
         let got = run(&cfg);
@@ -127,10 +133,11 @@ fn llama_on_flex_matches_ndarray_and_every_strategy_matches_single() {
         (Strategy::Tp, 2, Some(2), "llama-sp"),
     ] {
         let cfg = TrainConfig {
-            strategy,
-            world_size: world,
-            tp,
-            tp_plan: plan.into(),
+            distributed: resolved(DistributedFlags {
+                tp,
+                tp_plan: Some(plan.parse().unwrap()),
+                ..DistributedFlags::on(strategy, world)
+            }),
             ..single.clone()
         };
         let what = format!("flex {strategy} on {world} ({plan})");
@@ -153,10 +160,11 @@ fn llama_bf16_on_flex_is_close_to_f32() {
         (Strategy::Fsdp2Tp, 4, Some(2)),
     ] {
         let cfg = TrainConfig {
-            strategy,
-            world_size: world,
-            tp,
-            param_dtype: Precision::Bf16,
+            distributed: resolved(DistributedFlags {
+                tp,
+                param_dtype: Some(Dtype::Bf16),
+                ..DistributedFlags::on(strategy, world)
+            }),
             ..f32_run.clone()
         };
         let got = run(&cfg);

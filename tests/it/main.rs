@@ -35,4 +35,5 @@ mod tp_mlp;
 mod tp_prepare;
 mod tp_sp;
 mod tp_vocab;
+mod train_flags;
 mod user_api;

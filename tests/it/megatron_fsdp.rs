@@ -13,18 +13,21 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{
-    FsdpConfig, RowRequest, ShardLayout, fully_shard, gather_full, param_states, with_gathered_unit,
+    FsdpConfig, RowRequest, ShardLayout, fully_shard, gather_full, param_states,
+    try_with_gathered_unit,
 };
 use burn_parallel::models::checkpoint::{hf_tensors, lazy_llama, load_llama};
 use burn_parallel::parallelizer::{
     DistributedConfig, MegatronFsdpConfig, MeshContext, ParallelError, Strategy, ZeroDpStrategy,
     parallelize_model, parallelize_model_from,
 };
-use burn_parallel::train::{Backend, OptimizerKind, Precision, TrainConfig, TrainSummary};
+use burn_parallel::train::{
+    Backend, DistributedFlags, Dtype, OptimizerKind, TrainConfig, TrainSummary,
+};
 
 use crate::common::{assert_close, ndarray, ndarray_ad, to_vec};
 use crate::llama_hf::fixture;
-use crate::llama_train::{assert_curves, run, small_run};
+use crate::llama_train::{assert_curves, resolved, run, small_run};
 use crate::parallelize_config::temp_path;
 use crate::parallelize_train::{Opt, TinyLm, check, config};
 
@@ -154,10 +157,18 @@ fn flat_pieces_fill_each_ranks_share_and_cut_rows() {
     assert!(mid_row, "some parameter straddles two ranks mid-row");
 }
 
-fn llama_megatron(world: usize, zero: ZeroDpStrategy, bucket: Option<usize>) -> TrainConfig {
-    TrainConfig {
+/// `--strategy megatron_fsdp --world-size world --zero-dp-strategy zero [--bucket-size]`.
+fn megatron_flags(world: usize, zero: ZeroDpStrategy, bucket: Option<usize>) -> DistributedFlags {
+    DistributedFlags {
         zero_dp_strategy: Some(zero),
         bucket_size: bucket,
+        ..DistributedFlags::on(Strategy::MegatronFsdp, world)
+    }
+}
+
+fn llama_megatron(world: usize, zero: ZeroDpStrategy, bucket: Option<usize>) -> TrainConfig {
+    TrainConfig {
+        distributed: resolved(megatron_flags(world, zero, bucket)),
         ..small_run(Strategy::MegatronFsdp, world, OptimizerKind::AdamW)
     }
 }
@@ -174,7 +185,10 @@ fn llama_megatron_fsdp_matches_single() {
         ] {
             let cfg = TrainConfig {
                 optimizer,
-                dp_replicate: replicate,
+                distributed: resolved(DistributedFlags {
+                    dp_replicate: replicate,
+                    ..megatron_flags(world, zero, bucket)
+                }),
                 lr: small_run(Strategy::Single, 1, optimizer).lr,
                 ..llama_megatron(world, zero, bucket)
             };
@@ -191,9 +205,10 @@ fn llama_megatron_fsdp_bf16_on_flex_is_close_to_f32_and_to_fsdp2() {
         ..small_run(Strategy::Single, 1, OptimizerKind::AdamW)
     };
     let bf16 = |strategy, world| TrainConfig {
-        strategy,
-        world_size: world,
-        param_dtype: Precision::Bf16,
+        distributed: resolved(DistributedFlags {
+            param_dtype: Some(Dtype::Bf16),
+            ..DistributedFlags::on(strategy, world)
+        }),
         ..f32_single.clone()
     };
     let want = run(&f32_single);
@@ -274,11 +289,14 @@ fn llama_lazy_load_under_megatron_fsdp_reads_the_rows_of_each_piece() {
     let results = launch(3, |rank| {
         let mesh = MeshContext::new(&rank, megatron(ZERO3, 1, None), ndarray_ad())?;
         let (model, rows) = lazy_llama(&dir, mesh.device())?;
-        let mut asked = Vec::new();
-        let model = parallelize_model_from(model, &mesh, |r: &RowRequest| {
-            asked.push((r.id, r.shape[1..].iter().product::<usize>(), r.rows.clone()));
+        let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = asked.clone();
+        let model = parallelize_model_from(model, &mesh, move |r: &RowRequest| {
+            let row_len = r.shape[1..].iter().product::<usize>();
+            log.lock().unwrap().push((r.id, row_len, r.rows.clone()));
             rows.read(r.id, r.rows.clone())
         })?;
+        let asked = std::mem::take(&mut *asked.lock().unwrap());
         let states = param_states(&model);
         let full = hf_tensors(&gather_full(model)?)?;
         Ok::<_, Box<dyn std::error::Error>>((asked, states, full))
@@ -373,7 +391,7 @@ fn gathering_part_of_a_flat_unit_is_an_error() {
         let config = FsdpConfig::new(rank.world()?).layout(ShardLayout::FlatBuffer);
         let two = fully_shard(two, &config)?;
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
-            with_gathered_unit(&two.a, || ()).unwrap_err(),
+            try_with_gathered_unit(&two.a, || ()).unwrap_err(),
         )
     })
     .unwrap();

@@ -16,12 +16,12 @@ use burn_parallel::models::checkpoint::{
 use burn_parallel::models::{Llama, LlamaConfig, ModelError};
 
 use burn_parallel::checkpoint::step_dir;
-use burn_parallel::train::{OptimizerKind, Strategy, TrainConfig};
+use burn_parallel::train::{DistributedFlags, OptimizerKind, Strategy, TrainConfig};
 
 use crate::checkpoint::tensors;
 use crate::common::{assert_close, ndarray, ndarray_ad, to_vec, vec_of};
 use crate::llama_hf::temp_dir;
-use crate::llama_train::{assert_curves, run, small_run};
+use crate::llama_train::{assert_curves, resolved, run, small_run};
 
 const FIXTURES: [&str; 3] = ["qwen3_moe/norm", "qwen3_moe/nonorm", "mixtral/base"];
 
@@ -321,8 +321,11 @@ fn moe_run(strategy: Strategy, world: usize, ep: usize, optimizer: OptimizerKind
     // moe_sparse.rs's).
     model.moe.as_mut().unwrap().mlp_only_layers = vec![0];
     TrainConfig {
-        ep: (ep > 1).then_some(ep),
-        dp_replicate: (strategy == Strategy::Hsdp).then_some(2),
+        distributed: resolved(DistributedFlags {
+            ep: (ep > 1).then_some(ep),
+            dp_replicate: (strategy == Strategy::Hsdp).then_some(2),
+            ..DistributedFlags::on(strategy, world)
+        }),
         steps: 6,
         model,
         ..small_run(strategy, world, optimizer)
@@ -482,10 +485,11 @@ fn moe_checkpoints_train_under_expert_parallelism_as_on_one_device() {
             let what = format!("{fixture_name}: {strategy} on {world}, ep {ep}");
             let out = dir.join(format!("{strategy}-{world}"));
             let got = run(&TrainConfig {
-                strategy,
-                world_size: world,
-                ep: Some(ep),
-                tp,
+                distributed: resolved(DistributedFlags {
+                    ep: Some(ep),
+                    tp,
+                    ..DistributedFlags::on(strategy, world)
+                }),
                 save: Some(out.clone()),
                 ..base.clone()
             });

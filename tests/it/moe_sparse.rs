@@ -10,12 +10,13 @@ use burn::module::Param;
 use burn::tensor::Tensor;
 use burn_parallel::models::checkpoint::{SaveDtype, hf_tensors, save_llama};
 use burn_parallel::models::{Llama, LlamaConfig, MoeFlavor};
-use burn_parallel::train::{OptimizerKind, Strategy, TrainConfig, TrainSummary};
+use burn_parallel::train::{DistributedFlags, OptimizerKind, Strategy, TrainConfig, TrainSummary};
 use proptest::prelude::{Just, ProptestConfig, Strategy as _, prop_oneof, proptest};
+use proptest::test_runner::RngSeed;
 
 use crate::common::ndarray;
 use crate::llama_hf::temp_dir;
-use crate::llama_train::{assert_curves, run, small_run};
+use crate::llama_train::{assert_curves, resolved, run, small_run};
 use crate::moe::{assert_same_weights, tiny_moe};
 
 /// The layouts of the MoE issue, each with its experts split over ep 2: (strategy, world).
@@ -63,15 +64,19 @@ fn sparse_run(
     model: &Source,
     data: &Path,
     steps: usize,
-    optimizer: OptimizerKind,
+    (optimizer, lr): (OptimizerKind, f32),
 ) -> TrainConfig {
     let mut cfg = TrainConfig {
-        ep: (world > 1).then_some(2),
-        dp_replicate: (strategy == Strategy::Hsdp).then_some(2),
+        distributed: resolved(DistributedFlags {
+            ep: (world > 1).then_some(2),
+            dp_replicate: (strategy == Strategy::Hsdp).then_some(2),
+            ..DistributedFlags::on(strategy, world)
+        }),
         steps,
         global_batch: 8,
         seq_len: 8,
         data: Some(data.to_path_buf()),
+        lr,
         ..small_run(strategy, world, optimizer)
     };
     match model {
@@ -96,7 +101,7 @@ fn matches_single(
     model: &Source,
     data: &Path,
     steps: usize,
-    optimizer: OptimizerKind,
+    optimizer: (OptimizerKind, f32),
     layouts: &[(Strategy, usize)],
     dir: &Path,
 ) -> TrainSummary {
@@ -139,7 +144,7 @@ fn all_sparse_qwen3_moe_and_mixtral_train_20_adamw_steps_under_every_layout_as_o
             &Source::Config(Box::new(config)),
             &data,
             20,
-            OptimizerKind::AdamW,
+            (OptimizerKind::AdamW, 1e-2),
             &LAYOUTS,
             &dir,
         );
@@ -219,7 +224,7 @@ fn ranks_and_experts_without_tokens_train_under_fsdp_and_ep_as_on_one_device() {
         &Source::Checkpoint(checkpoint),
         &data,
         3,
-        OptimizerKind::AdamW,
+        (OptimizerKind::AdamW, 1e-2),
         &[(Strategy::Fsdp2, 4), (Strategy::MegatronFsdp, 4)],
         &dir,
     );
@@ -228,9 +233,12 @@ fn ranks_and_experts_without_tokens_train_under_fsdp_and_ep_as_on_one_device() {
 }
 
 proptest! {
+    // A fixed seed: the same cases in every run (240 random cases passed when this was
+    // written).
     #![proptest_config(ProptestConfig {
-        cases: 6,
+        cases: 12,
         failure_persistence: None,
+        rng_seed: RngSeed::Fixed(27),
         ..ProptestConfig::default()
     })]
 
@@ -249,8 +257,10 @@ proptest! {
             &format!("seed {seed}, routers {routers:?}"),
             &Source::Checkpoint(checkpoint),
             &data,
-            3,
-            OptimizerKind::Sgd,
+            // One step: after an update, routers built on exact ties (zero, favouring one
+            // expert) sit on near-ties that round-off may break either way.
+            1,
+            (OptimizerKind::Sgd, 0.5),
             &[(Strategy::Fsdp2, 4)],
             &dir,
         );

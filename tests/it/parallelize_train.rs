@@ -91,7 +91,6 @@ impl TinyLm {
             let [b, s, v] = logits.dims();
             logits.reshape([b * s, v])
         })
-        .unwrap_or_else(|e| panic!("{e}"))
     }
 }
 

@@ -57,7 +57,7 @@ impl Heads {
         x: Tensor<3>,
         causal: bool,
     ) -> Tensor<3> {
-        let [q, k, v] = forward_shared(x, [q, k, v]).unwrap();
+        let [q, k, v] = forward_shared(x, [q, k, v]);
         o.forward(self.attend(q, k, v, causal))
     }
 
@@ -181,7 +181,7 @@ impl Mlp {
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // gate and up share one input collective.
-        let [gate, up] = forward_shared(x, [&self.gate_proj, &self.up_proj]).unwrap();
+        let [gate, up] = forward_shared(x, [&self.gate_proj, &self.up_proj]);
         self.down_proj.forward(silu(gate) * up)
     }
 }

@@ -78,7 +78,7 @@ impl Llama {
 
     /// `[tokens, vocab or this rank's vocab chunk]` logits.
     fn forward(&self, ids: Tensor<2, Int>) -> Tensor<2> {
-        let norm = |n: &Tp<RmsNorm>, x: Tensor<3>| n.forward_with(x, |m, x| m.forward(x)).unwrap();
+        let norm = |n: &Tp<RmsNorm>, x: Tensor<3>| n.forward_with(x, |m, x| m.forward(x));
         let mut x = self.embed_tokens.forward(ids);
         for l in &self.layers {
             x = x.clone() + l.self_attn.forward(norm(&l.input_layernorm, x));

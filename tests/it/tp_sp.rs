@@ -68,7 +68,7 @@ impl Block {
     }
 
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let h = self.norm.forward_with(x, |n, x| n.forward(x)).unwrap();
+        let h = self.norm.forward_with(x, |n, x| n.forward(x));
         self.down.forward(gelu(self.up.forward(h)))
     }
 }

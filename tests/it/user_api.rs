@@ -13,7 +13,7 @@ use burn_parallel::parallelizer::{
     DistributedConfig, MeshContext, ParallelError, Strategy, full_model, full_state_dict,
     parallelize_model, train_step,
 };
-use burn_parallel::tp::{ParallelStyle, Tp, TpError, forward_shared, loss_parallel};
+use burn_parallel::tp::{ParallelStyle, Tp, TpError, loss_parallel, try_forward_shared};
 
 use crate::common::{LinearStack, assert_close, flex_ad, ndarray_ad, tanh_layer, tensor, vec_of};
 use crate::parallelize_train::{BATCH, TinyLm, VOCAB, batch, values_of};
@@ -291,8 +291,8 @@ fn siblings_sharing_a_prepared_input_need_the_same_style() {
         let k = layer(2, ParallelStyle::colwise(), "attn.k_proj")?;
         let o = layer(3, ParallelStyle::rowwise(), "attn.o_proj")?;
         let x = tensor(4, [2, 6], &d);
-        let [yq, yk] = forward_shared(x.clone(), [&q, &k])?;
-        let err = forward_shared(x, [&q, &o]).unwrap_err().to_string();
+        let [yq, yk] = try_forward_shared(x.clone(), [&q, &k])?;
+        let err = try_forward_shared(x, [&q, &o]).unwrap_err().to_string();
         Ok::<_, TpError>((yq.dims(), yk.dims(), err))
     })
     .unwrap();

@@ -2,7 +2,8 @@
 //! of one process: the same program, only `TrainConfig::engine` differs.
 
 use burn_parallel::train::{
-    Backend, EngineKind, OptimizerKind, Strategy, TrainConfig, TrainSummary, train,
+    Backend, DistributedFlags, EngineKind, OptimizerKind, Strategy, TrainConfig, TrainSummary,
+    train,
 };
 
 /// The argument that selects this role, followed by the strategy.
@@ -21,10 +22,12 @@ pub fn strategies(np: usize) -> Vec<(&'static str, Option<usize>)> {
 fn config(strategy: Strategy, world: usize, tp: Option<usize>, engine: EngineKind) -> TrainConfig {
     let mut model = burn_parallel::models::LlamaConfig::tiny();
     model.num_hidden_layers = 2;
-    TrainConfig {
-        strategy,
-        world_size: world,
+    let flags = DistributedFlags {
         tp,
+        ..DistributedFlags::on(strategy, world)
+    };
+    TrainConfig {
+        distributed: flags.resolve().expect("flags without a file resolve"),
         steps: 3,
         global_batch: 5,
         seq_len: 8,

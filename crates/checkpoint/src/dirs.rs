@@ -5,8 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::durable::sync_dir;
 use crate::error::CheckpointError;
-use crate::files::sync_dir;
 use crate::meta::METADATA_FILE;
 
 const STEP_PREFIX: &str = "step-";

@@ -147,22 +147,6 @@ pub fn write_shard_file(
     })
 }
 
-/// Writes `bytes` to `path` and flushes them to disk.
-pub fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let io = CheckpointError::io(path);
-    let mut file = File::create(path).map_err(CheckpointError::io(path))?;
-    file.write_all(bytes)
-        .and_then(|_| file.sync_all())
-        .map_err(io)
-}
-
-/// Flushes a directory's entries (files created or renamed in it) to disk.
-pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(CheckpointError::io(dir))
-}
-
 /// A shard file mapped into memory, its safetensors header parsed.
 pub struct ShardFile {
     path: PathBuf,

@@ -66,6 +66,7 @@
 
 mod burn_optim;
 mod dirs;
+mod durable;
 mod error;
 mod exchange;
 mod files;

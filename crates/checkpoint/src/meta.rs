@@ -236,7 +236,7 @@ impl Metadata {
     pub(crate) fn write(&self, dir: &Path) -> Result<u64, CheckpointError> {
         let path = dir.join(METADATA_FILE);
         let text = serde_json::to_string_pretty(self).expect("metadata serializes");
-        crate::files::write_durably(&path, text.as_bytes())?;
+        crate::durable::write_durably(&path, text.as_bytes())?;
         Ok(text.len() as u64)
     }
 

@@ -8,6 +8,7 @@ use burn_parallel_comm::ProcessGroup;
 use crate::memory::MemoryTracker;
 use crate::offload::OffloadPolicy;
 use crate::policy::MixedPrecisionPolicy;
+use crate::rows::RowSource;
 
 /// How [`fully_shard`](crate::fully_shard) shards and gathers. Clones share the gradient-sync
 /// switch and the memory tracker, so one call reaches every unit sharded with them.
@@ -38,6 +39,9 @@ pub struct FsdpConfig {
     /// add up to at most this many elements (Megatron-FSDP's communication bucket; `None`, the
     /// default: one collective per unit).
     pub bucket_elements: Option<usize>,
+    /// A sharded load: where lazy parameters read this rank's rows (`None`, the default:
+    /// parameters are sharded from their own values).
+    pub rows: Option<RowSource>,
     sync: Arc<AtomicBool>,
     memory: MemoryTracker,
 }
@@ -55,9 +59,16 @@ impl FsdpConfig {
             layout: ShardLayout::Rows,
             gradient_reduction: GradientReduction::ReduceScatter,
             bucket_elements: None,
+            rows: None,
             sync: Arc::new(AtomicBool::new(true)),
             memory: MemoryTracker::new(),
         }
+    }
+
+    /// This config, loading lazy parameters from `rows` (see [`RowSource`]).
+    pub fn rows_from(mut self, rows: RowSource) -> Self {
+        self.rows = Some(rows);
+        self
     }
 
     /// HSDP over `replicate` x `group`.

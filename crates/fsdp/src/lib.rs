@@ -61,6 +61,7 @@ mod offload;
 mod paths;
 mod policy;
 mod reparam;
+mod rows;
 mod shard;
 mod state;
 mod unit;
@@ -76,6 +77,10 @@ pub use offload::OffloadPolicy;
 pub use paths::{PathVisitor, visit_with_paths};
 pub use policy::MixedPrecisionPolicy;
 pub use reparam::{ShardGather, param_states};
-pub use shard::{RowRequest, fully_shard};
+pub use rows::{RowRequest, RowSource};
+pub use shard::fully_shard;
 pub use state::{ParamState, UnitState};
-pub use unit::{UnitInput, forward_units, with_gathered_unit, with_module_unit};
+pub use unit::{
+    UnitInput, forward_units, try_with_gathered_unit, try_with_module_unit, with_gathered_unit,
+    with_module_unit,
+};

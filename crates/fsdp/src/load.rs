@@ -20,7 +20,8 @@ use crate::config::FsdpConfig;
 use crate::error::FsdpError;
 use crate::paths::{PathVisitor, visit_with_paths};
 use crate::reparam::collect;
-use crate::shard::{RowRequest, shard_module};
+use crate::rows::RowRequest;
+use crate::shard::shard_module;
 
 /// As [`fully_shard`](crate::fully_shard), but each rank's shard of every parameter comes from
 /// `source` (its rows of the full tensor), called once per parameter, in module order, and

@@ -13,24 +13,8 @@ use burn_parallel_comm::chunk::chunk_range;
 use crate::config::{FsdpConfig, ShardLayout};
 use crate::error::FsdpError;
 use crate::reparam::{ShardGather, collect, is_marker};
+use crate::rows::RowRequest;
 use crate::state::{FlatBuffer, ParamState, UnitState};
-
-/// What a sharded load asks its source for: rows `rows` (along dim 0) of the full parameter at
-/// `path` (Burn's module path, e.g. `layers.0.weight`), whose full shape is `shape`. `rows` is
-/// empty on a rank that holds no rows of a small parameter: return a `[0, ...]` tensor of the
-/// parameter's dtype.
-#[derive(Debug, Clone)]
-pub struct RowRequest<'a> {
-    /// Burn's module path of the parameter.
-    pub path: &'a str,
-    /// The parameter's id.
-    pub id: ParamId,
-    /// The full (unsharded) shape.
-    pub shape: &'a [usize],
-    /// The rows (along dim 0) this rank stores; under the flat layout, the rows that cover its
-    /// piece (the rest of their elements is dropped after the read).
-    pub rows: Range<usize>,
-}
 
 pub(crate) type Source<'a> = &'a mut dyn FnMut(&RowRequest) -> Result<TensorData, String>;
 
@@ -253,7 +237,14 @@ impl Reparameterizer for &mut Sharder<'_> {
 /// keep their own unit.
 /// Fails, before any communication, on a mixed-precision dtype the device cannot run.
 pub fn fully_shard<M: Module>(module: M, config: &FsdpConfig) -> Result<M, FsdpError> {
-    shard_module(module, config, None)
+    match &config.rows {
+        // A sharded load: lazy parameters read only this rank's rows.
+        Some(rows) => {
+            let mut read = |request: &RowRequest| rows.read(request);
+            shard_module(module, config, Some(&mut read))
+        }
+        None => shard_module(module, config, None),
+    }
 }
 
 pub(crate) fn shard_module<'a, M: Module>(

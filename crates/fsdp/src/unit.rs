@@ -368,7 +368,21 @@ fn push_merged(segments: &mut Vec<Range<usize>>, range: Range<usize>) {
 /// each other: parameters outside every running unit are gathered one by one. Collective:
 /// every rank of the shard group runs the same units in the same order. A flat-buffer unit
 /// (Megatron-FSDP layout) is gathered whole: `unit` must hold exactly its parameters.
-pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Result<R, FsdpError> {
+///
+/// Infallible, like Burn's forward methods and [`forward_units`]: what can still go wrong in
+/// forward (a module that mixes units of different groups or holds part of a flat unit, a rank
+/// that failed or disagrees in the gather) panics with a message naming it, which the launcher
+/// reports as this rank's failure while releasing the others. [`try_with_gathered_unit`]
+/// returns it instead.
+pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> R {
+    try_with_gathered_unit(unit, f).unwrap_or_else(|e| panic!("FSDP unit: {e}"))
+}
+
+/// [`with_gathered_unit`], returning what goes wrong instead of panicking.
+pub fn try_with_gathered_unit<M: Module, R>(
+    unit: &M,
+    f: impl FnOnce() -> R,
+) -> Result<R, FsdpError> {
     let _guard = start_unit(unit, None, false)?.map(PendingUnit::serve);
     Ok(f())
 }
@@ -379,8 +393,17 @@ pub fn with_gathered_unit<M: Module, R>(unit: &M, f: impl FnOnce() -> R) -> Resu
 /// all-gather, as FSDP2 and Megatron-FSDP gather the root's parameters when the forward
 /// starts; without it each of them is gathered on its own when used (a tied embedding twice).
 /// The inner units' parameters are left to their own scopes ([`forward_units`]). Nothing is
-/// gathered when `module` has no sharded parameter. Collective, like [`with_gathered_unit`].
-pub fn with_module_unit<M: Module, R>(module: &M, f: impl FnOnce() -> R) -> Result<R, FsdpError> {
+/// gathered when `module` has no sharded parameter. Collective and infallible, like
+/// [`with_gathered_unit`]; [`try_with_module_unit`] returns what goes wrong instead.
+pub fn with_module_unit<M: Module, R>(module: &M, f: impl FnOnce() -> R) -> R {
+    try_with_module_unit(module, f).unwrap_or_else(|e| panic!("FSDP unit: {e}"))
+}
+
+/// [`with_module_unit`], returning what goes wrong instead of panicking.
+pub fn try_with_module_unit<M: Module, R>(
+    module: &M,
+    f: impl FnOnce() -> R,
+) -> Result<R, FsdpError> {
     let collected = collect(module);
     let Some(level) = collected.iter().map(|c| c.state.unit.level).max() else {
         return Ok(f());

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::ModelError;
+use crate::json_keys::count_key;
 use crate::moe_config::{MoeConfig, MoeFlavor};
 
 /// The architecture of a Llama. Field names are Hugging Face's.
@@ -72,24 +73,6 @@ pub enum RopeScaling {
         /// The context length the model was pre-trained with (default 8192).
         original_max_position_embeddings: f64,
     },
-}
-
-/// `o[k]` as a count: `None` when absent or null, an error naming the key when it is not a
-/// non-negative integer.
-pub(crate) fn count_key(
-    o: &serde_json::Map<String, Value>,
-    k: &str,
-) -> Result<Option<usize>, ModelError> {
-    match o.get(k) {
-        None | Some(Value::Null) => Ok(None),
-        Some(x) => x
-            .as_u64()
-            .map(|n| Some(n as usize))
-            .ok_or_else(|| ModelError::BadConfig {
-                path: "config.json".into(),
-                reason: format!("`{k}` is not a non-negative integer: {x}"),
-            }),
-    }
 }
 
 impl LlamaConfig {

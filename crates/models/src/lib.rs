@@ -17,6 +17,7 @@ pub mod data;
 mod error;
 pub mod fused;
 mod init;
+mod json_keys;
 mod llama;
 mod moe;
 mod moe_config;

@@ -146,8 +146,7 @@ impl Attention {
     /// [`Rope::cos_sin`].
     pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
         // q, k and v read the same input: one input collective serves the three.
-        let [q, k, v] = forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj])
-            .unwrap_or_else(|e| panic!("{e}"));
+        let [q, k, v] = forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj]);
         let [b, s, _] = q.dims();
         let hd = self.head_dim;
         let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, hd]).swap_dims(1, 2);
@@ -198,8 +197,7 @@ impl Mlp {
     /// The MLP of `x` `[batch, seq, hidden]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // gate and up read the same input: one input collective serves both.
-        let [gate, up] =
-            forward_shared(x, [&self.gate_proj, &self.up_proj]).unwrap_or_else(|e| panic!("{e}"));
+        let [gate, up] = forward_shared(x, [&self.gate_proj, &self.up_proj]);
         self.down_proj.forward(fused::swiglu(gate, up))
     }
 }
@@ -226,7 +224,6 @@ pub struct DecoderLayer {
 
 fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
     n.forward_with(x, |m, x| m.forward(x))
-        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 impl DecoderLayer {
@@ -567,7 +564,7 @@ impl Llama {
     ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
         // Under FSDP the root's own parameters (embedding, final norm, LM head) are gathered
         // once, together, for the whole forward.
-        burn_parallel_fsdp::with_module_unit(self, || self.forward_body(ids))?
+        burn_parallel_fsdp::try_with_module_unit(self, || self.forward_body(ids))?
     }
 
     fn forward_body(&self, ids: Tensor<2, Int>) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {

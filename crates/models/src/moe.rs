@@ -11,7 +11,7 @@ use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives::split_views;
 use burn_parallel_ep::{EpError, ExpertModule, ExpertShard, Routing, run_experts};
-use burn_parallel_fsdp::with_module_unit;
+use burn_parallel_fsdp::try_with_module_unit;
 use burn_parallel_macros::parallelize;
 
 /// A layer's experts, stacked: expert `e`'s SwiGLU is `down[e](silu(x gate[e]) * x up[e])`.
@@ -144,7 +144,7 @@ impl SparseMoe {
         // Under FSDP the experts are a unit of their own (sharded over the ranks holding the
         // same experts): gathered once for all of them.
         let first = self.experts.local_experts().start;
-        let outputs = with_module_unit(&self.experts, || {
+        let outputs = try_with_module_unit(&self.experts, || {
             let [gate, up, down] = self.experts.per_expert(rows.dtype());
             run_experts(
                 rows,

@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::config::count_key;
 use crate::error::ModelError;
+use crate::json_keys::count_key;
 
 /// Which Hugging Face family a MoE model follows: it decides the checkpoint names and the
 /// config keys written back.

@@ -12,96 +12,48 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ParallelError;
 
-/// How the model and the batch are spread over the ranks. Config files and the trainer's
-/// `--strategy` use the snake_case names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Strategy {
-    /// One rank. The model stays plain unless the mixed-precision policy casts (then it runs as
-    /// unsharded FSDP2, which applies the policy).
-    Single,
-    /// Replicated parameters, gradients all-reduced (bucketed) after backward. With a
-    /// mixed-precision policy that casts, it runs as FSDP2 replicated over every rank with
-    /// one-rank shards (PyTorch's `replicate`), which applies the policy.
-    Ddp,
-    /// Fully sharded over dp_shard (HSDP when `dp_replicate_size > 1`), with tensor
-    /// parallelism inside when `tp_size > 1` (NeMo's meaning).
-    #[default]
-    Fsdp2,
-    /// FSDP2 sharded within dp_shard and replicated across `dp_replicate_size` groups.
-    Hsdp,
-    /// Tensor parallelism over every rank (`tp_size` = the world size; 1 means "all").
-    Tp,
-    /// FSDP2 over `world / tp_size` ranks with tensor parallelism over `tp_size` inside.
-    Fsdp2Tp,
-    /// Megatron-FSDP: each FSDP unit's parameters in one flat buffer split evenly over
-    /// dp_shard (HSDP when `dp_replicate_size > 1`), one all-gather and one reduce-scatter per
-    /// unit, ZeRO-1/2/3 by `megatron_fsdp.zero_dp_strategy`. No tensor parallelism.
-    MegatronFsdp,
-}
+mod names;
 
-impl Strategy {
-    /// Every strategy, in the order the names are listed.
-    pub const ALL: [Strategy; 7] = [
-        Strategy::Single,
-        Strategy::Ddp,
-        Strategy::Fsdp2,
-        Strategy::Hsdp,
-        Strategy::Tp,
-        Strategy::Fsdp2Tp,
-        Strategy::MegatronFsdp,
-    ];
-
-    /// The name config files and `--strategy` use.
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::Single => "single",
-            Strategy::Ddp => "ddp",
-            Strategy::Fsdp2 => "fsdp2",
-            Strategy::Hsdp => "hsdp",
-            Strategy::Tp => "tp",
-            Strategy::Fsdp2Tp => "fsdp2_tp",
-            Strategy::MegatronFsdp => "megatron_fsdp",
-        }
+crate::named_enum! {
+    /// How the model and the batch are spread over the ranks. Config files and the trainer's
+    /// `--strategy` use the snake_case names.
+    #[derive(Default)]
+    pub enum Strategy as "strategy" {
+        /// One rank. The model stays plain unless the mixed-precision policy casts (then it runs
+        /// as unsharded FSDP2, which applies the policy).
+        Single = "single",
+        /// Replicated parameters, gradients all-reduced (bucketed) after backward. With a
+        /// mixed-precision policy that casts, it runs as FSDP2 replicated over every rank with
+        /// one-rank shards (PyTorch's `replicate`), which applies the policy.
+        Ddp = "ddp",
+        /// Fully sharded over dp_shard (HSDP when `dp_replicate_size > 1`), with tensor
+        /// parallelism inside when `tp_size > 1` (NeMo's meaning).
+        #[default]
+        Fsdp2 = "fsdp2",
+        /// FSDP2 sharded within dp_shard and replicated across `dp_replicate_size` groups.
+        Hsdp = "hsdp",
+        /// Tensor parallelism over every rank (`tp_size` = the world size; 1 means "all").
+        Tp = "tp",
+        /// FSDP2 over `world / tp_size` ranks with tensor parallelism over `tp_size` inside.
+        Fsdp2Tp = "fsdp2_tp",
+        /// Megatron-FSDP: each FSDP unit's parameters in one flat buffer split evenly over
+        /// dp_shard (HSDP when `dp_replicate_size > 1`), one all-gather and one reduce-scatter
+        /// per unit, ZeRO-1/2/3 by `megatron_fsdp.zero_dp_strategy`. No tensor parallelism.
+        MegatronFsdp = "megatron_fsdp",
     }
 }
 
-impl std::fmt::Display for Strategy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+crate::named_enum! {
+    /// A float dtype in a config file or on the command line: `f32`/`float32`/`fp32`,
+    /// `bf16`/`bfloat16`, `f16`/`float16`/`fp16`/`half`.
+    pub enum Dtype as "dtype" {
+        /// 32-bit float.
+        F32 = "f32" | "float32" | "fp32",
+        /// bfloat16.
+        Bf16 = "bf16" | "bfloat16",
+        /// IEEE half precision.
+        F16 = "f16" | "float16" | "fp16" | "half",
     }
-}
-
-impl std::str::FromStr for Strategy {
-    type Err = ParallelError;
-
-    fn from_str(s: &str) -> Result<Self, ParallelError> {
-        Self::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<_> = Self::ALL.iter().map(|k| k.name()).collect();
-                invalid(format!(
-                    "unknown strategy `{s}` (expected one of: {})",
-                    names.join(", ")
-                ))
-            })
-    }
-}
-
-/// A float dtype in a config file: `f32`/`float32`, `bf16`/`bfloat16`, `f16`/`float16`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// 32-bit float (`f32`, `float32`, `fp32`).
-    #[serde(alias = "float32", alias = "fp32")]
-    F32,
-    /// bfloat16 (`bf16`, `bfloat16`).
-    #[serde(alias = "bfloat16")]
-    Bf16,
-    /// IEEE half precision (`f16`, `float16`, `fp16`, `half`).
-    #[serde(alias = "float16", alias = "fp16", alias = "half")]
-    F16,
 }
 
 impl From<Dtype> for FloatDType {
@@ -145,31 +97,27 @@ mod optional_dtype {
 
     use super::Dtype;
 
+    /// The word for no cast.
+    const NONE: &str = "none";
+
     pub fn serialize<S: Serializer>(dtype: &Option<Dtype>, s: S) -> Result<S::Ok, S::Error> {
         match dtype {
             Some(d) => d.serialize(s),
-            None => s.serialize_str("none"),
+            None => s.serialize_str(NONE),
         }
     }
 
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Written {
-        Dtype(Dtype),
-        None(NoneWord),
-    }
-
-    #[derive(Deserialize)]
-    enum NoneWord {
-        #[serde(rename = "none")]
-        None,
-    }
-
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Dtype>, D::Error> {
-        Ok(match Option::<Written>::deserialize(d)? {
-            Some(Written::Dtype(dtype)) => Some(dtype),
-            Some(Written::None(_)) | None => None,
-        })
+        match Option::<String>::deserialize(d)? {
+            None => Ok(None),
+            Some(word) if word == NONE => Ok(None),
+            Some(word) => Dtype::from_name(&word).map(Some).ok_or_else(|| {
+                serde::de::Error::custom(format!(
+                    "{}, or {NONE} (no cast)",
+                    Dtype::unknown_name(&word)
+                ))
+            }),
+        }
     }
 }
 
@@ -207,34 +155,32 @@ impl MixedPrecisionConfig {
     }
 }
 
-/// What Megatron-FSDP shards, as its `zero_dp_strategy` names it (`1`/`optim`,
-/// `2`/`optim_grads`, `3`/`optim_grads_params`). Every stage stores only this rank's piece of
-/// each parameter and its optimizer state between steps; they differ in the step's
-/// communication and in what is held during it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ZeroDpStrategy {
-    /// ZeRO-1: the full gradient is all-reduced and each rank keeps its piece; weights are
-    /// gathered once per step and kept through backward.
-    Optim,
-    /// ZeRO-2: gradients are reduce-scattered; weights gathered once per step and kept
-    /// through backward.
-    OptimGrads,
-    /// ZeRO-3 (the default): gradients reduce-scattered; weights freed after each unit's
-    /// forward and gathered again in backward (resharding, on a checkpointing device).
-    #[default]
-    OptimGradsParams,
+crate::named_enum! {
+    /// What Megatron-FSDP shards, as its `zero_dp_strategy` names it (`optim`/`1`,
+    /// `optim_grads`/`2`, `optim_grads_params`/`3`; in a file also the integer). Every stage
+    /// stores only this rank's piece of each parameter and its optimizer state between steps;
+    /// they differ in the step's communication and in what is held during it.
+    #[derive(Default)]
+    pub enum ZeroDpStrategy as "megatron_fsdp zero_dp_strategy", hint = no_shard_hint {
+        /// ZeRO-1: the full gradient is all-reduced and each rank keeps its piece; weights are
+        /// gathered once per step and kept through backward.
+        Optim = "optim" | "1",
+        /// ZeRO-2: gradients are reduce-scattered; weights gathered once per step and kept
+        /// through backward.
+        OptimGrads = "optim_grads" | "2",
+        /// ZeRO-3 (the default): gradients reduce-scattered; weights freed after each unit's
+        /// forward and gathered again in backward (resharding, on a checkpointing device).
+        #[default]
+        OptimGradsParams = "optim_grads_params" | "3",
+    }
+}
+
+/// What users coming from ZeRO-0 write, and where that lives here.
+fn no_shard_hint(word: &str) -> Option<&'static str> {
+    matches!(word, "0" | "no_shard").then_some("no sharding is strategy ddp")
 }
 
 impl ZeroDpStrategy {
-    /// The name config files use.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Optim => "optim",
-            Self::OptimGrads => "optim_grads",
-            Self::OptimGradsParams => "optim_grads_params",
-        }
-    }
-
     /// The ZeRO stage (1, 2 or 3).
     pub fn stage(self) -> u8 {
         match self {
@@ -242,61 +188,6 @@ impl ZeroDpStrategy {
             Self::OptimGrads => 2,
             Self::OptimGradsParams => 3,
         }
-    }
-
-    /// The strategy of a ZeRO stage or name, or an error listing what is accepted.
-    pub fn parse(word: &str) -> Result<Self, ParallelError> {
-        let all = [Self::Optim, Self::OptimGrads, Self::OptimGradsParams];
-        if let Some(s) = all
-            .into_iter()
-            .find(|s| s.name() == word || s.stage().to_string() == word)
-        {
-            return Ok(s);
-        }
-        let hint = match word {
-            "0" | "no_shard" => " (no sharding is strategy ddp)",
-            _ => "",
-        };
-        Err(invalid(format!(
-            "unknown megatron_fsdp zero_dp_strategy `{word}`{hint}: use 1 or optim, 2 or \
-             optim_grads, 3 or optim_grads_params"
-        )))
-    }
-}
-
-impl std::str::FromStr for ZeroDpStrategy {
-    type Err = ParallelError;
-
-    fn from_str(s: &str) -> Result<Self, ParallelError> {
-        Self::parse(s)
-    }
-}
-
-impl std::fmt::Display for ZeroDpStrategy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl Serialize for ZeroDpStrategy {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(self.name())
-    }
-}
-
-impl<'de> Deserialize<'de> for ZeroDpStrategy {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Written {
-            Stage(u64),
-            Name(String),
-        }
-        let word = match Written::deserialize(d)? {
-            Written::Stage(n) => n.to_string(),
-            Written::Name(name) => name,
-        };
-        Self::parse(&word).map_err(serde::de::Error::custom)
     }
 }
 
@@ -500,24 +391,65 @@ fn invalid(message: impl Into<String>) -> ParallelError {
     ParallelError::Config(message.into())
 }
 
+/// A `.toml`, `.json`, `.yaml` or `.yml` file's contents, or an error naming the file.
+fn read_file<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ParallelError> {
+    let file_error = |message: String| ParallelError::ConfigFile {
+        path: path.display().to_string(),
+        message,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    match ext {
+        "toml" => toml::from_str(&text).map_err(|e| file_error(e.to_string())),
+        "json" => serde_json::from_str(&text).map_err(|e| file_error(e.to_string())),
+        "yaml" | "yml" => serde_yaml_ng::from_str(&text).map_err(|e| file_error(e.to_string())),
+        other => Err(file_error(format!(
+            "unknown extension {other:?}: use .toml, .json, .yaml or .yml"
+        ))),
+    }
+}
+
+/// `keys` written over `base`: tables merge key by key, anything else replaces.
+fn merge_keys(base: &mut serde_json::Value, keys: serde_json::Value) {
+    match (base, keys) {
+        (serde_json::Value::Object(base), serde_json::Value::Object(keys)) => {
+            for (key, value) in keys {
+                match base.get_mut(&key) {
+                    Some(old) => merge_keys(old, value),
+                    None => {
+                        base.insert(key, value);
+                    }
+                }
+            }
+        }
+        (base, keys) => *base = keys,
+    }
+}
+
 impl DistributedConfig {
     /// Reads a config from a `.toml`, `.json`, `.yaml` or `.yml` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ParallelError> {
+        read_file(path.as_ref())
+    }
+
+    /// Reads a config file over `base`: the keys the file sets replace `base`'s (tables such as
+    /// `[mp_policy]` key by key) and the keys it leaves out keep `base`'s values, where
+    /// [`Self::from_file`] gives them their defaults. How a program layers a file over its
+    /// own defaults (the trainer's `--distributed-config`).
+    pub fn from_file_over(path: impl AsRef<Path>, base: &Self) -> Result<Self, ParallelError> {
         let path = path.as_ref();
-        let file_error = |message: String| ParallelError::ConfigFile {
+        // The file on its own first: its errors then name the file's lines.
+        Self::from_file(path)?;
+        let file_error = |e: serde_json::Error| ParallelError::ConfigFile {
             path: path.display().to_string(),
-            message,
+            message: e.to_string(),
         };
-        let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
-        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        match ext {
-            "toml" => toml::from_str(&text).map_err(|e| file_error(e.to_string())),
-            "json" => serde_json::from_str(&text).map_err(|e| file_error(e.to_string())),
-            "yaml" | "yml" => serde_yaml_ng::from_str(&text).map_err(|e| file_error(e.to_string())),
-            other => Err(file_error(format!(
-                "unknown extension {other:?}: use .toml, .json, .yaml or .yml"
-            ))),
+        let mut merged = serde_json::to_value(base).map_err(file_error)?;
+        match read_file::<serde_json::Value>(path)? {
+            serde_json::Value::Null => {} // an empty YAML file
+            keys => merge_keys(&mut merged, keys),
         }
+        serde_json::from_value(merged).map_err(file_error)
     }
 
     /// Writes the config in the format its extension names.
@@ -808,25 +740,44 @@ impl DistributedConfig {
     }
 }
 
+crate::named_enum! {
+    /// The style names a `tp_shard_plan` map uses.
+    enum StyleName as "tp style" {
+        /// [`ParallelStyle::colwise`].
+        Colwise = "colwise",
+        /// [`ParallelStyle::colwise_gathered`].
+        ColwiseGathered = "colwise_gathered",
+        /// [`ParallelStyle::colwise_sp`] on the sequence dim.
+        ColwiseSp = "colwise_sp",
+        /// [`ParallelStyle::rowwise`].
+        Rowwise = "rowwise",
+        /// [`ParallelStyle::rowwise_from_replicated`].
+        RowwiseFromReplicated = "rowwise_from_replicated",
+        /// [`ParallelStyle::rowwise_sp`] on the sequence dim.
+        RowwiseSp = "rowwise_sp",
+        /// [`ParallelStyle::vocab_parallel`].
+        VocabParallel = "vocab_parallel",
+        /// [`ParallelStyle::vocab_parallel_sp`] on the sequence dim.
+        VocabParallelSp = "vocab_parallel_sp",
+        /// [`ParallelStyle::sequence_parallel`] on the sequence dim.
+        SequenceParallel = "sequence_parallel",
+    }
+}
+
 /// A `ParallelStyle` by its config name; sequence-parallel styles use the sequence dim 1 of
 /// `[batch, seq, hidden]`.
 pub fn style_by_name(name: &str) -> Result<ParallelStyle, ParallelError> {
     const SEQ: usize = 1;
-    Ok(match name {
-        "colwise" => ParallelStyle::colwise(),
-        "colwise_gathered" => ParallelStyle::colwise_gathered(),
-        "colwise_sp" => ParallelStyle::colwise_sp(SEQ),
-        "rowwise" => ParallelStyle::rowwise(),
-        "rowwise_from_replicated" => ParallelStyle::rowwise_from_replicated(),
-        "rowwise_sp" => ParallelStyle::rowwise_sp(SEQ),
-        "vocab_parallel" => ParallelStyle::vocab_parallel(),
-        "vocab_parallel_sp" => ParallelStyle::vocab_parallel_sp(SEQ),
-        "sequence_parallel" => ParallelStyle::sequence_parallel(SEQ),
-        other => {
-            return Err(invalid(format!(
-                "unknown tp style {other:?} (known: colwise, colwise_gathered, colwise_sp, rowwise, rowwise_from_replicated, rowwise_sp, vocab_parallel, vocab_parallel_sp, sequence_parallel)"
-            )));
-        }
+    Ok(match name.parse::<StyleName>().map_err(invalid)? {
+        StyleName::Colwise => ParallelStyle::colwise(),
+        StyleName::ColwiseGathered => ParallelStyle::colwise_gathered(),
+        StyleName::ColwiseSp => ParallelStyle::colwise_sp(SEQ),
+        StyleName::Rowwise => ParallelStyle::rowwise(),
+        StyleName::RowwiseFromReplicated => ParallelStyle::rowwise_from_replicated(),
+        StyleName::RowwiseSp => ParallelStyle::rowwise_sp(SEQ),
+        StyleName::VocabParallel => ParallelStyle::vocab_parallel(),
+        StyleName::VocabParallelSp => ParallelStyle::vocab_parallel_sp(SEQ),
+        StyleName::SequenceParallel => ParallelStyle::sequence_parallel(SEQ),
     })
 }
 
@@ -863,6 +814,59 @@ mod tests {
     }
 
     #[test]
+    fn one_name_table_serves_display_parsing_serde_and_errors() {
+        for &s in Strategy::ALL {
+            assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
+            let written = serde_json::to_value(s).unwrap();
+            assert_eq!(written, serde_json::json!(s.to_string()));
+            assert_eq!(serde_json::from_value::<Strategy>(written).unwrap(), s);
+        }
+        // Aliases and ZeRO stages as integers read; names are what is written.
+        assert_eq!(
+            serde_json::from_str::<Dtype>("\"bfloat16\"").unwrap(),
+            Dtype::Bf16
+        );
+        let stage: ZeroDpStrategy = serde_json::from_str("1").unwrap();
+        assert_eq!((stage, stage.name()), (ZeroDpStrategy::Optim, "optim"));
+        let err = serde_json::from_str::<Strategy>("\"zero3\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown strategy `zero3`"), "{err}");
+        assert!(Strategy::NAMES.iter().all(|n| err.contains(n)), "{err}");
+        let err = style_by_name("colwize").unwrap_err().to_string();
+        assert!(err.contains("colwise_gathered") && err.contains("sequence_parallel"));
+    }
+
+    #[test]
+    fn a_file_over_a_base_replaces_only_the_keys_it_sets() {
+        let path = std::env::temp_dir().join(format!("over-{}.toml", std::process::id()));
+        std::fs::write(&path, "tp_size = 2\n[mp_policy]\nparam_dtype = \"bf16\"\n").unwrap();
+        let base = DistributedConfig {
+            strategy: Strategy::Fsdp2Tp,
+            world_size: Some(4),
+            reshard_after_forward: Some(true),
+            mp_policy: MixedPrecisionConfig {
+                cast_forward_inputs: true,
+                reduce_dtype: Some(Dtype::F32),
+                ..MixedPrecisionConfig::default()
+            },
+            ..DistributedConfig::default()
+        };
+        let over = DistributedConfig::from_file_over(&path, &base).unwrap();
+        let mut want = base.clone();
+        want.tp_size = 2;
+        want.mp_policy.param_dtype = Some(Dtype::Bf16);
+        assert_eq!(over, want);
+        // The file's own errors come first, naming it.
+        std::fs::write(&path, "tp_sise = 2\n").unwrap();
+        let err = DistributedConfig::from_file_over(&path, &base)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tp_sise") && err.contains("over-"), "{err}");
+        std::fs::remove_file(&path).ok();
+    }
+
+    #[test]
     fn zero_stages_below_3_keep_gathered_weights() {
         for (zero, reshards) in [
             (ZeroDpStrategy::Optim, Some(false)),
@@ -875,11 +879,12 @@ mod tests {
             });
             assert_eq!(config.resharding(), reshards, "{zero}");
             assert_eq!(
-                ZeroDpStrategy::parse(&zero.stage().to_string()).unwrap(),
+                zero.stage().to_string().parse::<ZeroDpStrategy>().unwrap(),
                 zero
             );
-            assert_eq!(ZeroDpStrategy::parse(zero.name()).unwrap(), zero);
+            assert_eq!(zero.name().parse::<ZeroDpStrategy>().unwrap(), zero);
         }
-        assert!(ZeroDpStrategy::parse("4").is_err());
+        let err = "4".parse::<ZeroDpStrategy>().unwrap_err();
+        assert!(err.contains("optim_grads_params/3"), "{err}");
     }
 }

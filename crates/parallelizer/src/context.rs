@@ -32,6 +32,8 @@ pub struct MeshContext {
     fsdp: FsdpConfig,
     /// The expert-parallel groups (`None` without expert parallelism).
     experts: Option<ExpertGroups>,
+    /// Whether FSDP shards the parameters (see [`MeshContext::shards_parameters`]).
+    shards: bool,
 }
 
 /// The groups of expert parallelism. dp_shard splits into `ep_shard x ep` (ep innermost):
@@ -129,6 +131,11 @@ impl MeshContext {
             true => Some(ExpertGroups::new(rank, sizes)?),
             false => None,
         };
+        let offload = config.offload_policy.is_some_and(|o| o.offload_params);
+        let shards = sizes.dp_shard * sizes.dp_replicate > 1
+            || config.mp_policy.casts()
+            || offload
+            || config.strategy == Strategy::MegatronFsdp;
         Ok(Self {
             config,
             sizes,
@@ -137,6 +144,7 @@ impl MeshContext {
             checkpointing,
             fsdp,
             experts,
+            shards,
         })
     }
 
@@ -181,6 +189,16 @@ impl MeshContext {
         Some(config)
     }
 
+    /// This context, with FSDP loading every lazy parameter's rows from `rows` (see
+    /// [`RowSource`](burn_parallel_fsdp::RowSource)): what [`parallelize_model`](crate::parallelize_model)
+    /// takes to load a lazily built model sharded, each rank reading only its rows. The
+    /// gradient-sync switch and the memory tracker stay shared with this context.
+    pub fn reading_rows(&self, rows: burn_parallel_fsdp::RowSource) -> Self {
+        let mut ctx = self.clone();
+        ctx.fsdp = ctx.fsdp.rows_from(rows);
+        ctx
+    }
+
     /// The FSDP config of this context: FSDP2 over dp_shard, or HSDP with the replicas, in
     /// the configured mixed precision. Units are sharded with clones of it.
     pub fn fsdp_config(&self) -> &FsdpConfig {
@@ -206,6 +224,15 @@ impl MeshContext {
     /// all-reduce) rather than through FSDP.
     pub fn uses_ddp(&self) -> bool {
         uses_ddp(&self.config)
+    }
+
+    /// Whether the dense flow's FSDP step shards the parameters at all: sharded or replicated
+    /// data parallelism, a mixed-precision or offload policy that only FSDP applies, or
+    /// megatron_fsdp (whose flat buffers are the strategy, even on one rank). Plain tensor
+    /// parallelism (or one rank) in f32 leaves the parameters as they are. DDP never reaches
+    /// that step unless its policy casts.
+    pub fn shards_parameters(&self) -> bool {
+        self.shards
     }
 
     /// Whether [`device`](Self::device) is Burn's gradient-checkpointing variant (what FSDP

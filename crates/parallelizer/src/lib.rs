@@ -29,6 +29,7 @@ pub use burn_parallel_describe::{
     DefaultParallelizer, HeadCount, ModelDescription, NamedPlan, Parallelize, UnitMap,
     describe_unit_vec, map_unit_option, map_unit_vec,
 };
+pub use burn_parallel_fsdp::RowSource;
 pub use config::{
     DistributedConfig, Dtype, MegatronFsdpConfig, MeshNames, MeshSizes, MixedPrecisionConfig,
     OffloadConfig, Strategy, TpShardPlan, ZeroDpStrategy, style_by_name,
@@ -67,44 +68,21 @@ pub fn parallelize_model<M: ParallelizableModel>(
 /// [`parallelize_model`] for a model whose parameters are lazy (uninitialized, as a model
 /// built to be loaded has them): every FSDP-sharded parameter that is still lazy gets this
 /// rank's rows from `source` (Burn's module path, id, full shape and row range of the
-/// parameter), so no rank materializes the full model. Tensor parallelism, when asked, runs
+/// parameter), so no rank materializes the full model. The same dispatch and the same sidecar
+/// hooks as [`parallelize_model`] (it is `parallelize_model` with
+/// [`MeshContext::reading_rows`]), so a sidecar's `apply_fsdp_sharding` and
+/// `fully_shard_module` apply however the weights arrive. Tensor parallelism, when asked, runs
 /// first and materializes one full parameter at a time before slicing it; DDP replicates, so
-/// every rank materializes everything. FSDP units are the model's declared ones (a sidecar's
-/// `apply_fsdp_sharding` and `fully_shard_module` overrides are not used on this path). Build
-/// the lazy model on [`MeshContext::device`].
+/// every rank materializes everything. Build the lazy model on [`MeshContext::device`].
 pub fn parallelize_model_from<M: ParallelizableModel, E: std::fmt::Display>(
     model: M,
     ctx: &MeshContext,
-    mut source: impl FnMut(&burn_parallel_fsdp::RowRequest) -> Result<burn::tensor::TensorData, E>,
+    source: impl FnMut(&burn_parallel_fsdp::RowRequest) -> Result<burn::tensor::TensorData, E>
+    + Send
+    + 'static,
 ) -> Result<M, ParallelError> {
-    let sidecar = get_model_parallelizer(&model);
-    if !ctx.uses_ddp() {
-        agree::check_replicas_agree(&model, ctx)?;
-    }
-    // Experts split over the ep group are read whole (a model built to be loaded may already
-    // hold only its own, as `load_llama_ep` builds it); the dense parameters stay lazy.
-    let (model, experts) = match ctx.expert_groups() {
-        Some(_) => {
-            let (model, description) = sidecar::split_experts(model, ctx)?;
-            (model, Some(description))
-        }
-        None => (model, None),
-    };
-    match ctx.strategy() {
-        Strategy::Ddp if ctx.uses_ddp() => {
-            let model = sidecar::move_to_context_device(&sidecar, model, ctx)?;
-            match experts {
-                Some(description) => ddp::replicate_with_experts(model, &description, ctx),
-                None => ddp::replicate(model, ctx),
-            }
-        }
-        _ => {
-            let (model, description) = sidecar::tp_then_device(&sidecar, model, ctx)?;
-            let mut source =
-                |r: &burn_parallel_fsdp::RowRequest| source(r).map_err(|e| e.to_string());
-            sidecar::shard_units(&sidecar, model, &description, ctx, Some(&mut source))
-        }
-    }
+    let rows = burn_parallel_fsdp::RowSource::new(source);
+    parallelize_model(model, &ctx.reading_rows(rows))
 }
 
 /// Burn fuses kernels when the backend has fusion (CUDA through burn-fusion). The CPU backends

@@ -3,12 +3,12 @@
 //! every hook it does not override falls back to the default flow below.
 
 use burn::module::{Module, ModuleMapper, Param};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives::same_device;
 use burn_parallel_describe::{DefaultParallelizer, ModelDescription, Parallelize, UnitMap};
 use burn_parallel_ep::ExpertModule;
-use burn_parallel_fsdp::{FsdpConfig, RowRequest, fully_shard, fully_shard_from};
+use burn_parallel_fsdp::{FsdpConfig, fully_shard};
 use burn_parallel_tp::{TpApplier, TpModule, local_heads};
 
 use crate::config::Strategy;
@@ -78,12 +78,22 @@ pub trait ModelParallelizer {
         self.apply(model, ctx)
     }
 
-    /// The dense flow: tensor parallelism, activation checkpointing, then FSDP sharding.
+    /// The dense flow, as TorchTitan's `parallelize_llama` reads: validate the mesh against
+    /// the model and apply tensor parallelism (when the mesh has a tp dimension), activation
+    /// checkpointing (or the move to the context's device), then FSDP sharding.
     fn apply<M: Parallelize>(&self, model: M, ctx: &MeshContext) -> Result<M, ParallelError>
     where
         Self: Sized,
     {
-        let (model, description) = tp_then_device(self, model, ctx)?;
+        let mut description = ModelDescription::default();
+        model.describe("", &mut description);
+        let model = if ctx.sizes().tp > 1 {
+            self.validate_tp_mesh(&description, ctx)?;
+            self.apply_tp(model, &description, ctx)?
+        } else {
+            model
+        };
+        let model = move_to_context_device(self, model, ctx)?;
         self.apply_fsdp_sharding(model, &description, ctx)
     }
 
@@ -158,7 +168,7 @@ pub trait ModelParallelizer {
     where
         Self: Sized,
     {
-        shard_units(self, model, description, ctx, None)
+        shard_units(self, model, description, ctx)
     }
 
     /// NeMo gives large untied, trainable embedding and LM-head tables their own units. Here
@@ -190,30 +200,9 @@ pub fn fsdp_config(ctx: &MeshContext) -> FsdpConfig {
     ctx.fsdp_config().clone()
 }
 
-/// Where a sharded load gets each rank's rows of a parameter that is still lazy.
-pub(crate) type RowSource<'a> = &'a mut dyn FnMut(&RowRequest) -> Result<TensorData, String>;
-
-/// The dense flow up to FSDP: the model's description, tensor parallelism when the mesh has
-/// a tp dimension, then the move to the context's device.
-pub(crate) fn tp_then_device<S: ModelParallelizer, M: Parallelize>(
-    sidecar: &S,
-    model: M,
-    ctx: &MeshContext,
-) -> Result<(M, ModelDescription), ParallelError> {
-    let mut description = ModelDescription::default();
-    model.describe("", &mut description);
-    let model = if ctx.sizes().tp > 1 {
-        sidecar.validate_tp_mesh(&description, ctx)?;
-        sidecar.apply_tp(model, &description, ctx)?
-    } else {
-        model
-    };
-    Ok((move_to_context_device(sidecar, model, ctx)?, description))
-}
-
 /// Activation checkpointing when asked, else the move to the context's device (where the
 /// inputs are built).
-pub(crate) fn move_to_context_device<S: ModelParallelizer, M: Module>(
+fn move_to_context_device<S: ModelParallelizer, M: Module>(
     sidecar: &S,
     model: M,
     ctx: &MeshContext,
@@ -225,30 +214,16 @@ pub(crate) fn move_to_context_device<S: ModelParallelizer, M: Module>(
     }
 }
 
-/// Whether the context needs FSDP at all: sharded or replicated data parallelism, or a
-/// mixed-precision or offload policy that only FSDP applies, or megatron_fsdp (whose flat
-/// buffers are the strategy, even on one rank). Plain tensor parallelism (or one
-/// rank) in f32 leaves the parameters as they are.
-fn needs_fsdp(ctx: &MeshContext) -> bool {
-    let sizes = ctx.sizes();
-    let offload = ctx
-        .config()
-        .offload_policy
-        .is_some_and(|o| o.offload_params);
-    let megatron = ctx.strategy() == Strategy::MegatronFsdp;
-    sizes.dp_shard * sizes.dp_replicate > 1 || ctx.config().mp_policy.casts() || offload || megatron
-}
-
-/// The default unit boundaries (see [`ModelParallelizer::apply_fsdp_sharding`]). With a row
-/// source, lazy parameters are read rather than sliced, bypassing `fully_shard_module`.
-pub(crate) fn shard_units<S: ModelParallelizer, M: Parallelize>(
+/// The default unit boundaries (see [`ModelParallelizer::apply_fsdp_sharding`]). Every unit
+/// goes through the sidecar's `fully_shard_module`, with the context's config (which carries
+/// the row source of a sharded load, if any).
+fn shard_units<S: ModelParallelizer, M: Parallelize>(
     sidecar: &S,
     model: M,
     description: &ModelDescription,
     ctx: &MeshContext,
-    mut source: Option<RowSource>,
 ) -> Result<M, ParallelError> {
-    if !needs_fsdp(ctx) {
+    if !ctx.shards_parameters() {
         // Nothing shards: a lazy parameter reads its whole tensor when first used.
         return Ok(model);
     }
@@ -260,47 +235,27 @@ pub(crate) fn shard_units<S: ModelParallelizer, M: Parallelize>(
         base: &base,
         experts: ctx.expert_fsdp_config(),
         reshard: |path: &str| explicit.unwrap_or(Some(path) != last.as_deref()),
-        source: source.as_deref_mut(),
     };
     let model = model.map_units("", &mut sharder)?;
     let model = sidecar.fully_shard_untied_input_output_embeddings(model, description, ctx)?;
     let root = base
         .clone()
         .reshard_after_forward(explicit.unwrap_or(false));
-    shard_one(sidecar, model, &root, source)
+    sidecar.fully_shard_module(model, &root)
 }
 
-fn shard_one<S, N, F>(
-    sidecar: &S,
-    module: N,
-    config: &FsdpConfig,
-    source: Option<&mut F>,
-) -> Result<N, ParallelError>
-where
-    S: ModelParallelizer,
-    N: Module,
-    F: FnMut(&RowRequest) -> Result<TensorData, String> + ?Sized,
-{
-    match source {
-        Some(source) => Ok(fully_shard_from(module, config, source)?),
-        None => sidecar.fully_shard_module(module, config),
-    }
-}
-
-struct UnitSharder<'a, S, R, F: ?Sized> {
+struct UnitSharder<'a, S, R> {
     sidecar: &'a S,
     base: &'a FsdpConfig,
     /// The experts' config under expert parallelism.
     experts: Option<FsdpConfig>,
     reshard: R,
-    source: Option<&'a mut F>,
 }
 
-impl<S, R, F> UnitMap for UnitSharder<'_, S, R, F>
+impl<S, R> UnitMap for UnitSharder<'_, S, R>
 where
     S: ModelParallelizer,
     R: Fn(&str) -> bool,
-    F: FnMut(&RowRequest) -> Result<TensorData, String> + ?Sized,
 {
     type Error = ParallelError;
 
@@ -309,7 +264,7 @@ where
             .base
             .clone()
             .reshard_after_forward((self.reshard)(path));
-        shard_one(self.sidecar, module, &config, self.source.as_deref_mut())
+        self.sidecar.fully_shard_module(module, &config)
     }
 
     /// Under expert parallelism an experts module is a unit of its own, sharded over the
@@ -319,14 +274,14 @@ where
             return Ok(module);
         };
         let config = config.clone().reshard_after_forward((self.reshard)(path));
-        shard_one(self.sidecar, module, &config, self.source.as_deref_mut())
+        self.sidecar.fully_shard_module(module, &config)
     }
 }
 
 /// Splits every `#[experts]` module's experts over the context's ep group (those already split
 /// over it stay as they are), with the model's description. A model without `#[experts]`
 /// modules is an error.
-pub(crate) fn split_experts<M: Parallelize>(
+fn split_experts<M: Parallelize>(
     model: M,
     ctx: &MeshContext,
 ) -> Result<(M, ModelDescription), ParallelError> {

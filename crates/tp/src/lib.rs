@@ -74,4 +74,4 @@ pub use plan::{TpApplier, TpModule, TpPlan, TpReport, apply_plan, child_path};
 pub use prepare::{PrepareModuleInput, PrepareModuleOutput, Redistribute, redistribute};
 pub use shard::{ShardSpec, gather_param, narrow_param};
 pub use style::{Layout, ParallelStyle};
-pub use tp::{Prepared, Sharding, SplitParam, Tp, forward_shared};
+pub use tp::{Prepared, Sharding, SplitParam, Tp, forward_shared, try_forward_shared};

@@ -179,7 +179,22 @@ impl<M: TpLayer> Tp<M> {
     /// Runs `f` on the (sharded) inner module with the style's collectives around it:
     /// the input is brought to the layout the shard needs, the output to the style's
     /// output layout. For a user module whose `f` has no replicated additive term.
+    ///
+    /// Infallible, like Burn's forward methods: what can still go wrong in forward (an input
+    /// of the wrong shape for the style, a rank that failed in a collective) panics with a
+    /// message naming it, which the launcher reports as this rank's failure.
+    /// [`try_forward_with`](Self::try_forward_with) returns it instead.
     pub fn forward_with<const D: usize, const E: usize>(
+        &self,
+        x: Tensor<D>,
+        f: impl FnOnce(&M, Tensor<D>) -> Tensor<E>,
+    ) -> Tensor<E> {
+        self.try_forward_with(x, f)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`forward_with`](Self::forward_with), returning what goes wrong instead of panicking.
+    pub fn try_forward_with<const D: usize, const E: usize>(
         &self,
         x: Tensor<D>,
         f: impl FnOnce(&M, Tensor<D>) -> Tensor<E>,
@@ -414,8 +429,17 @@ impl InputStep {
 
 /// Runs sibling layers that read the same input (q/k/v, gate/up) with one input collective:
 /// [`Tp::prepare_input`] by the first, [`Tp::try_forward_prepared`] by each. Siblings whose
-/// styles need different input collectives are an error naming them.
+/// styles need different input collectives panic naming them (infallible, like Burn's forward
+/// methods; [`try_forward_shared`] returns the error instead).
 pub fn forward_shared<const N: usize, const D: usize>(
+    x: Tensor<D>,
+    layers: [&Tp<Linear>; N],
+) -> [Tensor<D>; N] {
+    try_forward_shared(x, layers).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`forward_shared`], returning what goes wrong instead of panicking.
+pub fn try_forward_shared<const N: usize, const D: usize>(
     x: Tensor<D>,
     layers: [&Tp<Linear>; N],
 ) -> Result<[Tensor<D>; N], TpError> {

@@ -1,57 +1,20 @@
-//! What a training run is: strategy and sizes, optimizer, precision, model and data.
+//! What a training run is: its `DistributedConfig` (strategy, sizes, precision, resharding),
+//! the optimizer, the model and the data.
 
 use std::path::PathBuf;
 
 use burn::tensor::Device;
 use burn_parallel_comm::EngineKind;
-use burn_parallel_describe::plan_name;
 use burn_parallel_models::LlamaConfig;
-use burn_parallel_parallelizer::{Strategy, ZeroDpStrategy};
+use burn_parallel_parallelizer::{DistributedConfig, Strategy, ZeroDpStrategy, named_enum};
 
 use crate::error::TrainError;
+use crate::flags::trainer_defaults;
 
-macro_rules! named_enum {
-    ($(#[$m:meta])* $name:ident {
-        $($(#[$vm:meta])* $variant:ident = $text:literal),+ $(,)?
-    }) => {
-        $(#[$m])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        pub enum $name { $($(#[$vm])* $variant),+ }
-
-        impl $name {
-            /// The names the command line and `Display` use, in declaration order.
-            pub const NAMES: &'static [&'static str] = &[$($text),+];
-            /// Every value, in declaration order.
-            pub const ALL: &'static [$name] = &[$($name::$variant),+];
-        }
-
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(match self { $($name::$variant => $text),+ })
-            }
-        }
-
-        impl std::str::FromStr for $name {
-            type Err = String;
-            fn from_str(s: &str) -> Result<Self, String> {
-                match s {
-                    $($text => Ok($name::$variant),)+
-                    _ => Err(format!(
-                        "unknown {} `{s}` (expected one of: {})",
-                        stringify!($name).to_lowercase(),
-                        Self::NAMES.join(", ")
-                    )),
-                }
-            }
-        }
-    };
-}
-pub(crate) use named_enum;
-
-named_enum!(
+named_enum! {
     /// The backend each rank computes on: a CPU backend, or one GPU per rank (`cuda`: Burn's
     /// CUDA backend, build with `--features cuda`; `tch`: LibTorch on CUDA, `--features tch`).
-    Backend {
+    pub enum Backend as "backend" {
         /// Burn's ndarray CPU backend (no bf16).
         Ndarray = "ndarray",
         /// Burn's flex CPU backend (with bf16).
@@ -61,27 +24,17 @@ named_enum!(
         /// LibTorch on CUDA, one GPU per rank.
         Tch = "tch",
     }
-);
+}
 
-named_enum!(
+named_enum! {
     /// The optimizer a run steps with.
-    OptimizerKind {
+    pub enum OptimizerKind as "optimizer" {
         /// Plain SGD: `p -= lr * g`.
         Sgd = "sgd",
         /// PyTorch's AdamW.
         AdamW = "adamw",
     }
-);
-
-named_enum!(
-    /// A dtype of the mixed-precision policy.
-    Precision {
-        /// f32: no cast.
-        F32 = "f32",
-        /// bfloat16.
-        Bf16 = "bf16",
-    }
-);
+}
 
 impl Backend {
     /// The autodiff device of a rank whose GPU (for `cuda` and `tch`) is `gpu`, or an error
@@ -123,26 +76,13 @@ impl Backend {
 
 /// A training run. [`TrainConfig::default`] is the README's first command: FSDP2 on 4 rank
 /// threads, the built-in tiny Llama and synthetic corpus.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TrainConfig {
-    /// How the model and the batch are spread over the ranks (default `fsdp2`).
-    pub strategy: Strategy,
-    /// Ranks to run (default 4).
-    pub world_size: usize,
-    /// Tensor-parallel size (tp and fsdp2_tp; `None`: the whole world for tp, 2 for fsdp2_tp).
-    pub tp: Option<usize>,
-    /// Replicas under hsdp (`None`: 2) and megatron_fsdp (`None`: 1).
-    pub dp_replicate: Option<usize>,
-    /// What megatron_fsdp shards (`None`: ZeRO-3, `optim_grads_params`).
-    pub zero_dp_strategy: Option<ZeroDpStrategy>,
-    /// Elements megatron_fsdp gathers in one collective for consecutive decoder layers
-    /// (`None`: one collective per layer).
-    pub bucket_size: Option<usize>,
-    /// Expert-parallel size for a MoE model under ddp, fsdp2, hsdp, fsdp2_tp and megatron_fsdp
-    /// (`None`: 1): its experts are split over `ep` consecutive data-parallel ranks.
-    pub ep: Option<usize>,
-    /// The tp plan: `llama` or `llama-sp` (sequence parallel; default `llama`).
-    pub tp_plan: String,
+    /// How the model and the batch are spread over the ranks: strategy, world size, mesh
+    /// sizes, mixed precision, resharding, prefetch. `world_size` must be set (it is the number
+    /// of ranks the run starts). Default: the trainer's defaults
+    /// ([`trainer_defaults`]), fsdp2 on 4 ranks.
+    pub distributed: DistributedConfig,
     /// Total optimizer steps (default 40).
     pub steps: usize,
     /// Sequences per step over all data-parallel ranks (default 8).
@@ -163,15 +103,6 @@ pub struct TrainConfig {
     pub eps: f32,
     /// Clip the global gradient norm to this (None: no clipping; default 1.0).
     pub grad_clip: Option<f32>,
-    /// The dtype weights are gathered and computed in (default `f32`).
-    pub param_dtype: Precision,
-    /// The dtype gradients are reduced in (default `f32`).
-    pub reduce_dtype: Precision,
-    /// Free gathered weights after forward and gather again in backward; runs on Burn's
-    /// gradient-checkpointing device (default `true`).
-    pub reshard_after_forward: bool,
-    /// Start each layer's all-gather while the previous layer computes (default `true`).
-    pub prefetch: bool,
     /// The backend each rank computes on (default `flex`).
     pub backend: Backend,
     /// A Hugging Face checkpoint directory (None, the default: `model` with a seeded init).
@@ -200,14 +131,7 @@ pub struct TrainConfig {
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
-            strategy: Strategy::Fsdp2,
-            world_size: 4,
-            tp: None,
-            dp_replicate: None,
-            ep: None,
-            zero_dp_strategy: None,
-            bucket_size: None,
-            tp_plan: "llama".into(),
+            distributed: trainer_defaults(Strategy::default(), ZeroDpStrategy::default()),
             steps: 40,
             global_batch: 8,
             seq_len: 64,
@@ -218,10 +142,6 @@ impl Default for TrainConfig {
             beta2: 0.999,
             eps: 1e-8,
             grad_clip: Some(1.0),
-            param_dtype: Precision::F32,
-            reduce_dtype: Precision::F32,
-            reshard_after_forward: true,
-            prefetch: true,
             backend: Backend::Flex,
             checkpoint: None,
             model: LlamaConfig::tiny(),
@@ -237,20 +157,30 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
-    /// Whether `tp_plan` names the sequence-parallel variant (`llama-sp`).
-    pub fn sequence_parallel(&self) -> bool {
-        plan_name(&self.tp_plan).1
+    /// The number of ranks the run starts: `distributed.world_size`, or an error saying to set
+    /// it.
+    pub fn world_size(&self) -> Result<usize, TrainError> {
+        match self.distributed.world_size {
+            Some(n) if n > 0 => Ok(n),
+            Some(_) => Err(TrainError::Config("--world-size must be at least 1".into())),
+            None => Err(TrainError::Config(
+                "the run's world size is not set: give --world-size, or world_size in the \
+                 distributed config"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Whether ranks compute on Burn's gradient-checkpointing device: FSDP frees gathered
+    /// weights after forward only there, so every run but one that turns resharding off
+    /// explicitly uses it.
+    pub(crate) fn checkpointing_device(&self) -> bool {
+        self.distributed.reshard_after_forward != Some(false)
     }
 
     pub(crate) fn check(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Config(m));
-        let (plan, _) = plan_name(&self.tp_plan);
-        if plan != burn_parallel_models::LLAMA_PLAN.name {
-            return bad(format!(
-                "unknown tp plan `{}` (llama or llama-sp)",
-                self.tp_plan
-            ));
-        }
+        self.world_size()?;
         if self.steps == 0 {
             return bad("--steps must be at least 1".into());
         }
@@ -266,9 +196,12 @@ impl TrainConfig {
             (None, Some(_)) => return bad("--save-dir needs --save-every".into()),
             _ => {}
         }
-        let bf16 = self.param_dtype == Precision::Bf16 || self.reduce_dtype == Precision::Bf16;
-        if bf16 && self.backend == Backend::Ndarray {
-            return bad("bf16 needs --backend flex (ndarray has no bf16)".into());
+        if self.distributed.mp_policy.casts() && self.backend == Backend::Ndarray {
+            return bad(
+                "--param-dtype/--reduce-dtype bf16 or f16 needs --backend flex (ndarray has only \
+                 f32)"
+                    .into(),
+            );
         }
         if !self.backend.available() {
             self.backend.device(0)?;

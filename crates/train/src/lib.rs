@@ -1,10 +1,11 @@
 //! burn-parallel-train: trains a Llama under any strategy (single, ddp, fsdp2, hsdp, tp,
-//! fsdp2_tp) with rank threads or MPI processes, and reports every step. `examples/train_llama.rs` is a thin
-//! command line over [`train`].
+//! fsdp2_tp, megatron_fsdp) with rank threads or MPI processes, and reports every step.
+//! `examples/train_llama.rs` is a thin command line ([`TrainArgs`]) over [`train`].
 //!
-//! Strategies come from `burn_parallel_parallelizer`: the flags become a `DistributedConfig`
-//! ([`distributed_config`]), `parallelize_model` shards the model (lazily loaded from a
-//! checkpoint: each FSDP rank reads its own rows) and `train_step_with` runs backward, the
+//! Strategies come from `burn_parallel_parallelizer`: a run holds a `DistributedConfig`
+//! ([`TrainConfig::distributed`]), which the command line's flags and `--distributed-config
+//! FILE` set ([`DistributedFlags`]); `parallelize_model` shards the model (lazily loaded from
+//! a checkpoint: each FSDP rank reads its own rows) and `train_step_with` runs backward, the
 //! gradient reductions, clipping and this crate's PyTorch-exact optimizers.
 //!
 //! Numerics: the loss is the mean token cross-entropy over the GLOBAL batch. Each rank's loss
@@ -14,8 +15,10 @@
 #![warn(missing_docs)]
 
 mod aux;
+mod cli;
 mod config;
 mod error;
+mod flags;
 mod malloc;
 mod mesh;
 mod optim;
@@ -25,11 +28,15 @@ mod trainer;
 mod usage;
 
 pub use burn_parallel_comm::EngineKind;
-pub use burn_parallel_parallelizer::{MeshSizes, StepReport, Strategy, ZeroDpStrategy};
-pub use config::{Backend, OptimizerKind, Precision, TrainConfig};
+pub use burn_parallel_parallelizer::{
+    DistributedConfig, Dtype, MeshSizes, StepReport, Strategy, ZeroDpStrategy,
+};
+pub use cli::{BuiltinModel, TrainArgs};
+pub use config::{Backend, OptimizerKind, TrainConfig};
 pub use error::TrainError;
+pub use flags::{DistributedFlags, TpPlanName, trainer_defaults};
 pub use malloc::Malloc;
-pub use mesh::{distributed_config, mesh_sizes};
+pub use mesh::mesh_sizes;
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use state::model_state_bytes;
 pub use trainer::{StepCalls, StepLog, StepTimes, TrainSummary, train};

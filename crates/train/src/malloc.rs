@@ -10,18 +10,18 @@
 //! Page faults per step then fall to about zero after the first steps (figures and command in
 //! docs/benchmarks.md).
 
-use crate::config::named_enum;
+use burn_parallel_parallelizer::named_enum;
 
-named_enum!(
+named_enum! {
     /// How the process's allocator treats freed memory.
-    Malloc {
+    pub enum Malloc as "malloc" {
         /// Large freed blocks stay in the process for the next step (glibc: the mmap and trim
         /// thresholds at their maximum, one arena). The default.
         Kept = "kept",
         /// The C library's defaults (glibc returns large blocks to the system when freed).
         System = "system",
     }
-);
+}
 
 impl Malloc {
     /// Applies the setting to this process; call it first in `main`, before any thread starts.

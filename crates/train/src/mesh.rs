@@ -1,83 +1,30 @@
-//! What a run's flags mean for the parallelizer: the `DistributedConfig` it runs with and the
-//! mesh that gives on `--world-size` ranks, checked (with the model's shapes) before any rank
-//! starts.
+//! What the run's `DistributedConfig` means for the model: the mesh it gives on the run's
+//! ranks, checked against the model's shapes (experts, heads, vocabulary) and the global batch
+//! before any rank starts. Everything else about the config the parallelizer validates.
 
-use burn_parallel_models::LlamaConfig;
-use burn_parallel_parallelizer::{
-    DistributedConfig, Dtype, MegatronFsdpConfig, MeshSizes, MixedPrecisionConfig, Strategy,
-    ZeroDpStrategy,
-};
+use burn_parallel_describe::plan_name;
+use burn_parallel_models::{LLAMA_PLAN, LlamaConfig};
+use burn_parallel_parallelizer::{MeshSizes, TpShardPlan};
 use burn_parallel_tp::local_heads;
 
-use crate::config::{Precision, TrainConfig};
+use crate::config::TrainConfig;
 use crate::error::TrainError;
 
-/// The parallelizer's config for a run.
-pub fn distributed_config(cfg: &TrainConfig) -> DistributedConfig {
-    let dtype = |p: Precision| match p {
-        Precision::F32 => None,
-        Precision::Bf16 => Some(Dtype::Bf16),
-    };
-    let tp_size = match cfg.strategy {
-        Strategy::Fsdp2Tp => cfg.tp.unwrap_or(2),
-        _ => cfg.tp.unwrap_or(1),
-    };
-    let zero = cfg.zero_dp_strategy.unwrap_or_default();
-    // ZeRO-1 and ZeRO-2 keep gathered weights through backward whatever the resharding flag
-    // (whose default is on) says.
-    let reshard = match cfg.strategy {
-        Strategy::MegatronFsdp if zero != ZeroDpStrategy::OptimGradsParams => None,
-        _ => Some(cfg.reshard_after_forward),
-    };
-    DistributedConfig {
-        strategy: cfg.strategy,
-        world_size: Some(cfg.world_size),
-        dp_replicate_size: match cfg.strategy {
-            Strategy::Hsdp => cfg.dp_replicate.unwrap_or(2),
-            _ => cfg.dp_replicate.unwrap_or(1),
-        },
-        tp_size,
-        ep_size: cfg.ep.unwrap_or(1),
-        sequence_parallel: cfg.sequence_parallel(),
-        mp_policy: MixedPrecisionConfig {
-            param_dtype: dtype(cfg.param_dtype),
-            reduce_dtype: dtype(cfg.reduce_dtype),
-            output_dtype: None,
-            cast_forward_inputs: true,
-        },
-        reshard_after_forward: reshard,
-        enable_fsdp2_prefetch: cfg.prefetch,
-        megatron_fsdp: match cfg.strategy {
-            Strategy::MegatronFsdp => MegatronFsdpConfig {
-                zero_dp_strategy: zero,
-                overlap_param_gather: cfg.prefetch,
-                bucket_size: cfg.bucket_size,
-                ..MegatronFsdpConfig::default()
-            },
-            _ => MegatronFsdpConfig::default(),
-        },
-        ..DistributedConfig::default()
-    }
-}
-
-/// The mesh `cfg` runs on, or an error naming the flag or size it cannot use.
+/// The mesh `cfg` runs on, or an error naming the setting or size it cannot use.
 pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, TrainError> {
-    let s = cfg.strategy;
+    let d = &cfg.distributed;
+    let s = d.strategy;
     let bad = |m: String| Err(TrainError::Config(format!("--strategy {s}: {m}")));
-    if cfg.world_size == 0 {
-        return bad("--world-size must be at least 1".into());
-    }
-    if cfg.tp.is_some() && !matches!(s, Strategy::Tp | Strategy::Fsdp2Tp) {
-        return bad("--tp applies to tp and fsdp2_tp only".into());
-    }
-    if cfg.dp_replicate.is_some() && !matches!(s, Strategy::Hsdp | Strategy::MegatronFsdp) {
-        return bad("--dp-replicate applies to hsdp and megatron_fsdp only".into());
-    }
-    if (cfg.zero_dp_strategy.is_some() || cfg.bucket_size.is_some()) && s != Strategy::MegatronFsdp
+    let world = cfg.world_size()?;
+    if let Some(TpShardPlan::Named(name)) = &d.tp_shard_plan
+        && plan_name(name).0 != LLAMA_PLAN.name
     {
-        return bad("--zero-dp-strategy and --bucket-size apply to megatron_fsdp only".into());
+        return bad(format!(
+            "unknown tp plan `{name}` (the Llama's are llama and llama-sp)"
+        ));
     }
-    if let Some(ep) = cfg.ep.filter(|&ep| ep > 1) {
+    if d.ep_size > 1 {
+        let ep = d.ep_size;
         let Some(moe) = &model.moe else {
             return bad(format!(
                 "--ep {ep} needs a mixture-of-experts model (--model tiny-moe, or a qwen3_moe or \
@@ -91,8 +38,8 @@ pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, T
             ));
         }
     }
-    let sizes = distributed_config(cfg)
-        .validate(cfg.world_size)
+    let sizes = d
+        .validate(world)
         .map_err(|e| TrainError::Config(format!("--strategy {s}: {e}")))?;
     if sizes.tp > 1 {
         local_heads(

@@ -21,7 +21,7 @@ use serde::Serialize;
 use crate::aux::router_report;
 use crate::config::TrainConfig;
 use crate::error::TrainError;
-use crate::mesh::{distributed_config, mesh_sizes};
+use crate::mesh::mesh_sizes;
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
 use crate::state::model_state_bytes;
 use crate::usage::ProcessUsage;
@@ -178,7 +178,7 @@ pub fn train(
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
     }
     let resume = open_resume(cfg)?;
-    let results = run_ranks_on(cfg.world_size, cfg.engine, |ctx| {
+    let results = run_ranks_on(cfg.world_size()?, cfg.engine, |ctx| {
         run_rank(cfg, &model_cfg, &data, resume.as_ref(), ctx, on_step)
     })
     .map_err(|e| TrainError::Ranks(e.to_string()))?;
@@ -219,7 +219,7 @@ fn build_model(
             // Under expert parallelism each rank reads its own experts whole.
             let ep = mesh.expert_groups().map(|g| &g.ep);
             let (model, rows) = lazy_llama_ep(dir, device, ep)?;
-            parallelize_model_from(model, mesh, |r: &RowRequest| {
+            parallelize_model_from(model, mesh, move |r: &RowRequest| {
                 rows.read(r.id, r.rows.clone())
             })?
         }
@@ -237,11 +237,11 @@ fn run_rank(
 ) -> Result<RankResult, TrainError> {
     let device = cfg.backend.device(gpu_of(ctx.rank()))?;
     // FSDP frees gathered weights after forward only on Burn's checkpointing device.
-    let device = match cfg.reshard_after_forward {
+    let device = match cfg.checkpointing_device() {
         true => device.gradient_checkpointing(),
         false => device,
     };
-    let mesh = MeshContext::new(&ctx, distributed_config(cfg), device)?;
+    let mesh = MeshContext::new(&ctx, cfg.distributed.clone(), device)?;
     let device = mesh.device().clone();
     let mut model = build_model(cfg, model_cfg, &mesh)?;
     let mut optimizer = RunOptimizer::new(cfg);

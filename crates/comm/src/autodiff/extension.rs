@@ -21,8 +21,8 @@ use std::ops::Range;
 use burn::backend::TensorMetadata;
 use burn::tensor::Slice;
 
-use super::place::Placement;
-use super::split::SplitHub;
+use super::hub::SplitHub;
+use super::placement::Placement;
 use crate::device::{DeviceCollective, DeviceStep, NcclCall, Phase, no_nccl, run_steps};
 
 /// A backend that runs [`DeviceCollective`]s on its tensors and, on CUDA backends, NCCL steps

@@ -2,8 +2,10 @@
 //! ([`extension`]) and the differentiable collectives built from them ([`ops`]).
 
 pub mod extension;
+mod hub;
 pub mod ops;
 pub mod place;
+mod placement;
 pub mod split;
 
 pub use extension::CollectiveBackend;

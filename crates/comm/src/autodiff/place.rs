@@ -13,17 +13,7 @@ use burn::backend::Dispatch;
 use burn::tensor::Tensor;
 
 use super::extension::CollectiveBackend;
-
-/// Where one piece goes in the buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Placement {
-    /// The piece's first element in the buffer.
-    pub offset: usize,
-    /// The piece's length.
-    pub len: usize,
-    /// The buffer's length.
-    pub total: usize,
-}
+pub use super::placement::Placement;
 
 /// A 1-D buffer of `total` elements: zeros, with each of `pieces` (1-D, one dtype and device,
 /// at least one, not overlapping) written at its offset. Differentiable: each piece's gradient

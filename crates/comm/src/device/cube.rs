@@ -38,11 +38,10 @@ pub(crate) fn run(
         ))));
     };
     call.check_ordinal(cuda.index)?;
-    let x = if x.is_contiguous() {
-        x
-    } else {
-        into_contiguous(x)
-    };
+    // Always through `into_contiguous`: a tiled buffer passes `is_contiguous` (its strides
+    // order tiles, not rows) and would be exchanged in tile order; `into_contiguous` untiles
+    // it, and returns a row-major tensor as it is.
+    let x = into_contiguous(x);
     if let DeviceOp::AllToAll { .. } = op {
         return all_to_all(x, &mut call);
     }

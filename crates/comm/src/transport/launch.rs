@@ -142,9 +142,12 @@ where
     }
 }
 
-/// One process per GPU under a launcher that sets `RANK` (its world must be `world_size`),
-/// else `world_size` rank threads on GPUs `0..world_size`. A process whose rank fails exits
-/// with the error; the launcher (`torchrun`, `mpirun`, `srun`) then ends the job.
+/// One process per GPU under a launcher that sets `RANK` (its world must be `world_size`; the
+/// id comes from `NCCL_COMM_ID` or `BURN_PARALLEL_NCCL_ID`), or under `mpirun` with the `mpi`
+/// feature (rank 0 creates the id and broadcasts it over MPI), else `world_size` rank threads
+/// on GPUs `0..world_size`. A process whose rank fails (an error or a panic) aborts its
+/// communicators, which ends its peers' calls, and returns the error; the launcher (`torchrun`,
+/// `mpirun`, `srun`) then ends the job.
 #[cfg(feature = "nccl")]
 fn run_nccl<T, E, F>(world_size: usize, f: F) -> Result<Vec<(usize, T)>, LaunchError>
 where
@@ -154,6 +157,12 @@ where
 {
     use crate::transport::nccl::{LaunchEnv, NcclEngine, launch_local};
     if std::env::var_os("RANK").is_none() {
+        #[cfg(feature = "mpi")]
+        if started_by_mpi_launcher() {
+            // `_mpi` keeps MPI initialized until the rank's work has ended.
+            let (rank, engine, _mpi) = crate::transport::mpi::nccl_world(world_size)?;
+            return run_nccl_rank(rank, engine, f);
+        }
         let ordinals: Vec<usize> = (0..world_size).collect();
         return Ok(launch_local(&ordinals, f)?
             .into_iter()
@@ -167,17 +176,69 @@ where
             env.world_size
         )));
     }
-    let engine = NcclEngine::from_env().map_err(|e| launch_error(e.to_string()))?;
-    let ctx = RankContext::new(std::sync::Arc::new(engine));
-    f(ctx)
-        .map(|v| vec![(env.rank, v)])
-        .map_err(|e| LaunchError {
-            failures: vec![RankFailure {
-                rank: env.rank,
-                message: e.to_string(),
-                panicked: false,
-            }],
-        })
+    let engine = NcclEngine::from_env().map_err(|e| rank_error(env.rank, e.to_string()))?;
+    run_nccl_rank(env.rank, engine, f)
+}
+
+/// Runs this process's rank on `engine`; a failure (error or panic) aborts its communicators
+/// before they drop, so peers blocked on this rank end instead of being waited for.
+#[cfg(feature = "nccl")]
+pub(crate) fn run_nccl_rank<T, E, F>(
+    rank: usize,
+    engine: crate::transport::nccl::NcclEngine,
+    f: F,
+) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    E: fmt::Display,
+    F: FnOnce(RankContext) -> Result<T, E>,
+{
+    let engine = std::sync::Arc::new(engine);
+    let ctx = RankContext::new(engine.clone());
+    run_rank_then_abort(rank, ctx, || engine.abort_all(), f)
+}
+
+/// Runs one process's rank; on a failure, returned or panicked, calls `abort` (on this, the
+/// rank's thread) before the context's communicators drop, and reports the failure.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+fn run_rank_then_abort<T, E, F>(
+    rank: usize,
+    ctx: RankContext,
+    abort: impl FnOnce(),
+    f: F,
+) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    E: fmt::Display,
+    F: FnOnce(RankContext) -> Result<T, E>,
+{
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let outcome = catch_unwind(AssertUnwindSafe(|| f(ctx)));
+    let (message, panicked) = match outcome {
+        Ok(Ok(v)) => return Ok(vec![(rank, v)]),
+        Ok(Err(e)) => (e.to_string(), false),
+        Err(payload) => (
+            crate::transport::rank_threads::panic_message(payload.as_ref()),
+            true,
+        ),
+    };
+    abort();
+    Err(LaunchError {
+        failures: vec![RankFailure {
+            rank,
+            message,
+            panicked,
+        }],
+    })
+}
+
+#[cfg(feature = "nccl")]
+fn rank_error(rank: usize, message: String) -> LaunchError {
+    LaunchError {
+        failures: vec![RankFailure {
+            rank,
+            message,
+            panicked: false,
+        }],
+    }
 }
 
 fn launch_error(message: String) -> LaunchError {
@@ -226,6 +287,29 @@ mod tests {
         } else {
             assert!(err.contains("feature `nccl`"), "{err}");
         }
+    }
+
+    /// A rank that returns an error (not only one that panics) aborts its communicators.
+    #[test]
+    fn a_rank_that_fails_aborts_before_its_communicators_drop() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let aborts = AtomicUsize::new(0);
+        crate::transport::threads::launch(1, |ctx| {
+            let abort = || {
+                aborts.fetch_add(1, Ordering::SeqCst);
+            };
+            let e = run_rank_then_abort(3, ctx.clone(), abort, |_| Err::<(), _>("boom"));
+            let e = e.unwrap_err();
+            assert_eq!((e.first().rank, e.first().message.as_str()), (3, "boom"));
+            let ok = run_rank_then_abort(3, ctx.clone(), abort, |_| Ok::<_, String>(7));
+            assert_eq!(ok.unwrap(), vec![(3, 7)]);
+            let panicked =
+                run_rank_then_abort(3, ctx, abort, |_| -> Result<(), String> { panic!("oops") });
+            assert!(panicked.unwrap_err().first().panicked);
+            Ok::<_, String>(())
+        })
+        .unwrap();
+        assert_eq!(aborts.load(Ordering::SeqCst), 2);
     }
 
     #[test]

@@ -108,7 +108,7 @@ pub(crate) struct Shared {
 }
 
 /// What the jobs of one group share.
-pub(crate) struct GroupState {
+struct GroupState {
     pub info: GroupInfo,
     /// Collectives run here.
     pub comm: Comm,
@@ -234,7 +234,7 @@ impl GroupState {
         let bytes = CallBytes::of(&call, &self.info);
         let started = std::time::Instant::now();
         let result = match seq {
-            None => p2p::execute(self, call),
+            None => p2p::execute(&self.p2p, &self.info, call),
             Some(seq) => self.collective(call, seq),
         };
         if let Ok(out) = &result {

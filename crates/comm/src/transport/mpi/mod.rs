@@ -17,6 +17,8 @@
 //! where they wait, and the rank's failure then aborts the job.
 
 mod comm;
+#[cfg(feature = "nccl")]
+mod nccl_id;
 mod ops;
 mod p2p;
 mod pending;
@@ -35,6 +37,8 @@ use crate::transport::error::{CollectiveError, LaunchError, RankFailure};
 use crate::transport::stats::CommStats;
 
 use comm::MpiCommunicator;
+#[cfg(feature = "nccl")]
+pub(crate) use nccl_id::nccl_world;
 
 /// The exit status of a process that aborts the job because its rank failed.
 pub const ABORT_EXIT_CODE: i32 = 3;

@@ -7,11 +7,12 @@ use burn::tensor::DType;
 use mpi::Count;
 use mpi::traits::*;
 
+use mpi::topology::SimpleCommunicator;
+
 use crate::transport::buffer::into_tensor_data;
-use crate::transport::collective::{Collective, CollectiveOutput, CollectiveResult};
+use crate::transport::collective::{Collective, CollectiveOutput, CollectiveResult, GroupInfo};
 use crate::transport::error::CollectiveError;
 
-use super::comm::GroupState;
 use super::ops::{recv_buffer, send_buf};
 
 const HEADER_TAG: mpi::Tag = 1;
@@ -23,13 +24,19 @@ struct MessageHeader {
     shape: Vec<usize>,
 }
 
-pub(super) fn execute(state: &GroupState, call: Collective) -> CollectiveResult {
+/// Runs a send or a receive of the group `info` on `p2p`, the group's point-to-point
+/// communicator.
+pub(super) fn execute(
+    p2p: &SimpleCommunicator,
+    info: &GroupInfo,
+    call: Collective,
+) -> CollectiveResult {
     match call {
         Collective::Send { data, dst } => {
             if data.as_bytes().len() > Count::MAX as usize {
                 return Err(CollectiveError::InvalidArgument {
                     op: "send".into(),
-                    group: state.info.label.clone(),
+                    group: info.label.clone(),
                     message: format!(
                         "the mpi engine sends at most {} bytes per message; split the tensor",
                         Count::MAX
@@ -41,13 +48,13 @@ pub(super) fn execute(state: &GroupState, call: Collective) -> CollectiveResult 
                 shape: data.shape().to_vec(),
             };
             let header = serde_json::to_vec(&header).expect("a header serializes");
-            let peer = state.p2p.process_at_rank(dst as mpi::Rank);
+            let peer = p2p.process_at_rank(dst as mpi::Rank);
             peer.send_with_tag(&header[..], HEADER_TAG);
             peer.send_with_tag(send_buf(data.as_bytes()), PAYLOAD_TAG);
             Ok(CollectiveOutput::none())
         }
         Collective::Recv { src } => {
-            let peer = state.p2p.process_at_rank(src as mpi::Rank);
+            let peer = p2p.process_at_rank(src as mpi::Rank);
             let (message, status) = peer.matched_probe_with_tag(HEADER_TAG);
             let mut header = vec![0u8; status.count(u8::equivalent_datatype()) as usize];
             message.matched_receive_into(&mut header[..]);

@@ -5,22 +5,29 @@
 //! and takes only cudarc's own slices, while Burn's CUDA tensors live in CubeCL's allocations.
 //! Every call runs on the communicator's own CUDA stream; [`NcclComm::wait_for`] orders it after
 //! work on another stream and [`DeviceWork`] lets other streams (or the host) wait for it.
+//!
+//! Communicators are non-blocking ([`super::config`]): a call may return `ncclInProgress`, and
+//! the owning thread then polls `ncclCommGetAsyncError` until it is enqueued, under the watch
+//! of the engine call in progress ([`NcclComm::set_watch`]), before anything else touches the
+//! stream. Only that thread ever aborts the communicator (see [`super::watchdog`]).
 
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::ThreadId;
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, sys as cuda};
 use cudarc::nccl::result::NcclStatus;
 use cudarc::nccl::{result, sys};
 
+use super::config::NcclConfig;
 use super::layout::{Copy2d, CopyPlan, MAX_COPY_PITCH};
 use super::library::{LibraryMissing, check_libraries};
 use super::split::{SplitError, SplitKey};
 use super::types::{NcclDataType, NcclRedOp};
 use super::unique_id::{IdError, UniqueIdBytes};
-use super::watchdog::{Abort, Guard, InFlight, Stopped};
+use super::watchdog::{Abort, Guard, InFlight, Stopped, Watch};
 
 /// A device address (`CUdeviceptr`).
 pub type DevicePtr = u64;
@@ -146,9 +153,15 @@ pub struct NcclComm {
     /// one thread in program order; a second thread (a lock would only serialise it) could
     /// interleave differently on different ranks and hang them.
     owner: OnceLock<ThreadId>,
-    /// Set once `ncclCommAbort` ran: no call may use `raw` afterwards.
+    /// Set once `ncclCommAbort` ran: no call may use `raw` afterwards. Only the owner aborts,
+    /// so its check in `enter` and its next call cannot be separated by an abort.
     aborted: AtomicBool,
+    /// The watch of the engine call in progress: what bounds the polls of `ncclInProgress`.
+    watch: Mutex<Option<Watch>>,
 }
+
+/// How long dropping a communicator waits for `ncclCommFinalize` before it aborts instead.
+const FINALIZE_LIMIT: Duration = Duration::from_secs(30);
 
 // SAFETY: an NCCL communicator may move to another thread before its first call; the CUDA
 // context is bound before every call.
@@ -179,8 +192,9 @@ impl Drop for NcclComm {
         // SAFETY: the stream is live; querying it does not block.
         let idle =
             unsafe { cuda::cuStreamQuery(self.stream.cu_stream()) } == cuda::CUresult::CUDA_SUCCESS;
-        if idle && !std::thread::panicking() {
-            // SAFETY: `raw` came from a successful init or split and is destroyed once.
+        if idle && !std::thread::panicking() && self.finalize() {
+            // SAFETY: `raw` came from a successful init or split, is finalized, and is
+            // destroyed once.
             let _ = unsafe { result::comm_destroy(self.raw) };
         } else {
             // Work in flight (a peer never came) or a panicking rank: destroying would wait
@@ -191,11 +205,14 @@ impl Drop for NcclComm {
 }
 
 impl Abort for NcclComm {
+    /// `ncclCommAbort`, once. Called by the owning thread only (the watchdog's monitor marks a
+    /// call stopped; the owner aborts at its next poll), never while a thread is inside NCCL
+    /// on this communicator, as NCCL requires.
     fn abort(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
             let _ = self.stream.context().bind_to_thread();
-            // SAFETY: `raw` is live until this first abort; NCCL allows aborting from another
-            // thread to end a call blocked on it.
+            // SAFETY: `raw` is live until this first abort, and no call on it is in progress
+            // (the owner is here, not inside NCCL).
             let _ = unsafe { result::comm_abort(self.raw) };
         }
     }
@@ -211,8 +228,31 @@ impl InFlight for Issued<'_> {
     fn poll(&self) -> Result<bool, String> {
         match self.comm.async_error() {
             Some(e) => Err(e),
-            None => Ok(self.event.is_complete()),
+            None => event_state(self.event.try_is_complete()),
         }
+    }
+}
+
+/// What a query of a CUDA event says for a poll: done, still running, or the CUDA error that
+/// ended the work (an illegal address, say), which `is_complete` would report as "running"
+/// until the timeout blamed a missing rank.
+pub(crate) fn event_state(query: Result<bool, DriverError>) -> Result<bool, String> {
+    query.map_err(|e| {
+        format!(
+            "CUDA reported {:?} for the work on this rank's NCCL stream (a kernel before or \
+             during the collective failed; run with CUDA_LAUNCH_BLOCKING=1 to find which)",
+            e.0
+        )
+    })
+}
+
+/// A non-blocking operation on a communicator, until `ncclCommGetAsyncError` leaves
+/// `ncclInProgress`.
+struct Pending<'a>(&'a NcclComm);
+
+impl InFlight for Pending<'_> {
+    fn poll(&self) -> Result<bool, String> {
+        self.0.async_state()
     }
 }
 
@@ -242,8 +282,94 @@ fn context(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>), NcclEr
 }
 
 impl NcclComm {
+    fn from_raw(raw: sys::ncclComm_t, rank: usize, size: usize, stream: Arc<CudaStream>) -> Self {
+        Self {
+            raw,
+            rank,
+            size,
+            stream,
+            owner: OnceLock::new(),
+            aborted: AtomicBool::new(false),
+            watch: Mutex::new(None),
+        }
+    }
+
+    /// Bounds this communicator's polls of `ncclInProgress` by `watch` (the engine call in
+    /// progress), or lifts the bound (`None`: the polls then wait as long as NCCL does).
+    pub fn set_watch(&self, watch: Option<Watch>) {
+        *self.watch.lock().unwrap_or_else(|p| p.into_inner()) = watch;
+    }
+
+    fn current_watch(&self) -> Option<Watch> {
+        self.watch.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// `ncclCommGetAsyncError` as a poll: `Ok(true)` when nothing is in progress, `Ok(false)`
+    /// while an operation is, `Err` with NCCL's error.
+    fn async_state(&self) -> Result<bool, String> {
+        if self.aborted.load(Ordering::SeqCst) {
+            return Err(format!(
+                "the communicator of rank {} was aborted",
+                self.rank
+            ));
+        }
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `raw` is live (not aborted, and only this thread aborts it).
+        let r = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut state) };
+        match (r, state) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess) => Ok(true),
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => Ok(false),
+            (sys::ncclResult_t::ncclSuccess, e) | (e, _) => {
+                Err(nccl_err("ncclCommGetAsyncError")(result::NcclError(e)).to_string())
+            }
+        }
+    }
+
+    /// Waits until no operation is in progress on this communicator, under `watch` (else the
+    /// communicator's current watch, else as long as NCCL takes). A stop or an NCCL error
+    /// aborts the communicator here, on its owner's thread.
+    pub fn settle(&self, watch: Option<&Watch>) -> Result<(), NcclError> {
+        let pending = Pending(self);
+        if let Some(w) = watch.cloned().or_else(|| self.current_watch()) {
+            return super::watchdog::wait(&pending, &w).map_err(NcclError::from);
+        }
+        let mut sleep = Duration::from_micros(10);
+        loop {
+            match pending.poll() {
+                Ok(true) => return Ok(()),
+                Ok(false) => std::thread::sleep(sleep),
+                Err(e) => {
+                    self.abort();
+                    return Err(NcclError::Stopped(Stopped::Failed(e)));
+                }
+            }
+            sleep = (sleep * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// `ncclCommFinalize` and its completion, within [`FINALIZE_LIMIT`]: whether the
+    /// communicator may now be destroyed without waiting on anyone.
+    fn finalize(&self) -> bool {
+        // SAFETY: `raw` is live; finalizing only flushes what was issued.
+        if unsafe { result::comm_finalize(self.raw) }.is_err() {
+            return false;
+        }
+        let deadline = std::time::Instant::now() + FINALIZE_LIMIT;
+        loop {
+            match self.async_state() {
+                Ok(true) => return true,
+                Ok(false) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                _ => return false,
+            }
+        }
+    }
+
     /// Joins the communicator of `world_size` ranks named by `id` as `rank`, on GPU `ordinal`
-    /// (one process per GPU). Blocks until every rank has joined.
+    /// (one process per GPU), non-blocking: the join may still be in progress when this
+    /// returns; [`Self::settle`] waits for it (under a watch, so a rank that never comes is a
+    /// timeout, not a hang).
     pub fn init_rank(
         ordinal: usize,
         rank: usize,
@@ -261,26 +387,30 @@ impl NcclComm {
         let id = sys::ncclUniqueId {
             internal: id.0.map(|b| b as std::ffi::c_char),
         };
-        let mut raw = std::mem::MaybeUninit::uninit();
-        // SAFETY: `raw` is written by a successful call, which `?` checks before reading it.
-        let raw = unsafe {
-            result::comm_init_rank(raw.as_mut_ptr(), world_size as i32, id, rank as i32)
-                .map_err(nccl_err("ncclCommInitRank"))?;
-            raw.assume_init()
-        };
-        Ok(Self {
-            raw,
-            rank,
-            size: world_size,
-            stream,
-            owner: OnceLock::new(),
-            aborted: AtomicBool::new(false),
-        })
+        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+        let mut config = NcclConfig::non_blocking();
+        // SAFETY: `raw` is written by the call (also when it returns ncclInProgress); the
+        // config is NCCL 2.17's layout, which NCCL reads by its `size` (see `config`).
+        unsafe {
+            sys::ncclCommInitRankConfig(
+                &mut raw,
+                world_size as i32,
+                id,
+                rank as i32,
+                (&mut config as *mut NcclConfig).cast(),
+            )
+            .result()
+            .map_err(nccl_err("ncclCommInitRankConfig"))?;
+        }
+        Ok(Self::from_raw(raw, rank, world_size, stream))
     }
 
-    /// One communicator per GPU of `ordinals`, all in this process (`ncclCommInitAll`, what
-    /// cudarc's `Comm::from_devices` calls); rank `i` runs on `ordinals[i]`. Hand each to its
-    /// rank's thread.
+    /// One communicator per GPU of `ordinals`, all in this process; rank `i` runs on
+    /// `ordinals[i]`. This is what `ncclCommInitAll` does (an id of this process, then one
+    /// `ncclCommInitRank` per GPU in one group), with the non-blocking config, which
+    /// `ncclCommInitAll` cannot take: NCCL makes a split block or not as its parent does, and a
+    /// split that blocks cannot be aborted by its owner. The joins may still be in progress:
+    /// [`Self::settle`] each, then hand each to its rank's thread.
     pub fn init_local(ordinals: &[usize]) -> Result<Vec<Self>, NcclError> {
         check_libraries()?;
         if ordinals.is_empty() {
@@ -290,32 +420,58 @@ impl NcclComm {
             .iter()
             .map(|o| context(*o).map(|(_, s)| s))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut raws = vec![std::ptr::null_mut(); ordinals.len()];
-        let devs: Vec<i32> = ordinals.iter().map(|o| *o as i32).collect();
-        // SAFETY: `raws` has one slot per device in `devs`.
-        unsafe {
-            result::comm_init_all(raws.as_mut_ptr(), devs.len() as i32, devs.as_ptr())
-                .map_err(nccl_err("ncclCommInitAll"))?;
-        }
         let size = ordinals.len();
-        Ok(raws
+        // The id's root listens in this process, which lives through the launch.
+        let id = result::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
+        let mut raws = vec![std::ptr::null_mut(); size];
+        let mut config = NcclConfig::non_blocking();
+        result::group_start().map_err(nccl_err("ncclGroupStart"))?;
+        let mut first_error = None;
+        for (rank, (raw, stream)) in raws.iter_mut().zip(&streams).enumerate() {
+            // NCCL takes the GPU from the thread's current context.
+            if let Err(e) = stream.context().bind_to_thread() {
+                first_error = Some(cuda_err("cuCtxSetCurrent")(e));
+                break;
+            }
+            // SAFETY: `raw` is this rank's slot; the config as in `init_rank`.
+            let joined = unsafe {
+                sys::ncclCommInitRankConfig(
+                    raw,
+                    size as i32,
+                    id,
+                    rank as i32,
+                    (&mut config as *mut NcclConfig).cast(),
+                )
+                .result()
+            };
+            if let Err(e) = joined {
+                first_error = Some(nccl_err("ncclCommInitRankConfig")(e));
+                break;
+            }
+        }
+        // Closed even after an error, so NCCL's group state stays balanced.
+        let ended = result::group_end().map_err(nccl_err("ncclGroupEnd"));
+        let comms: Vec<Self> = raws
             .into_iter()
             .zip(streams)
             .enumerate()
-            .map(|(rank, (raw, stream))| Self {
-                raw,
-                rank,
-                size,
-                stream,
-                owner: OnceLock::new(),
-                aborted: AtomicBool::new(false),
-            })
-            .collect())
+            .filter(|(_, (raw, _))| !raw.is_null())
+            .map(|(rank, (raw, stream))| Self::from_raw(raw, rank, size, stream))
+            .collect();
+        if let Some(e) = first_error.or(ended.err()) {
+            comms.iter().for_each(Abort::abort);
+            return Err(e);
+        }
+        Ok(comms)
     }
 
     /// The communicator of the ranks that pass the same `key.color` (ordered by `key.key`):
-    /// collective over this communicator, every rank calls it. See [`super::split`].
-    pub fn split(&self, key: SplitKey) -> Result<Self, NcclError> {
+    /// collective over this communicator, every rank calls it. See [`super::split`]. Waits
+    /// for the new communicator under `watch` (guarding this communicator): when a rank never
+    /// joins (it failed before its mesh existed), the watch's timeout or the process's failure
+    /// signal ends the wait, and this thread aborts the parent (which ends the child's
+    /// creation, as NCCL ties them) and the child.
+    pub fn split(&self, key: SplitKey, watch: &Watch) -> Result<Self, NcclError> {
         self.enter()?;
         let stream = self
             .stream
@@ -323,27 +479,46 @@ impl NcclComm {
             .new_stream()
             .map_err(cuda_err("cuStreamCreate"))?;
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `self.raw` is live; a null config inherits the parent's.
-        unsafe {
-            sys::ncclCommSplit(self.raw, key.color, key.key, &mut raw, std::ptr::null_mut())
-                .result()
-                .map_err(nccl_err("ncclCommSplit"))?;
+        let mut config = NcclConfig::non_blocking();
+        // SAFETY: `self.raw` is live; `raw` is written by the call (also when in progress).
+        let status = unsafe {
+            sys::ncclCommSplit(
+                self.raw,
+                key.color,
+                key.key,
+                &mut raw,
+                (&mut config as *mut NcclConfig).cast(),
+            )
+            .result()
+        };
+        if let Err(e) = status {
+            return Err(nccl_err("ncclCommSplit")(e));
         }
-        // SAFETY: `raw` is the communicator the split just created.
+        if raw.is_null() {
+            return Err(NcclError::Nccl {
+                call: "ncclCommSplit",
+                message: "returned no communicator".into(),
+            });
+        }
+        let mut child = Self::from_raw(raw, self.rank, 0, stream);
+        // The child answers for the split's progress; the parent's own state follows it.
+        if let Err(e) = child
+            .settle(Some(watch))
+            .and_then(|()| self.settle(Some(watch)))
+        {
+            child.abort();
+            return Err(e);
+        }
+        // SAFETY: `raw` is the communicator the split just created, now ready.
         let (rank, size) = unsafe {
             (
                 result::comm_user_rank(raw).map_err(nccl_err("ncclCommUserRank"))?,
                 result::comm_count(raw).map_err(nccl_err("ncclCommCount"))?,
             )
         };
-        Ok(Self {
-            raw,
-            rank: rank as usize,
-            size: size as usize,
-            stream,
-            owner: OnceLock::new(),
-            aborted: AtomicBool::new(false),
-        })
+        child.rank = rank as usize;
+        child.size = size as usize;
+        Ok(child)
     }
 
     /// This rank's position in the communicator.
@@ -406,28 +581,14 @@ impl NcclComm {
 
     /// An error NCCL found while work ran (a peer that aborted or vanished), if any.
     pub fn async_error(&self) -> Option<String> {
-        if self.aborted.load(Ordering::SeqCst) {
-            return Some(format!(
-                "the communicator of rank {} was aborted",
-                self.rank
-            ));
-        }
-        let mut state = sys::ncclResult_t::ncclSuccess;
-        // SAFETY: `raw` is live (not aborted); the call only reads the communicator's state.
-        let r = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut state) };
-        match (r, state) {
-            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess)
-            | (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclInProgress) => None,
-            (sys::ncclResult_t::ncclSuccess, e) | (e, _) => {
-                Some(nccl_err("ncclCommGetAsyncError")(result::NcclError(e)).to_string())
-            }
-        }
+        self.async_state().err()
     }
 
     /// Waits, under `guard`, for the work issued so far on the stream: done, or the reason it
     /// never will be (the watchdog's, or NCCL's asynchronous error, which aborts this
     /// communicator). Polls, so a stuck peer never blocks the thread past the watchdog.
     pub fn finish(&self, guard: &Guard) -> Result<(), NcclError> {
+        self.settle(Some(guard.watch()))?;
         let event = self
             .stream
             .record_event(None)
@@ -437,6 +598,8 @@ impl NcclComm {
 
     /// Marks the end of the work issued so far, for other streams or the host to wait on.
     pub fn record(&self) -> Result<DeviceWork, NcclError> {
+        // An event recorded before NCCL enqueued the call would complete too early.
+        self.settle(None)?;
         let event = self
             .stream
             .record_event(None)
@@ -446,16 +609,18 @@ impl NcclComm {
 
     /// Issues one NCCL call on this communicator's stream: from the owning thread with the
     /// context bound (`enter`), `call` gets the live raw communicator and its stream, and a
-    /// failure is named after `ffi_name`. Every single-call collective goes through here, so
-    /// none can skip those checks.
+    /// failure is named after `ffi_name`. A call still in progress (non-blocking) is settled
+    /// before this returns, so the next work on the stream comes after it. Every single-call
+    /// collective goes through here, so none can skip those checks.
     fn issue<F>(&self, ffi_name: &'static str, call: F) -> Result<(), NcclError>
     where
         F: FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<NcclStatus, result::NcclError>,
     {
         self.enter()?;
-        call(self.raw, self.cu_stream())
-            .map(drop)
-            .map_err(nccl_err(ffi_name))
+        match call(self.raw, self.cu_stream()).map_err(nccl_err(ffi_name))? {
+            NcclStatus::InProgress => self.settle(None),
+            _ => Ok(()),
+        }
     }
 
     /// `all_gather`: `count` elements from every rank, rank-major into `recv`
@@ -626,9 +791,10 @@ impl NcclComm {
         }
         // The group is closed even after an error, so NCCL's group state stays balanced.
         let ended = result::group_end().map_err(nccl_err("ncclGroupEnd"));
-        match first_error {
-            Some(e) => Err(e),
-            None => ended.map(drop),
+        match (first_error, ended) {
+            (Some(e), _) | (None, Err(e)) => Err(e),
+            (None, Ok(NcclStatus::InProgress)) => self.settle(None),
+            (None, Ok(_)) => Ok(()),
         }
     }
 
@@ -726,9 +892,12 @@ impl DeviceWork {
             .map_err(cuda_err("cuEventSynchronize"))
     }
 
-    /// Whether the work is done (never blocks).
-    pub fn is_done(&self) -> bool {
-        self.event.is_complete()
+    /// Whether the work is done (never blocks), or the CUDA error that ended it.
+    pub fn is_done(&self) -> Result<bool, NcclError> {
+        event_state(self.event.try_is_complete()).map_err(|message| NcclError::Cuda {
+            call: "cuEventQuery",
+            message,
+        })
     }
 }
 

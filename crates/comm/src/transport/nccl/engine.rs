@@ -1,8 +1,13 @@
 //! The `nccl` engine: ranks are GPUs, one communicator per group made by `ncclCommSplit`.
 //!
 //! Two ways to start: one process per GPU ([`NcclEngine::from_env`]: the launcher passes the
-//! rank, world size and rank 0's unique id in the environment, see [`super::unique_id`]), or one
-//! process with one thread per GPU ([`launch_local`], `ncclCommInitAll`).
+//! rank and world size in the environment and the id travels as [`super::rendezvous`] says;
+//! [`NcclEngine::join`] when the caller has them), or one process with one thread per GPU
+//! ([`launch_local`]: one process creates the id and every communicator, nothing to hand over).
+//! Every communicator is non-blocking and every wait for one (its creation, a split, a call)
+//! runs under the rank's watchdog, so a rank that never comes ends the others with an error.
+//! A rank that fails aborts its communicators ([`NcclEngine::abort_all`]), which ends its
+//! peers' calls; destroying them instead would wait for those peers.
 //!
 //! `ProcessGroup` calls carry host `TensorData`, so this engine's [`Communicator`] stages
 //! them: upload, the collective on device buffers (reused across calls), download. That is the
@@ -12,7 +17,7 @@
 //! ([`super::agreement`]: a mismatch is the same error on every rank, never a hang), and every
 //! call runs under the rank's [`Watchdog`] (another rank's failure or the timeout aborts it).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use burn::tensor::{DType, TensorData};
@@ -31,11 +36,12 @@ use crate::transport::traffic::CallBytes;
 use super::agreement::{Agreed, Agreement, AgreementMode, CallKind, CallSpec, MAX_DIMS};
 use super::comm::{NcclComm, NcclError};
 use super::layout::{AlongDim, gather_layout, narrow_copy, place_copy, scatter_layout};
+use super::rendezvous::IdSource;
 use super::scope::{Scope, Slot, Staging, collective_error, watched_name};
 use super::split::split_key;
 use super::types::{NcclDataType, dtype_code, dtype_from_code, nccl_dtype, nccl_reduce};
-use super::unique_id::LaunchEnv;
-use super::watchdog::{FailureSignal, Watchdog};
+use super::unique_id::{LaunchEnv, UniqueIdBytes};
+use super::watchdog::{Abort, FailureSignal, Watchdog};
 
 /// How an NCCL engine guards its calls.
 #[derive(Debug, Clone)]
@@ -75,37 +81,119 @@ pub struct NcclEngine {
     stats: Arc<Mutex<CommStats>>,
     watchdog: Arc<Watchdog>,
     agreement: AgreementMode,
+    /// Every communicator of this rank (the world and its groups), for [`Self::abort_all`].
+    comms: Mutex<Vec<Weak<NcclComm>>>,
+}
+
+/// Waits, under a guard of `watchdog` named `what`, for a communicator whose creation may
+/// still be in progress (non-blocking): ready, or aborted with the reason.
+fn ready(comm: NcclComm, watchdog: &Watchdog, what: String) -> Result<NcclComm, NcclError> {
+    let comm = Arc::new(comm);
+    let guard = watchdog.guard(what, comm.clone())?;
+    let settled = comm.settle(Some(guard.watch()));
+    drop(guard);
+    settled?;
+    Ok(Arc::into_inner(comm).expect("the guard held the only other reference"))
 }
 
 impl NcclEngine {
-    /// An engine on the world communicator `world`, with the options the environment sets.
+    /// An engine on the world communicator `world` (ready), with the options the environment
+    /// sets.
     pub fn new(world: NcclComm) -> Self {
         Self::with_options(world, NcclOptions::from_env())
     }
 
-    /// An engine on the world communicator `world`.
+    /// An engine on the world communicator `world` (ready).
     pub fn with_options(world: NcclComm, options: NcclOptions) -> Self {
+        Self::assemble(
+            world,
+            Arc::new(Watchdog::new(options.timeout, options.signal)),
+            options.agreement,
+        )
+    }
+
+    fn assemble(world: NcclComm, watchdog: Arc<Watchdog>, agreement: AgreementMode) -> Self {
+        let world = Arc::new(world);
         Self {
-            world: Arc::new(world),
+            comms: Mutex::new(vec![Arc::downgrade(&world)]),
+            world,
             stats: Arc::default(),
-            watchdog: Arc::new(Watchdog::new(options.timeout, options.signal)),
-            agreement: options.agreement,
+            watchdog,
+            agreement,
         }
     }
 
-    /// One process per GPU: joins the world described by the launcher's environment
-    /// (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `BURN_PARALLEL_NCCL_ID`) on GPU `LOCAL_RANK`.
-    /// A failing rank aborts its communicators, which ends its peers' calls.
+    /// One process per GPU: joins the world of `world_size` ranks named by `id` as `rank`, on
+    /// GPU `local_rank`. Rank 0's process must be the one that created `id` and must stay
+    /// alive (see [`super::rendezvous`]). A rank that does not come within the timeout ends
+    /// the join with an error naming it.
+    pub fn join(
+        rank: usize,
+        world_size: usize,
+        local_rank: usize,
+        id: &UniqueIdBytes,
+        options: NcclOptions,
+    ) -> Result<Self, NcclError> {
+        let watchdog = Arc::new(Watchdog::new(options.timeout, options.signal));
+        let comm = NcclComm::init_rank(local_rank, rank, world_size, id)?;
+        let what = format!(
+            "ncclCommInitRankConfig of rank {rank} of {world_size} on GPU {local_rank} (every \
+             rank must join; rank 0's process holds the bootstrap root)"
+        );
+        let comm = ready(comm, &watchdog, what)?;
+        Ok(Self::assemble(comm, watchdog, options.agreement))
+    }
+
+    /// One process per GPU: joins the world described by the launcher's environment (`RANK`,
+    /// `WORLD_SIZE`, `LOCAL_RANK`, and `NCCL_COMM_ID` or `BURN_PARALLEL_NCCL_ID`) on GPU
+    /// `LOCAL_RANK`. A failing rank aborts its communicators, which ends its peers' calls.
     pub fn from_env() -> Result<Self, NcclError> {
         let env = LaunchEnv::from_env()?;
-        let comm = NcclComm::init_rank(env.local_rank, env.rank, env.world_size, &env.id)?;
-        Ok(Self::new(comm))
+        let id = match env.source {
+            IdSource::Given(id) => id,
+            // With NCCL_COMM_ID set, ncclGetUniqueId only encodes that address (no root
+            // starts here); rank 0's init starts the root in its own process.
+            IdSource::CommIdEnv(_) => super::comm::new_unique_id()?,
+            IdSource::Broadcast => {
+                return Err(NcclError::InvalidArgument(
+                    "rank 0's id is broadcast over MPI by the launch (run_ranks_on with the \
+                     nccl engine under mpirun), not read from the environment"
+                        .into(),
+                ));
+            }
+        };
+        Self::join(
+            env.rank,
+            env.world_size,
+            env.local_rank,
+            &id,
+            NcclOptions::from_env(),
+        )
     }
 
     /// The world communicator (the device API runs on it).
     pub fn world_comm(&self) -> &Arc<NcclComm> {
         &self.world
     }
+
+    /// Aborts every communicator of this rank (`ncclCommAbort`): what a rank that failed does,
+    /// so that its peers' calls end at once. Destroying them would wait for peers that may be
+    /// blocked on this rank. Call it from the rank's own thread (the communicators' owner).
+    pub fn abort_all(&self) {
+        for comm in lock(&self.comms).iter().filter_map(Weak::upgrade) {
+            comm.abort();
+        }
+    }
+}
+
+/// The watched name of the split that makes `label`'s communicator: what a rank left waiting
+/// reads when another rank never joins it.
+pub(crate) fn split_watch_name(label: &str, ranks: &[usize]) -> String {
+    format!(
+        "ncclCommSplit creating group {label} (ranks {ranks:?}), which every rank of the world \
+         calls at the same time: a rank that failed before its mesh existed (its GPU did not \
+         start, say) never joins it"
+    )
 }
 
 impl Engine for NcclEngine {
@@ -136,7 +224,17 @@ impl Engine for NcclEngine {
             reason: e,
         };
         let key = split_key(self.rank(), ranks).map_err(|e| broken(e.to_string()))?;
-        let comm = self.world.split(key).map_err(|e| broken(e.to_string()))?;
+        // Guarded: a rank that never joins is a timeout (or its failure, in this process)
+        // naming the split, and this thread aborts it, instead of a hang.
+        let guard = self
+            .watchdog
+            .guard(split_watch_name(label, ranks), self.world.clone())
+            .map_err(|e| broken(e.to_string()))?;
+        let comm = self
+            .world
+            .split(key, guard.watch())
+            .map_err(|e| broken(e.to_string()))?;
+        drop(guard);
         if comm.size() != ranks.len() || comm.rank() != info.index {
             return Err(broken(format!(
                 "ncclCommSplit made a group of {} with this rank at {}, expected {} at {}: \
@@ -147,8 +245,10 @@ impl Engine for NcclEngine {
                 info.index
             )));
         }
+        let comm = Arc::new(comm);
+        lock(&self.comms).push(Arc::downgrade(&comm));
         Ok(Arc::new(NcclCommunicator {
-            comm: Arc::new(comm),
+            comm,
             info,
             stats: Mutex::default(),
             rank_stats: self.stats.clone(),
@@ -187,16 +287,40 @@ where
     E: std::fmt::Display,
     F: Fn(RankContext) -> Result<T, E> + Sync,
 {
-    let comms = NcclComm::init_local(ordinals).map_err(|e| LaunchError {
+    let failed = |e: NcclError| LaunchError {
         failures: vec![RankFailure {
             rank: 0,
             message: e.to_string(),
             panicked: false,
         }],
-    })?;
+    };
+    let comms = NcclComm::init_local(ordinals).map_err(failed)?;
+    // The joins run in NCCL's threads; wait for each under a timeout (one GPU that does not
+    // start would otherwise leave the others waiting).
+    let dog = Watchdog::new(options.timeout, options.signal.clone());
     let world = comms.len();
+    let mut ready_comms = Vec::with_capacity(world);
+    let mut comms = comms.into_iter();
+    for comm in comms.by_ref() {
+        let what = format!(
+            "ncclCommInitRankConfig of rank {} of {world} on GPU {} (one process)",
+            comm.rank(),
+            comm.ordinal()
+        );
+        match ready(comm, &dog, what) {
+            Ok(c) => ready_comms.push(c),
+            Err(e) => {
+                ready_comms
+                    .iter()
+                    .chain(comms.as_slice())
+                    .for_each(Abort::abort);
+                return Err(failed(e));
+            }
+        }
+    }
     let ranks = NcclRanks {
-        comms: Mutex::new(comms.into_iter().map(Some).collect()),
+        comms: Mutex::new(ready_comms.into_iter().map(Some).collect()),
+        engines: Mutex::new((0..world).map(|_| None).collect()),
         options,
     };
     run_on_threads(world, &ranks, &f)
@@ -206,6 +330,8 @@ where
 /// options' failure signal.
 struct NcclRanks {
     comms: Mutex<Vec<Option<NcclComm>>>,
+    /// Each running rank's engine, so that a failed rank aborts its communicators.
+    engines: Mutex<Vec<Option<Arc<NcclEngine>>>>,
     options: NcclOptions,
 }
 
@@ -214,15 +340,20 @@ impl RankThreads for NcclRanks {
         let comm = lock(&self.comms)[rank]
             .take()
             .expect("each rank takes its communicator once");
-        RankContext::new(Arc::new(NcclEngine::with_options(
-            comm,
-            self.options.clone(),
-        )))
+        let engine = Arc::new(NcclEngine::with_options(comm, self.options.clone()));
+        lock(&self.engines)[rank] = Some(engine.clone());
+        RankContext::new(engine)
     }
 
+    /// On the rank's own thread: a failed rank tells the others and aborts its communicators
+    /// (an error returned, not only a panic, must not destroy them: that waits for peers).
     fn finished(&self, rank: usize, failure: Option<&str>) {
+        let engine = lock(&self.engines)[rank].take();
         if let Some(message) = failure {
             self.options.signal.raise(rank, message);
+            if let Some(engine) = engine {
+                engine.abort_all();
+            }
         }
     }
 }
@@ -782,6 +913,24 @@ pub(crate) mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_split_left_waiting_names_the_group_and_the_likely_cause() {
+        let what = split_watch_name("tp", &[0, 1]);
+        let e = super::super::watchdog::Stopped::TimedOut {
+            what,
+            timeout: Duration::from_secs(60),
+        }
+        .to_string();
+        assert!(
+            e.starts_with("ncclCommSplit creating group tp (ranks [0, 1])"),
+            "{e}"
+        );
+        assert!(
+            e.contains("failed before its mesh existed") && e.contains("60s"),
+            "{e}"
+        );
     }
 
     /// Tells the terminal that part of a test could not run here (output the harness does not

@@ -105,6 +105,40 @@ pub fn missing_message(library: CudaLibrary, versioned: &[PathBuf]) -> String {
     }
 }
 
+/// The oldest NCCL the engine runs on: 2.18, the first with `ncclCommSplit` (one communicator
+/// per mesh dimension) and non-blocking communicators that can be split.
+pub const MIN_NCCL_VERSION: i32 = 21800;
+
+/// `ncclGetVersion`'s code as `major.minor.patch` (codes below 2.9 have the older layout
+/// `major * 1000 + minor * 100 + patch`).
+pub fn version_string(code: i32) -> String {
+    let (major, rest) = if code >= 10000 {
+        (code / 10000, code % 10000)
+    } else {
+        (code / 1000, code % 1000)
+    };
+    format!("{major}.{}.{}", rest / 100, rest % 100)
+}
+
+/// Refuses an NCCL older than [`MIN_NCCL_VERSION`] with a message that names both versions,
+/// where cudarc would panic at the first symbol the old library lacks.
+pub fn check_nccl_version(code: i32) -> Result<(), LibraryMissing> {
+    if code >= MIN_NCCL_VERSION {
+        return Ok(());
+    }
+    Err(LibraryMissing {
+        library: CudaLibrary::Nccl,
+        message: format!(
+            "NCCL {} is loaded, but the NCCL engine needs {} or newer (ncclCommSplit, \
+             non-blocking communicators): install a newer NCCL (e.g. `pip install \
+             \"nvidia-nccl-cu12>=2.18\"`, or Debian's libnccl2) and put it first on \
+             LD_LIBRARY_PATH",
+            version_string(code),
+            version_string(MIN_NCCL_VERSION)
+        ),
+    })
+}
+
 /// Checks that the CUDA driver can be loaded, before any call that would panic (cudarc, and
 /// Burn's CUDA backend on its device thread, panic when it cannot).
 #[cfg(feature = "nccl")]
@@ -133,7 +167,12 @@ pub fn check_libraries() -> Result<(), LibraryMissing> {
             message: missing_message(CudaLibrary::Nccl, &versioned_nccl(&dirs)),
         });
     }
-    Ok(())
+    // ncclGetVersion exists in every NCCL; the symbols the engine needs past it may not.
+    let code = cudarc::nccl::result::get_nccl_version().map_err(|e| LibraryMissing {
+        library: CudaLibrary::Nccl,
+        message: format!("NCCL loaded but ncclGetVersion failed: {e:?}"),
+    })?;
+    check_nccl_version(code)
 }
 
 #[cfg(test)]
@@ -168,6 +207,28 @@ mod tests {
         assert!(msg.contains("libnccl.so"));
         assert!(msg.contains("LD_LIBRARY_PATH"));
         assert!(missing_message(CudaLibrary::Driver, &[]).contains("libcuda.so"));
+    }
+
+    #[test]
+    fn nccl_older_than_2_18_is_refused_by_name() {
+        assert_eq!(version_string(22705), "2.27.5");
+        assert_eq!(version_string(2804), "2.8.4");
+        assert!(check_nccl_version(21800).is_ok());
+        assert!(check_nccl_version(22705).is_ok());
+        let e = check_nccl_version(21703).unwrap_err();
+        assert_eq!(e.library, CudaLibrary::Nccl);
+        assert!(
+            e.message
+                .starts_with("NCCL 2.17.3 is loaded, but the NCCL engine needs 2.18.0"),
+            "{}",
+            e.message
+        );
+        assert!(
+            check_nccl_version(2804)
+                .unwrap_err()
+                .message
+                .contains("2.8.4")
+        );
     }
 
     /// Runs on machines without CUDA (CI): the engine must refuse with the clear message

@@ -10,13 +10,17 @@
 //! The planning around NCCL is pure and compiled without the feature, so it is tested on every
 //! machine: [`split`] (group -> `ncclCommSplit` color/key), [`unique_id`] (rank 0's id through
 //! the environment), [`types`] (dtype and reduce-op mapping), [`layout`] (uneven pieces as
-//! strided copies around NCCL's equal-sized collectives) and [`library`] (the messages for
-//! missing libraries), [`agreement`] (what the ranks state and agree on before a call, and
-//! its cache) and [`watchdog`] (aborting calls that cannot finish).
+//! strided copies around NCCL's equal-sized collectives), [`library`] (the messages for
+//! missing or too old libraries), [`agreement`] (what the ranks state and agree on before a
+//! call, and its cache), [`watchdog`] (stopping calls that cannot finish; their owner aborts),
+//! [`config`] (non-blocking communicators) and [`rendezvous`] (rank 0's id reaching every
+//! process while rank 0's bootstrap root lives).
 
 pub mod agreement;
+pub mod config;
 pub mod layout;
 pub mod library;
+pub mod rendezvous;
 pub mod split;
 pub mod types;
 pub mod unique_id;
@@ -40,6 +44,7 @@ pub use engine::{
     NcclCommunicator, NcclEngine, NcclOptions, launch_local, launch_local_with, nccl_comm,
 };
 pub use library::{CudaLibrary, LibraryMissing};
+pub use rendezvous::{COMM_ID_ENV, IdSource};
 pub use split::{SplitKey, mesh_split_key, split_key};
 pub use unique_id::{ID_ENV, LaunchEnv, UniqueIdBytes};
 pub use watchdog::FailureSignal;

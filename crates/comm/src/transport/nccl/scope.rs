@@ -83,6 +83,8 @@ impl<'a> Scope<'a> {
     ) -> Result<Self, NcclError> {
         let target: Arc<dyn Abort> = comm.clone();
         let guard = watchdog.guard(what, target)?;
+        // Every poll of a call still in progress on `comm` is bounded by this call's guard.
+        comm.set_watch(Some(guard.watch().clone()));
         Ok(Self {
             comm,
             staging,
@@ -151,6 +153,12 @@ impl<'a> Scope<'a> {
             }
             (None, e) => e,
         }
+    }
+}
+
+impl Drop for Scope<'_> {
+    fn drop(&mut self) {
+        self.comm.set_watch(None);
     }
 }
 

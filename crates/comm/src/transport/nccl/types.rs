@@ -93,6 +93,28 @@ pub fn nccl_reduce(op: ReduceOp) -> NcclRedOp {
     }
 }
 
+/// The unit roundoff of a float type (half the distance from 1 to the next value); 0 for the
+/// integer types, whose reductions are exact.
+pub fn unit_roundoff(t: NcclDataType) -> f64 {
+    match t {
+        NcclDataType::Float64 => 2f64.powi(-53),
+        NcclDataType::Float32 => 2f64.powi(-24),
+        NcclDataType::Float16 => 2f64.powi(-11),
+        NcclDataType::Bfloat16 => 2f64.powi(-8),
+        _ => 0.0,
+    }
+}
+
+/// How far NCCL's `ncclAvg` of `ranks` values may lie from the host's `sum / ranks`, given the
+/// sum of their magnitudes. NCCL computes a premultiplied sum, `sum(x_i * (1 / ranks))`, with
+/// `1 / ranks`, each product and each partial sum rounded to the element type (bf16 keeps 8
+/// bits), so ranks that are not a power of two (3, 5, 6, 7, ...) differ from `sum / ranks` by a
+/// few units in the last place: comparing them exactly reports false mismatches.
+pub fn avg_tolerance(t: NcclDataType, ranks: usize, abs_sum: f64) -> f64 {
+    // One rounding for 1/ranks, one per product, one per addition, one for the host's division.
+    (2 * ranks + 2) as f64 * unit_roundoff(t) * abs_sum
+}
+
 /// A compact code for the dtypes NCCL carries, sent ahead of point-to-point payloads so that
 /// the receiver learns what arrives.
 pub fn dtype_code(dtype: DType) -> Option<u64> {
@@ -139,6 +161,51 @@ mod tests {
             "all_reduce (nccl) does not support dtype I16"
         );
         assert_eq!(dtype_from_code(99), None);
+    }
+
+    /// bf16 rounding of an f32 (to nearest, ties to even), for the simulation below.
+    fn bf16(x: f32) -> f32 {
+        let b = x.to_bits();
+        let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000;
+        f32::from_bits(rounded)
+    }
+
+    /// NCCL's ncclAvg: a premultiplied sum, rounded like the element type.
+    fn premultiplied(xs: &[f32], round: impl Fn(f32) -> f32) -> f32 {
+        let scale = round(1.0 / xs.len() as f32);
+        xs.iter().fold(0.0, |acc, x| round(acc + round(x * scale)))
+    }
+
+    #[test]
+    fn averages_compare_within_the_premultiplied_sums_rounding() {
+        // nccl_check's values: multiples of 1/64 below 16.
+        let value = |rank: usize, i: usize| ((i * 7 + rank * 13) % 1024) as f32 / 64.0;
+        let mut exact_mismatch = [false; 9];
+        for (ranks, mismatch) in exact_mismatch.iter_mut().enumerate().skip(1) {
+            for (t, round) in [
+                (NcclDataType::Float32, (|x| x) as fn(f32) -> f32),
+                (NcclDataType::Bfloat16, bf16 as fn(f32) -> f32),
+            ] {
+                for i in 0..2048 {
+                    let xs: Vec<f32> = (0..ranks).map(|r| round(value(r, i))).collect();
+                    let host = xs.iter().sum::<f32>() / ranks as f32;
+                    let device = premultiplied(&xs, round);
+                    let abs: f64 = xs.iter().map(|x| x.abs() as f64).sum();
+                    let diff = (device as f64 - host as f64).abs();
+                    assert!(
+                        diff <= avg_tolerance(t, ranks, abs),
+                        "{t:?} x{ranks} at {i}: device {device}, host {host}"
+                    );
+                    if t == NcclDataType::Float32 && device != host {
+                        *mismatch = true;
+                    }
+                }
+            }
+        }
+        // The exact comparison nccl_check made before fails on these world sizes.
+        assert!(exact_mismatch[3] && exact_mismatch[5] && exact_mismatch[7]);
+        assert!(!exact_mismatch[1] && !exact_mismatch[2] && !exact_mismatch[4]);
+        assert_eq!(avg_tolerance(NcclDataType::Int32, 3, 10.0), 0.0);
     }
 
     #[test]

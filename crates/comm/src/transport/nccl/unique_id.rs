@@ -1,9 +1,9 @@
-//! Handing NCCL's 128-byte unique id from rank 0 to the other processes.
+//! NCCL's 128-byte unique id as bytes and hex, and a process's place in a launch.
 //!
-//! Rank 0 creates the id (`ncclGetUniqueId`); every rank needs the same bytes before it can
-//! join the communicator. A launcher passes it in the environment as 256 lowercase hex digits
-//! (`BURN_PARALLEL_NCCL_ID`), next to the rank and world size (`RANK`, `WORLD_SIZE`, as
-//! `torchrun` names them, and `LOCAL_RANK` for the GPU). MPI can broadcast the same bytes.
+//! Rank 0 creates the id (`ncclGetUniqueId`, whose bootstrap root listens in rank 0's process)
+//! and every rank needs the same bytes before it can join the communicator; how they travel
+//! without losing the root is [`super::rendezvous`]. A launcher names the rank and world size
+//! (`RANK`, `WORLD_SIZE`, as `torchrun` names them, and `LOCAL_RANK` for the GPU).
 
 use std::fmt::Write;
 
@@ -28,11 +28,20 @@ impl std::fmt::Debug for UniqueIdBytes {
 pub enum IdError {
     /// A required variable is not set.
     #[error(
-        "{var} is not set: rank 0 creates the NCCL unique id and the launcher must pass it to every rank as {ID_BYTES} hex-encoded bytes"
+        "{var} is not set: rank 0's process must create the NCCL unique id and stay alive while \
+         the ranks join (its bootstrap root listens there). Give every process \
+         NCCL_COMM_ID=<rank 0's host>:<free port>, or launch with mpirun and the `mpi` feature \
+         (rank 0 broadcasts the id); an id printed by a process that has exited does not work"
     )]
     Missing {
         /// The variable.
         var: String,
+    },
+    /// Rank 0's id did not reach this rank.
+    #[error("NCCL rendezvous: {reason}")]
+    Rendezvous {
+        /// What went wrong, on rank 0 or in the broadcast.
+        reason: String,
     },
     /// The id has the wrong number of hex digits.
     #[error("{var} must hold {expected} hex digits (a {ID_BYTES}-byte NCCL unique id), got {got}")]
@@ -111,17 +120,18 @@ pub fn decode(hex: &str, var: &str) -> Result<UniqueIdBytes, IdError> {
 /// One process's place in a launch, as the launcher's environment describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchEnv {
+    /// Where the unique id comes from.
+    pub source: super::rendezvous::IdSource,
     /// This process's global rank (`RANK`).
     pub rank: usize,
     /// Number of ranks (`WORLD_SIZE`).
     pub world_size: usize,
     /// The GPU of this process on its node (`LOCAL_RANK`, else `rank`).
     pub local_rank: usize,
-    /// The NCCL unique id (`BURN_PARALLEL_NCCL_ID`).
-    pub id: UniqueIdBytes,
 }
 
-/// Reads [`LaunchEnv`] through `get` (the process environment in [`LaunchEnv::from_env`]).
+/// Reads [`LaunchEnv`] through `get` (the process environment in [`LaunchEnv::from_env`]); such
+/// a launcher passes the id ([`ID_ENV`]) or rank 0's address (`NCCL_COMM_ID`).
 pub fn launch_env(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, IdError> {
     let number = |var: &str| -> Result<Option<usize>, IdError> {
         get(var)
@@ -140,13 +150,12 @@ pub fn launch_env(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, IdE
         return Err(IdError::RankOutOfRange { rank, world_size });
     }
     let local_rank = number("LOCAL_RANK")?.unwrap_or(rank);
-    let hex = get(ID_ENV).ok_or(IdError::Missing { var: ID_ENV.into() })?;
-    let id = decode(&hex, ID_ENV)?;
+    let source = super::rendezvous::id_source(&get, false)?;
     Ok(LaunchEnv {
+        source,
         rank,
         world_size,
         local_rank,
-        id,
     })
 }
 
@@ -214,7 +223,10 @@ mod tests {
         };
         let ok = env(&[("RANK", "3"), ("WORLD_SIZE", "8"), (ID_ENV, &hex)]).unwrap();
         assert_eq!((ok.rank, ok.world_size, ok.local_rank), (3, 8, 3));
-        assert_eq!(ok.id, sample());
+        assert_eq!(
+            ok.source,
+            super::super::rendezvous::IdSource::Given(sample())
+        );
         let local = env(&[
             ("RANK", "9"),
             ("WORLD_SIZE", "16"),
@@ -227,7 +239,7 @@ mod tests {
         assert!(
             missing
                 .to_string()
-                .starts_with("BURN_PARALLEL_NCCL_ID is not set")
+                .starts_with("NCCL_COMM_ID (or BURN_PARALLEL_NCCL_ID) is not set")
         );
         assert_eq!(
             env(&[("RANK", "2"), ("WORLD_SIZE", "2"), (ID_ENV, &hex)]).unwrap_err(),

@@ -216,6 +216,14 @@ impl Member<'_> {
             let op = kind.name().to_string();
             let group = self.info.label.clone();
             if let Some((rank, reason)) = self.world.failure() {
+                // The rank that found a divergence records it before it fails: a rank of the
+                // set that sees the failure first still ends with the divergence.
+                if let Some(waits) = blocked.as_ref().and_then(|b| b.recorded()) {
+                    let error = CollectiveError::Diverged { waits };
+                    state.broken = Some(error.to_string());
+                    self.group.cv.notify_all();
+                    return Err(error);
+                }
                 return Err(CollectiveError::PeerFailed {
                     op,
                     group,

@@ -173,6 +173,11 @@ impl Blocked<'_> {
         });
     }
 
+    /// The divergence another rank recorded that names this wait, if any (no search).
+    pub fn recorded(&self) -> Option<Vec<PendingCall>> {
+        self.waits.recorded(self.rank, self.id)
+    }
+
     /// The divergence this wait is part of: one another rank recorded, or a deadlocked set
     /// found now from this rank (then recorded for the others). Call after [`Self::refresh`].
     pub fn diverged(&self) -> Option<Vec<PendingCall>> {

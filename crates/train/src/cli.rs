@@ -1,0 +1,170 @@
+//! The trainer's command line (`examples/train_llama.rs`): its flags and the [`TrainConfig`]
+//! they give. The distributed flags are [`DistributedFlags`].
+
+use std::path::PathBuf;
+
+use burn_parallel_comm::EngineKind;
+use burn_parallel_models::LlamaConfig;
+use burn_parallel_parallelizer::named_enum;
+
+use crate::config::{Backend, OptimizerKind, TrainConfig};
+use crate::error::TrainError;
+use crate::flags::{DistributedFlags, one_of};
+use crate::malloc::Malloc;
+
+named_enum! {
+    /// The built-in models `--model` names.
+    #[derive(Default)]
+    pub enum BuiltinModel as "model" {
+        /// A Llama ([`LlamaConfig::tiny`]).
+        #[default]
+        Tiny = "tiny",
+        /// A Qwen3-MoE with 8 experts, top-2 ([`LlamaConfig::tiny_moe`]).
+        TinyMoe = "tiny-moe",
+    }
+}
+
+/// The trainer's flags. [`TrainArgs::config`] turns them into a run.
+#[derive(clap::Parser, Debug, Clone)]
+#[command(about = "Train a Llama with burn-parallel (ranks are threads, or MPI processes)")]
+pub struct TrainArgs {
+    /// Hugging Face checkpoint directory (default: the built-in tiny config, seeded init).
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// A Hugging Face config.json to train from a seeded init (the same on every rank): a larger
+    /// model without a checkpoint.
+    #[arg(long, value_name = "FILE", conflicts_with = "checkpoint")]
+    pub config: Option<PathBuf>,
+    /// Flat little-endian u16 token file (default: a built-in synthetic corpus).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Strategy, sizes, precision and resharding: the run's `DistributedConfig`.
+    #[command(flatten)]
+    pub distributed: DistributedFlags,
+    /// The built-in model when neither --checkpoint nor --config is given.
+    #[arg(
+        long,
+        default_value = "tiny",
+        help = one_of(
+            "The built-in model without --checkpoint or --config (tiny: a Llama; tiny-moe: a \
+             Qwen3-MoE with 8 experts, top-2)",
+            BuiltinModel::NAMES
+        )
+    )]
+    pub model: BuiltinModel,
+    /// Total optimizer steps.
+    #[arg(long, default_value_t = 40)]
+    pub steps: usize,
+    /// Sequences per step over all data-parallel ranks.
+    #[arg(long, default_value_t = 8)]
+    pub global_batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    pub seq_len: usize,
+    /// The optimizer.
+    #[arg(long, default_value = "adamw", help = one_of("The optimizer", OptimizerKind::NAMES))]
+    pub optimizer: OptimizerKind,
+    /// Learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f32,
+    /// AdamW's decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    pub weight_decay: f32,
+    /// AdamW's first-moment decay.
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f32,
+    /// AdamW's second-moment decay.
+    #[arg(long, default_value_t = 0.999)]
+    pub beta2: f32,
+    /// AdamW's epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f32,
+    /// Clip the global gradient norm (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub grad_clip: f32,
+    /// The backend each rank computes on.
+    #[arg(
+        long,
+        default_value = "flex",
+        help = one_of(
+            "The backend each rank computes on (cuda and tch: one GPU per rank, --features \
+             cuda|tch)",
+            Backend::NAMES
+        )
+    )]
+    pub backend: Backend,
+    /// Seed of the model's initial weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Save the trained model here in the Hugging Face format.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Save a sharded training checkpoint every N steps and after the last one
+    /// (`--save-dir/step-N`; resumable under any strategy and world size).
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<usize>,
+    /// Where --save-every writes its checkpoints.
+    #[arg(long, value_name = "DIR")]
+    pub save_dir: Option<PathBuf>,
+    /// Resume from a checkpoint, or from the newest one in a save directory. --steps stays the
+    /// total: resumed at step 5, --steps 10 trains steps 5 to 9.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// One JSON object per step on stdout, nothing else.
+    #[arg(long)]
+    pub json: bool,
+    /// threads | mpi | nccl (default: $BURN_PARALLEL_ENGINE, else mpi under mpirun/srun, else
+    /// threads). mpi needs `--features mpi`; nccl `--features nccl` (or cuda) and one GPU per
+    /// rank (one thread per GPU, or one process per GPU when the launcher sets RANK).
+    #[arg(long)]
+    pub engine: Option<EngineKind>,
+    /// Whether freed memory stays in the process for the next step.
+    #[arg(
+        long,
+        default_value = "kept",
+        help = one_of(
+            "Whether freed memory stays in the process for the next step (kept: FSDP's per-step \
+             buffers then cost no page faults) or goes back to the system",
+            Malloc::NAMES
+        )
+    )]
+    pub malloc: Malloc,
+}
+
+impl TrainArgs {
+    /// The run the flags describe, or an error naming the flag or file that cannot be used.
+    pub fn config(&self) -> Result<TrainConfig, TrainError> {
+        let engine = match self.engine {
+            Some(engine) => engine,
+            None => EngineKind::detect().map_err(|e| TrainError::Config(e.to_string()))?,
+        };
+        let model = match (&self.config, self.model) {
+            (Some(file), _) => LlamaConfig::load(file)?,
+            (None, BuiltinModel::TinyMoe) => LlamaConfig::tiny_moe(),
+            (None, BuiltinModel::Tiny) => LlamaConfig::tiny(),
+        };
+        Ok(TrainConfig {
+            distributed: self.distributed.resolve()?,
+            model,
+            steps: self.steps,
+            global_batch: self.global_batch,
+            seq_len: self.seq_len,
+            optimizer: self.optimizer,
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
+            backend: self.backend,
+            checkpoint: self.checkpoint.clone(),
+            data: self.data.clone(),
+            save: self.save.clone(),
+            save_every: self.save_every,
+            save_dir: self.save_dir.clone(),
+            resume: self.resume.clone(),
+            seed: self.seed,
+            engine,
+        })
+    }
+}
