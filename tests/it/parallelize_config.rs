@@ -418,6 +418,16 @@ fn every_config_field_has_an_effect_or_is_rejected() {
             c.defer_fsdp_grad_sync = false
         }),
         ("ddp_bucket_cap_mb", none, |c| c.ddp_bucket_cap_mb = 0.0),
+        // Where frozen units go is tested on a model with one (frozen.rs); here: refused
+        // where nothing is sharded.
+        (
+            "frozen_multimodal_sharding",
+            |c| c.strategy = Strategy::Ddp,
+            |c| {
+                c.frozen_multimodal_sharding =
+                    burn_parallel::parallelizer::FrozenModuleSharding::Replicate
+            },
+        ),
         (
             "megatron_fsdp",
             |c| c.strategy = Strategy::MegatronFsdp,

@@ -337,7 +337,7 @@ impl Checkpoint {
             let device = p.device.clone().inner();
             let mut state = Vec::with_capacity(keys.len());
             for key in &keys {
-                let (bytes, dtype) = self.read_regions(&mut files, key, &p.regions, meter)?;
+                let (bytes, dtype) = self.read_placed(&mut files, key, p, meter)?;
                 let len = bytes.len();
                 let data = tensor_data(bytes, vec![p.volume()], dtype);
                 state.push(Tensor::<1>::from_data(data, &device));
@@ -346,6 +346,24 @@ impl Checkpoint {
             optimizer.load_param_state(p.id, state);
         }
         optimizer.finish_load().map_err(CheckpointError::Optimizer)
+    }
+
+    /// What `p` stores of tensor `key` (the parameter or one of its optimizer states), in the
+    /// stored layout: its boxes one after the other, or under a fused split concatenated along
+    /// the split dim.
+    fn read_placed(
+        &self,
+        files: &mut Files<'_>,
+        key: &str,
+        p: &Placement,
+        meter: &mut Meter,
+    ) -> Result<(Vec<u8>, DType), CheckpointError> {
+        match p.concat_dim {
+            Some(dim) if p.regions.len() > 1 => {
+                self.read_concatenated(files, key, &p.regions, &p.shape, dim, meter)
+            }
+            _ => self.read_regions(files, key, &p.regions, meter),
+        }
     }
 
     /// The boxes `regions` of tensor `key`, one after the other in one buffer (held on the
@@ -366,20 +384,53 @@ impl Checkpoint {
         let mut at = 0;
         for region in regions {
             let len = region.volume() * elem;
-            self.fill_region(files, key, region, &mut buf[at..at + len], meter)?;
+            self.fill_region(files, key, region, &mut buf[at..at + len], region, meter)?;
             at += len;
         }
         Ok((buf, dtype))
     }
 
-    /// Fills `dst` (laid out row-major over `region`) with `region` of tensor `key`, copied
-    /// from the stored regions that overlap it; an error when they leave part of it uncovered.
+    /// The boxes `regions` of tensor `key` concatenated along `dim` into one buffer of shape
+    /// `shape` (a fused tensor-parallel shard), and the tensor's dtype. Each box is copied
+    /// straight to its place: the buffer is seen as a box of `shape` whose start is the box's
+    /// own start less the boxes before it along `dim` (never negative: the boxes are disjoint
+    /// and in increasing order along `dim`).
+    fn read_concatenated(
+        &self,
+        files: &mut Files<'_>,
+        key: &str,
+        regions: &[Region],
+        shape: &[usize],
+        dim: usize,
+        meter: &mut Meter,
+    ) -> Result<(Vec<u8>, DType), CheckpointError> {
+        let t = &self.meta.tensors[key];
+        let dtype = dtype_of(&t.dtype).expect("checked dtypes");
+        let mut buf = vec![0u8; shape.iter().product::<usize>() * dtype.size()];
+        meter.hold(buf.len());
+        let mut along = 0;
+        for region in regions {
+            let mut frame = Region {
+                start: region.start.clone(),
+                shape: shape.to_vec(),
+            };
+            frame.start[dim] -= along;
+            self.fill_region(files, key, region, &mut buf, &frame, meter)?;
+            along += region.shape[dim];
+        }
+        Ok((buf, dtype))
+    }
+
+    /// Fills `region` of `dst` (laid out row-major over `frame`, a box containing `region`)
+    /// with `region` of tensor `key`, copied from the stored regions that overlap it; an error
+    /// when they leave part of it uncovered.
     fn fill_region(
         &self,
         files: &mut Files<'_>,
         key: &str,
         region: &Region,
         dst: &mut [u8],
+        frame: &Region,
         meter: &mut Meter,
     ) -> Result<(), CheckpointError> {
         let t = &self.meta.tensors[key];
@@ -394,7 +445,7 @@ impl Checkpoint {
                 &stored.region,
                 &t.dtype,
             )?;
-            copy_part(src, &stored.region, dst, region, &part, elem);
+            copy_part(src, &stored.region, dst, frame, &part, elem);
             covered += part.volume();
             meter.report.bytes_read += (part.volume() * elem) as u64;
         }
@@ -481,7 +532,7 @@ impl ModuleMapper for ParamLoader<'_, '_> {
         let key = model_key(&p.path);
         let read = self
             .checkpoint
-            .read_regions(&mut self.files, &key, &p.regions, self.meter);
+            .read_placed(&mut self.files, &key, p, self.meter);
         let (bytes, dtype) = match read {
             Ok(read) => read,
             Err(e) => {

@@ -3,9 +3,11 @@
 //! dim 0, or (the flat layout) a contiguous run of the row-major elements, described as the
 //! few boxes it splits into. The same computation places shards when saving and decides what
 //! to read when loading, whatever the strategy: a replicated parameter simply covers its whole
-//! tensor.
+//! tensor. A fused tensor-parallel split (`colwise_fused`: this rank's chunk of each of `k`
+//! equal parts) is `k` boxes, one per part, concatenated along the split dim.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Device, Tensor};
@@ -24,6 +26,8 @@ use crate::region::{Region, boxes_of_range};
 /// tensor-parallel slice, a replicated parameter's whole tensor). A piece of an FSDP flat
 /// buffer, stored as `[len, 1, ..]`, need not be whole rows: it is the few boxes
 /// [`boxes_of_range`](crate::boxes_of_range) splits it into, and none when it is empty.
+/// Under a fused tensor-parallel style the stored tensor is instead its boxes (one per part it
+/// holds a chunk of) concatenated along [`concat_dim`](Self::concat_dim).
 #[derive(Debug, Clone)]
 pub struct Placement {
     /// Burn's module path (`layers.0.mlp.up_proj.weight`): the tensor's name in a checkpoint.
@@ -36,6 +40,10 @@ pub struct Placement {
     pub regions: Vec<Region>,
     /// The shape of the tensor this rank stores (`[len, 1, ..]` for a flat-buffer piece).
     pub shape: Vec<usize>,
+    /// `Some(dim)`: the stored tensor is `regions` concatenated along `dim`, each box shaped
+    /// like the stored tensor but along `dim` (a fused tensor-parallel split, whose parts are
+    /// not one contiguous block). `None`: `regions` one after the other in row-major order.
+    pub concat_dim: Option<usize>,
     /// `None` for a lazy parameter not initialized yet (it takes the checkpoint's dtype).
     pub dtype: Option<DType>,
     /// Where the parameter lives (or will, for a lazy one).
@@ -85,13 +93,28 @@ fn stored_params<M: Module>(model: &M) -> Vec<Stored> {
     visit.out
 }
 
-/// The tensor-parallel split of each parameter a `Tp` layer cut: the dim and the layer's spec.
-fn tp_splits<M: TpModule>(model: &M) -> HashMap<ParamId, (usize, ShardSpec, String)> {
+/// How a `Tp` layer cut one parameter: along `dim`, by `spec`, in `parts` equal parts each
+/// split on its own (1: one contiguous chunk).
+struct TpSplit {
+    dim: usize,
+    spec: ShardSpec,
+    parts: usize,
+    layer: String,
+}
+
+/// The tensor-parallel split of each parameter a `Tp` layer cut.
+fn tp_splits<M: TpModule>(model: &M) -> HashMap<ParamId, TpSplit> {
     let mut splits = HashMap::new();
     model.visit_tp_shardings(&mut |s| {
         if let Some(spec) = &s.spec {
             for p in &s.split_params {
-                splits.insert(p.id, (p.dim, spec.clone(), s.path.clone()));
+                let split = TpSplit {
+                    dim: p.dim,
+                    spec: spec.clone(),
+                    parts: s.style.parts(),
+                    layer: s.path.clone(),
+                };
+                splits.insert(p.id, split);
             }
         }
     });
@@ -173,17 +196,40 @@ pub fn placements<M: Parallelize>(model: &M) -> Result<Vec<Placement>, Checkpoin
             ),
             None => (p.shape.clone(), vec![Region::full(&p.shape)]),
         };
-        if let Some((dim, spec, layer)) = splits.get(&p.id) {
-            if shape.get(*dim) != Some(&spec.range.len()) {
+        let flat = fsdp.get(&p.id).is_some_and(|s| s.rows().is_none());
+        let mut concat_dim = None;
+        if let Some(TpSplit {
+            dim,
+            spec,
+            parts,
+            layer,
+        }) = splits.get(&p.id)
+        {
+            let dim = *dim;
+            if shape.get(dim) != Some(&(parts * spec.range.len())) {
                 return Err(bad(format!(
-                    "layer `{layer}` split dim {dim} into {:?} of {}, but the parameter's shard \
-                     has shape {shape:?}",
+                    "layer `{layer}` split dim {dim} into {:?} of {} ({parts} part(s)), but the \
+                     parameter's shard has shape {shape:?}",
                     spec.range, spec.full
                 )));
             }
-            shape[*dim] = spec.full;
-            for region in &mut regions {
-                region.start[*dim] += spec.range.start;
+            shape[dim] = parts * spec.full;
+            if *parts == 1 {
+                for region in &mut regions {
+                    region.start[dim] += spec.range.start;
+                }
+            } else if flat {
+                // A flat piece's boxes are row-major runs; under a fused split each would be
+                // cut again along `dim`, a layout neither save nor load describes.
+                return Err(bad(format!(
+                    "layer `{layer}` is fused colwise (colwise_fused({parts})) and FSDP keeps it \
+                     in a flat buffer; checkpoints place fused splits under row-sharded FSDP: \
+                     use fsdp2 (not megatron_fsdp) with tensor parallelism of fused layers"
+                )));
+            } else {
+                let ranges = spec.part_ranges(*parts);
+                regions = fused_boxes(&regions, dim, &ranges, spec.range.len());
+                concat_dim = Some(dim);
             }
         }
         if let Some((local, total)) = experts.get(&p.id) {
@@ -198,19 +244,46 @@ pub fn placements<M: Parallelize>(model: &M) -> Result<Vec<Placement>, Checkpoin
                 region.start[0] += local.start;
             }
         }
-        let flat = fsdp.get(&p.id).is_some_and(|s| s.rows().is_none());
-        check_stored(&regions, &p.shape, &shape, flat).map_err(bad)?;
+        check_stored(&regions, &p.shape, &shape, flat, concat_dim).map_err(bad)?;
         out.push(Placement {
             path: p.path,
             id: p.id,
             global_shape: shape,
             regions,
             shape: p.shape,
+            concat_dim,
             dtype: p.dtype,
             device: p.device,
         });
     }
     Ok(out)
+}
+
+/// The boxes of the full tensor that `regions` (boxes of this rank's fused tp shard: its chunk
+/// of each part, `chunk` long along `dim`, part by part) hold: each cut at the part
+/// boundaries and moved to where its part's chunk lies (`ranges`, one per part), empty pieces
+/// left out. Concatenated along `dim` they are the stored tensor again.
+fn fused_boxes(
+    regions: &[Region],
+    dim: usize,
+    ranges: &[Range<usize>],
+    chunk: usize,
+) -> Vec<Region> {
+    let mut out = Vec::new();
+    for region in regions {
+        let (lo, hi) = (region.start[dim], region.start[dim] + region.shape[dim]);
+        for (j, range) in ranges.iter().enumerate() {
+            let (from, to) = (lo.max(j * chunk), hi.min((j + 1) * chunk));
+            if from >= to || region.is_empty() {
+                continue;
+            }
+            let mut piece = region.clone();
+            piece.start[dim] = range.start + (from - j * chunk);
+            piece.shape[dim] = to - from;
+            out.push(piece);
+        }
+    }
+    out
 }
 
 /// The boxes of the FSDP shard of `state`, in the tensor FSDP sharded (the tp shard or the
@@ -236,19 +309,25 @@ fn fsdp_boxes(state: &ParamState) -> Result<Vec<Region>, String> {
 
 /// Checks that the boxes describe the stored tensor of shape `stored`: each inside the full
 /// tensor of shape `full`, as many elements together as it holds, and (but for a flat-buffer
-/// piece, which has its own `[len, 1, ..]` shape) one box shaped like it.
+/// piece, which has its own `[len, 1, ..]` shape) one box shaped like it, or under a fused
+/// split (`concat`) boxes that concatenate along that dim to its shape.
 fn check_stored(
     regions: &[Region],
     stored: &[usize],
     full: &[usize],
     flat: bool,
+    concat: Option<usize>,
 ) -> Result<(), String> {
     let describe = || {
         let boxes: Vec<String> = regions.iter().map(Region::describe).collect();
         format!("[{}]", boxes.join(" "))
     };
     let volume: usize = regions.iter().map(Region::volume).sum();
-    let shaped = flat || matches!(regions, [one] if one.shape == stored);
+    let shaped = flat
+        || match concat {
+            None => matches!(regions, [one] if one.shape == stored),
+            Some(dim) => concatenates(regions, stored, dim),
+        };
     if !shaped
         || volume != stored.iter().product::<usize>()
         || !regions.iter().all(|r| r.fits(full))
@@ -259,4 +338,55 @@ fn check_stored(
         ));
     }
     Ok(())
+}
+
+/// Whether `regions` concatenated along `dim` have the shape `stored` (none at all when it is
+/// empty).
+fn concatenates(regions: &[Region], stored: &[usize], dim: usize) -> bool {
+    if regions.is_empty() {
+        return stored.iter().product::<usize>() == 0;
+    }
+    let alike = regions.iter().all(|r| {
+        r.shape.len() == stored.len()
+            && (0..stored.len()).all(|d| d == dim || r.shape[d] == stored[d])
+    });
+    alike && regions.iter().map(|r| r.shape[dim]).sum::<usize>() == stored[dim]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region(start: &[usize], shape: &[usize]) -> Region {
+        Region {
+            start: start.to_vec(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_fused_shard_is_one_box_per_part_cut_by_fsdp_rows() {
+        // Parts of 5 over 2 tp ranks, rank 1 holds 3..5 of each: its shard is [4, 6]; FSDP
+        // rows 1..3 of it.
+        let ranges = [3..5, 8..10, 13..15];
+        let rows = [region(&[1, 0], &[2, 6])];
+        let boxes = fused_boxes(&rows, 1, &ranges, 2);
+        assert_eq!(
+            boxes,
+            vec![
+                region(&[1, 3], &[2, 2]),
+                region(&[1, 8], &[2, 2]),
+                region(&[1, 13], &[2, 2])
+            ]
+        );
+        assert!(concatenates(&boxes, &[2, 6], 1));
+        assert!(!concatenates(&boxes, &[2, 5], 1));
+        // A bias cut by FSDP across the part boundary: elements 1..4 of the shard are the
+        // second of part 0 and both of part 1.
+        let bias = fused_boxes(&[region(&[1], &[3])], 0, &ranges, 2);
+        assert_eq!(bias, vec![region(&[4], &[1]), region(&[8], &[2])]);
+        // An empty FSDP shard holds no box.
+        assert!(fused_boxes(&[region(&[4, 0], &[0, 6])], 1, &ranges, 2).is_empty());
+        assert!(concatenates(&[], &[0, 6], 1));
+    }
 }

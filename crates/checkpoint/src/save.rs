@@ -163,10 +163,18 @@ fn box_locals(p: &Placement, key: &str, dtype: &str, value: Tensor<1>) -> Vec<Lo
         // One box is the whole value: a handle, no slicing.
         let part = if p.regions.len() == 1 {
             value.clone()
+        } else if let Some(dim) = p.concat_dim {
+            // A fused split: the boxes are side by side along `dim`, so each is a slab of the
+            // stored tensor seen as [before dim, dim, after dim].
+            let along = region.shape[dim];
+            let slab = along_dim(&value, &p.shape, dim).narrow(1, offset, along);
+            offset += along;
+            slab.reshape([len])
         } else {
-            value.clone().narrow(0, offset, len)
+            let part = value.clone().narrow(0, offset, len);
+            offset += len;
+            part
         };
-        offset += len;
         out.push(Local {
             held: Held {
                 key: key.to_string(),
@@ -184,6 +192,14 @@ fn box_locals(p: &Placement, key: &str, dtype: &str, value: Tensor<1>) -> Vec<Lo
         });
     }
     out
+}
+
+/// `value` (a tensor of shape `shape`, flattened) as `[before, shape[dim], after]`: the
+/// elements before `dim`, along it, and after it.
+fn along_dim(value: &Tensor<1>, shape: &[usize], dim: usize) -> Tensor<3> {
+    let before = shape[..dim].iter().product::<usize>();
+    let after = shape[dim + 1..].iter().product::<usize>();
+    value.clone().reshape([before, shape[dim], after])
 }
 
 /// The name of box `index` of a tensor in a shard file. Safetensors names are unique in a

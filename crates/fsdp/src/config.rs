@@ -1,8 +1,10 @@
 //! [`FsdpConfig`]: how `fully_shard` shards and gathers, shared by every unit sharded with it.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use burn::module::ParamId;
 use burn_parallel_comm::ProcessGroup;
 
 use crate::memory::MemoryTracker;
@@ -42,6 +44,9 @@ pub struct FsdpConfig {
     /// A sharded load: where lazy parameters read this rank's rows (`None`, the default:
     /// parameters are sharded from their own values).
     pub rows: Option<RowSource>,
+    /// Parameters `fully_shard` leaves whole and unsharded on every rank (FSDP2's
+    /// `ignored_params`): no gather, no reduction (default none; see [`Self::ignore_params`]).
+    ignored: Arc<HashSet<ParamId>>,
     sync: Arc<AtomicBool>,
     memory: MemoryTracker,
 }
@@ -60,6 +65,7 @@ impl FsdpConfig {
             gradient_reduction: GradientReduction::ReduceScatter,
             bucket_elements: None,
             rows: None,
+            ignored: Arc::default(),
             sync: Arc::new(AtomicBool::new(true)),
             memory: MemoryTracker::new(),
         }
@@ -137,6 +143,20 @@ impl FsdpConfig {
     pub fn bucket_elements(mut self, elements: Option<usize>) -> Self {
         self.bucket_elements = elements;
         self
+    }
+
+    /// Also leaves the parameters `ids` unsharded (FSDP2's `ignored_params`): each rank keeps
+    /// them whole, as they are, and no collective ever touches them. Meant for frozen modules
+    /// (`frozen_multimodal_sharding = "replicate"`); a trainable parameter left out is not
+    /// averaged over the data-parallel ranks by anything.
+    pub fn ignore_params(mut self, ids: impl IntoIterator<Item = ParamId>) -> Self {
+        Arc::make_mut(&mut self.ignored).extend(ids);
+        self
+    }
+
+    /// The parameters `fully_shard` leaves unsharded (see [`Self::ignore_params`]).
+    pub fn ignored_params(&self) -> &HashSet<ParamId> {
+        &self.ignored
     }
 
     /// Reduces gradients as `reduction` says (see [`GradientReduction`]).

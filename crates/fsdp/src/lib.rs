@@ -26,6 +26,11 @@
 //! resharding, prefetch depth) and each sharded parameter has a [`ParamState`] (global shape,
 //! rows), held by its [`ShardGather`] reparameterization, so both travel with the model.
 //!
+//! Frozen parameters (no `require_grad` when sharded, [`ParamState::trainable`]) are sharded
+//! and gathered but never reduced: a gather of frozen parameters only has no backward, and a
+//! unit that mixes both kinds reduce-scatters its trainable rows only. [`trainability`] counts
+//! a module's trainable and frozen parameters; [`FsdpConfig::ignore_params`] leaves some whole.
+//!
 //! Memory accounting ([`memory`]): per-rank live and peak bytes of parameters, gathered
 //! weights, gradients and optimizer state in the config's [`MemoryTracker`]; FSDP records what
 //! it gathers and the gradient shards its reduce-scatters hand out, the training loop reports
@@ -64,6 +69,7 @@ mod reparam;
 mod rows;
 mod shard;
 mod state;
+mod trainable;
 mod unit;
 
 pub use clip::{SquareSums, clip_grad_norm, clip_to_norm, grad_square_sums, scale_grads};
@@ -80,6 +86,7 @@ pub use reparam::{ShardGather, param_states};
 pub use rows::{RowRequest, RowSource};
 pub use shard::fully_shard;
 pub use state::{ParamState, UnitState};
+pub use trainable::{Trainability, param_ids, trainability};
 pub use unit::{
     UnitInput, forward_units, try_with_gathered_unit, try_with_module_unit, with_gathered_unit,
     with_module_unit,

@@ -179,6 +179,10 @@ impl Reparameterizer for &mut Sharder<'_> {
         if is_marker(&param) || self.already_sharded.contains(&param.id) {
             return (param, None);
         }
+        // Ignored parameters (a replicated frozen module) stay whole, outside every unit.
+        if self.config.ignored_params().contains(&param.id) {
+            return (param, None);
+        }
         let (id, shape) = (param.id, param.lazy_shape().to_vec());
         let compute = param.lazy_device();
         if self.error.is_none()
@@ -224,8 +228,11 @@ impl Reparameterizer for &mut Sharder<'_> {
             Some(offload) => shard.map(|s| offload.place(s)),
             None => shard,
         };
+        // The same on every rank (every rank shards the same model): whether the unit's
+        // gathers get a backward at all depends on it (see `unit::start_parts`).
+        let trainable = shard.val().is_require_grad();
         let unit = self.unit(&compute);
-        let state = ParamState::new(id, shape, unit, offset);
+        let state = ParamState::new(id, shape, unit, offset, trainable);
         let gather = ShardGather::new(state, &shard.lazy_device());
         (shard, Some(gather))
     }
@@ -260,7 +267,11 @@ pub(crate) fn shard_module<'a, M: Module>(
         .unwrap_or(0);
     let already_sharded: HashSet<ParamId> = inner.iter().map(|c| c.state.id).collect();
     let flat = (config.layout == ShardLayout::FlatBuffer).then(|| {
-        let (total, params) = unsharded_elements(&module, &already_sharded);
+        let skipped: HashSet<ParamId> = already_sharded
+            .union(config.ignored_params())
+            .copied()
+            .collect();
+        let (total, params) = unsharded_elements(&module, &skipped);
         FlatBuffer::new(total, params, config.group.size())
     });
     let mut sharder = Sharder {

@@ -189,16 +189,20 @@ pub struct ParamState {
     pub(crate) accumulator: DevicePending,
     /// While the unit runs under one coalesced gather: this parameter's slice of it (flat).
     served: Mutex<Option<Tensor<1>>>,
+    /// Whether the parameter takes a gradient (`require_grad`), fixed when it is sharded.
+    /// A frozen one is gathered but never reduced (see [`Self::trainable`]).
+    trainable: bool,
 }
 
 impl ParamState {
     /// The state of the parameter `id` of shape `global_shape`, starting at `offset` in its
-    /// unit's flat buffer when the unit has one.
+    /// unit's flat buffer when the unit has one; `trainable`: whether it takes a gradient.
     pub(crate) fn new(
         id: ParamId,
         global_shape: Vec<usize>,
         unit: Arc<UnitState>,
         offset: usize,
+        trainable: bool,
     ) -> Self {
         let group = &unit.group;
         let split = match &unit.flat {
@@ -219,7 +223,16 @@ impl ParamState {
             unit,
             accumulator: DevicePending::default(),
             served: Mutex::new(None),
+            trainable,
         }
+    }
+
+    /// Whether the parameter takes a gradient. A frozen one (no `require_grad` when sharded)
+    /// is still sharded and gathered, but its gathered value is detached from the graph: no
+    /// gradient is computed for it, none is reduced, and the optimizer sees none; a unit of
+    /// frozen parameters only has no backward at all.
+    pub fn trainable(&self) -> bool {
+        self.trainable
     }
 
     /// The id of the parameter this state shards.
@@ -296,6 +309,14 @@ impl ParamState {
         served
             .as_ref()
             .map(|flat| flat.clone().reshape(self.shape::<D>()))
+    }
+
+    /// Whether an enclosing unit's scope is serving the parameter now.
+    pub(crate) fn is_served(&self) -> bool {
+        self.served
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
     }
 
     pub(crate) fn serve(&self, value: Option<Tensor<1>>) {

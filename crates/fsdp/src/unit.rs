@@ -58,6 +58,8 @@ struct PendingUnit {
     parts: Vec<(Part, usize)>,
     /// Elements each rank contributes, over every part.
     per_rank: usize,
+    /// Whether any parameter of the gather trains (the gather then has a backward).
+    trainable: bool,
 }
 
 /// The unit state shared by `collected`, or an error naming two groups that differ.
@@ -180,6 +182,15 @@ fn start_parts(
     if per_rank == 0 {
         return Ok(None);
     }
+    // A gather of frozen parameters only has no backward: its input is kept out of the graph
+    // (no order anchor), so Burn records no backward node and runs no reduce-scatter for it
+    // (with resharding it can still gather again in backward, for the input gradient).
+    // Trainability is fixed when the model is sharded and is the same on every rank, so
+    // every rank skips the same reductions.
+    let trainable = parts
+        .iter()
+        .any(|p| p.params.iter().any(|(state, _)| state.trainable()));
+    let after = after.filter(|_| trainable);
     let mut pieces = Vec::new();
     let mut placed = Vec::new();
     let mut start = 0;
@@ -206,7 +217,35 @@ fn start_parts(
         world,
         parts: placed,
         per_rank,
+        trainable,
     }))
+}
+
+/// Starts the gathers of `collected`, parameters of `unit`: one, except that a unit of
+/// FSDP2's rows that mixes trainable and frozen parameters gathers each kind with its own
+/// collective, so that its reduce-scatter carries the trainable rows only (PyTorch's FSDP2
+/// reduce-scatters only the parameters with gradients). A flat unit's buffer is one gather
+/// whatever it holds: its frozen pieces are reduced as zeros.
+fn start_own(
+    collected: Vec<Collected>,
+    unit: &Arc<UnitState>,
+    after: Option<Tensor<1>>,
+) -> Result<Vec<PendingUnit>, FsdpError> {
+    if unit.flat.is_some() {
+        let part = part_of(&collected, unit)?;
+        return Ok(start_parts(vec![part], &collected, unit, after)?
+            .into_iter()
+            .collect());
+    }
+    let (trainable, frozen): (Vec<Collected>, Vec<Collected>) =
+        collected.into_iter().partition(|c| c.state.trainable());
+    let mut pending = Vec::new();
+    for (kind, after) in [(trainable, after), (frozen, None)] {
+        if !kind.is_empty() {
+            pending.extend(start_parts(vec![row_part(&kind)], &kind, unit, after)?);
+        }
+    }
+    Ok(pending)
 }
 
 /// The flat unit `collected` is exactly the parameters of, if any.
@@ -226,16 +265,21 @@ fn start_unit<M: Module>(
     module: &M,
     after: Option<Tensor<1>>,
     in_stack: bool,
-) -> Result<Option<PendingUnit>, FsdpError> {
-    let collected = outer_group(collect(module));
+) -> Result<Vec<PendingUnit>, FsdpError> {
+    // Parameters an enclosing scope serves (a frozen layer whose parameters joined the root's
+    // unit, `frozen_multimodal_sharding = "root"`) are not gathered again.
+    let collected: Vec<Collected> = collect(module)
+        .into_iter()
+        .filter(|c| !c.state.is_served())
+        .collect();
+    let collected = outer_group(collected);
     let Some(unit) = common_unit(&collected)? else {
-        return Ok(None);
+        return Ok(Vec::new());
     };
     if in_stack && unit.flat.is_some() && whole_flat_unit(&collected).is_none() {
-        return Ok(None);
+        return Ok(Vec::new());
     }
-    let part = part_of(&collected, &unit)?;
-    start_parts(vec![part], &collected, &unit, after)
+    start_own(collected, &unit, after)
 }
 
 /// Starts one gather for a bucket of flat units (consecutive units of a stack, see
@@ -243,7 +287,7 @@ fn start_unit<M: Module>(
 fn start_bucket<U: Module>(
     units: &[U],
     after: Option<Tensor<1>>,
-) -> Result<Option<PendingUnit>, FsdpError> {
+) -> Result<Vec<PendingUnit>, FsdpError> {
     if units.len() == 1 {
         return start_unit(&units[0], after, true);
     }
@@ -256,7 +300,9 @@ fn start_bucket<U: Module>(
         all.extend(collected);
     }
     let unit = all[0].state.unit.clone();
-    start_parts(parts, &all, &unit, after)
+    Ok(start_parts(parts, &all, &unit, after)?
+        .into_iter()
+        .collect())
 }
 
 impl PendingUnit {
@@ -265,6 +311,7 @@ impl PendingUnit {
     /// split, so backward builds the unit's gradient once, in the gathered layout that the
     /// reduce-scatter takes.
     fn serve(self) -> ServeGuard {
+        let trainable = self.trainable;
         let (gathered, forward_hold) = self.gather.finish();
         let mut views = Vec::new();
         for (part, start) in self.parts {
@@ -298,6 +345,14 @@ impl PendingUnit {
             .into_iter()
             .zip(values)
             .map(|((state, _), value)| {
+                // A frozen parameter in a gather that also trains (a flat buffer): its value
+                // leaves the graph, so Burn computes no gradient for it (its piece of the
+                // unit's gradient stays zero). Values of a frozen-only gather are left as
+                // they are: untracked already, and recomputable when resharding.
+                let value = match trainable && !state.trainable() {
+                    true => value.detach(),
+                    false => value,
+                };
                 state.serve(Some(value));
                 state
             })
@@ -383,7 +438,10 @@ pub fn try_with_gathered_unit<M: Module, R>(
     unit: &M,
     f: impl FnOnce() -> R,
 ) -> Result<R, FsdpError> {
-    let _guard = start_unit(unit, None, false)?.map(PendingUnit::serve);
+    let _guards: Vec<ServeGuard> = start_unit(unit, None, false)?
+        .into_iter()
+        .map(PendingUnit::serve)
+        .collect();
     Ok(f())
 }
 
@@ -413,8 +471,10 @@ pub fn try_with_module_unit<M: Module, R>(
         .filter(|c| c.state.unit.level == level)
         .collect();
     let unit = common_unit(&own)?.expect("the module has sharded parameters");
-    let part = part_of(&own, &unit)?;
-    let _guard = start_parts(vec![part], &own, &unit, None)?.map(PendingUnit::serve);
+    let _guards: Vec<ServeGuard> = start_own(own, &unit, None)?
+        .into_iter()
+        .map(PendingUnit::serve)
+        .collect();
     Ok(f())
 }
 
@@ -560,7 +620,12 @@ pub fn forward_units<U: Module, T: UnitInput>(
             in_flight.push_back(pending);
             started += 1;
         }
-        let _guard = in_flight.pop_front().flatten().map(PendingUnit::serve);
+        let _guards: Vec<ServeGuard> = in_flight
+            .pop_front()
+            .into_iter()
+            .flatten()
+            .map(PendingUnit::serve)
+            .collect();
         for unit in &units[bucket.clone()] {
             x = unit_forward(policy, unit, x, &mut f);
         }

@@ -21,12 +21,17 @@ const WITH_DIM: &[&str] = &[
     "sequence_parallel",
 ];
 
+/// Styles with a required count: a fused projection's number of equal parts
+/// (`colwise_fused(3)` for q/k/v).
+const WITH_PARTS: &[&str] = &["colwise_fused"];
+
 const DEFAULT_SEQ_DIM: usize = 1;
 
 /// A parsed `#[tp(STYLE)]` / `#[tp(STYLE(DIM))]`.
 #[derive(Clone)]
 pub struct Style {
     pub name: Ident,
+    /// The sequence dim, or a fused style's number of parts.
     pub dim: Option<usize>,
 }
 
@@ -52,6 +57,22 @@ impl Style {
                 dim: Some(dim),
             });
         }
+        if WITH_PARTS.contains(&s.as_str()) {
+            let Some(parts) = dim else {
+                return Err(syn::Error::new(
+                    name.span(),
+                    format!(
+                        "tp style `{s}` needs the number of equal parts of the output, e.g. \
+                         `{s}(3)` for a fused q/k/v projection"
+                    ),
+                ));
+            };
+            let parts = parts.base10_parse::<usize>()?;
+            return Ok(Self {
+                name,
+                dim: Some(parts),
+            });
+        }
         Err(syn::Error::new(
             name.span(),
             format!(
@@ -59,6 +80,7 @@ impl Style {
                 PLAIN
                     .iter()
                     .chain(WITH_DIM)
+                    .chain(WITH_PARTS)
                     .copied()
                     .collect::<Vec<_>>()
                     .join(", ")

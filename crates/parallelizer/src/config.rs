@@ -239,8 +239,8 @@ pub enum TpShardPlan {
     /// A plan the model provides by name (`llama`, or `llama-sp` for its sequence-parallel
     /// variant).
     Named(String),
-    /// Module path pattern (with `*`) to style name (`colwise`, `rowwise`, ...; see
-    /// [`style_by_name`]).
+    /// Module path pattern (with `*`) to style name (`colwise`, `rowwise`,
+    /// `colwise_fused(3)`, ...; see [`style_by_name`]).
     Map(BTreeMap<String, String>),
 }
 
@@ -263,6 +263,27 @@ impl Default for MeshNames {
             dp_shard: "dp_shard_cp".into(),
             tp: "tp".into(),
         }
+    }
+}
+
+crate::named_enum! {
+    /// Where a wholly frozen FSDP unit's parameters go (NeMo AutoModel's
+    /// `frozen_multimodal_sharding`, there for frozen vision towers and projectors): a declared
+    /// unit (`#[fsdp(unit)]`) none of whose parameters trains. Units with any trainable
+    /// parameter are sharded as usual, and a frozen parameter never takes a gradient, a
+    /// reduction or optimizer state in any mode.
+    #[derive(Default)]
+    pub enum FrozenModuleSharding as "frozen_multimodal_sharding" {
+        /// No unit of its own (the default): its parameters join the root's unit, gathered
+        /// once when the model's forward starts.
+        #[default]
+        Root = "root",
+        /// A unit of its own like any other, gathered (and resharded) per layer; it reduces
+        /// nothing.
+        PerLayer = "per_layer",
+        /// Not sharded: every rank keeps it whole (FSDP2's `ignored_params`), and no collective
+        /// touches it.
+        Replicate = "replicate",
     }
 }
 
@@ -329,6 +350,9 @@ pub struct DistributedConfig {
     pub ddp_bucket_cap_mb: f64,
     /// Megatron-FSDP's options (strategy `megatron_fsdp` only; a `[megatron_fsdp]` table).
     pub megatron_fsdp: MegatronFsdpConfig,
+    /// Where wholly frozen units go under the sharding strategies: `root` (the default),
+    /// `per_layer` or `replicate` (see [`FrozenModuleSharding`]).
+    pub frozen_multimodal_sharding: FrozenModuleSharding,
 }
 
 impl Default for DistributedConfig {
@@ -357,6 +381,7 @@ impl Default for DistributedConfig {
             defer_fsdp_grad_sync: true,
             ddp_bucket_cap_mb: 25.0,
             megatron_fsdp: MegatronFsdpConfig::default(),
+            frozen_multimodal_sharding: FrozenModuleSharding::default(),
         }
     }
 }
@@ -486,6 +511,7 @@ impl DistributedConfig {
             )));
         }
         self.check_supported()?;
+        self.check_frozen_sharding()?;
         for (name, size) in [
             ("tp_size", self.tp_size),
             ("dp_replicate_size", self.dp_replicate_size),
@@ -583,6 +609,24 @@ impl DistributedConfig {
             ));
         }
         Ok(())
+    }
+
+    /// `frozen_multimodal_sharding` places frozen units among FSDP units: under a strategy
+    /// that shards nothing, a mode other than the default would silently do nothing.
+    fn check_frozen_sharding(&self) -> Result<(), ParallelError> {
+        let shards = matches!(
+            self.strategy,
+            Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp | Strategy::MegatronFsdp
+        );
+        if shards || self.frozen_multimodal_sharding == FrozenModuleSharding::default() {
+            return Ok(());
+        }
+        Err(invalid(format!(
+            "frozen_multimodal_sharding = \"{}\" places frozen modules among FSDP units, but \
+             strategy {} shards nothing: remove it, or use fsdp2, hsdp, fsdp2_tp or \
+             megatron_fsdp",
+            self.frozen_multimodal_sharding, self.strategy
+        )))
     }
 
     /// The combinations megatron_fsdp refuses, each named.
@@ -764,11 +808,33 @@ crate::named_enum! {
     }
 }
 
+/// The name of the fused colwise style, written with its number of parts: `colwise_fused(3)`.
+pub const COLWISE_FUSED: &str = "colwise_fused";
+
 /// A `ParallelStyle` by its config name; sequence-parallel styles use the sequence dim 1 of
-/// `[batch, seq, hidden]`.
+/// `[batch, seq, hidden]`, and `colwise_fused(K)` is [`ParallelStyle::colwise_fused`] of `K`
+/// equal parts.
 pub fn style_by_name(name: &str) -> Result<ParallelStyle, ParallelError> {
     const SEQ: usize = 1;
-    Ok(match name.parse::<StyleName>().map_err(invalid)? {
+    if let Some(rest) = name.trim().strip_prefix(COLWISE_FUSED) {
+        // `colwise_fused(K)`: the count is part of the name, as in `#[tp(colwise_fused(3))]`.
+        let parts = rest
+            .trim()
+            .strip_prefix('(')
+            .and_then(|r| r.strip_suffix(')'))
+            .and_then(|k| k.trim().parse::<usize>().ok())
+            .filter(|&k| k > 0);
+        return parts.map(ParallelStyle::colwise_fused).ok_or_else(|| {
+            invalid(format!(
+                "tp style `{name}`: write {COLWISE_FUSED}(K) with K > 0 the number of equal parts \
+                 of the fused output (3 for q/k/v, 2 for gate/up)"
+            ))
+        });
+    }
+    let parsed = name
+        .parse::<StyleName>()
+        .map_err(|e| invalid(format!("{e}, or {COLWISE_FUSED}(K) for a fused projection")))?;
+    Ok(match parsed {
         StyleName::Colwise => ParallelStyle::colwise(),
         StyleName::ColwiseGathered => ParallelStyle::colwise_gathered(),
         StyleName::ColwiseSp => ParallelStyle::colwise_sp(SEQ),
@@ -835,6 +901,23 @@ mod tests {
         assert!(Strategy::NAMES.iter().all(|n| err.contains(n)), "{err}");
         let err = style_by_name("colwize").unwrap_err().to_string();
         assert!(err.contains("colwise_gathered") && err.contains("sequence_parallel"));
+        assert!(err.contains("colwise_fused(K)"), "{err}");
+    }
+
+    #[test]
+    fn the_fused_style_is_named_with_its_parts() {
+        assert_eq!(
+            style_by_name("colwise_fused(3)").unwrap(),
+            ParallelStyle::colwise_fused(3)
+        );
+        assert_eq!(
+            style_by_name("colwise_fused( 2 )").unwrap(),
+            ParallelStyle::colwise_fused(2)
+        );
+        for bad in ["colwise_fused", "colwise_fused(0)", "colwise_fused(x)"] {
+            let err = style_by_name(bad).unwrap_err().to_string();
+            assert!(err.contains("write colwise_fused(K)"), "{bad}: {err}");
+        }
     }
 
     #[test]

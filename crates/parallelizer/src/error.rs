@@ -38,6 +38,19 @@ pub enum ParallelError {
         /// Path of the first parameter that differs.
         param: String,
     },
+    /// Every parameter of the model is frozen: backward would have nothing to compute.
+    #[error(
+        "the model has no trainable parameter: all {frozen} of its parameters have require_grad \
+         false, so training it would compute no gradient (Burn's backward refuses an untracked \
+         loss); unfreeze at least one (Param::set_require_grad(true), or a sidecar's \
+         reapply_trainability), build the model on MeshContext::device() (parameters made on a \
+         device without autodiff arrive frozen), or run it for inference without \
+         parallelize_model"
+    )]
+    NothingToTrain {
+        /// How many parameters are frozen.
+        frozen: usize,
+    },
     /// A config file that could not be read or parsed.
     #[error("config file {path}: {message}")]
     ConfigFile {

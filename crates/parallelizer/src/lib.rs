@@ -31,8 +31,8 @@ pub use burn_parallel_describe::{
 };
 pub use burn_parallel_fsdp::RowSource;
 pub use config::{
-    DistributedConfig, Dtype, MegatronFsdpConfig, MeshNames, MeshSizes, MixedPrecisionConfig,
-    OffloadConfig, Strategy, TpShardPlan, ZeroDpStrategy, style_by_name,
+    DistributedConfig, Dtype, FrozenModuleSharding, MegatronFsdpConfig, MeshNames, MeshSizes,
+    MixedPrecisionConfig, OffloadConfig, Strategy, TpShardPlan, ZeroDpStrategy, style_by_name,
 };
 pub use context::{DP, ExpertGroups, LocalRows, MeshContext, WORLD};
 pub use error::ParallelError;
@@ -62,7 +62,22 @@ pub fn parallelize_model<M: ParallelizableModel>(
     if !ctx.uses_ddp() {
         agree::check_replicas_agree(&model, ctx)?;
     }
-    get_model_parallelizer(&model).parallelize(model, ctx)
+    let model = get_model_parallelizer(&model).parallelize(model, ctx)?;
+    check_something_trains(&model)?;
+    Ok(model)
+}
+
+/// A model (once its sidecar's `reapply_trainability` ran) whose parameters on an autodiff
+/// device are all frozen is refused here, rather than by Burn inside the first backward.
+/// Trainability is the same on every rank, so every rank refuses alike.
+fn check_something_trains<M: burn::module::Module>(model: &M) -> Result<(), ParallelError> {
+    let counts = burn_parallel_fsdp::trainability(model);
+    match counts.wholly_frozen() {
+        true => Err(ParallelError::NothingToTrain {
+            frozen: counts.frozen,
+        }),
+        false => Ok(()),
+    }
 }
 
 /// [`parallelize_model`] for a model whose parameters are lazy (uninitialized, as a model

@@ -2,25 +2,30 @@
 //! A model overrides any hook by naming its own sidecar type in `#[parallelize(sidecar = T)]`;
 //! every hook it does not override falls back to the default flow below.
 
+use std::collections::BTreeMap;
+
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Tensor};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives::same_device;
-use burn_parallel_describe::{DefaultParallelizer, ModelDescription, Parallelize, UnitMap};
+use burn_parallel_describe::{
+    DefaultParallelizer, ModelDescription, Parallelize, UnitMap, check_fused_colwise,
+};
 use burn_parallel_ep::ExpertModule;
-use burn_parallel_fsdp::{FsdpConfig, fully_shard};
-use burn_parallel_tp::{TpApplier, TpModule, local_heads};
+use burn_parallel_fsdp::{FsdpConfig, fully_shard, param_ids, trainability};
+use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
+use burn_parallel_tp::{TpApplier, TpModule, TpPlan, local_heads};
 
-use crate::config::Strategy;
+use crate::config::{FrozenModuleSharding, Strategy};
 use crate::context::MeshContext;
 use crate::ddp;
 use crate::error::ParallelError;
 
 /// The parallelizer hooks, narrowest first: `fully_shard_module` (the FSDP primitive),
 /// `apply_fsdp_sharding` (unit boundaries), `fully_shard_untied_input_output_embeddings`,
-/// `validate_tp_mesh`, `apply_tp`, `use_full_layer_activation_checkpointing`, `apply` (the
-/// whole dense flow), `parallelize_megatron_fsdp`, `parallelize_moe` and `parallelize` (the
-/// dispatch).
+/// `validate_tp_mesh`, `apply_tp`, `use_full_layer_activation_checkpointing`,
+/// `reapply_trainability`, `apply` (the whole dense flow), `parallelize_megatron_fsdp`,
+/// `parallelize_moe` and `parallelize` (the dispatch).
 pub trait ModelParallelizer {
     /// Dispatches on the strategy: DDP, Megatron-FSDP, or the dense flow (FSDP2, HSDP, TP,
     /// FSDP2 + TP, and unsharded FSDP2 where a mixed-precision policy needs it: one rank, or
@@ -35,6 +40,7 @@ pub trait ModelParallelizer {
         match ctx.strategy() {
             Strategy::Ddp if ctx.uses_ddp() => {
                 let model = move_to_context_device(self, model, ctx)?;
+                let model = self.reapply_trainability(model, ctx)?;
                 ddp::replicate(model, ctx)
             }
             Strategy::MegatronFsdp => self.parallelize_megatron_fsdp(model, ctx),
@@ -59,6 +65,7 @@ pub trait ModelParallelizer {
         let model = move_to_context_device(self, model, ctx)?;
         let (model, description) = split_experts(model, ctx)?;
         if ctx.uses_ddp() {
+            let model = self.reapply_trainability(model, ctx)?;
             return ddp::replicate_with_experts(model, &description, ctx);
         }
         self.apply(model, ctx)
@@ -88,18 +95,37 @@ pub trait ModelParallelizer {
         let mut description = ModelDescription::default();
         model.describe("", &mut description);
         let model = if ctx.sizes().tp > 1 {
-            self.validate_tp_mesh(&description, ctx)?;
+            self.validate_tp_mesh(&model, &description, ctx)?;
             self.apply_tp(model, &description, ctx)?
         } else {
             model
         };
         let model = move_to_context_device(self, model, ctx)?;
+        let model = self.reapply_trainability(model, ctx)?;
         self.apply_fsdp_sharding(model, &description, ctx)
     }
 
-    /// Attention heads and kv heads must divide by the tp size.
-    fn validate_tp_mesh(
+    /// NeMo's `reapply_trainability`: sets which parameters train (`Param::set_require_grad`),
+    /// run after tensor parallelism and activation checkpointing and before FSDP sharding
+    /// (DDP: before the replicas are made), so that frozen parameters are known when units are
+    /// formed. The default keeps the model's own settings: TP splits, device moves and the
+    /// checkpointing device keep each parameter's `require_grad`.
+    fn reapply_trainability<M: Module>(
         &self,
+        model: M,
+        _ctx: &MeshContext,
+    ) -> Result<M, ParallelError> {
+        Ok(model)
+    }
+
+    /// Attention heads and kv heads must divide by the tp size, and no fused projection (one
+    /// Linear computing q, k and v side by side) of an attention module that declares its heads
+    /// may get plain `colwise`: the error names `colwise_fused(k)` (the rule:
+    /// [`check_fused_colwise`]). Reads `model` for its layers' widths; NeMo's
+    /// `validate_tp_mesh(model, tp_mesh)`.
+    fn validate_tp_mesh<M: Module>(
+        &self,
+        model: &M,
         description: &ModelDescription,
         ctx: &MeshContext,
     ) -> Result<(), ParallelError> {
@@ -113,7 +139,12 @@ pub trait ModelParallelizer {
                 })?;
             }
         }
-        Ok(())
+        if description.heads.is_empty() {
+            return Ok(());
+        }
+        let plan = tp_plan(description, ctx)?;
+        check_fused_colwise(&description.heads, &plan, &linear_weights(model))
+            .map_err(ParallelError::Config)
     }
 
     /// Applies the TP plan: the config's `tp_shard_plan` when given, else the one the model
@@ -124,10 +155,7 @@ pub trait ModelParallelizer {
         description: &ModelDescription,
         ctx: &MeshContext,
     ) -> Result<M, ParallelError> {
-        let plan = match ctx.config().tp_plan_override(description)? {
-            Some(plan) => plan,
-            None => description.tp_plan(ctx.config().sequence_parallel),
-        };
+        let plan = tp_plan(description, ctx)?;
         if plan.entries().is_empty() {
             return Err(ParallelError::Config(format!(
                 "tp_size is {} but the model declares no TP plan (no #[tp(..)] fields or plan name) and the config gives no tp_shard_plan",
@@ -195,6 +223,33 @@ pub trait ModelParallelizer {
 /// The default sidecar runs every hook as defined above.
 impl ModelParallelizer for DefaultParallelizer {}
 
+/// The TP plan a model runs under: the config's `tp_shard_plan` when given, else the one the
+/// model declares.
+fn tp_plan(description: &ModelDescription, ctx: &MeshContext) -> Result<TpPlan, ParallelError> {
+    Ok(match ctx.config().tp_plan_override(description)? {
+        Some(plan) => plan,
+        None => description.tp_plan(ctx.config().sequence_parallel),
+    })
+}
+
+/// The `[d_in, d_out]` weight of every Linear-like layer of `model` by its module path: each
+/// 2-D parameter named `weight` (Burn's Linear stores `[d_in, d_out]`).
+fn linear_weights<M: Module>(model: &M) -> BTreeMap<String, [usize; 2]> {
+    struct Weights(BTreeMap<String, [usize; 2]>);
+    impl PathVisitor for Weights {
+        fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
+            if let (Some(layer), [d_in, d_out]) =
+                (path.strip_suffix(".weight"), param.lazy_shape().as_slice())
+            {
+                self.0.insert(layer.to_string(), [*d_in, *d_out]);
+            }
+        }
+    }
+    let mut weights = Weights(BTreeMap::new());
+    visit_with_paths(model, &mut weights);
+    weights.0
+}
+
 /// The FSDP config of a context (see [`MeshContext::fsdp_config`]).
 pub fn fsdp_config(ctx: &MeshContext) -> FsdpConfig {
     ctx.fsdp_config().clone()
@@ -232,13 +287,16 @@ fn shard_units<S: ModelParallelizer, M: Parallelize>(
     let last = description.units.last().cloned();
     let mut sharder = UnitSharder {
         sidecar,
-        base: &base,
+        base: base.clone(),
         experts: ctx.expert_fsdp_config(),
         reshard: |path: &str| explicit.unwrap_or(Some(path) != last.as_deref()),
+        frozen: ctx.config().frozen_multimodal_sharding,
     };
     let model = model.map_units("", &mut sharder)?;
     let model = sidecar.fully_shard_untied_input_output_embeddings(model, description, ctx)?;
-    let root = base
+    // `base` now leaves out the replicated frozen units.
+    let root = sharder
+        .base
         .clone()
         .reshard_after_forward(explicit.unwrap_or(false));
     sidecar.fully_shard_module(model, &root)
@@ -246,10 +304,12 @@ fn shard_units<S: ModelParallelizer, M: Parallelize>(
 
 struct UnitSharder<'a, S, R> {
     sidecar: &'a S,
-    base: &'a FsdpConfig,
+    /// The context's config, plus the parameters of frozen units kept whole (`replicate`).
+    base: FsdpConfig,
     /// The experts' config under expert parallelism.
     experts: Option<FsdpConfig>,
     reshard: R,
+    frozen: FrozenModuleSharding,
 }
 
 impl<S, R> UnitMap for UnitSharder<'_, S, R>
@@ -260,6 +320,19 @@ where
     type Error = ParallelError;
 
     fn unit<N: Module>(&mut self, path: &str, module: N) -> Result<N, ParallelError> {
+        // A wholly frozen unit (NeMo's frozen towers): the same on every rank, as every rank
+        // holds the same model.
+        if trainability(&module).wholly_frozen() {
+            match self.frozen {
+                FrozenModuleSharding::PerLayer => {}
+                // The root's unit takes its parameters.
+                FrozenModuleSharding::Root => return Ok(module),
+                FrozenModuleSharding::Replicate => {
+                    self.base = self.base.clone().ignore_params(param_ids(&module));
+                    return Ok(module);
+                }
+            }
+        }
         let config = self
             .base
             .clone()

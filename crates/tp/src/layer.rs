@@ -6,7 +6,9 @@ use burn::nn::{Embedding, Linear};
 use burn_parallel_comm::ProcessGroup;
 
 use crate::error::TpError;
-use crate::shard::{ShardSpec, gather_param, narrow_param};
+use crate::shard::{
+    ShardSpec, gather_param, gather_param_parts, narrow_param, narrow_param_parts, part_size,
+};
 use crate::style::{Layout, ParallelStyle};
 
 /// What [`TpLayer::shard`] gives: this rank's shard of the module and the shard of the split
@@ -103,6 +105,17 @@ impl TpLayer for Linear {
                 self.bias = self.bias.map(|b| narrow_param(b, 0, spec.range.clone()));
                 Ok((self, Some(spec)))
             }
+            ParallelStyle::ColwiseFused { parts, .. } => {
+                // Each part splits on its own: the spec is one part's, the shard this rank's
+                // chunk of every part, part by part.
+                let part = part_size(d_out, *parts, path)
+                    .map_err(|reason| unsupported(path, Self::KIND, style, &reason))?;
+                let spec = ShardSpec::new(part, group, path, "d_output part")?;
+                let ranges = spec.part_ranges(*parts);
+                self.weight = narrow_param_parts(self.weight, 1, &ranges);
+                self.bias = self.bias.map(|b| narrow_param_parts(b, 0, &ranges));
+                Ok((self, Some(spec)))
+            }
             ParallelStyle::Rowwise { .. } => {
                 let spec = ShardSpec::new(d_in, group, path, "d_input")?;
                 self.weight = narrow_param(self.weight, 0, spec.range.clone());
@@ -119,15 +132,23 @@ impl TpLayer for Linear {
         group: &ProcessGroup,
         path: &str,
     ) -> Result<Self, TpError> {
-        if spec.is_none() {
+        let Some(spec) = spec else {
             return Ok(self);
-        }
+        };
         match style {
             ParallelStyle::Colwise { .. } => {
                 self.weight = gather_param(self.weight, 1, group, path)?;
                 self.bias = self
                     .bias
                     .map(|b| gather_param(b, 0, group, path))
+                    .transpose()?;
+            }
+            ParallelStyle::ColwiseFused { parts, .. } => {
+                let (parts, part) = (*parts, spec.full);
+                self.weight = gather_param_parts(self.weight, 1, parts, part, group, path)?;
+                self.bias = self
+                    .bias
+                    .map(|b| gather_param_parts(b, 0, parts, part, group, path))
                     .transpose()?;
             }
             ParallelStyle::Rowwise { .. } => {
@@ -156,7 +177,9 @@ impl TpLayer for Linear {
 
     fn visit_sharded_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {
         match style {
-            ParallelStyle::Colwise { .. } => self.visit(visitor),
+            ParallelStyle::Colwise { .. } | ParallelStyle::ColwiseFused { .. } => {
+                self.visit(visitor)
+            }
             // The rowwise bias is added once, after the reduction: replicated.
             ParallelStyle::Rowwise { .. } => visitor.visit_float(&self.weight),
             ParallelStyle::Sequence { .. } => {}
@@ -183,6 +206,14 @@ impl TpLayer for Embedding {
             }
             ParallelStyle::Rowwise { .. } => (0, vocab, "vocab"),
             ParallelStyle::Colwise { .. } => (1, d_model, "d_model"),
+            ParallelStyle::ColwiseFused { .. } => {
+                return Err(unsupported(
+                    path,
+                    Self::KIND,
+                    style,
+                    "an embedding's features are not fused parts; use colwise or vocab_parallel",
+                ));
+            }
             ParallelStyle::Sequence { .. } => {
                 return Err(unsupported(
                     path,
@@ -205,7 +236,9 @@ impl TpLayer for Embedding {
         path: &str,
     ) -> Result<Self, TpError> {
         let dim = match (spec, style) {
-            (None, _) | (_, ParallelStyle::Sequence { .. }) => return Ok(self),
+            (None, _)
+            | (_, ParallelStyle::Sequence { .. })
+            | (_, ParallelStyle::ColwiseFused { .. }) => return Ok(self),
             (_, ParallelStyle::Rowwise { .. }) => 0,
             (_, ParallelStyle::Colwise { .. }) => 1,
         };

@@ -4,6 +4,8 @@
 //!   style it is exactly the inner module; [`Tp::parallelize`] shards its weights over a tp
 //!   [`ProcessGroup`](burn_parallel_comm::ProcessGroup) and inserts the differentiable
 //!   collectives of its [`ParallelStyle`] around the forward.
+//! - [`ParallelStyle::colwise_fused`] splits a fused projection (one `qkv` or `gate_up`
+//!   Linear) part by part, so the local output splits into q, k and v as the full one does.
 //! - [`TpPlan`] maps module paths (with `*` wildcards) to styles; [`apply_plan`] walks a
 //!   model's [`TpModule`] tree and reports unmatched entries and uncovered modules.
 //! - [`loss_parallel`]: cross-entropy over vocab-sharded logits without gathering them.
@@ -72,6 +74,8 @@ pub use loss::{loss_parallel, loss_parallel_ignoring};
 pub use pattern::path_matches;
 pub use plan::{TpApplier, TpModule, TpPlan, TpReport, apply_plan, child_path};
 pub use prepare::{PrepareModuleInput, PrepareModuleOutput, Redistribute, redistribute};
-pub use shard::{ShardSpec, gather_param, narrow_param};
+pub use shard::{
+    ShardSpec, gather_param, gather_param_parts, narrow_param, narrow_param_parts, part_size,
+};
 pub use style::{Layout, ParallelStyle};
 pub use tp::{Prepared, Sharding, SplitParam, Tp, forward_shared, try_forward_shared};

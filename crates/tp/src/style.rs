@@ -38,6 +38,19 @@ pub enum ParallelStyle {
         /// Layout of the output.
         output: Layout,
     },
+    /// Colwise on a fused projection (one `qkv` Linear, or `gate_up`): the output features are
+    /// `parts` equal parts (q, k, v) and each part is split over the group on its own, so rank
+    /// `r` holds its chunk of every part, part by part, and splits its local output into
+    /// `parts` equal local parts exactly as the model splits the full one. Input: as
+    /// `Colwise`. Output: `Sharded` only (a gathered output would interleave the ranks' chunks).
+    ColwiseFused {
+        /// How many equal parts the output features are (3 for q/k/v, 2 for gate/up).
+        parts: usize,
+        /// Layout of the input.
+        input: Layout,
+        /// Layout of the output: `Sharded`.
+        output: Layout,
+    },
     /// Norm-like module run on a sequence-sharded activation; its replicated parameters
     /// get partial gradients, summed over the group by `sync_tp_grads`.
     Sequence {
@@ -68,6 +81,27 @@ impl ParallelStyle {
         Self::Colwise {
             input: Layout::SequenceSharded { dim },
             output: Layout::Sharded,
+        }
+    }
+
+    /// Colwise on a fused projection of `parts` equal parts (`colwise_fused(3)` for a `qkv`
+    /// Linear, `colwise_fused(2)` for `gate_up`): each part is split over the group on its own,
+    /// so the local output splits into `parts` local parts as the full one does. Replicated
+    /// input, feature-sharded output (for a rowwise layer next).
+    pub fn colwise_fused(parts: usize) -> Self {
+        Self::ColwiseFused {
+            parts,
+            input: Layout::Replicated,
+            output: Layout::Sharded,
+        }
+    }
+
+    /// How many equal parts of the split dim are split over the group separately: `parts` of
+    /// a fused colwise style, 1 for every other style (one contiguous chunk).
+    pub fn parts(&self) -> usize {
+        match *self {
+            Self::ColwiseFused { parts, .. } => parts,
+            _ => 1,
         }
     }
 
@@ -129,6 +163,31 @@ impl ParallelStyle {
                     return Err("a colwise layer's output is feature-sharded or replicated".into());
                 }
             }
+            Self::ColwiseFused {
+                parts,
+                input,
+                output,
+            } => {
+                if parts == 0 {
+                    return Err("a fused colwise layer needs at least one part".into());
+                }
+                if input == Layout::Sharded {
+                    return Err(
+                        "a fused colwise layer needs a replicated or sequence-sharded input".into(),
+                    );
+                }
+                if output != Layout::Sharded {
+                    // Each rank holds its chunk of every part: gathering the output would
+                    // interleave the ranks' chunks instead of rebuilding the parts.
+                    return Err(format!(
+                        "a fused colwise layer's output must stay feature-sharded (each rank \
+                         holds its chunk of each of the {parts} parts; a gathered or \
+                         sequence-sharded output would interleave the ranks' chunks): use \
+                         colwise_fused({parts}) with a rowwise layer after the split, or split \
+                         the fused layer into separate layers with colwise_gathered"
+                    ));
+                }
+            }
             Self::Rowwise { input, output } => {
                 if matches!(input, Layout::SequenceSharded { .. }) {
                     return Err(
@@ -171,6 +230,11 @@ impl fmt::Display for ParallelStyle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Colwise { input, output } => write!(f, "Colwise({input} -> {output})"),
+            Self::ColwiseFused {
+                parts,
+                input,
+                output,
+            } => write!(f, "ColwiseFused({parts} parts, {input} -> {output})"),
             Self::Rowwise { input, output } => write!(f, "Rowwise({input} -> {output})"),
             Self::Sequence { dim } => write!(f, "SequenceParallel(dim {dim})"),
         }

@@ -26,7 +26,9 @@ pub struct Sharding {
     pub group: ProcessGroup,
     /// Module path, for errors.
     pub path: String,
-    /// The split dim's full size and this rank's range (None: nothing split).
+    /// The split dim's full size and this rank's range (None: nothing split). Under a fused
+    /// style (`style.parts() > 1`) it is one part's size and this rank's range of each part:
+    /// the dim is `parts * spec.full` long and this rank holds `spec.part_ranges(parts)`.
     pub spec: Option<ShardSpec>,
     /// Dtype of the gradient all-reduce of replicated params (None: the gradient's own).
     pub reduce_dtype: Option<DType>,
@@ -35,7 +37,8 @@ pub struct Sharding {
 }
 
 /// A parameter a style split: `dim` of it is cut by the layer's [`ShardSpec`] (this rank holds
-/// `spec.range` of `spec.full`). What a sharded checkpoint needs to place the shard.
+/// `spec.range` of `spec.full`, or under a fused style of `k` parts `spec.part_ranges(k)` of
+/// `k * spec.full`). What a sharded checkpoint needs to place the shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SplitParam {
     /// The parameter's id.
@@ -253,8 +256,16 @@ impl Sharding {
             ParallelStyle::Colwise {
                 input: Layout::Replicated,
                 ..
+            }
+            | ParallelStyle::ColwiseFused {
+                input: Layout::Replicated,
+                ..
             } => coll::copy_to_group(x, g),
             ParallelStyle::Colwise {
+                input: Layout::SequenceSharded { dim },
+                ..
+            }
+            | ParallelStyle::ColwiseFused {
                 input: Layout::SequenceSharded { dim },
                 ..
             } => coll::all_gather(x, g, dim).map_err(self.err())?,
@@ -404,7 +415,10 @@ impl InputStep {
             };
         };
         let (kind, input) = match s.style {
-            ParallelStyle::Colwise { input, .. } => ("colwise", input),
+            // A fused colwise layer's input collective is plain colwise's: they may share it.
+            ParallelStyle::Colwise { input, .. } | ParallelStyle::ColwiseFused { input, .. } => {
+                ("colwise", input)
+            }
             ParallelStyle::Rowwise { input, .. } => ("rowwise", input),
             ParallelStyle::Sequence { dim } => ("sequence", Layout::SequenceSharded { dim }),
         };
@@ -592,5 +606,93 @@ mod tests {
         // 5 over 2 ranks: chunks of 3 and 2; a rowwise bias stays whole.
         assert_eq!(shapes[0], ((3, 3, 3), (3, 3, 3), 12));
         assert_eq!(shapes[1], ((3, 2, 2), (2, 3, 3), 8));
+    }
+
+    /// The values of `l`'s weight (row-major `[d_in, d_out]`) and bias.
+    fn values(l: &Linear) -> (Vec<f32>, Vec<f32>) {
+        let w = l.weight.val().into_data().try_to_vec::<f32>().unwrap();
+        let b = l
+            .bias
+            .as_ref()
+            .unwrap()
+            .val()
+            .into_data()
+            .try_to_vec::<f32>();
+        (w, b.unwrap())
+    }
+
+    #[test]
+    fn a_fused_shard_holds_each_parts_chunk_and_unshards_in_order() {
+        // d_out 15 = 3 parts of 5; over 2 ranks each part splits 3 + 2. Weight element
+        // [i, j] is i * 15 + j and bias j is j (see `linear`), so the columns a rank holds
+        // are its bias values.
+        let out = launch(2, |ctx| {
+            let group = ctx.world()?;
+            let fused = Tp::new(linear(2, 15)).parallelize(
+                ParallelStyle::colwise_fused(3),
+                &group,
+                "qkv",
+            )?;
+            let spec = fused.sharding().unwrap().spec.clone().unwrap();
+            let local = values(fused.inner());
+            let whole = values(fused.unshard()?.inner());
+            Ok::<_, TpError>((spec, local, whole))
+        })
+        .unwrap();
+        let cols = |c: &[usize]| c.iter().map(|&j| j as f32).collect::<Vec<f32>>();
+        let (spec0, (w0, b0), whole0) = &out[0];
+        let (spec1, (w1, b1), whole1) = &out[1];
+        assert_eq!((spec0.full, spec0.range.clone()), (5, 0..3));
+        assert_eq!((spec1.full, spec1.range.clone()), (5, 3..5));
+        assert_eq!(*b0, cols(&[0, 1, 2, 5, 6, 7, 10, 11, 12]));
+        assert_eq!(*b1, cols(&[3, 4, 8, 9, 13, 14]));
+        // Weight rows hold the same columns.
+        assert_eq!(w1[..6], *cols(&[3, 4, 8, 9, 13, 14]));
+        assert_eq!(w1[6..], *cols(&[18, 19, 23, 24, 28, 29]));
+        assert_eq!(w0.len(), 18);
+        // Unsharding rebuilds the original on every rank.
+        let (w, b) = values(&linear(2, 15));
+        assert_eq!(*whole0, (w.clone(), b.clone()));
+        assert_eq!(*whole1, (w, b));
+    }
+
+    #[test]
+    fn a_fused_style_refuses_widths_parts_do_not_divide_empty_chunks_and_gathered_outputs() {
+        let errors = launch(4, |ctx| {
+            let group = ctx.world()?;
+            let err = |style, d_out| {
+                Tp::new(linear(2, d_out))
+                    .parallelize(style, &group, "attn.qkv")
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default()
+            };
+            let gathered = ParallelStyle::ColwiseFused {
+                parts: 3,
+                input: crate::Layout::Replicated,
+                output: crate::Layout::Replicated,
+            };
+            Ok::<_, TpError>([
+                err(ParallelStyle::colwise_fused(3), 10),
+                // Parts of 3 over 4 ranks: rank 3's chunk of each part is empty (only rank 3
+                // fails).
+                err(ParallelStyle::colwise_fused(3), 9),
+                err(gathered, 12),
+            ])
+        })
+        .unwrap();
+        let [width, empty, gathered] = &errors[3];
+        assert!(
+            width.contains("`attn.qkv` has 10 output features"),
+            "{width}"
+        );
+        assert!(width.contains("3 equal parts"), "{width}");
+        assert!(
+            empty.contains("`attn.qkv`: d_output part of size 3"),
+            "{empty}"
+        );
+        assert!(empty.contains("tp = 4"), "{empty}");
+        assert!(gathered.contains("must stay feature-sharded"), "{gathered}");
+        assert!(gathered.contains("colwise_fused(3)"), "{gathered}");
     }
 }

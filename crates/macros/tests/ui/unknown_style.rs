@@ -11,8 +11,10 @@ struct Mlp {
     up: Tp<Linear>,
     #[tp(colwise(1))]
     down: Tp<Linear>,
+    #[tp(colwise_fused)]
+    qkv: Tp<Linear>,
 }
 
 fn main() {
-    let _ = Mlp { up: Tp(Linear), down: Tp(Linear) };
+    let _ = Mlp { up: Tp(Linear), down: Tp(Linear), qkv: Tp(Linear) };
 }
