@@ -2,8 +2,9 @@
 //! [`comm`] (mesh, groups, engines, differentiable collectives), [`fsdp`] (fully sharded data
 //! parallelism), [`tp`] (tensor and sequence parallelism), [`describe`] (the contract a model
 //! implements, through the [`parallelize`] attribute macro), [`parallelizer`]
-//! (`parallelize_model` and its dispatch), [`checkpoint`] (sharded training checkpoints that
-//! resume in any layout), [`models`] and [`train`].
+//! (`parallelize_model` and its dispatch), [`peft`] (LoRA adapters as a module decorator),
+//! [`checkpoint`] (sharded training checkpoints that resume in any layout), [`models`] and
+//! [`train`].
 
 #![warn(missing_docs)]
 
@@ -14,6 +15,7 @@ pub use burn_parallel_ep as ep;
 pub use burn_parallel_fsdp as fsdp;
 pub use burn_parallel_models as models;
 pub use burn_parallel_parallelizer as parallelizer;
+pub use burn_parallel_peft as peft;
 pub use burn_parallel_tp as tp;
 pub use burn_parallel_train as train;
 

@@ -9,8 +9,7 @@
 use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::optim::{GradientsParams, ModuleOptimizer, SgdConfig};
-use burn::tensor::activation::log_softmax;
+use burn::optim::{ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Tensor};
 use burn_parallel::checkpoint::OptimizerState;
 use burn_parallel::comm::{OpKind, launch};
@@ -23,8 +22,8 @@ use burn_parallel::parallelizer::{
 use burn_parallel::tp::loss_parallel;
 use burn_parallel::train::{AdamW, Optimizer};
 
-use crate::common::{assert_close, ndarray, ndarray_ad, to_vec};
-use crate::parallelize_train::{BATCH, TinyLm, VOCAB, batch, config, values_of};
+use crate::common::{assert_close, ndarray, ndarray_ad};
+use crate::parallelize_train::{BATCH, TinyLm, VOCAB, batch, config, single_device_sgd, values_of};
 
 const STEPS: usize = 3;
 const LR: f64 = 0.05;
@@ -118,20 +117,9 @@ struct Reference {
 
 /// Plain single-device SGD training over the whole batch, `frozen` frozen.
 fn reference(frozen: &'static [&'static str]) -> Reference {
-    let d = ndarray_ad();
-    let mut model = frozen_lm(&d, frozen);
+    let model = frozen_lm(&ndarray_ad(), frozen);
     let initial = values_of(&model);
-    let mut optim: ModuleOptimizer = SgdConfig::new().init();
-    let mut losses = Vec::new();
-    for step in 0..STEPS {
-        let (ids, targets) = batch(&d, step, 0..BATCH);
-        let loss = -log_softmax(model.forward(ids), 1)
-            .gather(1, targets.unsqueeze_dim::<2>(1))
-            .mean();
-        losses.push(to_vec(&loss.to_data())[0]);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(LR, model, grads);
-    }
+    let (losses, model) = single_device_sgd(model, |m, ids| m.forward(ids), STEPS, LR);
     Reference {
         losses,
         initial,

@@ -209,13 +209,15 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
                 "loss",
                 "minor_faults",
                 "optimizer_s",
+                "optimizer_state_bytes_per_rank",
                 "peak_model_state_bytes_per_rank",
                 "peak_rss_bytes",
                 "reduce_scatter_calls",
                 "reduce_scatter_s",
                 "step",
                 "step_time_s",
-                "tokens_per_s"
+                "tokens_per_s",
+                "trainable_params"
             ]
         );
         // The split adds up to the step; FSDP2 gathers and reduce-scatters inside it.

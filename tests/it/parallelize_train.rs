@@ -129,6 +129,29 @@ pub(crate) fn optimizer(opt: Opt) -> ModuleOptimizer {
     }
 }
 
+/// Plain single-device SGD at `lr` over the whole batch of [`batch`] for `steps` steps, with
+/// `forward` giving `[tokens, vocab]` logits: each step's loss and the trained model.
+pub(crate) fn single_device_sgd<M: Module>(
+    mut model: M,
+    forward: impl Fn(&M, Tensor<2, Int>) -> Tensor<2>,
+    steps: usize,
+    lr: f64,
+) -> (Vec<f32>, M) {
+    let d = ndarray_ad();
+    let mut optim: ModuleOptimizer = SgdConfig::new().init();
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        let (ids, targets) = batch(&d, step, 0..BATCH);
+        let loss = -log_softmax(forward(&model, ids), 1)
+            .gather(1, targets.unsqueeze_dim::<2>(1))
+            .mean();
+        losses.push(to_vec(&loss.to_data())[0]);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(lr, model, grads);
+    }
+    (losses, model)
+}
+
 /// Values of every float parameter, in visit order.
 struct Values(Vec<Vec<f32>>);
 

@@ -10,6 +10,7 @@ use burn_parallel_parallelizer::named_enum;
 use crate::config::{Backend, OptimizerKind, TrainConfig};
 use crate::error::TrainError;
 use crate::flags::{DistributedFlags, one_of};
+use crate::freeze::split_patterns;
 use crate::malloc::Malloc;
 
 named_enum! {
@@ -79,6 +80,10 @@ pub struct TrainArgs {
     /// AdamW's epsilon.
     #[arg(long, default_value_t = 1e-8)]
     pub eps: f32,
+    /// Freeze these parameters: comma-separated Hugging Face parameter-name prefixes or globs
+    /// (`model.embed_tokens,model.layers.0`, `model.layers.*.self_attn.*`).
+    #[arg(long, value_name = "PATTERNS")]
+    pub freeze: Option<String>,
     /// Clip the global gradient norm (0: off).
     #[arg(long, default_value_t = 1.0)]
     pub grad_clip: f32,
@@ -165,6 +170,11 @@ impl TrainArgs {
             resume: self.resume.clone(),
             seed: self.seed,
             engine,
+            freeze: self
+                .freeze
+                .as_deref()
+                .map(split_patterns)
+                .unwrap_or_default(),
         })
     }
 }

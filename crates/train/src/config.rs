@@ -126,6 +126,11 @@ pub struct TrainConfig {
     pub resume: Option<PathBuf>,
     /// Ranks as threads of this process, or as the processes of an MPI job (default threads).
     pub engine: EngineKind,
+    /// Hugging Face parameter-name prefixes or globs whose parameters are frozen (no gradient,
+    /// reduction or optimizer state) before the model is parallelized, e.g.
+    /// `model.embed_tokens` or `model.layers.*.self_attn` (default: none). A pattern that
+    /// matches nothing is an error naming it.
+    pub freeze: Vec<String>,
 }
 
 impl Default for TrainConfig {
@@ -152,6 +157,7 @@ impl Default for TrainConfig {
             save_dir: None,
             resume: None,
             engine: EngineKind::Threads,
+            freeze: Vec::new(),
         }
     }
 }

@@ -28,6 +28,19 @@ pub enum TrainError {
     /// Saving or resuming a sharded training checkpoint failed.
     #[error(transparent)]
     Checkpoint(#[from] burn_parallel_checkpoint::CheckpointError),
+    /// A step's loss or gradient norm is not finite (training diverged); every rank stops at
+    /// the same step, since both values are the ones all ranks agree on.
+    #[error("step {step}: the {what} is {value}, not a finite number: training diverged. {hint}")]
+    NonFinite {
+        /// The step (0-based).
+        step: usize,
+        /// `loss` or `gradient norm`.
+        what: &'static str,
+        /// The value.
+        value: f32,
+        /// What to try.
+        hint: String,
+    },
     /// A rank failed or panicked; the launcher's error, as text.
     #[error("training failed: {0}")]
     Ranks(String),

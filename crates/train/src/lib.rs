@@ -11,6 +11,11 @@
 //! Numerics: the loss is the mean token cross-entropy over the GLOBAL batch. Each rank's loss
 //! is its tokens' share of it times dp, and the data-parallel reductions average, so the
 //! gradient is exactly the global mean's, also when ranks hold different numbers of rows.
+//!
+//! `--freeze` ([`TrainConfig::freeze`]) freezes parameters by Hugging Face name before
+//! `parallelize_model`. Guards end a run with an error rather than an abort or silent garbage:
+//! a `--seq-len` past the model's positions (before anything is allocated) and a non-finite
+//! loss or gradient norm (at its step, on every rank alike: [`TrainError::NonFinite`]).
 
 #![warn(missing_docs)]
 
@@ -19,6 +24,8 @@ mod cli;
 mod config;
 mod error;
 mod flags;
+mod freeze;
+mod guard;
 mod malloc;
 mod mesh;
 mod optim;

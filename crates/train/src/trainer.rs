@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel_checkpoint::LoadOptions;
-use burn_parallel_comm::{OpKind, run_ranks_on};
+use burn_parallel_comm::{LaunchError, OpKind, run_ranks_on};
 use burn_parallel_fsdp::{RowRequest, gather_full};
 use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama_ep, save_llama};
 use burn_parallel_models::data::TokenData;
@@ -21,9 +21,11 @@ use serde::Serialize;
 use crate::aux::router_report;
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+use crate::freeze;
+use crate::guard::{check_finite, check_positions};
 use crate::mesh::mesh_sizes;
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
-use crate::state::model_state_bytes;
+use crate::state::{model_state_bytes, optimizer_state_bytes};
 use crate::usage::ProcessUsage;
 use burn_parallel_comm::memory::reset_peak_rss;
 
@@ -42,6 +44,12 @@ pub struct StepLog {
     pub tokens_per_s: f64,
     /// The largest model-state size (parameters, gradients, optimizer state) of any rank.
     pub peak_model_state_bytes_per_rank: u64,
+    /// Elements of the parameters that train, over the whole model, each counted once (the
+    /// same under every strategy; fewer with `--freeze`).
+    pub trainable_params: u64,
+    /// The largest optimizer state of any rank, in bytes (AdamW's two moments of each
+    /// trainable parameter shard; SGD keeps none).
+    pub optimizer_state_bytes_per_rank: u64,
     /// Where rank 0's step time went.
     #[serde(flatten)]
     pub times: StepTimes,
@@ -171,6 +179,8 @@ pub fn train(
 ) -> Result<TrainSummary, TrainError> {
     cfg.check()?;
     let model_cfg = model_config(cfg)?;
+    // Before the data, the ranks and the model allocate anything sized by the sequence.
+    check_positions(cfg, &model_cfg)?;
     let mesh = mesh_sizes(cfg, &model_cfg)?;
     let data = token_data(cfg, &model_cfg)?;
     if let Some(dir) = &cfg.checkpoint {
@@ -181,7 +191,7 @@ pub fn train(
     let results = run_ranks_on(cfg.world_size()?, cfg.engine, |ctx| {
         run_rank(cfg, &model_cfg, &data, resume.as_ref(), ctx, on_step)
     })
-    .map_err(|e| TrainError::Ranks(e.to_string()))?;
+    .map_err(ranks_failed)?;
     // Every rank holds the same (dp-averaged) reports; under MPI this process has one rank.
     let steps = results[0].1.0.clone();
     Ok(TrainSummary {
@@ -195,6 +205,24 @@ pub fn train(
     })
 }
 
+/// The launch's failures as one error; said once when every rank failed alike (a guard that
+/// every rank decides on the same values, such as a non-finite loss).
+fn ranks_failed(e: LaunchError) -> TrainError {
+    let first = e.first();
+    let alike = e.failures.len() > 1
+        && e.failures
+            .iter()
+            .all(|f| !f.panicked && f.message == first.message);
+    match alike {
+        true => TrainError::Ranks(format!(
+            "on all {} ranks, {}",
+            e.failures.len(),
+            first.message
+        )),
+        false => TrainError::Ranks(e.to_string()),
+    }
+}
+
 type RankResult = (Vec<StepLog>, u64, u64, Vec<PathBuf>);
 
 /// The GPU of `rank` on its node: the launcher's local rank when it sets one (one process per
@@ -206,24 +234,33 @@ fn gpu_of(rank: usize) -> usize {
         .unwrap_or(rank)
 }
 
-/// This rank's model, parallelized as the context says (an f32 `single` run stays plain). A
+/// This rank's model, with `--freeze`'s parameters frozen and parallelized as the context
+/// says (an f32 `single` run stays plain), and the elements of the whole model that train. A
 /// checkpoint is loaded lazily, so each FSDP rank reads only its rows.
 fn build_model(
     cfg: &TrainConfig,
     model_cfg: &LlamaConfig,
     mesh: &MeshContext,
-) -> Result<Llama, TrainError> {
+) -> Result<(Llama, u64), TrainError> {
     let device = mesh.device();
+    // Frozen before parallelize_model, which then shards them without gradient or state.
+    let frozen = |model: Llama| -> Result<(Llama, u64), TrainError> {
+        let plan = freeze::plan(&model, &cfg.freeze)?;
+        Ok((freeze::freeze(model, &plan.frozen), plan.trainable_elements))
+    };
     Ok(match &cfg.checkpoint {
         Some(dir) => {
             // Under expert parallelism each rank reads its own experts whole.
             let ep = mesh.expert_groups().map(|g| &g.ep);
             let (model, rows) = lazy_llama_ep(dir, device, ep)?;
-            parallelize_model_from(model, mesh, move |r: &RowRequest| {
-                rows.read(r.id, r.rows.clone())
-            })?
+            let (model, trainable) = frozen(model)?;
+            let read = move |r: &RowRequest| rows.read(r.id, r.rows.clone());
+            (parallelize_model_from(model, mesh, read)?, trainable)
         }
-        None => parallelize_model(Llama::seeded(model_cfg, cfg.seed, device), mesh)?,
+        None => {
+            let (model, trainable) = frozen(Llama::seeded(model_cfg, cfg.seed, device))?;
+            (parallelize_model(model, mesh)?, trainable)
+        }
     })
 }
 
@@ -243,7 +280,7 @@ fn run_rank(
     };
     let mesh = MeshContext::new(&ctx, cfg.distributed.clone(), device)?;
     let device = mesh.device().clone();
-    let mut model = build_model(cfg, model_cfg, &mesh)?;
+    let (mut model, trainable_params) = build_model(cfg, model_cfg, &mesh)?;
     let mut optimizer = RunOptimizer::new(cfg);
     // Where the data stream stands, in samples: batches follow it rather than the step, so a
     // resumed run continues the stream exactly (also with another --global-batch).
@@ -256,8 +293,10 @@ fn run_rank(
         }
         None => (0, 0),
     };
-    let my_state = model_state_bytes(&model, optimizer.states_per_param());
-    let peak_state = max_over_world(&ctx, my_state)?;
+    let states = optimizer.states_per_param();
+    let my_state = model_state_bytes(&model, states);
+    let my_optimizer_state = optimizer_state_bytes(&model, states);
+    let [peak_state, peak_optimizer_state] = max_over_world(&ctx, [my_state, my_optimizer_state])?;
     // Every rank has built its model by now (the max above waited for all): the peak RSS the
     // steps report is training's, not the full model each rank builds before sharding it.
     reset_peak_rss();
@@ -296,6 +335,8 @@ fn run_rank(
             m
         })?;
         model = next;
+        // Ends the run on every rank alike (the values are the ones all ranks agree on).
+        check_finite(cfg, step, &done)?;
         position += cfg.global_batch;
         let step_time_s = start_time.elapsed().as_secs_f64();
         let usage = ProcessUsage::now();
@@ -321,6 +362,8 @@ fn run_rank(
             step_time_s,
             tokens_per_s: global_tokens as f64 / step_time_s.max(1e-12),
             peak_model_state_bytes_per_rank: peak_state,
+            trainable_params,
+            optimizer_state_bytes_per_rank: peak_optimizer_state,
             times,
             calls,
             minor_faults: usage.minor_faults - usage_before.minor_faults,
@@ -367,19 +410,24 @@ fn save(
     Ok(())
 }
 
-/// The largest of every rank's `value`, exactly (as two f32 halves).
-fn max_over_world(ctx: &burn_parallel_comm::RankContext, value: u64) -> Result<u64, TrainError> {
+/// The largest of every rank's value of each of `values`, exactly (each as two f32 halves), in
+/// one all-gather.
+fn max_over_world<const N: usize>(
+    ctx: &burn_parallel_comm::RankContext,
+    values: [u64; N],
+) -> Result<[u64; N], TrainError> {
     let world = ctx.world()?;
-    let all = world.all_gather(
-        TensorData::new(
-            vec![(value >> 24) as f32, (value & 0xFF_FFFF) as f32],
-            [1, 2],
-        ),
-        0,
-    )?;
+    let halves = values
+        .iter()
+        .flat_map(|v| [(v >> 24) as f32, (v & 0xFF_FFFF) as f32])
+        .collect::<Vec<_>>();
+    let all = world.all_gather(TensorData::new(halves, [1, 2 * N]), 0)?;
     let v = all.as_slice::<f32>().expect("f32 values");
-    Ok(v.chunks(2)
-        .map(|p| ((p[0] as u64) << 24) | p[1] as u64)
-        .max()
-        .unwrap_or(value))
+    let mut max = values;
+    for rank in v.chunks(2 * N) {
+        for (i, p) in rank.chunks(2).enumerate() {
+            max[i] = max[i].max(((p[0] as u64) << 24) | p[1] as u64);
+        }
+    }
+    Ok(max)
 }

@@ -4,10 +4,12 @@
 //! read, so a rank that reads its own slices holds its shard plus one tensor at most.
 //! Hugging Face Linear weights are `[out, in]`, Burn's `[in, out]`: loading transposes.
 
+mod hf_names;
 mod lazy;
 mod reader;
 mod writer;
 
+pub use hf_names::{HfParam, hf_params};
 pub use lazy::{CheckpointRows, lazy_llama, lazy_llama_ep};
 pub use reader::{CheckpointSource, HfCheckpoint, load_llama, load_llama_ep};
 pub use writer::{SaveDtype, hf_tensors, save_llama, save_safetensors};

@@ -5,16 +5,15 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use burn::module::Param;
-use burn::nn::Linear;
 use burn::tensor::{DType, Tensor, TensorData};
-use burn_parallel_tp::{Tp, TpModule};
+use burn_parallel_ep::ExpertShard;
+use burn_parallel_tp::TpModule;
 use safetensors::tensor::{Dtype, TensorView};
 
+use super::hf_names::{HfVisitor, walk};
 use super::reader::transpose;
 use crate::error::ModelError;
-use crate::llama::{Llama, RmsNorm};
-use crate::moe::SparseMoe;
-use crate::moe_config::{ExpertProj, MoeFlavor};
+use crate::llama::Llama;
 
 /// The dtype tensors are written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,39 +50,31 @@ fn value<const D: usize>(p: &Param<Tensor<D>>) -> TensorData {
     p.val().into_data().convert_dtype(DType::F32)
 }
 
-fn push_linear(
-    out: &mut Vec<(String, TensorData)>,
-    name: &str,
-    l: &Tp<Linear>,
-) -> Result<(), ModelError> {
-    let inner = l.inner();
-    out.push((format!("{name}.weight"), transpose(value(&inner.weight))));
-    if let Some(b) = &inner.bias {
-        out.push((format!("{name}.bias"), value(b)));
-    }
-    Ok(())
-}
+/// Collects every parameter's value under its Hugging Face name (see [`hf_tensors`]).
+struct Values(Vec<(String, TensorData)>);
 
-/// A sparse layer's router and its experts, one `[out, in]` tensor per expert as the hub
-/// stores them. Experts split over an ep group are gathered first (collective over it).
-fn push_moe(
-    out: &mut Vec<(String, TensorData)>,
-    layer: &str,
-    moe: &SparseMoe,
-    flavor: MoeFlavor,
-) -> Result<(), ModelError> {
-    out.push((
-        flavor.router_name(layer),
-        transpose(value(&moe.gate.weight)),
-    ));
-    let experts = &moe.experts;
-    for (proj, stack) in
-        ExpertProj::ALL
-            .into_iter()
-            .zip([&experts.gate_proj, &experts.up_proj, &experts.down_proj])
-    {
+impl HfVisitor for Values {
+    fn param<const D: usize>(
+        &mut self,
+        name: String,
+        param: &Param<Tensor<D>>,
+        linear: bool,
+    ) -> Result<(), ModelError> {
+        let data = value(param);
+        self.0
+            .push((name, if linear { transpose(data) } else { data }));
+        Ok(())
+    }
+
+    /// Experts split over an ep group are gathered first (collective over it).
+    fn experts(
+        &mut self,
+        names: Vec<String>,
+        stack: &Param<Tensor<3>>,
+        shard: Option<&ExpertShard>,
+    ) -> Result<(), ModelError> {
         let mut stack = value(stack);
-        if let Some(shard) = &experts.shard {
+        if let Some(shard) = shard {
             stack = shard
                 .group()
                 .all_gather(stack, 0)
@@ -91,74 +82,21 @@ fn push_moe(
         }
         let [n, rows, cols] = stack.shape().dims();
         let values = stack.try_into_vec::<f32>().expect("f32 data");
-        for (e, one) in values.chunks(rows * cols).enumerate().take(n) {
+        for (one, name) in values.chunks(rows * cols).take(n).zip(names) {
             let one = TensorData::new(one.to_vec(), [rows, cols]);
-            out.push((flavor.expert_name(layer, e, proj), transpose(one)));
+            self.0.push((name, transpose(one)));
         }
+        Ok(())
     }
-    Ok(())
-}
-
-fn push_norm(
-    out: &mut Vec<(String, TensorData)>,
-    name: &str,
-    n: &Tp<RmsNorm>,
-) -> Result<(), ModelError> {
-    out.push((format!("{name}.weight"), value(&n.inner().weight)));
-    Ok(())
 }
 
 /// Every parameter under its Hugging Face name and layout (`[out, in]` Linear weights), f32.
 /// FSDP and tensor-parallel shards are gathered first (collective: every rank calls it).
 pub fn hf_tensors(model: &Llama) -> Result<Vec<(String, TensorData)>, ModelError> {
     let model = burn_parallel_fsdp::gather_full(model.clone())?.gather_tp()?;
-    let mut out = Vec::new();
-    let table = value(&model.embed_tokens.inner().weight);
-    out.push(("model.embed_tokens.weight".into(), table));
-    for (i, l) in model.layers.iter().enumerate() {
-        let p = format!("model.layers.{i}");
-        push_norm(
-            &mut out,
-            &format!("{p}.input_layernorm"),
-            &l.input_layernorm,
-        )?;
-        let a = &l.self_attn;
-        for (n, lin) in [
-            ("q_proj", &a.q_proj),
-            ("k_proj", &a.k_proj),
-            ("v_proj", &a.v_proj),
-            ("o_proj", &a.o_proj),
-        ] {
-            push_linear(&mut out, &format!("{p}.self_attn.{n}"), lin)?;
-        }
-        push_norm(
-            &mut out,
-            &format!("{p}.post_attention_layernorm"),
-            &l.post_attention_layernorm,
-        )?;
-        for (name, n) in [("q_norm", &a.q_norm), ("k_norm", &a.k_norm)] {
-            if let Some(n) = n {
-                out.push((format!("{p}.self_attn.{name}.weight"), value(&n.weight)));
-            }
-        }
-        if let Some(mlp) = &l.mlp {
-            for (n, lin) in [
-                ("gate_proj", &mlp.gate_proj),
-                ("up_proj", &mlp.up_proj),
-                ("down_proj", &mlp.down_proj),
-            ] {
-                push_linear(&mut out, &format!("{p}.mlp.{n}"), lin)?;
-            }
-        }
-        if let (Some(moe), Some(config)) = (&l.moe, &model.config.moe) {
-            push_moe(&mut out, &p, moe, config.flavor)?;
-        }
-    }
-    push_norm(&mut out, "model.norm", &model.norm)?;
-    if let Some(head) = &model.lm_head {
-        push_linear(&mut out, "lm_head", head)?;
-    }
-    Ok(out)
+    let mut values = Values(Vec::new());
+    walk(&model, &mut values)?;
+    Ok(values.0)
 }
 
 fn encode(data: &TensorData, dtype: SaveDtype) -> Vec<u8> {

@@ -1,0 +1,171 @@
+//! The one table of where each Llama parameter lives in the Hugging Face layout: the writer
+//! ([`hf_tensors`](super::hf_tensors)) reads values through it, and [`hf_params`] gives the
+//! names alone (for choosing parameters by name, such as the trainer's `--freeze`).
+
+use burn::module::{Param, ParamId};
+use burn::nn::Linear;
+use burn::tensor::Tensor;
+use burn_parallel_ep::ExpertShard;
+use burn_parallel_tp::Tp;
+
+use crate::error::ModelError;
+use crate::llama::{Llama, RmsNorm};
+use crate::moe::SparseMoe;
+use crate::moe_config::{ExpertProj, MoeFlavor};
+
+/// What [`walk`] shows each parameter to, in checkpoint order.
+pub(super) trait HfVisitor {
+    /// `param` is stored whole as `name`; `linear`: a Linear weight (the hub's `[out, in]`,
+    /// Burn's `[in, out]`).
+    fn param<const D: usize>(
+        &mut self,
+        name: String,
+        param: &Param<Tensor<D>>,
+        linear: bool,
+    ) -> Result<(), ModelError>;
+
+    /// `stack` (`[experts, in, out]`; this rank's experts under `shard`) is stored as one
+    /// `[out, in]` tensor per expert, named `names` (every expert of the layer, in order).
+    fn experts(
+        &mut self,
+        names: Vec<String>,
+        stack: &Param<Tensor<3>>,
+        shard: Option<&ExpertShard>,
+    ) -> Result<(), ModelError>;
+}
+
+fn linear(v: &mut impl HfVisitor, name: &str, l: &Tp<Linear>) -> Result<(), ModelError> {
+    let inner = l.inner();
+    v.param(format!("{name}.weight"), &inner.weight, true)?;
+    if let Some(b) = &inner.bias {
+        v.param(format!("{name}.bias"), b, false)?;
+    }
+    Ok(())
+}
+
+fn norm(v: &mut impl HfVisitor, name: &str, n: &RmsNorm) -> Result<(), ModelError> {
+    v.param(format!("{name}.weight"), &n.weight, false)
+}
+
+fn moe(
+    v: &mut impl HfVisitor,
+    layer: &str,
+    moe: &SparseMoe,
+    flavor: MoeFlavor,
+) -> Result<(), ModelError> {
+    v.param(flavor.router_name(layer), &moe.gate.weight, true)?;
+    let experts = &moe.experts;
+    for (proj, stack) in
+        ExpertProj::ALL
+            .into_iter()
+            .zip([&experts.gate_proj, &experts.up_proj, &experts.down_proj])
+    {
+        let names = (0..experts.num_experts)
+            .map(|e| flavor.expert_name(layer, e, proj))
+            .collect();
+        v.experts(names, stack, experts.shard.as_ref())?;
+    }
+    Ok(())
+}
+
+/// Shows every parameter of `model` to `v` under its Hugging Face name, in checkpoint order.
+pub(super) fn walk(model: &Llama, v: &mut impl HfVisitor) -> Result<(), ModelError> {
+    v.param(
+        "model.embed_tokens.weight".into(),
+        &model.embed_tokens.inner().weight,
+        false,
+    )?;
+    for (i, l) in model.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        norm(
+            v,
+            &format!("{p}.input_layernorm"),
+            l.input_layernorm.inner(),
+        )?;
+        let a = &l.self_attn;
+        for (n, lin) in [
+            ("q_proj", &a.q_proj),
+            ("k_proj", &a.k_proj),
+            ("v_proj", &a.v_proj),
+            ("o_proj", &a.o_proj),
+        ] {
+            linear(v, &format!("{p}.self_attn.{n}"), lin)?;
+        }
+        let post = l.post_attention_layernorm.inner();
+        norm(v, &format!("{p}.post_attention_layernorm"), post)?;
+        for (name, n) in [("q_norm", &a.q_norm), ("k_norm", &a.k_norm)] {
+            if let Some(n) = n {
+                norm(v, &format!("{p}.self_attn.{name}"), n)?;
+            }
+        }
+        if let Some(mlp) = &l.mlp {
+            for (n, lin) in [
+                ("gate_proj", &mlp.gate_proj),
+                ("up_proj", &mlp.up_proj),
+                ("down_proj", &mlp.down_proj),
+            ] {
+                linear(v, &format!("{p}.mlp.{n}"), lin)?;
+            }
+        }
+        if let (Some(m), Some(config)) = (&l.moe, &model.config.moe) {
+            moe(v, &p, m, config.flavor)?;
+        }
+    }
+    norm(v, "model.norm", model.norm.inner())?;
+    if let Some(head) = &model.lm_head {
+        linear(v, "lm_head", head)?;
+    }
+    Ok(())
+}
+
+/// One parameter of a Llama and the Hugging Face names it is stored under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HfParam {
+    /// The Burn parameter.
+    pub id: ParamId,
+    /// Its name; a stack of experts has one per expert (every expert of the layer, also
+    /// those another rank holds under expert parallelism).
+    pub names: Vec<String>,
+    /// Elements of the tensor each name stores.
+    pub elements_per_name: usize,
+}
+
+/// Every parameter of `model` with its Hugging Face names, in checkpoint order. Reads no
+/// value and communicates nothing (lazy parameters stay lazy). Call it on the model as built
+/// (before sharding): element counts are those of the tensors the model holds.
+pub fn hf_params(model: &Llama) -> Vec<HfParam> {
+    struct Names(Vec<HfParam>);
+    impl HfVisitor for Names {
+        fn param<const D: usize>(
+            &mut self,
+            name: String,
+            param: &Param<Tensor<D>>,
+            _linear: bool,
+        ) -> Result<(), ModelError> {
+            self.0.push(HfParam {
+                id: param.id,
+                names: vec![name],
+                elements_per_name: param.lazy_shape().num_elements(),
+            });
+            Ok(())
+        }
+
+        fn experts(
+            &mut self,
+            names: Vec<String>,
+            stack: &Param<Tensor<3>>,
+            _shard: Option<&ExpertShard>,
+        ) -> Result<(), ModelError> {
+            let [_, rows, cols] = stack.lazy_shape().dims();
+            self.0.push(HfParam {
+                id: stack.id,
+                names,
+                elements_per_name: rows * cols,
+            });
+            Ok(())
+        }
+    }
+    let mut names = Names(Vec::new());
+    walk(model, &mut names).expect("naming parameters cannot fail");
+    names.0
+}

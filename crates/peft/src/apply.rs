@@ -1,0 +1,132 @@
+//! Choosing the adapted modules by name (peft's `target_modules`), and merging every adapter
+//! back for export.
+//!
+//! A `ModuleMapper` cannot change a field's type, so a model declares where LoRA may go by
+//! typing those fields `Lora<Linear>` (or `Tp<Lora<Linear>>`); unadapted, they are plain
+//! linears. [`LoraModule`] walks those fields by path, as `TpModule` walks `Tp` fields.
+
+use burn::module::Module;
+use burn::nn::Linear;
+use burn_parallel_tp::{Tp, child_path};
+
+use crate::config::LoraConfig;
+use crate::error::LoraError;
+use crate::lora::Lora;
+
+/// What [`LoraModule::map_lora`] calls on each `Lora<Linear>` with its path.
+pub type LoraFn<'a> = dyn FnMut(&str, Lora<Linear>) -> Result<Lora<Linear>, LoraError> + 'a;
+
+/// A module tree whose `Lora` fields can be reached by path. Implemented for `Lora<Linear>`,
+/// `Tp<M>`, `Vec` and `Option`; a user's struct implements it by passing each field that
+/// holds LoRA layers its `child_path`:
+///
+/// ```ignore
+/// impl LoraModule for Attention {
+///     fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+///         Ok(Self {
+///             q_proj: self.q_proj.map_lora(&child_path(path, "q_proj"), f)?,
+///             v_proj: self.v_proj.map_lora(&child_path(path, "v_proj"), f)?,
+///             ..self
+///         })
+///     }
+/// }
+/// ```
+pub trait LoraModule: Sized {
+    /// Rebuilds the module with `f` applied to every `Lora<Linear>` under `path`, in field
+    /// order.
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError>;
+}
+
+impl LoraModule for Lora<Linear> {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        f(path, self)
+    }
+}
+
+impl<M: LoraModule> LoraModule for Tp<M> {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        // A split layer cannot be rebuilt from outside `Tp`, and an adapter attached to or
+        // merged into one shard only would leave the others behind.
+        if let Some(s) = self.sharding() {
+            return Err(LoraError::Sharded {
+                // The layer's own path: `path` is empty when the layer is the root.
+                path: s.path.clone(),
+                style: s.style.to_string(),
+                what: "attach or merge LoRA adapters",
+            });
+        }
+        Ok(Tp::new(self.into_inner().map_lora(path, f)?))
+    }
+}
+
+impl<T: LoraModule> LoraModule for Vec<T> {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        self.into_iter()
+            .enumerate()
+            .map(|(i, m)| m.map_lora(&child_path(path, &i.to_string()), f))
+            .collect()
+    }
+}
+
+impl<T: LoraModule> LoraModule for Option<T> {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        self.map(|m| m.map_lora(path, f)).transpose()
+    }
+}
+
+/// peft's `get_peft_model`: freezes every parameter of `model` and attaches an adapter
+/// ([`Lora::attach`]) to each `Lora` module whose path a target of `config` matches. A target
+/// that matches no module is an error naming it and the model's `Lora` paths. Call it on the
+/// whole model, before `parallelize_model`, on every rank (the adapters are seeded, so every
+/// rank builds the same ones).
+pub fn apply_lora<M: Module + LoraModule>(model: M, config: &LoraConfig) -> Result<M, LoraError> {
+    config.validate()?;
+    let mut hits = vec![0usize; config.targets.len()];
+    let mut seen = Vec::new();
+    let model = model.no_grad().map_lora("", &mut |path, layer| {
+        seen.push(path.to_string());
+        match config.target_of(path) {
+            Some(i) => {
+                hits[i] += 1;
+                layer.attach(path, config)
+            }
+            None => Ok(layer),
+        }
+    })?;
+    let unmatched: Vec<&str> = config
+        .targets
+        .iter()
+        .zip(&hits)
+        .filter(|(_, h)| **h == 0)
+        .map(|(t, _)| t.as_str())
+        .collect();
+    if !unmatched.is_empty() {
+        return Err(LoraError::UnmatchedTargets {
+            targets: unmatched.join(", "),
+            available: match seen.is_empty() {
+                true => "none".into(),
+                false => seen.join(", "),
+            },
+        });
+    }
+    Ok(model)
+}
+
+/// peft's `merge_and_unload`: every adapter folded into its base weight and removed, for
+/// export. On a whole model (after `full_model` when it was parallelized); the merged model
+/// computes what the adapted one did.
+pub fn merge_lora<M: LoraModule>(model: M) -> Result<M, LoraError> {
+    model.map_lora("", &mut |_, layer| Ok(layer.merge()))
+}
+
+/// The paths of `model`'s adapted modules, in field order.
+pub fn adapted_paths<M: LoraModule + Clone>(model: &M) -> Result<Vec<String>, LoraError> {
+    let mut paths = Vec::new();
+    model.clone().map_lora("", &mut |path, layer| {
+        if layer.adapter.is_some() {
+            paths.push(path.to_string());
+        }
+        Ok(layer)
+    })?;
+    Ok(paths)
+}

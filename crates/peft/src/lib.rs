@@ -1,0 +1,43 @@
+//! burn-parallel-peft: parameter-efficient fine-tuning, LoRA as a module decorator.
+//!
+//! - [`Lora<M>`](Lora) wraps a module (`nn::Linear`; any [`LoraBase`]). Without an adapter it
+//!   is exactly its base; with one the base is frozen and the output is
+//!   `base(x) + (x @ a @ b) * scale`, `a: [in, r]` Kaiming-uniform (seeded), `b: [r, out]`
+//!   zero, `scale = alpha / r` (rsLoRA: `alpha / sqrt(r)`).
+//! - [`apply_lora`] picks the adapted modules by name, as peft's `target_modules`: the model's
+//!   fields that may take an adapter are typed `Lora<Linear>` or `Tp<Lora<Linear>>`, and a
+//!   [`LoraModule`] walk reaches them by path. [`merge_lora`] folds every adapter back.
+//! - Strategies: the factors are ordinary trainable parameters (FSDP shards them, DDP reduces
+//!   them) and the frozen base reduces nothing. Under tensor parallelism `Tp<Lora<Linear>>`
+//!   ([`TpLoraForward`]) splits `b`'s columns with a colwise base and `a`'s rows with a rowwise
+//!   one.
+//!
+//! ```ignore
+//! #[parallelize]
+//! #[derive(Module, Debug)]
+//! struct Attention {
+//!     #[tp(colwise)] q_proj: Tp<Lora<Linear>>,
+//!     #[tp(colwise)] v_proj: Tp<Lora<Linear>>,
+//!     #[tp(rowwise)] o_proj: Tp<Lora<Linear>>,
+//! }
+//! // impl LoraModule for Attention (each field with its child_path), then on every rank:
+//! let model = apply_lora(model, &LoraConfig::new(8, 16.0, &["q_proj", "v_proj"]))?;
+//! let model = parallelize_model(model, &ctx)?;
+//! // ... train; for export:
+//! let merged = merge_lora(full_model(model)?)?;
+//! ```
+
+#![warn(missing_docs)]
+
+mod apply;
+mod config;
+mod error;
+mod init;
+mod lora;
+mod tp;
+
+pub use apply::{LoraFn, LoraModule, adapted_paths, apply_lora, merge_lora};
+pub use config::LoraConfig;
+pub use error::LoraError;
+pub use lora::{A_NAME, Adapter, B_NAME, Lora, LoraBase};
+pub use tp::TpLoraForward;

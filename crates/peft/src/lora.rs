@@ -1,0 +1,356 @@
+//! The `Lora<M>` decorator: a frozen base module plus an optional low-rank adapter whose
+//! output is added to the base's, `base(x) + (x @ a @ b) * scale`.
+
+use std::fmt;
+
+use burn::module::{
+    Content, Devices, DisplaySettings, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper,
+    ModuleVisitor, Param,
+};
+use burn::nn::Linear;
+use burn::tensor::module::linear;
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::collectives as coll;
+
+use crate::config::LoraConfig;
+use crate::error::LoraError;
+use crate::init::kaiming_uniform;
+
+/// A module LoRA can adapt: a weight of `[d_in, d_out]` features (Burn's `x @ W` layout) that
+/// an adapter's `a @ b` can be folded into. Implement it (and a forward on `Lora<M>`) to adapt
+/// another layer.
+pub trait LoraBase: Module + Sized {
+    /// A short name for errors ("Linear", ...).
+    const KIND: &'static str;
+
+    /// `[d_in, d_out]`: the features the adapter maps between (without initializing a lazy
+    /// weight).
+    fn features(&self) -> [usize; 2];
+
+    /// A zero tensor of the weight's device and dtype with `shape`: the adapter's factors are
+    /// built like it (a half-precision base gets half-precision factors).
+    fn zeros_like_weight(&self, shape: [usize; 2]) -> Tensor<2>;
+
+    /// The module with `delta` (`[d_in, d_out]`) added to its weight, the parameter keeping its
+    /// id and require-grad setting.
+    fn add_to_weight(self, delta: Tensor<2>) -> Self;
+}
+
+impl LoraBase for Linear {
+    const KIND: &'static str = "Linear";
+
+    fn features(&self) -> [usize; 2] {
+        self.weight.lazy_shape().dims()
+    }
+
+    fn zeros_like_weight(&self, shape: [usize; 2]) -> Tensor<2> {
+        let w = self.weight.val();
+        Tensor::<2>::zeros(shape, &w.device()).cast(FloatDType::from(w.dtype()))
+    }
+
+    fn add_to_weight(mut self, delta: Tensor<2>) -> Self {
+        self.weight = self.weight.map(|w| {
+            let (trainable, dtype) = (w.is_require_grad(), FloatDType::from(w.dtype()));
+            let merged = (w.detach() + delta.cast(dtype)).detach();
+            if trainable {
+                merged.require_grad()
+            } else {
+                merged
+            }
+        });
+        self
+    }
+}
+
+/// Which factor of an adapter stays whole while tensor parallelism splits the other, and the
+/// tp group its gradient is summed over.
+#[derive(Debug, Clone)]
+pub(crate) struct Replicated {
+    pub factor: Factor,
+    pub group: ProcessGroup,
+}
+
+/// One of an adapter's two factors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Factor {
+    A,
+    B,
+}
+
+/// A low-rank adapter: `a: [d_in, r]`, `b: [r, d_out]`, output `(x @ a @ b) * scale`.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    /// `[d_in, r]` (peft's `lora_A.weight` transposed); under a rowwise style, this rank's rows.
+    pub a: Param<Tensor<2>>,
+    /// `[r, d_out]` (peft's `lora_B.weight` transposed); under a colwise style, this rank's
+    /// columns.
+    pub b: Param<Tensor<2>>,
+    /// `alpha / r` (or `alpha / sqrt(r)`, rsLoRA).
+    pub scale: f64,
+    /// Set while tensor parallelism splits the other factor.
+    pub(crate) replicated: Option<Replicated>,
+}
+
+impl Adapter {
+    /// `(x @ a @ b) * scale` on `[.., d_in]` features (this rank's features under TP).
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let (mut a, mut b) = (self.a.val(), self.b.val());
+        // Under TP the whole factor meets only this rank's part of the other one, so its
+        // gradient is this rank's share of the sum: identity forward, all-reduce backward makes
+        // it whole inside autodiff, before FSDP or DDP reduce it over data-parallel ranks.
+        if let Some(r) = &self.replicated {
+            match r.factor {
+                Factor::A => a = coll::copy_to_group(a, &r.group),
+                Factor::B => b = coll::copy_to_group(b, &r.group),
+            }
+        }
+        linear(linear(x, a, None), b, None).mul_scalar(self.scale)
+    }
+
+    /// `a @ b * scale`: what the adapter adds to the base weight (this rank's block of it
+    /// under TP).
+    pub fn delta(&self) -> Tensor<2> {
+        self.a
+            .val()
+            .detach()
+            .matmul(self.b.val().detach())
+            .mul_scalar(self.scale)
+    }
+
+    /// The rank `r`.
+    pub fn rank(&self) -> usize {
+        self.b.lazy_shape().dims::<2>()[0]
+    }
+
+    fn map_params(self, f: impl Fn(Param<Tensor<2>>) -> Param<Tensor<2>>) -> Self {
+        Self {
+            a: f(self.a),
+            b: f(self.b),
+            ..self
+        }
+    }
+}
+
+/// LoRA decorator. Without an adapter it is exactly its base (same parameters, same paths);
+/// with one, the base is frozen and the adapter's `a` and `b` train. Its `Module` impl adds no
+/// path segment for the base (`q_proj.weight` stays `q_proj.weight`, so a base checkpoint
+/// loads unchanged); the factors are `q_proj.lora_a` and `q_proj.lora_b`.
+#[derive(Debug, Clone)]
+pub struct Lora<M> {
+    /// The wrapped module (frozen once adapted).
+    pub base: M,
+    /// The adapter, if this module is a target.
+    pub adapter: Option<Adapter>,
+}
+
+impl<M> Lora<M> {
+    /// `base`, without an adapter: it runs as `base` until [`apply_lora`](crate::apply_lora)
+    /// (or [`Lora::attach`]) gives it one.
+    pub fn new(base: M) -> Self {
+        Self {
+            base,
+            adapter: None,
+        }
+    }
+}
+
+impl<M> From<M> for Lora<M> {
+    fn from(base: M) -> Self {
+        Self::new(base)
+    }
+}
+
+impl<M: LoraBase> Lora<M> {
+    /// Freezes the base and attaches an adapter of `config`'s rank and scale: `a`
+    /// Kaiming-uniform from `config.seed` and `path`, `b` zero (so the adapted module starts
+    /// equal to its base, as peft's default).
+    pub fn attach(self, path: &str, config: &LoraConfig) -> Result<Self, LoraError> {
+        config.validate()?;
+        if self.adapter.is_some() {
+            return Err(LoraError::AlreadyAdapted {
+                path: path.to_string(),
+            });
+        }
+        let [d_in, d_out] = self.base.features();
+        let r = config.r;
+        let like = self.base.zeros_like_weight([d_in, r]);
+        let values = TensorData::new(kaiming_uniform(config.seed, path, d_in, r), [d_in, r]);
+        let a = Tensor::<2>::from_data(values, &like.device()).cast(FloatDType::from(like.dtype()));
+        let b = self.base.zeros_like_weight([r, d_out]);
+        Ok(Self {
+            base: self.base.no_grad(),
+            adapter: Some(Adapter {
+                a: Param::from_tensor(a),
+                b: Param::from_tensor(b),
+                scale: config.scale(),
+                replicated: None,
+            }),
+        })
+    }
+
+    /// The base with the adapter folded in (`W + a @ b * scale`), the adapter removed: for
+    /// export. The decorator's own state is untouched (see [`merged`](Self::merged)).
+    pub fn merge(self) -> Self {
+        match self.adapter {
+            None => self,
+            Some(adapter) => Self::new(self.base.add_to_weight(adapter.delta())),
+        }
+    }
+
+    /// A copy of the base with the adapter folded in; this module keeps its adapter.
+    pub fn merged(&self) -> M {
+        let base = self.base.clone();
+        match &self.adapter {
+            None => base,
+            Some(adapter) => base.add_to_weight(adapter.delta()),
+        }
+    }
+}
+
+impl Lora<Linear> {
+    /// `base(x) + adapter(x)` on `[.., d_in]` features.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match &self.adapter {
+            Some(adapter) => self.base.forward(x.clone()) + adapter.forward(x),
+            None => self.base.forward(x),
+        }
+    }
+
+    /// `x @ W + adapter(x)`, without the bias: a rowwise layer adds its bias once, after the
+    /// reduction that the adapter's partial output shares.
+    pub(crate) fn forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let y = linear(x.clone(), self.base.weight.val(), None);
+        match &self.adapter {
+            Some(adapter) => y + adapter.forward(x),
+            None => y,
+        }
+    }
+}
+
+/// `Module` by hand: the base without a path segment of its own, the factors as `lora_a` and
+/// `lora_b`, the non-parameter state (scale, tp group) carried through every transformation.
+impl<M: Module> Module for Lora<M> {
+    fn collect_devices(&self, devices: Devices) -> Devices {
+        let devices = self.base.collect_devices(devices);
+        match &self.adapter {
+            Some(ad) => ad.b.collect_devices(ad.a.collect_devices(devices)),
+            None => devices,
+        }
+    }
+
+    fn fork(self, device: &Device) -> Self {
+        Self {
+            base: self.base.fork(device),
+            adapter: self.adapter.map(|ad| ad.map_params(|p| p.fork(device))),
+        }
+    }
+
+    fn to_device(self, device: &Device) -> Self {
+        Self {
+            base: self.base.to_device(device),
+            adapter: self
+                .adapter
+                .map(|ad| ad.map_params(|p| p.to_device(device))),
+        }
+    }
+
+    fn train(self) -> Self {
+        Self {
+            base: self.base.train(),
+            adapter: self.adapter.map(|ad| ad.map_params(Module::train)),
+        }
+    }
+
+    fn valid(&self) -> Self {
+        Self {
+            base: self.base.valid(),
+            adapter: self.adapter.clone().map(|ad| ad.map_params(|p| p.valid())),
+        }
+    }
+
+    fn materialize(self) -> Self {
+        Self {
+            base: self.base.materialize(),
+            adapter: self.adapter.map(|ad| ad.map_params(Module::materialize)),
+        }
+    }
+
+    fn num_params(&self) -> usize {
+        let adapter = self.adapter.as_ref().map_or(0, |ad| {
+            Module::num_params(&ad.a) + Module::num_params(&ad.b)
+        });
+        self.base.num_params() + adapter
+    }
+
+    fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
+        self.base.visit(visitor);
+        if let Some(ad) = &self.adapter {
+            for (name, p) in [(A_NAME, &ad.a), (B_NAME, &ad.b)] {
+                visitor.enter_module(name, CONTAINER);
+                p.visit(visitor);
+                visitor.exit_module(name, CONTAINER);
+            }
+        }
+    }
+
+    fn map<Mp: ModuleMapper>(self, mapper: &mut Mp) -> Self {
+        let base = self.base.map(mapper);
+        let adapter = self.adapter.map(|ad| {
+            let mut one = |name: &str, p: Param<Tensor<2>>| {
+                mapper.enter_module(name, CONTAINER);
+                let p = p.map_module(mapper);
+                mapper.exit_module(name, CONTAINER);
+                p
+            };
+            let a = one(A_NAME, ad.a);
+            let b = one(B_NAME, ad.b);
+            Adapter { a, b, ..ad }
+        });
+        Self { base, adapter }
+    }
+}
+
+/// The path segments of the factors (peft's `lora_A` / `lora_B`, in Burn's snake case).
+pub const A_NAME: &str = "lora_a";
+/// See [`A_NAME`].
+pub const B_NAME: &str = "lora_b";
+const CONTAINER: &str = "Struct:Lora";
+
+/// `Module::map` on a parameter, named apart from `Param`'s own `map` (which maps the tensor).
+trait MapModule: Module {
+    fn map_module<Mp: ModuleMapper>(self, mapper: &mut Mp) -> Self {
+        Module::map(self, mapper)
+    }
+}
+
+impl MapModule for Param<Tensor<2>> {}
+
+impl<M: ModuleDisplay> ModuleDisplayDefault for Lora<M> {
+    fn content(&self, content: Content) -> Option<Content> {
+        self.base.content(content)
+    }
+
+    fn num_params(&self) -> usize {
+        let adapter = self.adapter.as_ref().map_or(0, |ad| {
+            ModuleDisplayDefault::num_params(&ad.a) + ModuleDisplayDefault::num_params(&ad.b)
+        });
+        ModuleDisplayDefault::num_params(&self.base) + adapter
+    }
+}
+
+impl<M: ModuleDisplay> ModuleDisplay for Lora<M> {
+    fn format(&self, settings: DisplaySettings) -> String {
+        let base = self.base.format(settings);
+        match &self.adapter {
+            Some(ad) => format!("Lora(r={}, scale={}) {base}", ad.rank(), ad.scale),
+            None => base,
+        }
+    }
+}
+
+impl<M: ModuleDisplay> fmt::Display for Lora<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.format(DisplaySettings::new()))
+    }
+}

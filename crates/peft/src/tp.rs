@@ -1,0 +1,150 @@
+//! LoRA under tensor parallelism: `Tp<Lora<Linear>>` splits the adapter with its base.
+//!
+//! - colwise (and fused colwise): the base's output columns split, and `b`'s with them; `a` is
+//!   whole on every rank and its gradient summed over tp.
+//! - rowwise: the base's input rows split, and `a`'s with them; `b` is whole and its gradient
+//!   summed over tp. `x_r @ a_r @ b` are partial sums like `x_r @ W_r`, so the rowwise output's
+//!   one all-reduce (or reduce-scatter) covers the adapter too; the bias is added after it.
+//!
+//! The split parameters show in the layer's `Sharding::split_params` (recorded from the shapes
+//! by `Tp`), which the sharded checkpoint places.
+
+use burn::module::ModuleVisitor;
+use burn::nn::Linear;
+use burn::tensor::Tensor;
+use burn_parallel_comm::ProcessGroup;
+use burn_parallel_tp::{
+    ParallelStyle, ShardSpec, Sharded, Tp, TpError, TpLayer, gather_param, gather_param_parts,
+    narrow_param, narrow_param_parts,
+};
+
+use crate::lora::{Adapter, Factor, Lora, Replicated};
+
+impl Adapter {
+    /// This rank's adapter for a base split by `style` into `spec`.
+    fn shard(mut self, style: &ParallelStyle, spec: &ShardSpec, group: &ProcessGroup) -> Self {
+        let replicated = |factor| {
+            Some(Replicated {
+                factor,
+                group: group.clone(),
+            })
+        };
+        match style {
+            ParallelStyle::Colwise { .. } => {
+                self.b = narrow_param(self.b, 1, spec.range.clone());
+                self.replicated = replicated(Factor::A);
+            }
+            ParallelStyle::ColwiseFused { parts, .. } => {
+                self.b = narrow_param_parts(self.b, 1, &spec.part_ranges(*parts));
+                self.replicated = replicated(Factor::A);
+            }
+            ParallelStyle::Rowwise { .. } => {
+                self.a = narrow_param(self.a, 0, spec.range.clone());
+                self.replicated = replicated(Factor::B);
+            }
+            // Nothing splits: every rank runs the whole adapter on its tokens.
+            ParallelStyle::Sequence { .. } => {}
+        }
+        self
+    }
+
+    /// The whole adapter back from this rank's: the inverse of [`Adapter::shard`].
+    fn unshard(
+        mut self,
+        style: &ParallelStyle,
+        spec: &ShardSpec,
+        group: &ProcessGroup,
+        path: &str,
+    ) -> Result<Self, TpError> {
+        match style {
+            ParallelStyle::Colwise { .. } => self.b = gather_param(self.b, 1, group, path)?,
+            ParallelStyle::ColwiseFused { parts, .. } => {
+                self.b = gather_param_parts(self.b, 1, *parts, spec.full, group, path)?
+            }
+            ParallelStyle::Rowwise { .. } => self.a = gather_param(self.a, 0, group, path)?,
+            ParallelStyle::Sequence { .. } => {}
+        }
+        self.replicated = None;
+        Ok(self)
+    }
+}
+
+impl TpLayer for Lora<Linear> {
+    const KIND: &'static str = "Lora<Linear>";
+
+    fn shard(self, style: &ParallelStyle, group: &ProcessGroup, path: &str) -> Sharded<Self> {
+        let (base, spec) = self.base.shard(style, group, path)?;
+        let adapter = match &spec {
+            Some(spec) => self.adapter.map(|ad| ad.shard(style, spec, group)),
+            None => self.adapter,
+        };
+        Ok((Self { base, adapter }, spec))
+    }
+
+    fn unshard(
+        self,
+        style: &ParallelStyle,
+        spec: Option<&ShardSpec>,
+        group: &ProcessGroup,
+        path: &str,
+    ) -> Result<Self, TpError> {
+        let base = self.base.unshard(style, spec, group, path)?;
+        let adapter = match (self.adapter, spec) {
+            (Some(ad), Some(spec)) => Some(ad.unshard(style, spec, group, path)?),
+            (adapter, _) => adapter,
+        };
+        Ok(Self { base, adapter })
+    }
+
+    fn visit_partial_grad_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {
+        // The base's own (a rowwise bias after a reduce-scatter; everything under sequence
+        // parallelism). The replicated factor of a split adapter is not here: its forward
+        // already sums its gradient over tp (see `Adapter::forward`).
+        self.base.visit_partial_grad_params(style, visitor);
+        if let (ParallelStyle::Sequence { .. }, Some(ad)) = (style, &self.adapter) {
+            visitor.visit_float(&ad.a);
+            visitor.visit_float(&ad.b);
+        }
+    }
+
+    fn visit_sharded_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {
+        self.base.visit_sharded_params(style, visitor);
+        let Some(ad) = &self.adapter else {
+            return;
+        };
+        match style {
+            ParallelStyle::Colwise { .. } | ParallelStyle::ColwiseFused { .. } => {
+                visitor.visit_float(&ad.b)
+            }
+            ParallelStyle::Rowwise { .. } => visitor.visit_float(&ad.a),
+            ParallelStyle::Sequence { .. } => {}
+        }
+    }
+}
+
+/// The forward of a tensor-parallel LoRA linear layer (an extension trait: `Tp`'s own forward
+/// methods are for `Tp<Linear>` and `Tp<Embedding>`).
+pub trait TpLoraForward {
+    /// [`Lora::forward`] under the layer's style: the style's input and output collectives
+    /// around base and adapter, a rowwise bias added once after the reduction.
+    fn try_forward<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError>;
+
+    /// As [`try_forward`](Self::try_forward); a failed collective panics (a rank failure the
+    /// launcher reports), as Burn's own forward methods do on bad input.
+    fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+    }
+}
+
+impl TpLoraForward for Tp<Lora<Linear>> {
+    fn try_forward<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
+        if !matches!(self.style(), Some(ParallelStyle::Rowwise { .. })) {
+            return self.try_forward_with(x, |l, x| l.forward(x));
+        }
+        let y = self.try_forward_with(x, |l, x| l.forward_unbiased(x))?;
+        Ok(match &self.inner().base.bias {
+            Some(b) => y + b.val().unsqueeze::<D>(),
+            None => y,
+        })
+    }
+}

@@ -1,0 +1,52 @@
+//! Guards that end a run with an error saying what to change, instead of aborting the process
+//! or training on garbage: a sequence longer than the model's positions (checked before
+//! anything is allocated) and a loss or gradient norm that is not finite.
+
+use burn_parallel_models::LlamaConfig;
+use burn_parallel_parallelizer::StepReport;
+
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+
+/// `--seq-len` within the model's `max_position_embeddings`: the rotary tables and attention
+/// are sized by it, and a longer sequence would only fail (or abort the process) later.
+pub(crate) fn check_positions(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError> {
+    let max = model.max_position_embeddings;
+    match cfg.seq_len > max {
+        true => Err(TrainError::Config(format!(
+            "--seq-len {} is longer than the model's max_position_embeddings {max}: give \
+             --seq-len {max} or less",
+            cfg.seq_len
+        ))),
+        false => Ok(()),
+    }
+}
+
+/// An error when step `step`'s loss or gradient norm is not finite. Both are values every rank
+/// holds alike (the data-parallel average of the loss, the global norm), so every rank stops
+/// at the same step, before any further collective, and none is left waiting.
+pub(crate) fn check_finite(
+    cfg: &TrainConfig,
+    step: usize,
+    report: &StepReport,
+) -> Result<(), TrainError> {
+    let bad = [("loss", report.loss), ("gradient norm", report.grad_norm)]
+        .into_iter()
+        .find(|(_, v)| !v.is_finite());
+    let Some((what, value)) = bad else {
+        return Ok(());
+    };
+    let clip = match cfg.grad_clip {
+        Some(c) => format!("clip harder (--grad-clip is {c:?})"),
+        None => "enable gradient clipping (--grad-clip 1.0)".to_string(),
+    };
+    Err(TrainError::NonFinite {
+        step,
+        what,
+        value,
+        hint: format!(
+            "Lower the learning rate (--lr is {:?}), {clip}, or check the data",
+            cfg.lr
+        ),
+    })
+}

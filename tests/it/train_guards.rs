@@ -1,0 +1,255 @@
+//! The trainer's `--freeze` and its guards: parameters frozen by Hugging Face name prefix or
+//! glob train under fsdp2 exactly as on one device with the same freeze and stay unchanged;
+//! the step report's `trainable_params` is the same under every strategy and smaller with a
+//! freeze, and `optimizer_state_bytes_per_rank` follows it; a pattern that matches nothing is
+//! named; a diverging run (NaN) stops on every rank at the step it diverged, with a hint; a
+//! `--seq-len` past the model's positions is refused before anything is allocated.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::Device;
+use burn_parallel::models::checkpoint::{HfCheckpoint, hf_tensors};
+use burn_parallel::models::{Llama, LlamaConfig};
+use burn_parallel::train::{
+    Backend, DistributedFlags, OptimizerKind, Strategy, TrainArgs, TrainConfig, TrainSummary, train,
+};
+use clap::Parser;
+
+use crate::common::to_vec;
+use crate::llama_hf::temp_dir;
+use crate::llama_train::{assert_curves, resolved, run};
+
+/// The built-in tiny Llama on ndarray, AdamW, 3 steps of 4 rows of 8 tokens.
+fn tiny_run(strategy: Strategy, world: usize, freeze: &[&str]) -> TrainConfig {
+    TrainConfig {
+        distributed: resolved(DistributedFlags::on(strategy, world)),
+        steps: 3,
+        global_batch: 4,
+        seq_len: 8,
+        optimizer: OptimizerKind::AdamW,
+        lr: 1e-2,
+        grad_clip: None,
+        backend: Backend::Ndarray,
+        model: LlamaConfig::tiny(),
+        freeze: freeze.iter().map(|p| p.to_string()).collect(),
+        ..TrainConfig::default()
+    }
+}
+
+fn error_of(cfg: &TrainConfig) -> String {
+    match train(cfg, &|_| {}) {
+        Ok(_) => panic!("{cfg:?} must fail"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// The tiny Llama's initial weights by Hugging Face name (the trainer's seeded init, seed 0).
+#[allow(deprecated)]
+fn initial_weights() -> Vec<(String, Vec<f32>)> {
+    let model = Llama::seeded(&LlamaConfig::tiny(), 0, &Device::ndarray());
+    hf_tensors(&model)
+        .unwrap()
+        .into_iter()
+        .map(|(n, d)| (n, d.to_vec::<f32>().unwrap()))
+        .collect()
+}
+
+/// Trains `cfg`, saving the model, and returns the run and the saved weights.
+fn trained(cfg: &TrainConfig, name: &str) -> (TrainSummary, HfCheckpoint) {
+    let dir = temp_dir(name);
+    let summary = run(&TrainConfig {
+        save: Some(dir.clone()),
+        ..cfg.clone()
+    });
+    (summary, HfCheckpoint::open(&dir).unwrap())
+}
+
+/// A freeze: its name, its patterns, and which Hugging Face names it freezes.
+type FreezeCase = (&'static str, &'static [&'static str], fn(&str) -> bool);
+
+/// Freezing by prefix (`model.embed_tokens,model.layers.0`) and by glob (every attention)
+/// under fsdp2 on 2 ranks equals one device with the same freeze: the same losses and grad
+/// norms; the frozen weights are bit-identical to the initial ones and the rest trained.
+#[test]
+fn freeze_by_prefix_and_glob_under_fsdp2_matches_one_device() {
+    let initial = initial_weights();
+    let cases: [FreezeCase; 2] = [
+        ("prefix", &["model.embed_tokens", "model.layers.0"], |n| {
+            n.starts_with("model.embed_tokens.") || n.starts_with("model.layers.0.")
+        }),
+        ("glob", &["model.layers.*.self_attn.*"], |n| {
+            n.contains(".self_attn.")
+        }),
+    ];
+    for (what, patterns, is_frozen) in cases {
+        let (single, one) = trained(
+            &tiny_run(Strategy::Single, 1, patterns),
+            &format!("freeze-{what}-single"),
+        );
+        let (fsdp, two) = trained(
+            &tiny_run(Strategy::Fsdp2, 2, patterns),
+            &format!("freeze-{what}-fsdp2"),
+        );
+        assert_curves(
+            &fsdp,
+            &single,
+            1e-5,
+            &format!("--freeze {what} under fsdp2 x2"),
+        );
+        for (name, init) in &initial {
+            for (run, saved) in [("single", &one), ("fsdp2", &two)] {
+                let now = to_vec(&saved.read(name).unwrap());
+                match is_frozen(name) {
+                    true => assert_eq!(&now, init, "{what} {run}: frozen {name} changed"),
+                    false => assert_ne!(&now, init, "{what} {run}: {name} did not train"),
+                }
+            }
+        }
+    }
+}
+
+/// `trainable_params` counts the whole model once under every strategy (all of it without a
+/// freeze); a freeze subtracts exactly the frozen tensors. AdamW's state is two f32 moments of
+/// every trainable element, split over the FSDP ranks.
+#[test]
+fn trainable_params_are_the_same_under_every_strategy_and_fewer_with_a_freeze() {
+    let model = LlamaConfig::tiny();
+    let total = model.num_params() as u64;
+    let embed = (model.vocab_size * model.hidden_size) as u64;
+    let first = |s: &TrainSummary| s.steps[0].clone();
+    for (freeze, frozen) in [(&[][..], 0), (&["model.embed_tokens"][..], embed)] {
+        let single = first(&run(&tiny_run(Strategy::Single, 1, freeze)));
+        let fsdp = first(&run(&tiny_run(Strategy::Fsdp2, 2, freeze)));
+        let ddp = first(&run(&tiny_run(Strategy::Ddp, 2, freeze)));
+        assert_eq!(single.trainable_params, total - frozen, "{freeze:?}");
+        assert_eq!(fsdp.trainable_params, single.trainable_params, "{freeze:?}");
+        assert_eq!(ddp.trainable_params, single.trainable_params, "{freeze:?}");
+        let whole = single.trainable_params * 8;
+        assert_eq!(single.optimizer_state_bytes_per_rank, whole, "{freeze:?}");
+        assert_eq!(ddp.optimizer_state_bytes_per_rank, whole, "{freeze:?}");
+        // The larger of two shards: at least half, well under the whole.
+        let sharded = fsdp.optimizer_state_bytes_per_rank;
+        assert!(
+            sharded >= whole / 2 && sharded < whole * 3 / 4,
+            "{freeze:?}: {sharded} of {whole}"
+        );
+    }
+}
+
+/// A pattern that matches no parameter is an error naming it (and what names look like); a
+/// freeze of everything is the library's refusal of a model with nothing to train.
+#[test]
+fn freeze_patterns_that_match_nothing_or_everything_are_refused() {
+    let msg = error_of(&tiny_run(
+        Strategy::Fsdp2,
+        2,
+        &["model.embed_tokens", "model.layers.9"],
+    ));
+    assert!(
+        msg.contains("`model.layers.9` matches no parameter") && msg.contains("model.layers.0."),
+        "{msg}"
+    );
+    let msg = error_of(&tiny_run(Strategy::Single, 1, &["*"]));
+    assert!(
+        msg.contains("the model has no trainable parameter"),
+        "{msg}"
+    );
+}
+
+/// `--freeze` on the command line is a comma-separated list.
+#[test]
+fn freeze_flag_splits_its_list() {
+    let args = TrainArgs::try_parse_from([
+        "train_llama",
+        "--engine",
+        "threads",
+        "--freeze",
+        "model.embed_tokens, model.layers.*.self_attn.*",
+    ])
+    .unwrap();
+    assert_eq!(
+        args.config().unwrap().freeze,
+        ["model.embed_tokens", "model.layers.*.self_attn.*"]
+    );
+}
+
+/// `--lr 1e30` diverges at step 1: the run stops there with an error naming the step, the
+/// value and what to try, on one device and on 2 fsdp2 ranks alike, in seconds (no rank waits).
+#[test]
+fn a_non_finite_loss_stops_the_run_at_its_step_on_every_rank() {
+    for (strategy, world) in [(Strategy::Single, 1), (Strategy::Fsdp2, 2)] {
+        let cfg = TrainConfig {
+            lr: 1e30,
+            ..tiny_run(strategy, world, &[])
+        };
+        let started = Instant::now();
+        let msg = error_of(&cfg);
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{strategy}: {:?}",
+            started.elapsed()
+        );
+        assert!(
+            msg.contains("step 1: the loss is NaN, not a finite number")
+                && msg.contains("Lower the learning rate (--lr is 1e30)")
+                && msg.contains("enable gradient clipping")
+                && msg.contains("check the data"),
+            "{strategy}: {msg}"
+        );
+    }
+}
+
+/// A sequence longer than the model's positions is refused up front, naming both numbers.
+#[test]
+fn a_seq_len_past_the_positions_is_refused_before_training() {
+    let started = Instant::now();
+    let msg = error_of(&TrainConfig {
+        seq_len: 100_000,
+        ..tiny_run(Strategy::Fsdp2, 2, &[])
+    });
+    assert!(
+        msg.contains("--seq-len 100000") && msg.contains("max_position_embeddings 2048"),
+        "{msg}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// The tiny MoE with every layer's experts frozen (`model.layers.*.mlp.experts`) under fsdp2
+/// with the experts split over 2 ranks equals one device, and counts every expert once in
+/// `trainable_params`; freezing some experts of a layer (one stacked parameter per projection)
+/// is refused, naming what to freeze instead.
+#[test]
+fn frozen_experts_under_expert_parallelism_match_one_device() {
+    let moe = |strategy, world, ep: Option<usize>, freeze: &[&str]| TrainConfig {
+        distributed: resolved(DistributedFlags {
+            ep,
+            ..DistributedFlags::on(strategy, world)
+        }),
+        model: LlamaConfig::tiny_moe(),
+        ..tiny_run(strategy, world, freeze)
+    };
+    let frozen = ["model.layers.*.mlp.experts"];
+    let single = run(&moe(Strategy::Single, 1, None, &frozen));
+    let ep = run(&moe(Strategy::Fsdp2, 2, Some(2), &frozen));
+    assert_curves(&ep, &single, 1e-5, "frozen experts under fsdp2 ep 2");
+    let all = run(&moe(Strategy::Single, 1, None, &[]));
+    let (t_single, t_ep) = (
+        single.steps[0].trainable_params,
+        ep.steps[0].trainable_params,
+    );
+    assert_eq!(t_ep, t_single);
+    assert_eq!(all.steps[0].trainable_params, all.model.num_params() as u64);
+    assert!(t_single < all.steps[0].trainable_params / 2, "{t_single}");
+
+    let msg = error_of(&moe(
+        Strategy::Single,
+        1,
+        None,
+        &["model.layers.1.mlp.experts.3"],
+    ));
+    assert!(
+        msg.contains("`model.layers.1.mlp.experts.3.gate_proj.weight` but not every expert")
+            && msg.contains("`model.layers.1.mlp.experts`"),
+        "{msg}"
+    );
+}
