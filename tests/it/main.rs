@@ -40,4 +40,5 @@ mod tp_sp;
 mod tp_vocab;
 mod train_flags;
 mod train_guards;
+mod train_schedules;
 mod user_api;

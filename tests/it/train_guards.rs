@@ -20,7 +20,7 @@ use crate::llama_hf::temp_dir;
 use crate::llama_train::{assert_curves, resolved, run};
 
 /// The built-in tiny Llama on ndarray, AdamW, 3 steps of 4 rows of 8 tokens.
-fn tiny_run(strategy: Strategy, world: usize, freeze: &[&str]) -> TrainConfig {
+pub(crate) fn tiny_run(strategy: Strategy, world: usize, freeze: &[&str]) -> TrainConfig {
     TrainConfig {
         distributed: resolved(DistributedFlags::on(strategy, world)),
         steps: 3,

@@ -38,7 +38,7 @@ pub use context::{DP, ExpertGroups, LocalRows, MeshContext, WORLD};
 pub use error::ParallelError;
 pub use full::{full_model, full_state_dict};
 pub use sidecar::{ModelParallelizer, fsdp_config};
-pub use step::{StepReport, global_grad_norm, train_step, train_step_with};
+pub use step::{StepReport, global_grad_norm, train_step, train_step_reported, train_step_with};
 
 /// A model whose sidecar implements the parallelizer's hooks: every `#[parallelize]` model
 /// with the default sidecar, or with `sidecar = T` where `T: ModelParallelizer`.

@@ -60,6 +60,24 @@ pub fn train_step_with<M: Parallelize>(
     ctx: &MeshContext,
     optimizer_step: impl FnOnce(M, Gradients) -> M,
 ) -> Result<(M, StepReport), ParallelError> {
+    train_step_reported(model, loss, rows, max_grad_norm, ctx, |model, grads, _| {
+        optimizer_step(model, grads)
+    })
+}
+
+/// [`train_step_with`], whose `optimizer_step` also sees the step's [`StepReport`] before it
+/// runs: the data-parallel loss and the global gradient norm, the same values on every rank.
+/// A caller can thus withhold the update on every rank alike (a trainer skipping a step whose
+/// loss or norm is not finite) by returning the model unchanged. Collective: every rank calls
+/// it.
+pub fn train_step_reported<M: Parallelize>(
+    model: M,
+    loss: Tensor<1>,
+    rows: &LocalRows,
+    max_grad_norm: Option<f32>,
+    ctx: &MeshContext,
+    optimizer_step: impl FnOnce(M, Gradients, &StepReport) -> M,
+) -> Result<(M, StepReport), ParallelError> {
     let loss = loss.mul_scalar(rows.loss_weight());
     let local_loss = scalar(loss.clone().detach().into_data());
     let mut grads = loss.backward();
@@ -87,8 +105,9 @@ pub fn train_step_with<M: Parallelize>(
         ctx.dp_group()
             .all_reduce(TensorData::new(vec![local_loss], [1]), ReduceOp::Avg)?,
     );
-    let model = optimizer_step(model, grads);
-    Ok((model, StepReport { loss, grad_norm }))
+    let report = StepReport { loss, grad_norm };
+    let model = optimizer_step(model, grads, &report);
+    Ok((model, report))
 }
 
 fn scalar(data: TensorData) -> f32 {

@@ -11,7 +11,9 @@ use crate::config::{Backend, OptimizerKind, TrainConfig};
 use crate::error::TrainError;
 use crate::flags::{DistributedFlags, one_of};
 use crate::freeze::split_patterns;
+use crate::guard::OnNonFinite;
 use crate::malloc::Malloc;
+use crate::schedule::LrScheduleKind;
 
 named_enum! {
     /// The built-in models `--model` names.
@@ -65,9 +67,37 @@ pub struct TrainArgs {
     /// The optimizer.
     #[arg(long, default_value = "adamw", help = one_of("The optimizer", OptimizerKind::NAMES))]
     pub optimizer: OptimizerKind,
-    /// Learning rate.
+    /// Learning rate (the schedule's peak).
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f32,
+    /// The learning-rate schedule after warmup.
+    #[arg(
+        long,
+        default_value = "constant",
+        help = one_of(
+            "The learning-rate schedule after --warmup-steps (linear: lr decays linearly to \
+             --min-lr at --steps; cosine: as half a cosine)",
+            LrScheduleKind::NAMES
+        )
+    )]
+    pub lr_schedule: LrScheduleKind,
+    /// Steps of linear warmup from 0: step s < N trains at lr * s / N.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub warmup_steps: usize,
+    /// Where --lr-schedule linear or cosine decays to.
+    #[arg(long, default_value_t = 0.0)]
+    pub min_lr: f32,
+    /// What a step whose loss or gradient norm is not finite does.
+    #[arg(
+        long,
+        default_value = "stop",
+        help = one_of(
+            "A step whose loss or gradient norm is not finite (stop: the run ends with an error \
+             naming it; skip: its update is dropped on every rank, `skipped: true` in its JSON)",
+            OnNonFinite::NAMES
+        )
+    )]
+    pub on_nonfinite: OnNonFinite,
     /// AdamW's decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f32,
@@ -156,6 +186,10 @@ impl TrainArgs {
             seq_len: self.seq_len,
             optimizer: self.optimizer,
             lr: self.lr,
+            lr_schedule: self.lr_schedule,
+            warmup_steps: self.warmup_steps,
+            min_lr: self.min_lr,
+            on_nonfinite: self.on_nonfinite,
             weight_decay: self.weight_decay,
             beta1: self.beta1,
             beta2: self.beta2,

@@ -10,6 +10,8 @@ use burn_parallel_parallelizer::{DistributedConfig, Strategy, ZeroDpStrategy, na
 
 use crate::error::TrainError;
 use crate::flags::trainer_defaults;
+use crate::guard::OnNonFinite;
+use crate::schedule::LrScheduleKind;
 
 named_enum! {
     /// The backend each rank computes on: a CPU backend, or one GPU per rank (`cuda`: Burn's
@@ -91,8 +93,18 @@ pub struct TrainConfig {
     pub seq_len: usize,
     /// The optimizer (default `adamw`).
     pub optimizer: OptimizerKind,
-    /// Learning rate (default 3e-3).
+    /// Learning rate: the peak of the schedule (default 3e-3).
     pub lr: f32,
+    /// The schedule after warmup: constant, linear or cosine decay to `min_lr` at `steps`
+    /// (default constant; formulas in `--lr-schedule`'s help and docs/llama.md).
+    pub lr_schedule: LrScheduleKind,
+    /// Steps of linear warmup from 0 to `lr`: step s < N trains at `lr * s / N` (default 0).
+    pub warmup_steps: usize,
+    /// Where a linear or cosine schedule decays to (default 0).
+    pub min_lr: f32,
+    /// What a step whose loss or gradient norm is not finite does: stop the run (default) or
+    /// skip its update on every rank.
+    pub on_nonfinite: OnNonFinite,
     /// AdamW's decoupled weight decay (default 0).
     pub weight_decay: f32,
     /// AdamW's first-moment decay (default 0.9).
@@ -142,6 +154,10 @@ impl Default for TrainConfig {
             seq_len: 64,
             optimizer: OptimizerKind::AdamW,
             lr: 3e-3,
+            lr_schedule: LrScheduleKind::Constant,
+            warmup_steps: 0,
+            min_lr: 0.0,
+            on_nonfinite: OnNonFinite::Stop,
             weight_decay: 0.0,
             beta1: 0.9,
             beta2: 0.999,
@@ -195,6 +211,18 @@ impl TrainConfig {
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad(format!("--lr {} must be a non-negative number", self.lr));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad(format!(
+                "--min-lr {} must be a number from 0 to --lr ({})",
+                self.min_lr, self.lr
+            ));
+        }
+        if self.min_lr > 0.0 && self.lr_schedule == LrScheduleKind::Constant {
+            return bad(format!(
+                "--min-lr {} needs a decaying schedule: give --lr-schedule linear or cosine",
+                self.min_lr
+            ));
         }
         match (self.save_every, &self.save_dir) {
             (Some(0), _) => return bad("--save-every must be at least 1".into()),

@@ -1,12 +1,39 @@
 //! Guards that end a run with an error saying what to change, instead of aborting the process
 //! or training on garbage: a sequence longer than the model's positions (checked before
-//! anything is allocated) and a loss or gradient norm that is not finite.
+//! anything is allocated) and a loss or gradient norm that is not finite (or, with
+//! `--on-nonfinite skip`, the step's update dropped instead).
 
 use burn_parallel_models::LlamaConfig;
-use burn_parallel_parallelizer::StepReport;
+use burn_parallel_parallelizer::{StepReport, named_enum};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
+
+named_enum! {
+    /// What a step whose loss or gradient norm is not finite does (`--on-nonfinite`).
+    #[derive(Default)]
+    pub enum OnNonFinite as "non-finite action" {
+        /// End the run with an error naming the step and the value.
+        #[default]
+        Stop = "stop",
+        /// Drop the step's update (weights and optimizer state stay as they were) on every
+        /// rank alike; the step still counts and its data is consumed.
+        Skip = "skip",
+    }
+}
+
+/// Whether both values every rank agrees on (the data-parallel loss, the global norm) are
+/// finite.
+fn finite(report: &StepReport) -> bool {
+    report.loss.is_finite() && report.grad_norm.is_finite()
+}
+
+/// Whether the step that `report` describes is skipped: not finite under
+/// `--on-nonfinite skip`. Decided from values every rank holds alike, before the optimizer
+/// runs, so every rank withholds its update (its shard's) at the same step.
+pub(crate) fn skips(cfg: &TrainConfig, report: &StepReport) -> bool {
+    cfg.on_nonfinite == OnNonFinite::Skip && !finite(report)
+}
 
 /// `--seq-len` within the model's `max_position_embeddings`: the rotary tables and attention
 /// are sized by it, and a longer sequence would only fail (or abort the process) later.
@@ -22,7 +49,7 @@ pub(crate) fn check_positions(cfg: &TrainConfig, model: &LlamaConfig) -> Result<
     }
 }
 
-/// An error when step `step`'s loss or gradient norm is not finite. Both are values every rank
+/// An error when step `step`'s loss or gradient norm is not finite (the `stop` action). Both are values every rank
 /// holds alike (the data-parallel average of the loss, the global norm), so every rank stops
 /// at the same step, before any further collective, and none is left waiting.
 pub(crate) fn check_finite(
@@ -45,7 +72,8 @@ pub(crate) fn check_finite(
         what,
         value,
         hint: format!(
-            "Lower the learning rate (--lr is {:?}), {clip}, or check the data",
+            "Lower the learning rate (--lr is {:?}), {clip}, check the data, or skip such \
+             steps (--on-nonfinite skip)",
             cfg.lr
         ),
     })

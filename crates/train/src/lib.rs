@@ -15,7 +15,11 @@
 //! `--freeze` ([`TrainConfig::freeze`]) freezes parameters by Hugging Face name before
 //! `parallelize_model`. Guards end a run with an error rather than an abort or silent garbage:
 //! a `--seq-len` past the model's positions (before anything is allocated) and a non-finite
-//! loss or gradient norm (at its step, on every rank alike: [`TrainError::NonFinite`]).
+//! loss or gradient norm (at its step, on every rank alike: [`TrainError::NonFinite`]; with
+//! [`OnNonFinite::Skip`] the step's update is dropped instead).
+//!
+//! The learning rate follows [`TrainConfig::lr_schedule`] (warmup, then constant, linear or
+//! cosine decay: transformers' formulas), a function of the step, which checkpoints record.
 
 #![warn(missing_docs)]
 
@@ -30,6 +34,7 @@ mod malloc;
 mod mesh;
 mod optim;
 mod resume;
+mod schedule;
 mod state;
 mod trainer;
 mod usage;
@@ -42,9 +47,11 @@ pub use cli::{BuiltinModel, TrainArgs};
 pub use config::{Backend, OptimizerKind, TrainConfig};
 pub use error::TrainError;
 pub use flags::{DistributedFlags, TpPlanName, trainer_defaults};
+pub use guard::OnNonFinite;
 pub use malloc::Malloc;
 pub use mesh::mesh_sizes;
 pub use optim::{AdamW, Optimizer, Sgd};
+pub use schedule::LrScheduleKind;
 pub use state::model_state_bytes;
 pub use trainer::{StepCalls, StepLog, StepTimes, TrainSummary, train};
 pub use usage::ProcessUsage;

@@ -13,7 +13,8 @@ use serde_json::json;
 
 use crate::config::{OptimizerKind, TrainConfig};
 use crate::error::TrainError;
-use crate::optim::{AdamW, Optimizer, Sgd, decimal};
+use crate::optim::{AdamW, Optimizer, Sgd};
+use crate::schedule::LrSchedule;
 
 /// The optimizer of a run, concrete so that its state can be saved and restored.
 pub(crate) enum RunOptimizer {
@@ -39,6 +40,14 @@ impl RunOptimizer {
         match self {
             Self::Sgd(o) => o.step(model, grads),
             Self::AdamW(o) => o.step(model, grads),
+        }
+    }
+
+    /// Sets the learning rate of the next step (the schedule's).
+    pub fn set_lr(&mut self, lr: f32) {
+        match self {
+            Self::Sgd(o) => o.lr = lr,
+            Self::AdamW(o) => o.lr = lr,
         }
     }
 
@@ -71,6 +80,8 @@ pub(crate) struct Resume {
     pub step: usize,
     /// Samples of the data stream already consumed.
     pub data_position: usize,
+    /// The learning-rate schedule's position: the step whose rate comes next.
+    pub schedule_position: usize,
 }
 
 /// Opens `--resume` before any rank starts, so that a missing or unreadable checkpoint, or one
@@ -90,11 +101,25 @@ pub(crate) fn open_resume(cfg: &TrainConfig) -> Result<Option<Resume>, TrainErro
             cfg.steps
         )));
     }
+    let schedule_position = schedule_position(&progress.extra, step)
+        .map_err(|e| TrainError::Config(format!("--resume {}: {e}", checkpoint.dir().display())))?;
     Ok(Some(Resume {
         step,
         data_position: progress.data_position as usize,
+        schedule_position,
         checkpoint,
     }))
+}
+
+/// The schedule position a checkpoint records (`extra.lr_schedule.position`), or `step` for a
+/// checkpoint saved before schedules were recorded (whose rate was constant).
+fn schedule_position(extra: &serde_json::Value, step: usize) -> Result<usize, String> {
+    match extra.get("lr_schedule").and_then(|s| s.get("position")) {
+        None => Ok(step),
+        Some(p) => p.as_u64().map(|p| p as usize).ok_or_else(|| {
+            format!("its learning-rate schedule position `{p}` is not a step number")
+        }),
+    }
 }
 
 /// Whether a run saves a checkpoint once `done` steps are done: every `--save-every` steps and
@@ -117,9 +142,11 @@ pub(crate) fn save_checkpoint<M: Parallelize>(
     let progress = TrainingProgress {
         step: done as u64,
         data_position: data_position as u64,
-        // What the trainer would need to reproduce the data stream and schedule.
+        // What the trainer needs to reproduce the data stream and the schedule (a resumed run
+        // takes the schedule's position from here).
         extra: json!({
-            "lr_schedule": { "kind": "constant", "lr": decimal(cfg.lr) },
+            // Every step advances the schedule, a skipped one too: its position is `done`.
+            "lr_schedule": LrSchedule::of(cfg).to_json(done),
             "global_batch": cfg.global_batch,
             "seq_len": cfg.seq_len,
             "data": cfg.data.as_ref().map(|d| d.display().to_string()),

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Gradients, Int, Tensor, TensorData};
 use burn_parallel_checkpoint::LoadOptions;
 use burn_parallel_comm::{LaunchError, OpKind, run_ranks_on};
 use burn_parallel_fsdp::{RowRequest, gather_full};
@@ -13,7 +13,8 @@ use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama_ep, sav
 use burn_parallel_models::data::TokenData;
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
-    MeshContext, MeshSizes, StepReport, parallelize_model, parallelize_model_from, train_step_with,
+    MeshContext, MeshSizes, StepReport, parallelize_model, parallelize_model_from,
+    train_step_reported,
 };
 use burn_parallel_tp::loss_parallel;
 use serde::Serialize;
@@ -22,9 +23,10 @@ use crate::aux::router_report;
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::freeze;
-use crate::guard::{check_finite, check_positions};
+use crate::guard::{check_finite, check_positions, skips};
 use crate::mesh::mesh_sizes;
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
+use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
 use crate::usage::ProcessUsage;
 use burn_parallel_comm::memory::reset_peak_rss;
@@ -38,6 +40,11 @@ pub struct StepLog {
     /// norm before clipping.
     #[serde(flatten)]
     pub report: StepReport,
+    /// The learning rate the step trained with (the schedule's, `--lr-schedule`).
+    pub lr: f32,
+    /// Whether the step's update was dropped on every rank (`--on-nonfinite skip` and a loss
+    /// or gradient norm that is not finite): weights and optimizer state stay as they were.
+    pub skipped: bool,
     /// Wall time of the step, in seconds.
     pub step_time_s: f64,
     /// Global-batch tokens per second of this step.
@@ -284,15 +291,18 @@ fn run_rank(
     let mut optimizer = RunOptimizer::new(cfg);
     // Where the data stream stands, in samples: batches follow it rather than the step, so a
     // resumed run continues the stream exactly (also with another --global-batch).
-    let (start, mut position) = match resume {
+    // The schedule continues from its saved position, so a run resumed mid-warmup goes on
+    // without a jump.
+    let (start, mut position, schedule_start) = match resume {
         Some(r) => {
             let options = LoadOptions::default();
             let state = Some(optimizer.state_mut());
             model = r.checkpoint.load(model, state, &mesh, &options)?.0;
-            (r.step, r.data_position)
+            (r.step, r.data_position, r.schedule_position)
         }
-        None => (0, 0),
+        None => (0, 0, 0),
     };
+    let schedule = LrSchedule::of(cfg);
     let states = optimizer.states_per_param();
     let my_state = model_state_bytes(&model, states);
     let my_optimizer_state = optimizer_state_bytes(&model, states);
@@ -327,16 +337,28 @@ fn run_rank(
             loss = loss + term;
         }
         let forward_s = start_time.elapsed().as_secs_f64();
-        let mut optimizer_s = 0.0;
-        let (next, done) = train_step_with(model, loss, &rows, cfg.grad_clip, &mesh, |m, g| {
+        let lr = schedule.lr_at(schedule_start + (step - start));
+        optimizer.set_lr(lr);
+        let (mut optimizer_s, mut skipped) = (0.0, false);
+        let step_fn = |m: Llama, g: Gradients, report: &StepReport| {
+            // Decided on the reduced loss and global norm, before any update, so every rank
+            // keeps its weights and optimizer state at the same step.
+            skipped = skips(cfg, report);
+            if skipped {
+                return m;
+            }
             let started = Instant::now();
             let m = optimizer.step(m, &g);
             optimizer_s = started.elapsed().as_secs_f64();
             m
-        })?;
+        };
+        let (next, done) = train_step_reported(model, loss, &rows, cfg.grad_clip, &mesh, step_fn)?;
         model = next;
-        // Ends the run on every rank alike (the values are the ones all ranks agree on).
-        check_finite(cfg, step, &done)?;
+        // Under `stop`, ends the run on every rank alike (the values all ranks agree on).
+        if !skipped {
+            check_finite(cfg, step, &done)?;
+        }
+        // A skipped step still counts and consumes its batch.
         position += cfg.global_batch;
         let step_time_s = start_time.elapsed().as_secs_f64();
         let usage = ProcessUsage::now();
@@ -359,6 +381,8 @@ fn run_rank(
         let report = StepLog {
             step,
             report: done,
+            lr,
+            skipped,
             step_time_s,
             tokens_per_s: global_tokens as f64 / step_time_s.max(1e-12),
             peak_model_state_bytes_per_rank: peak_state,
