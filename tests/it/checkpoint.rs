@@ -60,7 +60,7 @@ pub fn tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
         .collect()
 }
 
-fn loss_bits(s: &TrainSummary) -> Vec<(usize, u32)> {
+pub(crate) fn loss_bits(s: &TrainSummary) -> Vec<(usize, u32)> {
     s.steps
         .iter()
         .map(|l| (l.step, l.report.loss.to_bits()))

@@ -7,12 +7,10 @@
 use std::path::Path;
 
 use burn_parallel::checkpoint::{Checkpoint, step_dir};
-use burn_parallel::train::{
-    LrScheduleKind, OnNonFinite, Strategy, TrainArgs, TrainConfig, TrainSummary, train,
-};
+use burn_parallel::train::{LrScheduleKind, OnNonFinite, Strategy, TrainArgs, TrainConfig, train};
 use clap::Parser;
 
-use crate::checkpoint::tensors;
+use crate::checkpoint::{loss_bits, tensors};
 use crate::llama_hf::temp_dir;
 use crate::llama_train::run;
 
@@ -45,13 +43,6 @@ fn expected_lr(kind: LrScheduleKind, lr: f64, n: usize, min: f64, t: usize, s: u
         LrScheduleKind::Linear => min + (lr - min) * (1.0 - p).max(0.0),
         LrScheduleKind::Cosine => min + (lr - min) * 0.5 * (1.0 + (std::f64::consts::PI * p).cos()),
     }
-}
-
-fn loss_bits(s: &TrainSummary) -> Vec<(usize, u32)> {
-    s.steps
-        .iter()
-        .map(|l| (l.step, l.report.loss.to_bits()))
-        .collect()
 }
 
 /// Each schedule's per-step rate, in the step JSON, is its formula's (the default constant

@@ -356,13 +356,7 @@ fn concatenates(regions: &[Region], stored: &[usize], dim: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn region(start: &[usize], shape: &[usize]) -> Region {
-        Region {
-            start: start.to_vec(),
-            shape: shape.to_vec(),
-        }
-    }
+    use crate::region::tests::region;
 
     #[test]
     fn a_fused_shard_is_one_box_per_part_cut_by_fsdp_rows() {

@@ -226,10 +226,11 @@ pub fn tiles(boxes: &[&Region], shape: &[usize]) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn region(start: &[usize], shape: &[usize]) -> Region {
+    /// A box from its start and shape (shared with the placement tests).
+    pub(crate) fn region(start: &[usize], shape: &[usize]) -> Region {
         Region {
             start: start.to_vec(),
             shape: shape.to_vec(),
