@@ -14,11 +14,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::TensorData;
-use burn_parallel::comm::nccl::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use burn_parallel::comm::nccl::library::check_libraries;
-use burn_parallel::comm::nccl::types::{NcclDataType, NcclRedOp, avg_tolerance};
-use burn_parallel::comm::nccl::{NcclComm, NcclEngine, launch_local};
+use burn_parallel::comm::nccl::{
+    NcclComm, NcclDataType, NcclEngine, NcclRedOp, avg_tolerance, check_libraries, launch_local,
+};
 use burn_parallel::comm::{DeviceMesh, MeshShape, RankContext, ReduceOp};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 

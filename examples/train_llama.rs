@@ -129,6 +129,9 @@ fn main() -> ExitCode {
                 "loss {:.4}  grad norm {:.3}  {:.0} tok/s",
                 r.report.loss, r.report.grad_norm, r.tokens_per_s
             ));
+            if let Some(eval) = r.eval_loss {
+                bar.println(format!("step {}: eval loss {eval:.4}", r.step));
+            }
             bar.inc(1);
         });
         if let Some(bar) = bar.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {

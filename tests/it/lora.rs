@@ -17,8 +17,7 @@ use burn_parallel::parallelizer::{
     DistributedConfig, MeshContext, Strategy, full_model, parallelize_model, train_step,
 };
 use burn_parallel::peft::{
-    Lora, LoraConfig, LoraError, LoraFn, LoraModule, TpLoraForward, adapted_paths, apply_lora,
-    merge_lora,
+    Lora, LoraConfig, LoraError, LoraFn, LoraModule, adapted_paths, apply_lora, merge_lora,
 };
 use burn_parallel::tp::{ParallelStyle, Tp, TpError, TpLayer, child_path, loss_parallel};
 
@@ -270,10 +269,10 @@ fn lora_lm(d: &Device) -> LoraLm {
 }
 
 /// Path and values of each float parameter, in visit order.
-type Named = Vec<(String, Vec<f32>)>;
+pub(crate) type Named = Vec<(String, Vec<f32>)>;
 
 /// Every float parameter: path and values, in visit order.
-fn named_values<M: Module>(m: &M) -> Named {
+pub(crate) fn named_values<M: Module>(m: &M) -> Named {
     struct Values(Named);
     impl PathVisitor for Values {
         fn visit_float<const D: usize>(&mut self, path: &str, p: &Param<Tensor<D>>) {
@@ -286,7 +285,7 @@ fn named_values<M: Module>(m: &M) -> Named {
     v.0
 }
 
-fn is_adapter(path: &str) -> bool {
+pub(crate) fn is_adapter(path: &str) -> bool {
     path.ends_with(".lora_a") || path.ends_with(".lora_b")
 }
 

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use burn_parallel::comm::launch;
 use burn_parallel::parallelizer::{
-    DistributedConfig, Dtype, MeshContext, MeshSizes, MixedPrecisionConfig, ModelDescription,
-    ParallelError, Parallelize, Strategy, TpShardPlan,
+    ConfigError, DistributedConfig, Dtype, MeshContext, MeshSizes, MixedPrecisionConfig,
+    ModelDescription, ParallelError, Parallelize, Strategy, TpShardPlan, Unsupported,
 };
 
 use crate::common::ndarray_ad;
@@ -248,11 +248,60 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
             2,
             "context parallelism (cp_size 2) is not yet supported",
         ),
+        (
+            DistributedConfig {
+                pp_size: 2,
+                ..base()
+            },
+            2,
+            "pipeline parallelism (pp_size 2) is not yet supported",
+        ),
     ];
     for (config, world, expected) in cases {
         let err = invalid(config, world);
         assert!(err.contains(expected), "expected {expected:?} in {err:?}");
     }
+}
+
+/// A program can tell what is wrong without reading the message.
+#[test]
+fn validation_errors_are_values_to_match_on() {
+    let base = DistributedConfig::default;
+    let sizes = DistributedConfig {
+        tp_size: 2,
+        ..base()
+    }
+    .validate(3);
+    assert!(matches!(
+        sizes,
+        Err(ParallelError::Config(ConfigError::NotDivisible {
+            world: 3,
+            dp_replicate: 1,
+            tp: 2,
+            cp: 1
+        }))
+    ));
+    let cp = DistributedConfig {
+        cp_size: 2,
+        ..base()
+    }
+    .validate(2);
+    assert!(matches!(
+        cp,
+        Err(ParallelError::NotSupported(Unsupported::ContextParallel(2)))
+    ));
+    let world = DistributedConfig {
+        world_size: Some(4),
+        ..base()
+    }
+    .validate(2);
+    assert!(matches!(
+        world,
+        Err(ParallelError::Config(ConfigError::WorldSize {
+            configured: 4,
+            launched: 2
+        }))
+    ));
 }
 
 #[test]
@@ -268,6 +317,8 @@ fn mesh_sizes_are_inferred_from_the_world() {
             dp_replicate: 2,
             dp_shard: 2,
             tp: 2,
+            cp: 1,
+            pp: 1,
             ep: 1,
         }
     );
@@ -366,6 +417,7 @@ fn every_config_field_has_an_effect_or_is_rejected() {
         ("dp_replicate_size", none, |c| c.dp_replicate_size = 2),
         ("tp_size", none, |c| c.tp_size = 2),
         ("cp_size", none, |c| c.cp_size = 2),
+        ("pp_size", none, |c| c.pp_size = 2),
         ("ep_size", none, |c| c.ep_size = 2),
         ("mesh_names", none, |c| {
             c.mesh_names.dp_shard = "shards".into()
@@ -482,7 +534,11 @@ fn a_mesh_context_fails_on_every_rank_before_communicating() {
             ..DistributedConfig::default()
         };
         match MeshContext::new(&rank, config, ndarray_ad()) {
-            Err(ParallelError::Config(message)) => Ok::<_, String>(message),
+            Err(ParallelError::Config(
+                error @ ConfigError::NotDivisible {
+                    world: 3, tp: 2, ..
+                },
+            )) => Ok::<_, String>(error.to_string()),
             other => Err(format!("expected a config error, got {other:?}")),
         }
     })

@@ -11,7 +11,7 @@ use burn_parallel::models::LLAMA_PLAN;
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
     DefaultParallelizer, HeadCount, ModelDescription, ModelParallelizer, ParallelError,
-    Parallelize, UnitMap,
+    Parallelize, UnitMap, Unsupported,
 };
 use burn_parallel::tp::{ParallelStyle, Tp, TpApplier, TpError, TpModule, TpPlan, TpReport};
 
@@ -296,7 +296,9 @@ impl UnitMap for FailAt {
 
     fn unit<M: Module>(&mut self, path: &str, module: M) -> Result<M, ParallelError> {
         if path == self.0 {
-            Err(ParallelError::NotSupported(format!("unit {path}")))
+            Err(ParallelError::NotSupported(Unsupported::Other(format!(
+                "unit {path}"
+            ))))
         } else {
             Ok(module)
         }

@@ -37,8 +37,8 @@ mod train;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use burn_parallel::comm::launch::started_by_mpi_launcher;
 use burn_parallel::comm::run_ranks;
+use burn_parallel::comm::started_by_mpi_launcher;
 
 /// The argument that selects the failure check.
 const FAIL_ARG: &str = "--fail";
@@ -211,7 +211,7 @@ fn diverged_groups_time_out_naming_pending_calls() -> Result<(), String> {
         "mpi tests: ranks calling groups A and B in opposite orders must time out after \
          {DIVERGE_TIMEOUT_SECS} s, naming their pending calls"
     );
-    let timeout_env = burn_parallel::comm::threads::TIMEOUT_ENV;
+    let timeout_env = burn_parallel::comm::TIMEOUT_ENV;
     let stderr = failing_job(
         2,
         DIVERGE_ARG,

@@ -73,9 +73,10 @@ impl Net {
     fn new(device: &Device) -> Self {
         let mut a: Linear = LinearConfig::new(5, 3).init(device);
         let weight = TensorData::new(full("a.weight", 15), [5, 3]);
-        a.weight = a.weight.map(|_| Tensor::from_data(weight, device));
+        // Trainable, as a training checkpoint's parameters are (frozen ones are not saved).
+        a.weight = Param::from_tensor(Tensor::from_data(weight, device));
         let bias = TensorData::new(full("a.bias", 3), [3]);
-        a.bias = a.bias.map(|b| b.map(|_| Tensor::from_data(bias, device)));
+        a.bias = Some(Param::from_tensor(Tensor::from_data(bias, device)));
         let c = TensorData::new(full("c", 24), [2, 3, 4]);
         Self {
             a,

@@ -12,11 +12,12 @@
 //! memory-mapped files (only the overlapping parts are copied) and becomes the parameter's new
 //! value. The loader holds at most one such buffer: [`LoadReport`] counts it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{DType, Tensor, TensorData};
+use burn_parallel_fsdp::frozen_param_ids;
 use burn_parallel_parallelizer::{MeshContext, Parallelize};
 
 use crate::dirs::resolve;
@@ -127,8 +128,7 @@ impl Checkpoint {
         let world = mesh.world_group();
         let mut meter = Meter::default();
         let checked = (|| {
-            let placed = placements(&model)?;
-            self.check_model(&placed)?;
+            let placed = self.check_model(placements(&model)?, &frozen_param_ids(&model))?;
             if let Some(o) = &optimizer {
                 self.check_optimizer(&**o)?;
             }
@@ -166,15 +166,33 @@ impl Checkpoint {
     }
 
     /// The first parameter in which the model and the checkpoint differ, in the model's order,
-    /// then the checkpoint's parameters the model lacks.
-    fn check_model(&self, placed: &[Placement]) -> Result<(), CheckpointError> {
+    /// then the checkpoint's parameters the model lacks. Returns the placements to load: a
+    /// parameter the checkpoint left out as frozen, and that `frozen` (the model's) holds too,
+    /// keeps the model's value.
+    fn check_model(
+        &self,
+        placed: Vec<Placement>,
+        frozen: &HashSet<ParamId>,
+    ) -> Result<Vec<Placement>, CheckpointError> {
         let mismatch = |param: &str, reason: String| CheckpointError::ModelMismatch {
             param: param.to_string(),
             reason,
         };
+        let mut kept = Vec::with_capacity(placed.len());
         for p in placed {
             let Some(t) = self.meta.tensors.get(&model_key(&p.path)) else {
-                return Err(mismatch(&p.path, "is not in the checkpoint".into()));
+                if !self.meta.frozen.contains(&p.path) {
+                    return Err(mismatch(&p.path, "is not in the checkpoint".into()));
+                }
+                if !frozen.contains(&p.id) {
+                    return Err(mismatch(
+                        &p.path,
+                        "was frozen when the checkpoint was saved (so it was left out) but \
+                         trains in this model; resume with the run's freezing (--freeze, LoRA)"
+                            .into(),
+                    ));
+                }
+                continue;
             };
             if t.shape != p.global_shape {
                 return Err(mismatch(
@@ -193,16 +211,17 @@ impl Checkpoint {
                     format!("is {dtype:?} in the model, {} in the checkpoint", t.dtype),
                 ));
             }
+            kept.push(p);
         }
         for path in &self.meta.order {
-            if !placed.iter().any(|p| &p.path == path) {
+            if !kept.iter().any(|p| &p.path == path) {
                 return Err(mismatch(
                     path,
                     "is in the checkpoint but not in the model".into(),
                 ));
             }
         }
-        Ok(())
+        Ok(kept)
     }
 
     fn check_optimizer(&self, optimizer: &dyn OptimizerState) -> Result<(), CheckpointError> {

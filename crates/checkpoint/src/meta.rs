@@ -128,6 +128,10 @@ pub struct Metadata {
     pub tensors: BTreeMap<String, TensorMeta>,
     /// Model parameter paths in the saving model's module order.
     pub order: Vec<String>,
+    /// Frozen parameters left out (they never change: a resumed run keeps the values of the
+    /// model it builds, such as a LoRA run's base), in module order. Not in `order`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frozen: Vec<String>,
     /// Files by name (relative to the checkpoint directory).
     pub files: BTreeMap<String, FileMeta>,
 }

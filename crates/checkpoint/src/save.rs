@@ -21,6 +21,7 @@ use std::thread::JoinHandle;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
+use burn_parallel_fsdp::frozen_param_ids;
 use burn_parallel_parallelizer::{MeshContext, Parallelize};
 use serde::{Deserialize, Serialize};
 
@@ -97,8 +98,10 @@ struct Held {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct RankPlan {
     held: Vec<Held>,
-    /// Model parameter paths in module order.
+    /// Saved model parameter paths in module order.
     order: Vec<String>,
+    /// Frozen parameter paths left out.
+    frozen: Vec<String>,
     optimizer: Option<OptimizerMeta>,
     error: Option<String>,
 }
@@ -109,16 +112,19 @@ struct Local {
     tensor: ShardTensor,
 }
 
-/// This rank's tensors and the model's parameter paths in module order.
+/// This rank's tensors, the model's saved parameter paths in module order, and the frozen
+/// ones left out.
 #[derive(Default)]
 struct LocalTensors {
     params: Vec<Local>,
     states: Vec<Local>,
     order: Vec<String>,
+    frozen: Vec<String>,
 }
 
-/// This rank's tensors: every parameter's stored shard, then the optimizer state of each,
-/// one [`Local`] per box of the shard.
+/// This rank's tensors: every trainable parameter's stored shard, then the optimizer state of
+/// each, one [`Local`] per box of the shard. Frozen parameters are left out (a LoRA
+/// checkpoint holds only the adapters): they never change, so a resumed run keeps its own.
 fn local_tensors<M: Parallelize>(
     model: &M,
     optimizer: Option<&dyn OptimizerState>,
@@ -126,8 +132,14 @@ fn local_tensors<M: Parallelize>(
     let placed = placements(model)?;
     let values = stored_values(model);
     let names = optimizer.map(|o| o.state_names()).unwrap_or_default();
+    let frozen_ids = frozen_param_ids(model);
     let (mut params, mut states, mut order) = (Vec::new(), Vec::new(), Vec::new());
+    let mut frozen = Vec::new();
     for p in placed {
+        if frozen_ids.contains(&p.id) {
+            frozen.push(p.path);
+            continue;
+        }
         let value = values
             .get(&p.id)
             .cloned()
@@ -150,6 +162,7 @@ fn local_tensors<M: Parallelize>(
         params,
         states,
         order,
+        frozen,
     })
 }
 
@@ -327,6 +340,7 @@ pub struct PendingSave {
     rank: usize,
     tensors: BTreeMap<String, TensorPlan>,
     order: Vec<String>,
+    frozen: Vec<String>,
     optimizer: Option<OptimizerMeta>,
     progress: TrainingProgress,
     layout: SavedLayout,
@@ -391,6 +405,7 @@ fn start<M: Parallelize>(
         params,
         states,
         order,
+        frozen,
     } = local_tensors(model, optimizer).unwrap_or_else(|e| {
         error.get_or_insert(e.to_string());
         LocalTensors::default()
@@ -402,6 +417,7 @@ fn start<M: Parallelize>(
             .map(|l| l.held.clone())
             .collect(),
         order,
+        frozen,
         optimizer: optimizer.map(|o| OptimizerMeta {
             kind: o.kind().to_string(),
             state_names: o.state_names(),
@@ -455,6 +471,7 @@ fn start<M: Parallelize>(
         rank,
         tensors,
         order: first.order.clone(),
+        frozen: first.frozen.clone(),
         optimizer: first.optimizer.clone(),
         progress: progress.clone(),
         layout: layout(mesh),
@@ -616,6 +633,7 @@ impl PendingSave {
             optimizer: self.optimizer.clone(),
             tensors,
             order: self.order.clone(),
+            frozen: self.frozen.clone(),
             files: file_meta,
         }
     }

@@ -1,28 +1,27 @@
-//! burn-parallel-comm: how ranks talk. Three layers, each importing only the ones below it:
+//! burn-parallel-comm: how ranks talk. Three layers inside, each importing only the ones below
+//! it:
 //!
-//! 1. [`transport`]: the device mesh, process groups, the `Communicator` trait and its engines
+//! 1. transport: the device mesh, process groups, the [`Communicator`] trait and its engines
 //!    (threads; MPI and NCCL behind features), launchers and counters, on host `TensorData`.
-//! 2. [`device`]: every collective as a list of steps on a backend tensor, whose innermost
+//! 2. device: every collective as a list of steps on a backend tensor, whose innermost
 //!    exchange is the group's engine (CPU backends) or NCCL on the tensor's CUDA buffer; the
 //!    buffer adapters for Burn's CUDA and LibTorch backends.
-//! 3. [`autodiff`]: the backend extension that makes step lists Burn autodiff ops, and the
-//!    differentiable collectives ([`collectives`]).
+//! 3. autodiff: the backend extension that makes step lists Burn autodiff ops.
 //!
-//! Entry points: [`threads::launch`] runs ranks as threads of one process; [`run_ranks`] runs
-//! the same closure as threads or, under `mpirun` (feature `mpi`), one rank per process.
-//! [`DeviceMesh`] arranges ranks on named dimensions with one [`ProcessGroup`] per dimension.
+//! The public API sits at the root: the mesh and groups ([`DeviceMesh`], [`ProcessGroup`]),
+//! launching ([`launch`], [`run_ranks`], [`EngineKind`]), the host collectives
+//! ([`Communicator`], [`Collective`]), the differentiable ones on Burn tensors
+//! ([`collectives`]), the engines' own modules ([`nccl`], and `mpi` with its feature), the
+//! counters and the errors. [`buffer`], [`chunk`] and [`memory`] are small helpers other crates
+//! and the benchmarks share.
 
 #![warn(missing_docs)]
 
-pub mod autodiff;
-pub mod device;
-pub mod transport;
+mod autodiff;
+mod device;
+mod transport;
 
-#[cfg(feature = "mpi")]
-pub use transport::mpi;
-pub use transport::{
-    buffer, chunk, collective, engine, error, group, launch, memory, mesh, nccl, stats, threads,
-};
+pub use transport::{buffer, chunk, memory};
 
 /// Differentiable collectives on Burn tensors, and the step lists strategies build their own
 /// from (FSDP's parameter gather).
@@ -31,18 +30,42 @@ pub mod collectives {
     pub use crate::device::pairs::MixedDtypes;
     pub use crate::device::{
         Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, Observer, Sizes,
-        device_mismatch, is_cuda_device, route, same_device,
+        describe, device_mismatch, is_cuda_device, route, same_device,
     };
 }
 
-pub use collective::{
+/// The NCCL engine (cargo feature `nccl`): one rank per GPU, collectives on device buffers.
+/// Without the feature only the library checks and the launch environment's names remain, so
+/// a program can say what is missing.
+pub mod nccl {
+    pub use crate::transport::nccl::library::check_libraries;
+    pub use crate::transport::nccl::types::{NcclDataType, NcclRedOp, avg_tolerance};
+    pub use crate::transport::nccl::{
+        AgreementMode, CHECK_ENV, COMM_ID_ENV, CudaLibrary, ID_ENV, LaunchEnv, LibraryMissing,
+    };
+    #[cfg(feature = "nccl")]
+    pub use crate::transport::nccl::{
+        DeviceWork, NcclComm, NcclCommunicator, NcclEngine, NcclError, NcclOptions, check_gpu,
+        launch_local, launch_local_with, nccl_comm, nccl_version, new_unique_id,
+    };
+}
+
+/// The MPI engine (cargo feature `mpi`): one rank per process of an `mpirun` job.
+#[cfg(feature = "mpi")]
+pub mod mpi {
+    pub use crate::transport::mpi::{ABORT_EXIT_CODE, run};
+}
+
+pub use transport::collective::{
     Collective, CollectiveHandle, CollectiveOutput, Communicator, GroupInfo, OpKind,
 };
-pub use engine::{Engine, RankContext};
-pub use error::{CollectiveError, LaunchError, MeshError, PendingCall, RankFailure};
-pub use group::ProcessGroup;
-pub use launch::{ENGINE_ENV, EngineKind, run_ranks, run_ranks_on};
-pub use mesh::{DeviceMesh, MeshShape};
-pub use stats::{CommStats, OpCounters};
-pub use threads::{Launcher, launch};
 pub use transport::data::{ReduceOp, sum as sum_data};
+pub use transport::engine::{Engine, RankContext};
+pub use transport::error::{CollectiveError, LaunchError, MeshError, PendingCall, RankFailure};
+pub use transport::group::ProcessGroup;
+pub use transport::launch::{
+    ENGINE_ENV, EngineKind, UnknownEngine, run_ranks, run_ranks_on, started_by_mpi_launcher,
+};
+pub use transport::mesh::{DeviceMesh, MeshShape};
+pub use transport::stats::{CommStats, OpCounters};
+pub use transport::threads::{Launcher, TIMEOUT_ENV, launch};

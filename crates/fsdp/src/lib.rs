@@ -86,7 +86,7 @@ pub use reparam::{ShardGather, param_states};
 pub use rows::{RowRequest, RowSource};
 pub use shard::fully_shard;
 pub use state::{ParamState, UnitState};
-pub use trainable::{Trainability, param_ids, trainability};
+pub use trainable::{Trainability, frozen_param_ids, param_ids, trainability};
 pub use unit::{
     UnitInput, forward_units, try_with_gathered_unit, try_with_module_unit, with_gathered_unit,
     with_module_unit,

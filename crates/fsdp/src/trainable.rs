@@ -57,6 +57,22 @@ pub fn param_ids<M: Module>(module: &M) -> HashSet<ParamId> {
     ids.0
 }
 
+/// The ids of `module`'s frozen parameters: without `require_grad` on an autodiff device (see
+/// [`Trainability`]). No communication; lazy parameters stay lazy.
+pub fn frozen_param_ids<M: Module>(module: &M) -> HashSet<ParamId> {
+    struct Frozen(HashSet<ParamId>);
+    impl ModuleVisitor for Frozen {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if is_trainable(param) == Some(false) {
+                self.0.insert(param.id);
+            }
+        }
+    }
+    let mut frozen = Frozen(HashSet::new());
+    module.visit(&mut frozen);
+    frozen.0
+}
+
 /// Whether `param` takes a gradient; `None` on a device without autodiff.
 fn is_trainable<const D: usize>(param: &Param<Tensor<D>>) -> Option<bool> {
     let device = param.lazy_device();

@@ -4,7 +4,10 @@
 //! - [`LlamaConfig`]: the model's `config.json` (transformers 4.x and 5.x).
 //! - [`Llama`]: Burn modules with `Tp<Linear>` / `Tp<Embedding>` where tensor parallelism
 //!   applies; runs unparallelized, under the `llama` / `llama-sp` tp plans, and under FSDP
-//!   with each decoder layer as one FSDP unit (`parallelize_model`).
+//!   with each decoder layer as one FSDP unit (`parallelize_model`). Its seven projections
+//!   are `Tp<Lora<Linear>>`: plain linears until `apply_lora` / `load_adapter` (crate
+//!   burn-parallel-peft) reaches them by Hugging Face module path
+//!   (`model.layers.0.self_attn.q_proj`).
 //! - [`checkpoint`]: memory-mapped safetensors loading (whole or one rank's rows) and saving
 //!   in the Hugging Face layout.
 //! - [`data`]: nanoGPT-style u16 token files, the batch convention, a synthetic corpus.

@@ -5,10 +5,11 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use burn_parallel_comm::collectives as coll;
 use burn_parallel_macros::parallelize;
-use burn_parallel_tp::{Layout, ParallelStyle, Tp, forward_shared};
+use burn_parallel_peft::{Lora, LoraError, LoraFn, LoraModule};
+use burn_parallel_tp::{Layout, ParallelStyle, Tp, child_path, forward_shared};
 
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_ep::{ExpertModule, ExpertShard};
@@ -105,6 +106,42 @@ impl Rope {
         (make(cos), make(sin))
     }
 
+    /// `(cos, sin)` of each row's own `positions` (`[batch, seq]`), `[batch, 1, seq,
+    /// head_dim]`, in `dtype`: packed rows, whose positions restart per example.
+    pub fn cos_sin_at(
+        &self,
+        positions: &[i64],
+        batch: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> (Tensor<4>, Tensor<4>) {
+        let seq = positions.len() / batch.max(1);
+        let dim = 2 * self.inv_freq.len();
+        let (cos, sin) = (Vec::with_capacity(positions.len() * dim), Vec::new());
+        let (mut cos, mut sin) = (cos, sin);
+        for &pos in positions {
+            let angles: Vec<f32> = self.inv_freq.iter().map(|f| f * pos as f32).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| (*a as f64).cos() as f32));
+                sin.extend(angles.iter().map(|a| (*a as f64).sin() as f32));
+            }
+        }
+        let make = |v: Vec<f32>| {
+            Tensor::<4>::from_data(TensorData::new(v, [batch, 1, seq, dim]), device).cast(dtype)
+        };
+        (make(cos), make(sin))
+    }
+
+    /// [`apply`](Self::apply) with plain tensor ops, for `cos`/`sin` of any leading shape
+    /// that broadcasts (per-row positions).
+    pub fn apply_plain(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
+        let half = x.dims()[3] / 2;
+        let x1 = x.clone().narrow(3, 0, half);
+        let x2 = x.clone().narrow(3, half, half);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        x * cos.clone() + rotated * sin.clone()
+    }
+
     /// `x * cos + rotate_half(x) * sin` on `[batch, heads, seq, head_dim]`.
     pub fn apply(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
         fused::rotary(x, cos, sin)
@@ -117,13 +154,13 @@ impl Rope {
 #[derive(Module, Debug)]
 pub struct Attention {
     /// Query projection, `hidden -> heads * head_dim`.
-    pub q_proj: Tp<Linear>,
+    pub q_proj: Tp<Lora<Linear>>,
     /// Key projection, `hidden -> kv_heads * head_dim`.
-    pub k_proj: Tp<Linear>,
+    pub k_proj: Tp<Lora<Linear>>,
     /// Value projection, `hidden -> kv_heads * head_dim`.
-    pub v_proj: Tp<Linear>,
+    pub v_proj: Tp<Lora<Linear>>,
     /// Output projection, `heads * head_dim -> hidden`.
-    pub o_proj: Tp<Linear>,
+    pub o_proj: Tp<Lora<Linear>>,
     /// Qwen3's RMSNorm of each query head, over `head_dim`, before the rotary embedding.
     pub q_norm: Option<RmsNorm>,
     /// Qwen3's RMSNorm of each key head.
@@ -145,6 +182,20 @@ impl Attention {
     /// Attention over `x` `[batch, seq, hidden]`, with the rotary `cos`/`sin` of
     /// [`Rope::cos_sin`].
     pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
+        self.forward_masked(x, cos, sin, None)
+    }
+
+    /// As [`forward`](Self::forward); with `mask` (`[batch, 1, seq, seq]`, true where query
+    /// `i` must not see key `j`: packed rows' block-diagonal causal mask) and per-row `cos` /
+    /// `sin` (`[batch, 1, seq, head_dim]`, [`Rope::cos_sin_at`]) attention is computed with
+    /// plain tensor ops instead of the fused causal kernel.
+    pub fn forward_masked(
+        &self,
+        x: Tensor<3>,
+        cos: &Tensor<4>,
+        sin: &Tensor<4>,
+        mask: Option<&Tensor<4, Bool>>,
+    ) -> Tensor<3> {
         // q, k and v read the same input: one input collective serves the three.
         let [q, k, v] = forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj]);
         let [b, s, _] = q.dims();
@@ -160,8 +211,12 @@ impl Attention {
             (Some(n), None) => n.forward(t),
             (None, _) => t,
         };
-        let q = Rope::apply(head_norm(&self.q_norm, split(q, self.heads)), cos, sin);
-        let k = Rope::apply(head_norm(&self.k_norm, split(k, self.kv_heads)), cos, sin);
+        let rope = |t: Tensor<4>| match mask {
+            None => Rope::apply(t, cos, sin),
+            Some(_) => Rope::apply_plain(t, cos, sin),
+        };
+        let q = rope(head_norm(&self.q_norm, split(q, self.heads)));
+        let k = rope(head_norm(&self.k_norm, split(k, self.kv_heads)));
         let v = split(v, self.kv_heads);
         let groups = self.heads / self.kv_heads;
         let repeat = |t: Tensor<4>| {
@@ -174,11 +229,48 @@ impl Attention {
             }
         };
         let (k, v) = (repeat(k), repeat(v));
-        let out = fused::causal_attention(q, k, v, 1.0 / (hd as f64).sqrt())
-            .swap_dims(1, 2)
-            .reshape([b, s, self.heads * hd]);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = match mask {
+            None => fused::causal_attention(q, k, v, scale),
+            Some(mask) => masked_attention(q, k, v, scale, mask),
+        };
+        let out = out.swap_dims(1, 2).reshape([b, s, self.heads * hd]);
         self.o_proj.forward(out)
     }
+}
+
+/// Softmax attention of `q`, `k`, `v` `[batch, heads, seq, head_dim]` with the keys `mask`
+/// (`[batch, 1, seq, seq]`) hides set to -inf, scores and softmax in f32 as transformers'
+/// eager attention. Every query must see at least one key (its own, in a causal mask).
+fn masked_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    scale: f64,
+    mask: &Tensor<4, Bool>,
+) -> Tensor<4> {
+    let dtype = v.dtype();
+    let [b, h, s, _] = q.dims();
+    let scores = q
+        .cast(burn::tensor::FloatDType::F32)
+        .matmul(k.cast(burn::tensor::FloatDType::F32).swap_dims(2, 3))
+        .mul_scalar(scale)
+        .mask_fill(mask.clone().expand([b, h, s, s]), f32::NEG_INFINITY);
+    let probs = burn::tensor::activation::softmax(scores, 3);
+    probs.cast(burn::tensor::FloatDType::from(dtype)).matmul(v)
+}
+
+/// The block-diagonal causal mask of packed rows: true where query `i` must not see key `j`
+/// (`j > i`, or another segment), `[batch, 1, seq, seq]`, from `segments` `[batch * seq]`.
+pub fn packed_mask(segments: &[i64], batch: usize, device: &Device) -> Tensor<4, Bool> {
+    let s = segments.len() / batch.max(1);
+    let mut hidden = Vec::with_capacity(batch * s * s);
+    for row in segments.chunks(s.max(1)) {
+        for i in 0..s {
+            hidden.extend((0..s).map(|j| j > i || row[i] != row[j]));
+        }
+    }
+    Tensor::<4, Bool>::from_data(TensorData::new(hidden, [batch, 1, s, s]), device)
 }
 
 /// SwiGLU: `down(silu(gate(x)) * up(x))`.
@@ -186,11 +278,11 @@ impl Attention {
 #[derive(Module, Debug)]
 pub struct Mlp {
     /// Gate projection, `hidden -> intermediate`.
-    pub gate_proj: Tp<Linear>,
+    pub gate_proj: Tp<Lora<Linear>>,
     /// Up projection, `hidden -> intermediate`.
-    pub up_proj: Tp<Linear>,
+    pub up_proj: Tp<Lora<Linear>>,
     /// Down projection, `intermediate -> hidden`.
-    pub down_proj: Tp<Linear>,
+    pub down_proj: Tp<Lora<Linear>>,
 }
 
 impl Mlp {
@@ -240,10 +332,22 @@ impl DecoderLayer {
         cos: &Tensor<4>,
         sin: &Tensor<4>,
     ) -> (Tensor<3>, Option<Tensor<2>>) {
+        self.forward_masked(x, cos, sin, None)
+    }
+
+    /// As [`forward_routed`](Self::forward_routed), attention under `mask` when given (see
+    /// [`Attention::forward_masked`]).
+    pub fn forward_masked(
+        &self,
+        x: Tensor<3>,
+        cos: &Tensor<4>,
+        sin: &Tensor<4>,
+        mask: Option<&Tensor<4, Bool>>,
+    ) -> (Tensor<3>, Option<Tensor<2>>) {
         let h = x.clone()
             + self
                 .self_attn
-                .forward(norm(&self.input_layernorm, x), cos, sin);
+                .forward_masked(norm(&self.input_layernorm, x), cos, sin, mask);
         let normed = norm(&self.post_attention_layernorm, h.clone());
         let (ffn, router_logits) = match (&self.mlp, &self.moe) {
             (Some(mlp), _) => (mlp.forward(normed), None),
@@ -317,14 +421,16 @@ fn param<const D: usize>(
     Ok(Param::from_tensor(Tensor::from_data(data, device)))
 }
 
-fn linear(
+/// A linear layer read from `source`, as `L`: a plain `Linear` (the LM head) or a
+/// `Lora<Linear>` without adapter (the projections), which is exactly its base.
+fn linear<L: From<Linear>>(
     source: &mut dyn TensorSource,
     prefix: &str,
     d_in: usize,
     d_out: usize,
     bias: bool,
     device: &Device,
-) -> Result<Tp<Linear>, ModelError> {
+) -> Result<Tp<L>, ModelError> {
     let weight = param(
         source,
         &format!("{prefix}.weight"),
@@ -343,7 +449,7 @@ fn linear(
     } else {
         None
     };
-    Ok(Tp::new(Linear { weight, bias }))
+    Ok(Tp::new(L::from(Linear { weight, bias })))
 }
 
 fn rms_norm(
@@ -564,17 +670,43 @@ impl Llama {
     ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
         // Under FSDP the root's own parameters (embedding, final norm, LM head) are gathered
         // once, together, for the whole forward.
-        burn_parallel_fsdp::try_with_module_unit(self, || self.forward_body(ids))?
+        burn_parallel_fsdp::try_with_module_unit(self, || self.forward_body(ids, None))?
     }
 
-    fn forward_body(&self, ids: Tensor<2, Int>) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
-        let seq = ids.dims()[1];
+    /// As [`try_forward_routed`](Self::try_forward_routed) on packed rows (several examples
+    /// per row, as transformers' flattening collator with position ids): `positions` and
+    /// `segments` (`[batch, seq]`, row-major) give each token's position, restarting per
+    /// example, and its example; attention does not cross examples, so each example's logits
+    /// are the ones it has alone.
+    pub fn try_forward_packed(
+        &self,
+        ids: Tensor<2, Int>,
+        positions: &[i64],
+        segments: &[i64],
+    ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
+        let packed = Some((positions, segments));
+        burn_parallel_fsdp::try_with_module_unit(self, || self.forward_body(ids, packed))?
+    }
+
+    fn forward_body(
+        &self,
+        ids: Tensor<2, Int>,
+        packed: Option<(&[i64], &[i64])>,
+    ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
+        let [batch, seq] = ids.dims();
         let x = self.embed_tokens.try_forward(ids)?;
         // Positions span the whole sequence: under sequence parallelism attention gathers it.
-        let (cos, sin) = self.rope.cos_sin(seq, &x.device(), x.dtype());
+        let ((cos, sin), mask) = match packed {
+            None => (self.rope.cos_sin(seq, &x.device(), x.dtype()), None),
+            Some((positions, segments)) => (
+                self.rope
+                    .cos_sin_at(positions, batch, &x.device(), x.dtype()),
+                Some(packed_mask(segments, batch, &x.device())),
+            ),
+        };
         let mut router_logits = Vec::new();
         let layer = |l: &DecoderLayer, x: Tensor<3>| {
-            let (x, logits) = l.forward_routed(x, &cos, &sin);
+            let (x, logits) = l.forward_masked(x, &cos, &sin, mask.as_ref());
             router_logits.extend(logits);
             x
         };
@@ -635,5 +767,51 @@ impl Llama {
         let table = self.embed_tokens.inner().weight.val();
         let table = table.clone().cast(x.dtype());
         Ok(x.matmul(table.transpose().unsqueeze::<3>()))
+    }
+}
+
+// The walks `apply_lora` and `merge_lora` take, by Hugging Face module path
+// (`model.layers.0.self_attn.q_proj`): a target may be a module name or any dotted suffix of it.
+impl LoraModule for Attention {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        Ok(Self {
+            q_proj: self.q_proj.map_lora(&child_path(path, "q_proj"), f)?,
+            k_proj: self.k_proj.map_lora(&child_path(path, "k_proj"), f)?,
+            v_proj: self.v_proj.map_lora(&child_path(path, "v_proj"), f)?,
+            o_proj: self.o_proj.map_lora(&child_path(path, "o_proj"), f)?,
+            ..self
+        })
+    }
+}
+
+impl LoraModule for Mlp {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        Ok(Self {
+            gate_proj: self.gate_proj.map_lora(&child_path(path, "gate_proj"), f)?,
+            up_proj: self.up_proj.map_lora(&child_path(path, "up_proj"), f)?,
+            down_proj: self.down_proj.map_lora(&child_path(path, "down_proj"), f)?,
+        })
+    }
+}
+
+impl LoraModule for DecoderLayer {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        Ok(Self {
+            self_attn: self.self_attn.map_lora(&child_path(path, "self_attn"), f)?,
+            mlp: self.mlp.map_lora(&child_path(path, "mlp"), f)?,
+            ..self
+        })
+    }
+}
+
+/// The projections' paths are Hugging Face's, under `model.` (`model.layers.0.mlp.up_proj`),
+/// as peft names them inside `LlamaForCausalLM`; the LM head is not a LoRA target.
+impl LoraModule for Llama {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        let layers = child_path(&child_path(path, "model"), "layers");
+        Ok(Self {
+            layers: self.layers.map_lora(&layers, f)?,
+            ..self
+        })
     }
 }

@@ -12,7 +12,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ParallelError;
 
+mod error;
 mod names;
+
+pub use error::{ConfigError, Unsupported};
 
 crate::named_enum! {
     /// How the model and the batch are spread over the ranks. Config files and the trainer's
@@ -303,8 +306,10 @@ pub struct DistributedConfig {
     pub dp_replicate_size: usize,
     /// Tensor-parallel ranks (default 1: none; under `tp`, 1 means every rank).
     pub tp_size: usize,
-    /// Context-parallel ranks (default 1; more is not supported).
+    /// Context-parallel ranks (default 1; more is not supported yet).
     pub cp_size: usize,
+    /// Pipeline stages (default 1; more is not supported yet).
+    pub pp_size: usize,
     /// Expert-parallel ranks (default 1: none): a MoE model's experts are split over `ep`
     /// consecutive dp_shard ranks, which exchange tokens; `ep_size` must divide the dp_shard
     /// size (strategies ddp, fsdp2, hsdp, fsdp2_tp and megatron_fsdp).
@@ -364,6 +369,7 @@ impl Default for DistributedConfig {
             dp_replicate_size: 1,
             tp_size: 1,
             cp_size: 1,
+            pp_size: 1,
             ep_size: 1,
             mesh_names: MeshNames::default(),
             sequence_parallel: false,
@@ -395,6 +401,10 @@ pub struct MeshSizes {
     pub dp_shard: usize,
     /// Tensor-parallel ranks.
     pub tp: usize,
+    /// Context-parallel ranks (1 until context parallelism lands).
+    pub cp: usize,
+    /// Pipeline stages (1 until pipeline parallelism lands).
+    pub pp: usize,
     /// Expert-parallel ranks: consecutive dp_shard ranks that split a MoE model's experts
     /// (1: none).
     pub ep: usize,
@@ -403,7 +413,7 @@ pub struct MeshSizes {
 impl MeshSizes {
     /// The number of ranks.
     pub fn world(&self) -> usize {
-        self.dp_replicate * self.dp_shard * self.tp
+        self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
     }
 
     /// The data-parallel size: the number of distinct slices of a batch.
@@ -412,8 +422,8 @@ impl MeshSizes {
     }
 }
 
-fn invalid(message: impl Into<String>) -> ParallelError {
-    ParallelError::Config(message.into())
+fn invalid(error: ConfigError) -> ParallelError {
+    ParallelError::Config(error)
 }
 
 /// A `.toml`, `.json`, `.yaml` or `.yml` file's contents, or an error naming the file.
@@ -506,9 +516,10 @@ impl DistributedConfig {
         if let Some(expected) = self.world_size
             && expected != world_size
         {
-            return Err(invalid(format!(
-                "world_size is {expected} but the job has {world_size} ranks"
-            )));
+            return Err(invalid(ConfigError::WorldSize {
+                configured: expected,
+                launched: world_size,
+            }));
         }
         self.check_supported()?;
         self.check_frozen_sharding()?;
@@ -516,39 +527,44 @@ impl DistributedConfig {
             ("tp_size", self.tp_size),
             ("dp_replicate_size", self.dp_replicate_size),
             ("cp_size", self.cp_size),
+            ("pp_size", self.pp_size),
             ("ep_size", self.ep_size),
         ] {
             if size == 0 {
-                return Err(invalid(format!("{name} must be at least 1")));
+                return Err(invalid(ConfigError::ZeroSize { name }));
             }
         }
         if self.dp_size == Some(0) {
-            return Err(invalid("dp_size must be at least 1"));
+            return Err(invalid(ConfigError::ZeroSize { name: "dp_size" }));
         }
         if self.sequence_parallel && self.tp_size == 1 && self.strategy != Strategy::Tp {
-            return Err(invalid("sequence_parallel requires tp_size > 1"));
+            return Err(invalid(ConfigError::SequenceParallelWithoutTp(
+                "tp_size > 1",
+            )));
         }
         // Written so NaN is rejected too.
         if self.ddp_bucket_cap_mb.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
-            return Err(invalid("ddp_bucket_cap_mb must be positive"));
+            return Err(invalid(ConfigError::BucketCap));
         }
         let sizes = self.strategy_sizes(world_size)?;
-        let total = sizes.dp_replicate * sizes.dp_shard * sizes.tp;
-        if total != world_size {
-            return Err(invalid(format!(
-                "mesh dp_replicate {} x dp_shard {} x tp {} has {total} ranks but the world has {world_size}",
-                sizes.dp_replicate, sizes.dp_shard, sizes.tp
-            )));
+        if sizes.world() != world_size {
+            return Err(invalid(ConfigError::MeshSize {
+                dp_replicate: sizes.dp_replicate,
+                dp_shard: sizes.dp_shard,
+                tp: sizes.tp,
+                world: world_size,
+            }));
         }
         if self.sequence_parallel && sizes.tp == 1 {
-            return Err(invalid("sequence_parallel requires more than one tp rank"));
+            return Err(invalid(ConfigError::SequenceParallelWithoutTp(
+                "more than one tp rank",
+            )));
         }
         if !sizes.dp_shard.is_multiple_of(self.ep_size) {
-            return Err(invalid(format!(
-                "ep_size {} does not divide the dp_shard size {}: experts are split over \
-                 consecutive dp_shard ranks",
-                self.ep_size, sizes.dp_shard
-            )));
+            return Err(invalid(ConfigError::ExpertGroups {
+                ep: self.ep_size,
+                dp_shard: sizes.dp_shard,
+            }));
         }
         Ok(MeshSizes {
             ep: self.ep_size,
@@ -558,15 +574,11 @@ impl DistributedConfig {
 
     /// Options of the reference systems that do not exist here, each an error naming it.
     fn check_supported(&self) -> Result<(), ParallelError> {
-        let unsupported = |what: String| Err(ParallelError::NotSupported(what));
+        let unsupported = |what: Unsupported| Err(ParallelError::NotSupported(what));
         if self.strategy == Strategy::MegatronFsdp {
             self.check_megatron_fsdp()?;
         } else if self.megatron_fsdp != MegatronFsdpConfig::default() {
-            return Err(invalid(format!(
-                "[megatron_fsdp] options apply to strategy megatron_fsdp, not {}: remove them \
-                 or set strategy = \"megatron_fsdp\"",
-                self.strategy
-            )));
+            return Err(invalid(ConfigError::MegatronOptions(self.strategy)));
         }
         let splits_experts = matches!(
             self.strategy,
@@ -577,35 +589,29 @@ impl DistributedConfig {
                 | Strategy::MegatronFsdp
         );
         if self.ep_size > 1 && !splits_experts {
-            return unsupported(format!(
-                "expert parallelism (ep_size {}) with strategy {} (ep works with ddp, fsdp2, \
-                 hsdp, fsdp2_tp and megatron_fsdp)",
-                self.ep_size, self.strategy
-            ));
+            return unsupported(Unsupported::ExpertParallel {
+                ep: self.ep_size,
+                strategy: self.strategy,
+            });
         }
         if self.cp_size > 1 {
-            return unsupported(format!("context parallelism (cp_size {})", self.cp_size));
+            return unsupported(Unsupported::ContextParallel(self.cp_size));
+        }
+        if self.pp_size > 1 {
+            return unsupported(Unsupported::PipelineParallel(self.pp_size));
         }
         if self.enable_async_tensor_parallel {
-            return unsupported("enable_async_tensor_parallel".into());
+            return unsupported(Unsupported::AsyncTensorParallel);
         }
         if self.enable_compile {
-            return unsupported(
-                "enable_compile (the CPU backends have no kernel fusion and the CUDA build does \
-                 not include Burn's fusion; leave it false)"
-                    .into(),
-            );
+            return unsupported(Unsupported::Compile);
         }
         if let Some(depth) = self.fsdp2_backward_prefetch_depth {
-            return unsupported(format!(
-                "fsdp2_backward_prefetch_depth {depth} (Burn 0.22's backward has no hooks: a \
-                 resharded unit is gathered again when backward first needs it; leave the key out)"
-            ));
+            return unsupported(Unsupported::BackwardPrefetchDepth(depth));
         }
         if self.activation_checkpointing_scope != "all" {
-            return unsupported(format!(
-                "activation_checkpointing_scope {:?} (only \"all\")",
-                self.activation_checkpointing_scope
+            return unsupported(Unsupported::CheckpointingScope(
+                self.activation_checkpointing_scope.clone(),
             ));
         }
         Ok(())
@@ -621,19 +627,17 @@ impl DistributedConfig {
         if shards || self.frozen_multimodal_sharding == FrozenModuleSharding::default() {
             return Ok(());
         }
-        Err(invalid(format!(
-            "frozen_multimodal_sharding = \"{}\" places frozen modules among FSDP units, but \
-             strategy {} shards nothing: remove it, or use fsdp2, hsdp, fsdp2_tp or \
-             megatron_fsdp",
-            self.frozen_multimodal_sharding, self.strategy
-        )))
+        Err(invalid(ConfigError::FrozenSharding {
+            mode: self.frozen_multimodal_sharding,
+            strategy: self.strategy,
+        }))
     }
 
     /// The combinations megatron_fsdp refuses, each named.
     fn check_megatron_fsdp(&self) -> Result<(), ParallelError> {
-        let unsupported = |what: &str| {
-            Err(ParallelError::NotSupported(format!(
-                "megatron_fsdp with {what}"
+        let unsupported = |what: &'static str| {
+            Err(ParallelError::NotSupported(Unsupported::MegatronFsdpWith(
+                what,
             )))
         };
         if self.tp_size > 1 || self.sequence_parallel {
@@ -646,26 +650,27 @@ impl DistributedConfig {
             return unsupported("offload_policy (use fsdp2 to offload)");
         }
         if self.megatron_fsdp.bucket_size == Some(0) {
-            return Err(invalid(
-                "megatron_fsdp bucket_size must be at least 1 element (leave it out for one \
-                 collective per unit)",
-            ));
+            return Err(invalid(ConfigError::MegatronFsdp(
+                "bucket_size must be at least 1 element (leave it out for one collective per \
+                 unit)"
+                    .into(),
+            )));
         }
         let zero = self.megatron_fsdp.zero_dp_strategy;
         if zero != ZeroDpStrategy::OptimGradsParams && self.reshard_after_forward == Some(true) {
-            return Err(invalid(format!(
-                "megatron_fsdp zero_dp_strategy {} keeps the gathered weights through backward; \
+            return Err(invalid(ConfigError::MegatronFsdp(format!(
+                "zero_dp_strategy {} keeps the gathered weights through backward; \
                  reshard_after_forward = true is optim_grads_params (3)",
                 zero.name()
-            )));
+            ))));
         }
         if self.megatron_fsdp.grad_reduce_in_fp32
             && self.mp_policy.reduce_dtype.is_some_and(|d| d != Dtype::F32)
         {
-            return Err(invalid(
-                "megatron_fsdp grad_reduce_in_fp32 = true contradicts mp_policy.reduce_dtype; \
-                 set one of them",
-            ));
+            return Err(invalid(ConfigError::MegatronFsdp(
+                "grad_reduce_in_fp32 = true contradicts mp_policy.reduce_dtype; set one of them"
+                    .into(),
+            )));
         }
         Ok(())
     }
@@ -696,7 +701,12 @@ impl DistributedConfig {
     /// What the strategy makes of the sizes: the mesh `dp_replicate x dp_shard x tp`.
     fn strategy_sizes(&self, world: usize) -> Result<MeshSizes, ParallelError> {
         let s = self.strategy;
-        let bad = |m: String| Err(invalid(format!("strategy {s}: {m}")));
+        let bad = |reason: String| {
+            Err(invalid(ConfigError::StrategySizes {
+                strategy: s,
+                reason,
+            }))
+        };
         let (replicate, tp) = (self.dp_replicate_size, self.tp_size);
         if matches!(s, Strategy::Single | Strategy::Ddp | Strategy::Tp) && replicate > 1 {
             return bad(format!(
@@ -708,6 +718,8 @@ impl DistributedConfig {
             dp_replicate,
             dp_shard,
             tp,
+            cp: 1,
+            pp: 1,
             ep: 1,
         };
         match s {
@@ -734,11 +746,12 @@ impl DistributedConfig {
             Strategy::Fsdp2 | Strategy::Fsdp2Tp | Strategy::Hsdp | Strategy::MegatronFsdp => {
                 let model_parallel = tp * self.cp_size * replicate;
                 if !world.is_multiple_of(model_parallel) {
-                    return Err(invalid(format!(
-                        "world size {world} is not divisible by dp_replicate_size {replicate} x \
-                         tp_size {tp} x cp_size {}",
-                        self.cp_size
-                    )));
+                    return Err(invalid(ConfigError::NotDivisible {
+                        world,
+                        dp_replicate: replicate,
+                        tp,
+                        cp: self.cp_size,
+                    }));
                 }
                 if s == Strategy::Hsdp && replicate < 2 {
                     return bad("needs dp_replicate_size >= 2 (with 1 it is fsdp2)".into());
@@ -770,7 +783,7 @@ impl DistributedConfig {
                 };
                 let plan = description
                     .named_plan(&name)
-                    .map_err(|e| invalid(format!("tp_shard_plan: {e}")))?;
+                    .map_err(|e| invalid(ConfigError::TpPlan(e.to_string())))?;
                 Ok(Some(plan))
             }
             TpShardPlan::Map(entries) => {
@@ -784,67 +797,11 @@ impl DistributedConfig {
     }
 }
 
-crate::named_enum! {
-    /// The style names a `tp_shard_plan` map uses.
-    enum StyleName as "tp style" {
-        /// [`ParallelStyle::colwise`].
-        Colwise = "colwise",
-        /// [`ParallelStyle::colwise_gathered`].
-        ColwiseGathered = "colwise_gathered",
-        /// [`ParallelStyle::colwise_sp`] on the sequence dim.
-        ColwiseSp = "colwise_sp",
-        /// [`ParallelStyle::rowwise`].
-        Rowwise = "rowwise",
-        /// [`ParallelStyle::rowwise_from_replicated`].
-        RowwiseFromReplicated = "rowwise_from_replicated",
-        /// [`ParallelStyle::rowwise_sp`] on the sequence dim.
-        RowwiseSp = "rowwise_sp",
-        /// [`ParallelStyle::vocab_parallel`].
-        VocabParallel = "vocab_parallel",
-        /// [`ParallelStyle::vocab_parallel_sp`] on the sequence dim.
-        VocabParallelSp = "vocab_parallel_sp",
-        /// [`ParallelStyle::sequence_parallel`] on the sequence dim.
-        SequenceParallel = "sequence_parallel",
-    }
-}
-
-/// The name of the fused colwise style, written with its number of parts: `colwise_fused(3)`.
-pub const COLWISE_FUSED: &str = "colwise_fused";
-
-/// A `ParallelStyle` by its config name; sequence-parallel styles use the sequence dim 1 of
-/// `[batch, seq, hidden]`, and `colwise_fused(K)` is [`ParallelStyle::colwise_fused`] of `K`
-/// equal parts.
+/// A `ParallelStyle` by its config name, as `#[tp(..)]` writes it: `colwise`, `rowwise_sp`
+/// (sequence dim 1 of `[batch, seq, hidden]`), `rowwise_sp(2)`, `colwise_fused(3)` (a fused
+/// projection of 3 equal parts). The names are burn-parallel-styles' one table.
 pub fn style_by_name(name: &str) -> Result<ParallelStyle, ParallelError> {
-    const SEQ: usize = 1;
-    if let Some(rest) = name.trim().strip_prefix(COLWISE_FUSED) {
-        // `colwise_fused(K)`: the count is part of the name, as in `#[tp(colwise_fused(3))]`.
-        let parts = rest
-            .trim()
-            .strip_prefix('(')
-            .and_then(|r| r.strip_suffix(')'))
-            .and_then(|k| k.trim().parse::<usize>().ok())
-            .filter(|&k| k > 0);
-        return parts.map(ParallelStyle::colwise_fused).ok_or_else(|| {
-            invalid(format!(
-                "tp style `{name}`: write {COLWISE_FUSED}(K) with K > 0 the number of equal parts \
-                 of the fused output (3 for q/k/v, 2 for gate/up)"
-            ))
-        });
-    }
-    let parsed = name
-        .parse::<StyleName>()
-        .map_err(|e| invalid(format!("{e}, or {COLWISE_FUSED}(K) for a fused projection")))?;
-    Ok(match parsed {
-        StyleName::Colwise => ParallelStyle::colwise(),
-        StyleName::ColwiseGathered => ParallelStyle::colwise_gathered(),
-        StyleName::ColwiseSp => ParallelStyle::colwise_sp(SEQ),
-        StyleName::Rowwise => ParallelStyle::rowwise(),
-        StyleName::RowwiseFromReplicated => ParallelStyle::rowwise_from_replicated(),
-        StyleName::RowwiseSp => ParallelStyle::rowwise_sp(SEQ),
-        StyleName::VocabParallel => ParallelStyle::vocab_parallel(),
-        StyleName::VocabParallelSp => ParallelStyle::vocab_parallel_sp(SEQ),
-        StyleName::SequenceParallel => ParallelStyle::sequence_parallel(SEQ),
-    })
+    ParallelStyle::by_name(name).map_err(|e| invalid(ConfigError::TpPlan(e)))
 }
 
 #[cfg(test)]
@@ -901,7 +858,7 @@ mod tests {
         assert!(Strategy::NAMES.iter().all(|n| err.contains(n)), "{err}");
         let err = style_by_name("colwize").unwrap_err().to_string();
         assert!(err.contains("colwise_gathered") && err.contains("sequence_parallel"));
-        assert!(err.contains("colwise_fused(K)"), "{err}");
+        assert!(err.contains("colwise_fused;"), "{err}");
     }
 
     #[test]
@@ -916,7 +873,7 @@ mod tests {
         );
         for bad in ["colwise_fused", "colwise_fused(0)", "colwise_fused(x)"] {
             let err = style_by_name(bad).unwrap_err().to_string();
-            assert!(err.contains("write colwise_fused(K)"), "{bad}: {err}");
+            assert!(err.contains("`colwise_fused(3)`"), "{bad}: {err}");
         }
     }
 

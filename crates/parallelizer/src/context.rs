@@ -1,14 +1,14 @@
 //! `MeshContext`: one rank's view of the job: its config, mesh, groups and device.
 
 use burn::tensor::{Device, GradientCheckpointingStrategy};
+use burn_parallel_comm::collectives::describe;
 use burn_parallel_comm::collectives::is_cuda_device;
-use burn_parallel_comm::device::describe;
 use burn_parallel_comm::{DeviceMesh, MeshShape, ProcessGroup, RankContext};
 use burn_parallel_fsdp::{
     FsdpConfig, GradientReduction, MemoryTracker, OffloadPolicy, ShardLayout,
 };
 
-use crate::config::{DistributedConfig, MeshSizes, Strategy, ZeroDpStrategy};
+use crate::config::{ConfigError, DistributedConfig, MeshSizes, Strategy, ZeroDpStrategy};
 use crate::error::ParallelError;
 
 /// The name of the flattened data-parallel dimension (dp_replicate x dp_shard): the group over
@@ -348,8 +348,6 @@ fn check_device(
     if checkpointing {
         return Ok(());
     }
-    let fix = "pass `device.gradient_checkpointing()` to MeshContext::new (and build the \
-               model's inputs on it)";
     let needs = if config.activation_checkpointing {
         Some("activation_checkpointing recomputes activations")
     } else if config.resharding() == Some(true) && sizes.dp_shard > 1 && !uses_ddp(config) {
@@ -358,10 +356,11 @@ fn check_device(
         None
     };
     match needs {
-        Some(what) => Err(ParallelError::Config(format!(
-            "{what} only on Burn's gradient-checkpointing device, and {} is not one: {fix}",
-            describe(device)
-        ))),
+        Some(needs) => Err(ConfigError::NeedsCheckpointingDevice {
+            needs,
+            device: describe(device),
+        }
+        .into()),
         None => Ok(()),
     }
 }

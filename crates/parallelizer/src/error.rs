@@ -2,15 +2,17 @@ use burn_parallel_comm::{CollectiveError, MeshError};
 use burn_parallel_fsdp::FsdpError;
 use burn_parallel_tp::TpError;
 
+use crate::config::{ConfigError, Unsupported};
+
 /// Why a model could not be parallelized or trained.
 #[derive(Debug, thiserror::Error)]
 pub enum ParallelError {
     /// The configuration contradicts itself or the world; raised before any communication.
     #[error("invalid distributed config: {0}")]
-    Config(String),
+    Config(#[from] ConfigError),
     /// A strategy or option that exists in the reference systems but not here yet.
     #[error("{0} is not yet supported")]
-    NotSupported(String),
+    NotSupported(#[from] Unsupported),
     /// Applying tensor parallelism failed.
     #[error("tensor parallel: {0}")]
     Tp(#[from] TpError),

@@ -31,14 +31,18 @@ pub use burn_parallel_describe::{
 };
 pub use burn_parallel_fsdp::RowSource;
 pub use config::{
-    DistributedConfig, Dtype, FrozenModuleSharding, MegatronFsdpConfig, MeshNames, MeshSizes,
-    MixedPrecisionConfig, OffloadConfig, Strategy, TpShardPlan, ZeroDpStrategy, style_by_name,
+    ConfigError, DistributedConfig, Dtype, FrozenModuleSharding, MegatronFsdpConfig, MeshNames,
+    MeshSizes, MixedPrecisionConfig, OffloadConfig, Strategy, TpShardPlan, Unsupported,
+    ZeroDpStrategy, style_by_name,
 };
 pub use context::{DP, ExpertGroups, LocalRows, MeshContext, WORLD};
 pub use error::ParallelError;
 pub use full::{full_model, full_state_dict};
 pub use sidecar::{ModelParallelizer, fsdp_config};
-pub use step::{StepReport, global_grad_norm, train_step, train_step_reported, train_step_with};
+pub use step::{
+    Accumulated, StepReport, global_grad_norm, train_step, train_step_accumulated,
+    train_step_reported, train_step_with,
+};
 
 /// A model whose sidecar implements the parallelizer's hooks: every `#[parallelize]` model
 /// with the default sidecar, or with `sidecar = T` where `T: ModelParallelizer`.

@@ -16,7 +16,7 @@ use burn_parallel_fsdp::{FsdpConfig, fully_shard, param_ids, trainability};
 use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
 use burn_parallel_tp::{TpApplier, TpModule, TpPlan, local_heads};
 
-use crate::config::{FrozenModuleSharding, Strategy};
+use crate::config::{ConfigError, FrozenModuleSharding, Strategy};
 use crate::context::MeshContext;
 use crate::ddp;
 use crate::error::ParallelError;
@@ -134,8 +134,9 @@ pub trait ModelParallelizer {
             let heads = h.heads.unwrap_or(0);
             let kv_heads = h.kv_heads.unwrap_or(heads);
             if heads > 0 {
-                local_heads(heads, kv_heads, tp).map_err(|e| {
-                    ParallelError::Config(format!("attention at {:?}: {e}", h.path))
+                local_heads(heads, kv_heads, tp).map_err(|e| ConfigError::Heads {
+                    path: h.path.clone(),
+                    reason: e.to_string(),
                 })?;
             }
         }
@@ -144,7 +145,7 @@ pub trait ModelParallelizer {
         }
         let plan = tp_plan(description, ctx)?;
         check_fused_colwise(&description.heads, &plan, &linear_weights(model))
-            .map_err(ParallelError::Config)
+            .map_err(|e| ConfigError::FusedProjection(e).into())
     }
 
     /// Applies the TP plan: the config's `tp_shard_plan` when given, else the one the model
@@ -157,10 +158,7 @@ pub trait ModelParallelizer {
     ) -> Result<M, ParallelError> {
         let plan = tp_plan(description, ctx)?;
         if plan.entries().is_empty() {
-            return Err(ParallelError::Config(format!(
-                "tp_size is {} but the model declares no TP plan (no #[tp(..)] fields or plan name) and the config gives no tp_shard_plan",
-                ctx.sizes().tp
-            )));
+            return Err(ConfigError::NoTpPlan { tp: ctx.sizes().tp }.into());
         }
         let mut applier = TpApplier::new(&plan, ctx.tp_group());
         if let Some(dtype) = ctx.config().mp_policy.reduce_dtype {
@@ -364,11 +362,10 @@ fn split_experts<M: Parallelize>(
     let mut description = ModelDescription::default();
     model.describe("", &mut description);
     if description.experts.is_empty() {
-        return Err(ParallelError::Config(format!(
-            "ep_size is {} but the model has no mixture-of-experts module: mark the field \
-             holding each layer's experts #[experts] (its type implements ExpertModule)",
-            groups.ep.size()
-        )));
+        return Err(ConfigError::NoExperts {
+            ep: groups.ep.size(),
+        }
+        .into());
     }
     let model = model.map_units("", &mut ExpertSharder(&groups.ep))?;
     Ok((model, description))

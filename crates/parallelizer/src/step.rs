@@ -78,9 +78,88 @@ pub fn train_step_reported<M: Parallelize>(
     ctx: &MeshContext,
     optimizer_step: impl FnOnce(M, Gradients, &StepReport) -> M,
 ) -> Result<(M, StepReport), ParallelError> {
+    let none = Accumulated::default();
+    train_step_accumulated(model, loss, none, rows, max_grad_norm, ctx, optimizer_step)
+}
+
+/// The gradients and loss of a step's earlier micro-batches (gradient accumulation), which
+/// [`train_step_accumulated`] adds to its last micro-batch's before the gradient sync.
+///
+/// Each micro-batch's `loss` handed to [`backward`](Self::backward) is already weighted: its
+/// share of the step's global loss times the data-parallel size (the step averages over dp),
+/// so that the sum over micro-batches and ranks is the loss of the whole accumulated batch.
+/// Run the earlier micro-batches with `ctx.set_requires_gradient_sync(false)` (FSDP then keeps
+/// a local unsharded sum and reduces it once in the last backward) and the last with `true`.
+#[derive(Default)]
+pub struct Accumulated {
+    grads: Option<Gradients>,
+    loss: f64,
+}
+
+impl Accumulated {
+    /// Backward of one earlier micro-batch's weighted `loss`; its gradients (of this rank's
+    /// parameters, shards under FSDP) are added to the sum kept so far.
+    pub fn backward<M: Module>(&mut self, model: &M, loss: Tensor<1>) {
+        self.loss += scalar(loss.clone().detach().into_data()) as f64;
+        let grads = loss.backward();
+        match self.grads.as_mut() {
+            None => self.grads = Some(grads),
+            Some(sum) => model.visit(&mut AddGrads {
+                into: sum,
+                from: grads,
+            }),
+        }
+    }
+
+    /// The weighted loss of the micro-batches so far (this rank's, summed).
+    pub fn loss(&self) -> f64 {
+        self.loss
+    }
+}
+
+/// Adds every parameter's gradient in `from` to its gradient in `into`.
+struct AddGrads<'a> {
+    into: &'a mut Gradients,
+    from: Gradients,
+}
+
+impl ModuleVisitor for AddGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let shard = param.val();
+        if let Some(g) = shard.grad_remove(&mut self.from) {
+            let sum = match shard.grad_remove(self.into) {
+                Some(acc) => acc + g,
+                None => g,
+            };
+            shard.grad_replace(self.into, sum);
+        }
+    }
+}
+
+/// [`train_step_reported`] over an accumulated batch: `loss` is the last micro-batch's (as in
+/// [`train_step`], the mean over this rank's `rows`, weighted here by their share), and
+/// `accumulated` holds the earlier micro-batches' gradients and loss, added after the last
+/// backward and before the tp sync, the data-parallel average and clipping, which then see
+/// the whole batch's gradient. The reported loss is the data-parallel average of the sum.
+/// Collective: every rank calls it.
+pub fn train_step_accumulated<M: Parallelize>(
+    model: M,
+    loss: Tensor<1>,
+    accumulated: Accumulated,
+    rows: &LocalRows,
+    max_grad_norm: Option<f32>,
+    ctx: &MeshContext,
+    optimizer_step: impl FnOnce(M, Gradients, &StepReport) -> M,
+) -> Result<(M, StepReport), ParallelError> {
     let loss = loss.mul_scalar(rows.loss_weight());
-    let local_loss = scalar(loss.clone().detach().into_data());
+    let local_loss = scalar(loss.clone().detach().into_data()) + accumulated.loss as f32;
     let mut grads = loss.backward();
+    if let Some(from) = accumulated.grads {
+        model.visit(&mut AddGrads {
+            into: &mut grads,
+            from,
+        });
+    }
     model.sync_tp_grads(&mut grads)?;
     // FSDP's reduce-scatter (and HSDP's replica all-reduce) sum over the data-parallel ranks;
     // every strategy here averages, as DDP and PyTorch's FSDP2 do.

@@ -39,7 +39,25 @@ pub enum LoraError {
         /// What was asked ("attach LoRA adapters", "merge LoRA adapters").
         what: &'static str,
     },
+    /// A peft adapter directory or file that cannot be read or written.
+    #[error("PEFT adapter `{path}`: {reason}")]
+    AdapterFile {
+        /// The directory or file.
+        path: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
     /// A tensor-parallel step (sharding, gathering) failed.
     #[error(transparent)]
     Tp(#[from] TpError),
+}
+
+impl LoraError {
+    /// An [`AdapterFile`](Self::AdapterFile) error about `path`.
+    pub(crate) fn file(path: &std::path::Path, reason: impl Into<String>) -> Self {
+        Self::AdapterFile {
+            path: path.display().to_string(),
+            reason: reason.into(),
+        }
+    }
 }

@@ -4,13 +4,16 @@
 //!   is exactly its base; with one the base is frozen and the output is
 //!   `base(x) + (x @ a @ b) * scale`, `a: [in, r]` Kaiming-uniform (seeded), `b: [r, out]`
 //!   zero, `scale = alpha / r` (rsLoRA: `alpha / sqrt(r)`).
+//! - [`save_adapter`] / [`load_adapter`]: peft's adapter directory (`adapter_config.json`,
+//!   `adapter_model.safetensors`), so adapters move between this crate and peft.
 //! - [`apply_lora`] picks the adapted modules by name, as peft's `target_modules`: the model's
 //!   fields that may take an adapter are typed `Lora<Linear>` or `Tp<Lora<Linear>>`, and a
 //!   [`LoraModule`] walk reaches them by path. [`merge_lora`] folds every adapter back.
 //! - Strategies: the factors are ordinary trainable parameters (FSDP shards them, DDP reduces
 //!   them) and the frozen base reduces nothing. Under tensor parallelism `Tp<Lora<Linear>>`
-//!   ([`TpLoraForward`]) splits `b`'s columns with a colwise base and `a`'s rows with a rowwise
-//!   one.
+//!   splits `b`'s columns with a colwise base and `a`'s rows with a rowwise one, and runs
+//!   with `Tp<Linear>`'s forward methods (and `forward_shared` with its siblings), through
+//!   [`TpLinear`](burn_parallel_tp::TpLinear).
 //!
 //! ```ignore
 //! #[parallelize]
@@ -32,6 +35,7 @@
 mod apply;
 mod config;
 mod error;
+mod file;
 mod init;
 mod lora;
 mod tp;
@@ -39,5 +43,7 @@ mod tp;
 pub use apply::{LoraFn, LoraModule, adapted_paths, apply_lora, merge_lora};
 pub use config::LoraConfig;
 pub use error::LoraError;
+pub use file::{
+    AdapterConfig, CONFIG_FILE, TargetModules, WEIGHTS_FILE, load_adapter, save_adapter,
+};
 pub use lora::{A_NAME, Adapter, B_NAME, Lora, LoraBase};
-pub use tp::TpLoraForward;

@@ -29,7 +29,8 @@ pub trait LoraBase: Module + Sized {
     fn features(&self) -> [usize; 2];
 
     /// A zero tensor of the weight's device and dtype with `shape`: the adapter's factors are
-    /// built like it (a half-precision base gets half-precision factors).
+    /// built like it (a half-precision base gets half-precision factors). It must not read a
+    /// lazy weight.
     fn zeros_like_weight(&self, shape: [usize; 2]) -> Tensor<2>;
 
     /// The module with `delta` (`[d_in, d_out]`) added to its weight, the parameter keeping its
@@ -45,6 +46,11 @@ impl LoraBase for Linear {
     }
 
     fn zeros_like_weight(&self, shape: [usize; 2]) -> Tensor<2> {
+        // A lazy weight (a checkpoint each FSDP rank reads only its rows of) stays unread: it
+        // is built in the default float dtype on its device.
+        if !self.weight.is_initialized() {
+            return Tensor::<2>::zeros(shape, &self.weight.lazy_device());
+        }
         let w = self.weight.val();
         Tensor::<2>::zeros(shape, &w.device()).cast(FloatDType::from(w.dtype()))
     }

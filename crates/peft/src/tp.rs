@@ -9,13 +9,13 @@
 //! The split parameters show in the layer's `Sharding::split_params` (recorded from the shapes
 //! by `Tp`), which the sharded checkpoint places.
 
-use burn::module::ModuleVisitor;
+use burn::module::{ModuleVisitor, Param};
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_tp::{
-    ParallelStyle, ShardSpec, Sharded, Tp, TpError, TpLayer, gather_param, gather_param_parts,
-    narrow_param, narrow_param_parts,
+    ParallelStyle, ShardSpec, Sharded, TpError, TpLayer, TpLinear, gather_param,
+    gather_param_parts, narrow_param, narrow_param_parts,
 };
 
 use crate::lora::{Adapter, Factor, Lora, Replicated};
@@ -122,29 +122,19 @@ impl TpLayer for Lora<Linear> {
     }
 }
 
-/// The forward of a tensor-parallel LoRA linear layer (an extension trait: `Tp`'s own forward
-/// methods are for `Tp<Linear>` and `Tp<Embedding>`).
-pub trait TpLoraForward {
-    /// [`Lora::forward`] under the layer's style: the style's input and output collectives
-    /// around base and adapter, a rowwise bias added once after the reduction.
-    fn try_forward<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError>;
-
-    /// As [`try_forward`](Self::try_forward); a failed collective panics (a rank failure the
-    /// launcher reports), as Burn's own forward methods do on bad input.
-    fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        self.try_forward(x).unwrap_or_else(|e| panic!("{e}"))
+/// `Tp<Lora<Linear>>` runs as `Tp<Linear>` does (`forward`, `forward_prepared`,
+/// `forward_shared` with its siblings): the style's collectives around base and adapter, a
+/// rowwise bias added once after the reduction the adapter's partial output shares.
+impl TpLinear for Lora<Linear> {
+    fn linear_forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward(x)
     }
-}
 
-impl TpLoraForward for Tp<Lora<Linear>> {
-    fn try_forward<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
-        if !matches!(self.style(), Some(ParallelStyle::Rowwise { .. })) {
-            return self.try_forward_with(x, |l, x| l.forward(x));
-        }
-        let y = self.try_forward_with(x, |l, x| l.forward_unbiased(x))?;
-        Ok(match &self.inner().base.bias {
-            Some(b) => y + b.val().unsqueeze::<D>(),
-            None => y,
-        })
+    fn linear_forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward_unbiased(x)
+    }
+
+    fn linear_bias(&self) -> Option<&Param<Tensor<1>>> {
+        self.base.bias.as_ref()
     }
 }

@@ -1,8 +1,9 @@
 //! What a module must provide to be wrapped in `Tp`: how its weights shard for a style and
 //! which of its parameters stay replicated with partial gradients.
 
-use burn::module::{Module, ModuleVisitor};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Embedding, Linear};
+use burn::tensor::Tensor;
 use burn_parallel_comm::ProcessGroup;
 
 use crate::error::TpError;
@@ -75,6 +76,35 @@ pub trait TpLayer: Module + Sized {
         if !matches!(style, ParallelStyle::Sequence { .. }) {
             self.visit(visitor);
         }
+    }
+}
+
+/// A linear layer [`Tp`](crate::Tp) runs under every style (`nn::Linear`, a LoRA-adapted
+/// linear): `Tp<L>`'s `forward`, `forward_prepared` and [`forward_shared`](crate::forward_shared)
+/// take any of them. A rowwise layer computes the product without its bias, reduces it, then
+/// adds the bias once.
+pub trait TpLinear: TpLayer {
+    /// `x @ W + bias` on `[.., d_in]` features (this rank's shard under a style).
+    fn linear_forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D>;
+
+    /// The forward without the bias: every term a rowwise layer's reduction sums.
+    fn linear_forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D>;
+
+    /// The bias `[d_out]`, if any.
+    fn linear_bias(&self) -> Option<&Param<Tensor<1>>>;
+}
+
+impl TpLinear for Linear {
+    fn linear_forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward(x)
+    }
+
+    fn linear_forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        burn::tensor::module::linear(x, self.weight.val(), None)
+    }
+
+    fn linear_bias(&self) -> Option<&Param<Tensor<1>>> {
+        self.bias.as_ref()
     }
 }
 

@@ -69,8 +69,8 @@ mod tp;
 
 pub use error::TpError;
 pub use heads::{LocalHeads, local_heads};
-pub use layer::{Sharded, TpLayer};
-pub use loss::{loss_parallel, loss_parallel_ignoring};
+pub use layer::{Sharded, TpLayer, TpLinear};
+pub use loss::{loss_parallel, loss_parallel_ignoring, loss_parallel_weighted};
 pub use pattern::path_matches;
 pub use plan::{TpApplier, TpModule, TpPlan, TpReport, apply_plan, child_path};
 pub use prepare::{PrepareModuleInput, PrepareModuleOutput, Redistribute, redistribute};

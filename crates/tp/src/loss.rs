@@ -39,6 +39,30 @@ pub fn loss_parallel_ignoring(
     Ok((losses * keep.clone()).sum() / keep.sum())
 }
 
+/// The weighted sum `sum_i weights[i] * CE_i` of the tokens' cross-entropies, replicated,
+/// shape `[1]`: a masked loss without a magic target id (a weight of 0 drops a token whatever
+/// its target; every target must still be a vocabulary id). `weights` is `[tokens]`, f32.
+/// With `weights = mask / count` it is the masked mean, with the count taken over any set of
+/// tokens (the global batch's); under a vocab split (tp > 1) every rank computes the same
+/// value and its own logits' gradient.
+pub fn loss_parallel_weighted(
+    logits: Tensor<2>,
+    targets: Tensor<1, Int>,
+    weights: Tensor<1>,
+    group: &ProcessGroup,
+    vocab: usize,
+) -> Result<Tensor<1>, TpError> {
+    if weights.dims()[0] != targets.dims()[0] {
+        return Err(TpError::Loss(format!(
+            "{} weights for {} targets: give one weight per token",
+            weights.dims()[0],
+            targets.dims()[0]
+        )));
+    }
+    let losses = token_losses(logits, targets, group, vocab)?;
+    Ok((losses * weights.cast(FloatDType::F32)).sum())
+}
+
 /// Per-token cross-entropy `[tokens]`; a target outside the vocabulary contributes no
 /// target logit (callers mask it).
 fn token_losses(

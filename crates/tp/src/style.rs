@@ -150,6 +150,36 @@ impl ParallelStyle {
         Self::Sequence { dim }
     }
 
+    /// A style by the name `#[tp(..)]` and config files write, `name` or `name(N)`, through
+    /// the one table of burn-parallel-styles (sequence dims default to 1 of
+    /// `[batch, seq, hidden]`). The error lists the accepted names.
+    pub fn by_name(text: &str) -> Result<Self, String> {
+        let resolved = burn_parallel_styles::parse(text)?;
+        Self::from_resolved(resolved)
+    }
+
+    /// The constructor a table entry names, with its argument.
+    fn from_resolved(resolved: burn_parallel_styles::ResolvedStyle) -> Result<Self, String> {
+        let arg = resolved.arg.unwrap_or(0);
+        Ok(match resolved.style.name {
+            "colwise" => Self::colwise(),
+            "colwise_gathered" => Self::colwise_gathered(),
+            "rowwise" => Self::rowwise(),
+            "rowwise_from_replicated" => Self::rowwise_from_replicated(),
+            "vocab_parallel" => Self::vocab_parallel(),
+            "colwise_sp" => Self::colwise_sp(arg),
+            "rowwise_sp" => Self::rowwise_sp(arg),
+            "vocab_parallel_sp" => Self::vocab_parallel_sp(arg),
+            "sequence_parallel" => Self::sequence_parallel(arg),
+            "colwise_fused" => Self::colwise_fused(arg),
+            other => {
+                return Err(format!(
+                    "tp style `{other}` has no ParallelStyle constructor"
+                ));
+            }
+        })
+    }
+
     /// Checks the layouts make sense for the style; returns why not.
     pub(crate) fn check_layouts(&self) -> Result<(), String> {
         match *self {
@@ -238,5 +268,29 @@ impl fmt::Display for ParallelStyle {
             Self::Rowwise { input, output } => write!(f, "Rowwise({input} -> {output})"),
             Self::Sequence { dim } => write!(f, "SequenceParallel(dim {dim})"),
         }
+    }
+}
+
+#[cfg(test)]
+mod by_name_tests {
+    use super::ParallelStyle;
+
+    #[test]
+    fn every_name_of_the_table_has_a_constructor() {
+        for style in burn_parallel_styles::STYLES {
+            let text = match style.arg {
+                burn_parallel_styles::StyleArg::Parts => format!("{}(2)", style.name),
+                _ => style.name.to_string(),
+            };
+            assert!(ParallelStyle::by_name(&text).is_ok(), "{text}");
+        }
+        assert_eq!(
+            ParallelStyle::by_name("colwise_sp").unwrap(),
+            ParallelStyle::colwise_sp(1)
+        );
+        assert_eq!(
+            ParallelStyle::by_name("colwise_fused(3)").unwrap(),
+            ParallelStyle::colwise_fused(3)
+        );
     }
 }

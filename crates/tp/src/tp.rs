@@ -7,13 +7,13 @@ use burn::module::{
     Content, Devices, DisplaySettings, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper,
     ModuleVisitor, Param, ParamId,
 };
-use burn::nn::{Embedding, Linear};
+use burn::nn::Embedding;
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives as coll;
 
 use crate::error::TpError;
-use crate::layer::{TpLayer, unsupported};
+use crate::layer::{TpLayer, TpLinear, unsupported};
 use crate::shard::ShardSpec;
 use crate::style::{Layout, ParallelStyle};
 
@@ -298,9 +298,9 @@ impl Sharding {
     }
 }
 
-impl Tp<Linear> {
-    /// [`Linear::forward`] under the style; a rowwise bias is added once, after the
-    /// reduction.
+impl<L: TpLinear> Tp<L> {
+    /// The linear layer's forward ([`TpLinear::linear_forward`]) under the style; a rowwise
+    /// bias is added once, after the reduction.
     pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
         self.try_forward_prepared(self.prepare_input(x)?)
     }
@@ -315,15 +315,14 @@ impl Tp<Linear> {
         let x = self.take_prepared(x)?;
         match &self.sharding {
             Some(s) if matches!(s.style, ParallelStyle::Rowwise { .. }) => {
-                let y = burn::tensor::module::linear(x, self.inner.weight.val(), None);
-                let y = s.leave(y)?;
-                Ok(match &self.inner.bias {
+                let y = s.leave(self.inner.linear_forward_unbiased(x))?;
+                Ok(match self.inner.linear_bias() {
                     Some(b) => y + b.val().unsqueeze::<D>(),
                     None => y,
                 })
             }
-            Some(s) => s.leave(self.inner.forward(x)),
-            None => Ok(self.inner.forward(x)),
+            Some(s) => s.leave(self.inner.linear_forward(x)),
+            None => Ok(self.inner.linear_forward(x)),
         }
     }
 
@@ -445,17 +444,17 @@ impl InputStep {
 /// [`Tp::prepare_input`] by the first, [`Tp::try_forward_prepared`] by each. Siblings whose
 /// styles need different input collectives panic naming them (infallible, like Burn's forward
 /// methods; [`try_forward_shared`] returns the error instead).
-pub fn forward_shared<const N: usize, const D: usize>(
+pub fn forward_shared<L: TpLinear, const N: usize, const D: usize>(
     x: Tensor<D>,
-    layers: [&Tp<Linear>; N],
+    layers: [&Tp<L>; N],
 ) -> [Tensor<D>; N] {
     try_forward_shared(x, layers).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// [`forward_shared`], returning what goes wrong instead of panicking.
-pub fn try_forward_shared<const N: usize, const D: usize>(
+pub fn try_forward_shared<L: TpLinear, const N: usize, const D: usize>(
     x: Tensor<D>,
-    layers: [&Tp<Linear>; N],
+    layers: [&Tp<L>; N],
 ) -> Result<[Tensor<D>; N], TpError> {
     let Some(first) = layers.first() else {
         return Ok(std::array::from_fn(|_| unreachable!("no layers")));

@@ -8,10 +8,12 @@ use burn_parallel_models::LlamaConfig;
 use burn_parallel_parallelizer::named_enum;
 
 use crate::config::{Backend, OptimizerKind, TrainConfig};
+use crate::data::DataOptions;
 use crate::error::TrainError;
 use crate::flags::{DistributedFlags, one_of};
 use crate::freeze::split_patterns;
 use crate::guard::OnNonFinite;
+use crate::lora::LoraFlags;
 use crate::malloc::Malloc;
 use crate::schedule::LrScheduleKind;
 
@@ -38,9 +40,35 @@ pub struct TrainArgs {
     /// model without a checkpoint.
     #[arg(long, value_name = "FILE", conflicts_with = "checkpoint")]
     pub config: Option<PathBuf>,
-    /// Flat little-endian u16 token file (default: a built-in synthetic corpus).
+    /// Training data: `.bin` (little-endian u16 ids), `.txt`, or `.jsonl` with {"text"},
+    /// {"prompt", "completion"} (SFT) or {"messages"} (chat) records; text needs --tokenizer
+    /// (default: a built-in synthetic corpus). docs/data.md describes the formats.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json for .txt and .jsonl data; bos/eos/pad and the chat
+    /// template come from the tokenizer_config.json beside it.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// Pack several SFT or chat examples into each row of --seq-len positions (attention does
+    /// not cross examples; positions restart per example).
+    #[arg(long)]
+    pub pack: bool,
+    /// Shuffle the data per epoch with this seed (default: file order).
+    #[arg(long, value_name = "S")]
+    pub shuffle_seed: Option<u64>,
+    /// Evaluation data (any --data format): its loss under the same strategy, no update.
+    #[arg(long, value_name = "FILE", requires = "eval_every")]
+    pub eval_data: Option<PathBuf>,
+    /// Evaluate every N steps and after the last step (`eval_loss` in the step's JSON).
+    #[arg(long, value_name = "N", requires = "eval_data")]
+    pub eval_every: Option<usize>,
+    /// Batches of --global-batch rows per evaluation, from the start of --eval-data.
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    pub eval_batches: usize,
+    /// Micro-batches of --global-batch rows per optimizer step, gradients accumulated: equal
+    /// to one step on a K times larger batch.
+    #[arg(long, value_name = "K", default_value_t = 1)]
+    pub grad_accum: usize,
     /// Strategy, sizes, precision and resharding: the run's `DistributedConfig`.
     #[command(flatten)]
     pub distributed: DistributedFlags,
@@ -61,9 +89,10 @@ pub struct TrainArgs {
     /// Sequences per step over all data-parallel ranks.
     #[arg(long, default_value_t = 8)]
     pub global_batch: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 64)]
-    pub seq_len: usize,
+    /// Tokens per sequence (default 64). SFT and chat rows are padded to it when given, else
+    /// to the step's longest row, and examples longer than it are truncated.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
     /// The optimizer.
     #[arg(long, default_value = "adamw", help = one_of("The optimizer", OptimizerKind::NAMES))]
     pub optimizer: OptimizerKind,
@@ -114,6 +143,10 @@ pub struct TrainArgs {
     /// (`model.embed_tokens,model.layers.0`, `model.layers.*.self_attn.*`).
     #[arg(long, value_name = "PATTERNS")]
     pub freeze: Option<String>,
+    /// LoRA: `--lora-rank`, `--lora-alpha`, `--lora-targets`, `--lora-rslora`, `--lora-init`,
+    /// `--save-adapter`.
+    #[command(flatten)]
+    pub lora: LoraFlags,
     /// Clip the global gradient norm (0: off).
     #[arg(long, default_value_t = 1.0)]
     pub grad_clip: f32,
@@ -183,7 +216,7 @@ impl TrainArgs {
             model,
             steps: self.steps,
             global_batch: self.global_batch,
-            seq_len: self.seq_len,
+            seq_len: self.seq_len.unwrap_or(64),
             optimizer: self.optimizer,
             lr: self.lr,
             lr_schedule: self.lr_schedule,
@@ -198,6 +231,16 @@ impl TrainArgs {
             backend: self.backend,
             checkpoint: self.checkpoint.clone(),
             data: self.data.clone(),
+            data_options: DataOptions {
+                tokenizer: self.tokenizer.clone(),
+                pack: self.pack,
+                shuffle_seed: self.shuffle_seed,
+                pad_to_seq_len: self.seq_len.is_some(),
+                eval_data: self.eval_data.clone(),
+                eval_every: self.eval_every.unwrap_or(0),
+                eval_batches: self.eval_batches,
+            },
+            grad_accum: self.grad_accum,
             save: self.save.clone(),
             save_every: self.save_every,
             save_dir: self.save_dir.clone(),
@@ -209,6 +252,7 @@ impl TrainArgs {
                 .as_deref()
                 .map(split_patterns)
                 .unwrap_or_default(),
+            lora: self.lora.options(),
         })
     }
 }

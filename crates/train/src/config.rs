@@ -8,9 +8,11 @@ use burn_parallel_comm::EngineKind;
 use burn_parallel_models::LlamaConfig;
 use burn_parallel_parallelizer::{DistributedConfig, Strategy, ZeroDpStrategy, named_enum};
 
+use crate::data::DataOptions;
 use crate::error::TrainError;
 use crate::flags::trainer_defaults;
 use crate::guard::OnNonFinite;
+use crate::lora::LoraOptions;
 use crate::schedule::LrScheduleKind;
 
 named_enum! {
@@ -125,6 +127,12 @@ pub struct TrainConfig {
     pub seed: u64,
     /// A u16 token file (None, the default: the synthetic corpus).
     pub data: Option<PathBuf>,
+    /// How `data` is read: the tokenizer for text and JSONL, packing, shuffling, padding and
+    /// the evaluation data (docs/data.md; default: none of them).
+    pub data_options: DataOptions,
+    /// Micro-batches of `global_batch` rows per optimizer step, their gradients accumulated:
+    /// one step on a batch `grad_accum` times larger (default 1).
+    pub grad_accum: usize,
     /// Where to save the trained model in the Hugging Face format (default None: not saved).
     pub save: Option<PathBuf>,
     /// Save a sharded training checkpoint every this many steps (and after the last step) into
@@ -143,6 +151,9 @@ pub struct TrainConfig {
     /// `model.embed_tokens` or `model.layers.*.self_attn` (default: none). A pattern that
     /// matches nothing is an error naming it.
     pub freeze: Vec<String>,
+    /// LoRA adapters to train instead of the whole model, from flags or a peft adapter, and
+    /// where to save them (default: none, full training).
+    pub lora: LoraOptions,
 }
 
 impl Default for TrainConfig {
@@ -168,12 +179,15 @@ impl Default for TrainConfig {
             model: LlamaConfig::tiny(),
             seed: 0,
             data: None,
+            data_options: DataOptions::default(),
+            grad_accum: 1,
             save: None,
             save_every: None,
             save_dir: None,
             resume: None,
             engine: EngineKind::Threads,
             freeze: Vec::new(),
+            lora: LoraOptions::default(),
         }
     }
 }
@@ -209,6 +223,16 @@ impl TrainConfig {
         if self.global_batch == 0 || self.seq_len == 0 {
             return bad("--global-batch and --seq-len must be at least 1".into());
         }
+        if self.grad_accum == 0 {
+            return bad("--grad-accum must be at least 1".into());
+        }
+        let opts = &self.data_options;
+        if opts.eval_data.is_some() != (opts.eval_every > 0) {
+            return bad("--eval-data and --eval-every go together: give both".into());
+        }
+        if opts.eval_data.is_some() && opts.eval_batches == 0 {
+            return bad("--eval-batches must be at least 1".into());
+        }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad(format!("--lr {} must be a non-negative number", self.lr));
         }
@@ -240,6 +264,7 @@ impl TrainConfig {
         if !self.backend.available() {
             self.backend.device(0)?;
         }
+        crate::lora::check(self)?;
         if !self.engine.available() {
             return bad(format!(
                 "--engine {} is not in this build: build with `--features {}`",

@@ -7,6 +7,10 @@ pub enum TrainError {
     /// rank starts.
     #[error("{0}")]
     Config(String),
+    /// A data or tokenizer file cannot be used (`--data`, `--eval-data`, `--tokenizer`): the
+    /// message names the file, the line or record, the field and what to do.
+    #[error("{0}")]
+    Data(String),
     /// Loading or saving the model, its checkpoint or the token data failed.
     #[error(transparent)]
     Model(#[from] ModelError),

@@ -78,3 +78,56 @@ pub(crate) fn check_finite(
         ),
     })
 }
+
+/// A batch whose logits alone would not fit in this machine's memory is an error before
+/// anything is allocated (CPU backends; a GPU's memory is not known up front). Each rank holds
+/// `rows x seq_len x vocab / tp` f32 logits three times over (the logits, the loss's
+/// exponentials and their gradient), and the threads engine runs every rank in this process.
+pub(crate) fn check_batch_memory(
+    cfg: &TrainConfig,
+    model: &LlamaConfig,
+    data: &crate::data::Dataset,
+    mesh: burn_parallel_parallelizer::MeshSizes,
+) -> Result<(), TrainError> {
+    if !matches!(
+        cfg.backend,
+        crate::config::Backend::Ndarray | crate::config::Backend::Flex
+    ) {
+        return Ok(());
+    }
+    let Some(total) = machine_memory_bytes() else {
+        return Ok(());
+    };
+    let dp = (mesh.dp_replicate * mesh.dp_shard).max(1);
+    let rows = cfg.global_batch.div_ceil(dp) as u128;
+    let seq = match data.masked() && !cfg.data_options.pad_to_seq_len {
+        true => data.longest(0..data.len(), None).min(cfg.seq_len),
+        false => cfg.seq_len,
+    } as u128;
+    let vocab = model.vocab_size.div_ceil(mesh.tp.max(1)) as u128;
+    let ranks_here = match cfg.engine {
+        burn_parallel_comm::EngineKind::Threads => cfg.world_size()? as u128,
+        _ => 1,
+    };
+    let need = rows * seq * vocab * 4 * 3 * ranks_here;
+    if need > total as u128 {
+        let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+        return Err(TrainError::Config(format!(
+            "a batch's logits need {:.1} GiB ({rows} rows x {seq} positions x {vocab} vocabulary \
+             ids x 4 bytes x 3 (logits, softmax, gradient) x {ranks_here} rank(s) in this \
+             process), more than this machine's {:.1} GiB: lower --global-batch (--grad-accum \
+             keeps the batch), --seq-len, or split the vocabulary with --tp",
+            gib(need),
+            gib(total as u128)
+        )));
+    }
+    Ok(())
+}
+
+/// The machine's physical memory (`MemTotal` of /proc/meminfo), where the platform says.
+fn machine_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

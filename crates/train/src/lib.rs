@@ -11,6 +11,13 @@
 //! Numerics: the loss is the mean token cross-entropy over the GLOBAL batch. Each rank's loss
 //! is its tokens' share of it times dp, and the data-parallel reductions average, so the
 //! gradient is exactly the global mean's, also when ranks hold different numbers of rows.
+//! SFT and chat data ([`data`], docs/data.md) mask prompt tokens: the loss is the counting
+//! targets' cross-entropy over their count all-reduced over the data-parallel ranks (and over
+//! `--grad-accum`'s micro-batches), so every layout trains on the same loss.
+//!
+//! LoRA ([`TrainConfig::lora`], [`LoraOptions`]) attaches adapters to the Llama's projections
+//! (or loads a peft adapter) on every rank before `parallelize_model`, freezing the base; after
+//! training rank 0 writes the adapter in peft's format and `--save` the merged model.
 //!
 //! `--freeze` ([`TrainConfig::freeze`]) freezes parameters by Hugging Face name before
 //! `parallelize_model`. Guards end a run with an error rather than an abort or silent garbage:
@@ -20,16 +27,20 @@
 //!
 //! The learning rate follows [`TrainConfig::lr_schedule`] (warmup, then constant, linear or
 //! cosine decay: transformers' formulas), a function of the step, which checkpoints record.
+//! A batch whose logits would not fit in the machine's memory is refused up front.
 
 #![warn(missing_docs)]
 
 mod aux;
+mod batches;
 mod cli;
 mod config;
+pub mod data;
 mod error;
 mod flags;
 mod freeze;
 mod guard;
+mod lora;
 mod malloc;
 mod mesh;
 mod optim;
@@ -45,9 +56,11 @@ pub use burn_parallel_parallelizer::{
 };
 pub use cli::{BuiltinModel, TrainArgs};
 pub use config::{Backend, OptimizerKind, TrainConfig};
+pub use data::DataOptions;
 pub use error::TrainError;
 pub use flags::{DistributedFlags, TpPlanName, trainer_defaults};
 pub use guard::OnNonFinite;
+pub use lora::{DEFAULT_TARGETS, LoraFlags, LoraOptions};
 pub use malloc::Malloc;
 pub use mesh::mesh_sizes;
 pub use optim::{AdamW, Optimizer, Sgd};

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::tensor::{Gradients, Int, Tensor, TensorData};
+use burn::tensor::{Gradients, TensorData};
 use burn_parallel_checkpoint::LoadOptions;
 use burn_parallel_comm::{LaunchError, OpKind, run_ranks_on};
 use burn_parallel_fsdp::{RowRequest, gather_full};
@@ -14,16 +14,16 @@ use burn_parallel_models::data::TokenData;
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
     MeshContext, MeshSizes, StepReport, parallelize_model, parallelize_model_from,
-    train_step_reported,
+    train_step_accumulated,
 };
-use burn_parallel_tp::loss_parallel;
 use serde::Serialize;
 
-use crate::aux::router_report;
+use crate::batches::{eval_loss, evaluates_after, forward_step};
 use crate::config::TrainConfig;
+use crate::data::{self, Dataset};
 use crate::error::TrainError;
 use crate::freeze;
-use crate::guard::{check_finite, check_positions, skips};
+use crate::guard::{check_batch_memory, check_finite, check_positions, skips};
 use crate::mesh::mesh_sizes;
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
 use crate::schedule::LrSchedule;
@@ -69,6 +69,10 @@ pub struct StepLog {
     /// Peak resident memory of rank 0's process since training started (the model's
     /// construction left out where the platform allows), in bytes.
     pub peak_rss_bytes: u64,
+    /// The `--eval-data` loss after this step (the counting targets' mean cross-entropy over
+    /// `--eval-batches` batches, forward only), on `--eval-every` steps and the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f32>,
     /// A MoE model's load-balancing loss over the global batch, unweighted, when the model
     /// adds it to the loss (`output_router_logits`; the loss above includes
     /// `router_aux_loss_coef` times it).
@@ -167,14 +171,34 @@ fn model_config(cfg: &TrainConfig) -> Result<LlamaConfig, TrainError> {
     }
 }
 
-fn token_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<TokenData, TrainError> {
+fn token_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Dataset, TrainError> {
+    let vocab = model.vocab_size;
     match &cfg.data {
-        Some(path) => Ok(TokenData::load(path, model.vocab_size, cfg.seq_len)?),
+        Some(path) => data::load(path, &cfg.data_options, cfg.seq_len, vocab, "--data"),
         None => {
-            let len = (cfg.steps * cfg.global_batch).max(64) * cfg.seq_len + 1;
-            Ok(TokenData::synthetic(model.vocab_size, cfg.seq_len, len)?)
+            let len = (cfg.steps * cfg.global_batch * cfg.grad_accum).max(64) * cfg.seq_len + 1;
+            Ok(Dataset::Tokens(TokenData::synthetic(
+                vocab,
+                cfg.seq_len,
+                len,
+            )?))
         }
     }
+}
+
+/// The `--eval-data` set, if any.
+fn eval_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Option<Dataset>, TrainError> {
+    let Some(path) = &cfg.data_options.eval_data else {
+        return Ok(None);
+    };
+    let eval = data::load(
+        path,
+        &cfg.data_options,
+        cfg.seq_len,
+        model.vocab_size,
+        "--eval-data",
+    )?;
+    Ok(Some(eval))
 }
 
 /// Trains as `cfg` says on `cfg.engine`'s ranks; `on_step` sees every step (on rank 0's
@@ -190,13 +214,22 @@ pub fn train(
     check_positions(cfg, &model_cfg)?;
     let mesh = mesh_sizes(cfg, &model_cfg)?;
     let data = token_data(cfg, &model_cfg)?;
+    let eval = eval_data(cfg, &model_cfg)?;
+    check_batch_memory(cfg, &model_cfg, &data, mesh)?;
     if let Some(dir) = &cfg.checkpoint {
         // Opens every file now, so that a broken checkpoint fails before training.
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
     }
     let resume = open_resume(cfg)?;
     let results = run_ranks_on(cfg.world_size()?, cfg.engine, |ctx| {
-        run_rank(cfg, &model_cfg, &data, resume.as_ref(), ctx, on_step)
+        run_rank(
+            cfg,
+            &model_cfg,
+            (&data, eval.as_ref()),
+            resume.as_ref(),
+            ctx,
+            on_step,
+        )
     })
     .map_err(ranks_failed)?;
     // Every rank holds the same (dp-averaged) reports; under MPI this process has one rank.
@@ -251,7 +284,12 @@ fn build_model(
 ) -> Result<(Llama, u64), TrainError> {
     let device = mesh.device();
     // Frozen before parallelize_model, which then shards them without gradient or state.
+    let lora = cfg.lora.plan(cfg.seed)?;
     let frozen = |model: Llama| -> Result<(Llama, u64), TrainError> {
+        // LoRA freezes the whole base: only the adapters train.
+        if let Some(lora) = &lora {
+            return crate::lora::apply(model, lora);
+        }
         let plan = freeze::plan(&model, &cfg.freeze)?;
         Ok((freeze::freeze(model, &plan.frozen), plan.trainable_elements))
     };
@@ -274,7 +312,7 @@ fn build_model(
 fn run_rank(
     cfg: &TrainConfig,
     model_cfg: &LlamaConfig,
-    data: &TokenData,
+    (data, eval): (&Dataset, Option<&Dataset>),
     resume: Option<&Resume>,
     ctx: burn_parallel_comm::RankContext,
     on_step: &(dyn Fn(&StepLog) + Sync),
@@ -286,7 +324,6 @@ fn run_rank(
         false => device,
     };
     let mesh = MeshContext::new(&ctx, cfg.distributed.clone(), device)?;
-    let device = mesh.device().clone();
     let (mut model, trainable_params) = build_model(cfg, model_cfg, &mesh)?;
     let mut optimizer = RunOptimizer::new(cfg);
     // Where the data stream stands, in samples: batches follow it rather than the step, so a
@@ -312,30 +349,17 @@ fn run_rank(
     reset_peak_rss();
 
     let rows = mesh.local_rows(cfg.global_batch);
-    let global_tokens = (cfg.global_batch * cfg.seq_len) as f32;
-    let vocab = model_cfg.vocab_size;
+    let global_tokens = (cfg.global_batch * cfg.grad_accum * cfg.seq_len) as f32;
     let stats_before = ctx.stats();
     let mut reports = Vec::with_capacity(cfg.steps - start);
     let mut checkpoints = Vec::new();
     for step in start..cfg.steps {
         let start_time = Instant::now();
         let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
-        let samples = position + rows.rows.start..position + rows.rows.end;
-        let batch = data.batch(0, cfg.global_batch, samples);
-        let (b, t) = (batch.rows, batch.seq_len);
-        let ids = Tensor::<2, Int>::from_data(TensorData::new(batch.inputs, [b, t]), &device);
-        let targets = Tensor::<1, Int>::from_data(TensorData::new(batch.targets, [b * t]), &device);
-
-        let (logits, router_logits) = model.try_forward_routed(ids)?;
-        let local_vocab = logits.dims()[2];
-        let logits = logits.reshape([b * t, local_vocab]);
-        // The mean over this rank's tokens (in f32; over a vocab split when tp > 1):
-        // `train_step` weights it by the rows' share of the global batch.
-        let mut loss = loss_parallel(logits, targets, mesh.tp_group(), vocab)?;
-        let routing = router_report(&model, &router_logits, &rows, &mesh)?;
-        if let Some(term) = routing.as_ref().and_then(|r| r.term.clone()) {
-            loss = loss + term;
-        }
+        // Every micro-batch's forward (the earlier ones' backward too), the loss normalised
+        // over the step's global batch (`batches`).
+        let forward = forward_step(cfg, &model, data, position, &rows, &mesh)?;
+        let routing = forward.routing;
         let forward_s = start_time.elapsed().as_secs_f64();
         let lr = schedule.lr_at(schedule_start + (step - start));
         optimizer.set_lr(lr);
@@ -352,14 +376,22 @@ fn run_rank(
             optimizer_s = started.elapsed().as_secs_f64();
             m
         };
-        let (next, done) = train_step_reported(model, loss, &rows, cfg.grad_clip, &mesh, step_fn)?;
+        let (loss, acc) = (forward.loss, forward.accumulated);
+        let (next, done) =
+            train_step_accumulated(model, loss, acc, &rows, cfg.grad_clip, &mesh, step_fn)?;
         model = next;
         // Under `stop`, ends the run on every rank alike (the values all ranks agree on).
         if !skipped {
             check_finite(cfg, step, &done)?;
         }
         // A skipped step still counts and consumes its batch.
-        position += cfg.global_batch;
+        position += cfg.global_batch * cfg.grad_accum;
+        let eval_loss = match eval {
+            Some(eval) if evaluates_after(cfg, step + 1) => {
+                Some(eval_loss(cfg, &model, eval, &rows, &mesh)?)
+            }
+            _ => None,
+        };
         let step_time_s = start_time.elapsed().as_secs_f64();
         let usage = ProcessUsage::now();
         let comm = ctx.stats().since(&comm_before);
@@ -392,6 +424,7 @@ fn run_rank(
             calls,
             minor_faults: usage.minor_faults - usage_before.minor_faults,
             peak_rss_bytes: usage.peak_rss_bytes,
+            eval_loss,
             aux_loss: routing.as_ref().and_then(|r| r.aux_loss),
             expert_tokens_min: routing.as_ref().map(|r| r.expert_tokens.0),
             expert_tokens_max: routing.as_ref().map(|r| r.expert_tokens.1),
@@ -411,6 +444,8 @@ fn run_rank(
     let comm = ctx.stats().since(&stats_before).total();
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
 
+    // With LoRA: the adapter saved, and the merged model for --save.
+    let model = crate::lora::finish_run(cfg, model, ctx.rank() == 0)?;
     if let Some(dir) = &cfg.save {
         save(model, model_cfg, dir, ctx.rank() == 0)?;
     }

@@ -15,9 +15,8 @@ pub(crate) mod nccl;
 #[cfg(feature = "tch")]
 pub(crate) mod torch;
 
-pub use pairs::MixedDtypes;
 pub use route::{describe, device_mismatch, is_cuda_device, route, same_device};
 pub use steps::{
     Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, InFlight, NcclCall,
-    NcclStep, Observer, Phase, Sizes, no_nccl, piece, read_data, run_steps,
+    Observer, Phase, Sizes, no_nccl, run_steps,
 };

@@ -244,7 +244,7 @@ pub enum MeshError {
         size: usize,
     },
     /// A flatten that cannot be done: nothing to flatten, a name already in use or a dimension
-    /// listed twice (also used when NCCL cannot split a group, see `nccl::mesh_split_key`).
+    /// listed twice (also used when NCCL cannot split a group, see the NCCL engine's split).
     #[error("cannot flatten {names:?} into {name:?}: {reason}")]
     BadFlatten {
         /// The dimensions to flatten.

@@ -30,13 +30,20 @@ pub enum EngineKind {
 }
 
 impl EngineKind {
+    /// Every engine and its name, as [`ENGINE_ENV`] and `--engine` spell it: the one table
+    /// `name`, `FromStr` and [`UnknownEngine`]'s message read.
+    pub const NAMES: [(EngineKind, &'static str); 3] = [
+        (EngineKind::Threads, "threads"),
+        (EngineKind::Mpi, "mpi"),
+        (EngineKind::Nccl, "nccl"),
+    ];
+
     /// The engine's name, as [`ENGINE_ENV`] and `--engine` spell it.
     pub fn name(self) -> &'static str {
-        match self {
-            EngineKind::Threads => "threads",
-            EngineKind::Mpi => "mpi",
-            EngineKind::Nccl => "nccl",
-        }
+        Self::NAMES
+            .iter()
+            .find(|(kind, _)| *kind == self)
+            .map_or("", |(_, name)| name)
     }
 
     /// Whether this build includes the engine (`mpi` needs the cargo feature `mpi`).
@@ -66,20 +73,23 @@ impl fmt::Display for EngineKind {
     }
 }
 
-/// An engine name that is not `threads`, `mpi` or `nccl`.
+/// A word that names no engine of [`EngineKind::NAMES`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown engine {0:?}: expected \"threads\", \"mpi\" or \"nccl\"")]
+#[error(
+    "unknown engine {0:?} (expected one of: {names})",
+    names = EngineKind::NAMES.map(|(_, name)| name).join(", ")
+)]
 pub struct UnknownEngine(pub String);
 
 impl FromStr for EngineKind {
     type Err = UnknownEngine;
     fn from_str(s: &str) -> Result<Self, UnknownEngine> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "threads" => Ok(EngineKind::Threads),
-            "mpi" => Ok(EngineKind::Mpi),
-            "nccl" => Ok(EngineKind::Nccl),
-            _ => Err(UnknownEngine(s.into())),
-        }
+        let word = s.trim().to_ascii_lowercase();
+        Self::NAMES
+            .iter()
+            .find(|(_, name)| *name == word)
+            .map(|(kind, _)| *kind)
+            .ok_or_else(|| UnknownEngine(s.into()))
     }
 }
 

@@ -6,6 +6,7 @@ use burn::module::{Param, ParamId};
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 use burn_parallel_ep::ExpertShard;
+use burn_parallel_peft::Lora;
 use burn_parallel_tp::Tp;
 
 use crate::error::ModelError;
@@ -35,7 +36,16 @@ pub(super) trait HfVisitor {
 }
 
 fn linear(v: &mut impl HfVisitor, name: &str, l: &Tp<Linear>) -> Result<(), ModelError> {
-    let inner = l.inner();
+    base_linear(v, name, l.inner())
+}
+
+/// A projection's base weights (a LoRA adapter is not part of the base checkpoint: merge it
+/// first to export it in the weights).
+fn lora_linear(v: &mut impl HfVisitor, name: &str, l: &Tp<Lora<Linear>>) -> Result<(), ModelError> {
+    base_linear(v, name, &l.inner().base)
+}
+
+fn base_linear(v: &mut impl HfVisitor, name: &str, inner: &Linear) -> Result<(), ModelError> {
     v.param(format!("{name}.weight"), &inner.weight, true)?;
     if let Some(b) = &inner.bias {
         v.param(format!("{name}.bias"), b, false)?;
@@ -89,7 +99,7 @@ pub(super) fn walk(model: &Llama, v: &mut impl HfVisitor) -> Result<(), ModelErr
             ("v_proj", &a.v_proj),
             ("o_proj", &a.o_proj),
         ] {
-            linear(v, &format!("{p}.self_attn.{n}"), lin)?;
+            lora_linear(v, &format!("{p}.self_attn.{n}"), lin)?;
         }
         let post = l.post_attention_layernorm.inner();
         norm(v, &format!("{p}.post_attention_layernorm"), post)?;
@@ -104,7 +114,7 @@ pub(super) fn walk(model: &Llama, v: &mut impl HfVisitor) -> Result<(), ModelErr
                 ("up_proj", &mlp.up_proj),
                 ("down_proj", &mlp.down_proj),
             ] {
-                linear(v, &format!("{p}.mlp.{n}"), lin)?;
+                lora_linear(v, &format!("{p}.mlp.{n}"), lin)?;
             }
         }
         if let (Some(m), Some(config)) = (&l.moe, &model.config.moe) {

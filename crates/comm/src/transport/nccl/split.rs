@@ -10,7 +10,9 @@
 //! every member, never negative) and the key is the rank's position in the group, so the new
 //! communicator's rank order is the group order.
 
+#[cfg(test)]
 use crate::transport::error::MeshError;
+#[cfg(test)]
 use crate::transport::mesh::MeshShape;
 
 /// The arguments of one rank's `ncclCommSplit` call.
@@ -61,12 +63,10 @@ pub fn split_key(rank: usize, ranks: &[usize]) -> Result<SplitKey, SplitError> {
 }
 
 /// The split arguments with which `rank` joins its group along the mesh dimensions `dims` (one
-/// axis, or several flattened together), in the mesh's group order.
-pub fn mesh_split_key(
-    shape: &MeshShape,
-    rank: usize,
-    dims: &[&str],
-) -> Result<SplitKey, MeshError> {
+/// axis, or several flattened together), in the mesh's group order: how the tests check that
+/// splits reproduce a mesh's groups.
+#[cfg(test)]
+fn mesh_split_key(shape: &MeshShape, rank: usize, dims: &[&str]) -> Result<SplitKey, MeshError> {
     let ranks = shape.group_ranks(rank, dims)?;
     split_key(rank, &ranks).map_err(|e| MeshError::BadFlatten {
         names: dims.iter().map(|d| d.to_string()).collect(),

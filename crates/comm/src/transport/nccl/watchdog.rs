@@ -166,11 +166,6 @@ impl Watchdog {
         Self { shared }
     }
 
-    /// The timeout of every guarded call.
-    pub fn timeout(&self) -> Duration {
-        self.shared.timeout
-    }
-
     /// Guards a call named `what` on `target` until the guard drops; a failure already raised
     /// stops it before it starts.
     pub fn guard(&self, what: impl Into<String>, target: Arc<dyn Abort>) -> Result<Guard, Stopped> {

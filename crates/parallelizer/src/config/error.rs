@@ -1,0 +1,194 @@
+//! What a config can get wrong, as values a program can match on: [`ConfigError`] for a config
+//! that contradicts itself, the world or the model, [`Unsupported`] for an option of the
+//! reference systems that does not exist here. Each message says what to change.
+
+use super::{FrozenModuleSharding, Strategy};
+
+/// A distributed config that contradicts itself, the world or the model; raised by
+/// `MeshContext::new` or `parallelize_model` before any rank communicates.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// `world_size` is set and differs from the launched world.
+    #[error("world_size is {configured} but the job has {launched} ranks")]
+    WorldSize {
+        /// The config's `world_size`.
+        configured: usize,
+        /// The ranks the job has.
+        launched: usize,
+    },
+    /// A mesh size (`tp_size`, `dp_size`, ...) is 0.
+    #[error("{name} must be at least 1")]
+    ZeroSize {
+        /// The key.
+        name: &'static str,
+    },
+    /// `sequence_parallel` without tensor-parallel ranks.
+    #[error("sequence_parallel requires {0}")]
+    SequenceParallelWithoutTp(&'static str),
+    /// `ddp_bucket_cap_mb` is zero, negative or NaN.
+    #[error("ddp_bucket_cap_mb must be positive")]
+    BucketCap,
+    /// The world does not split into `dp_replicate x tp x cp` blocks.
+    #[error(
+        "world size {world} is not divisible by dp_replicate_size {dp_replicate} x tp_size {tp} \
+         x cp_size {cp}"
+    )]
+    NotDivisible {
+        /// The ranks the job has.
+        world: usize,
+        /// `dp_replicate_size`.
+        dp_replicate: usize,
+        /// `tp_size`.
+        tp: usize,
+        /// `cp_size`.
+        cp: usize,
+    },
+    /// The mesh's sizes multiply to another world size (an explicit `dp_size`).
+    #[error(
+        "mesh dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} has {} ranks but the \
+         world has {world}", dp_replicate * dp_shard * tp
+    )]
+    MeshSize {
+        /// Replicas.
+        dp_replicate: usize,
+        /// Shards per replica.
+        dp_shard: usize,
+        /// Tensor-parallel ranks.
+        tp: usize,
+        /// The ranks the job has.
+        world: usize,
+    },
+    /// `ep_size` does not divide the ranks experts are split over.
+    #[error(
+        "ep_size {ep} does not divide the dp_shard size {dp_shard}: experts are split over \
+         consecutive dp_shard ranks"
+    )]
+    ExpertGroups {
+        /// `ep_size`.
+        ep: usize,
+        /// The dp_shard size.
+        dp_shard: usize,
+    },
+    /// The strategy cannot use the sizes given.
+    #[error("strategy {strategy}: {reason}")]
+    StrategySizes {
+        /// The strategy.
+        strategy: Strategy,
+        /// What it cannot do, and what to use instead.
+        reason: String,
+    },
+    /// `[megatron_fsdp]` options under another strategy.
+    #[error(
+        "[megatron_fsdp] options apply to strategy megatron_fsdp, not {0}: remove them or set \
+         strategy = \"megatron_fsdp\""
+    )]
+    MegatronOptions(Strategy),
+    /// A megatron_fsdp option that contradicts another.
+    #[error("megatron_fsdp {0}")]
+    MegatronFsdp(String),
+    /// `frozen_multimodal_sharding` under a strategy that shards nothing.
+    #[error(
+        "frozen_multimodal_sharding = \"{mode}\" places frozen modules among FSDP units, but \
+         strategy {strategy} shards nothing: remove it, or use fsdp2, hsdp, fsdp2_tp or \
+         megatron_fsdp"
+    )]
+    FrozenSharding {
+        /// The mode asked for.
+        mode: FrozenModuleSharding,
+        /// The strategy.
+        strategy: Strategy,
+    },
+    /// `tp_shard_plan` names no plan of the model, or a style that does not exist.
+    #[error("tp_shard_plan: {0}")]
+    TpPlan(String),
+    /// `tp_size > 1` with nothing to split.
+    #[error(
+        "tp_size is {tp} but the model declares no TP plan (no #[tp(..)] fields or plan name) \
+         and the config gives no tp_shard_plan"
+    )]
+    NoTpPlan {
+        /// `tp_size`.
+        tp: usize,
+    },
+    /// An attention's heads do not split over the tensor-parallel ranks.
+    #[error("attention at {path:?}: {reason}")]
+    Heads {
+        /// The attention module's path.
+        path: String,
+        /// Which count does not divide.
+        reason: String,
+    },
+    /// Plain colwise on a fused projection (see `check_fused_colwise`).
+    #[error("{0}")]
+    FusedProjection(String),
+    /// `ep_size > 1` on a model without experts.
+    #[error(
+        "ep_size is {ep} but the model has no mixture-of-experts module: mark the field holding \
+         each layer's experts #[experts] (its type implements ExpertModule)"
+    )]
+    NoExperts {
+        /// `ep_size`.
+        ep: usize,
+    },
+    /// An option that needs Burn's gradient-checkpointing device, on another device.
+    #[error(
+        "{needs} only on Burn's gradient-checkpointing device, and {device} is not one: pass \
+         `device.gradient_checkpointing()` to MeshContext::new (and build the model's inputs on \
+         it)"
+    )]
+    NeedsCheckpointingDevice {
+        /// The option and why it needs the device.
+        needs: &'static str,
+        /// The device given.
+        device: String,
+    },
+}
+
+/// An option of the reference systems (PyTorch FSDP2, TorchTitan, NeMo AutoModel, Megatron)
+/// that does not exist here (yet).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unsupported {
+    /// Expert parallelism under a strategy that does not split experts.
+    #[error(
+        "expert parallelism (ep_size {ep}) with strategy {strategy} (ep works with ddp, fsdp2, \
+         hsdp, fsdp2_tp and megatron_fsdp)"
+    )]
+    ExpertParallel {
+        /// `ep_size`.
+        ep: usize,
+        /// The strategy.
+        strategy: Strategy,
+    },
+    /// `cp_size > 1`.
+    #[error("context parallelism (cp_size {0})")]
+    ContextParallel(usize),
+    /// `pp_size > 1`.
+    #[error("pipeline parallelism (pp_size {0})")]
+    PipelineParallel(usize),
+    /// `enable_async_tensor_parallel`.
+    #[error("enable_async_tensor_parallel")]
+    AsyncTensorParallel,
+    /// `enable_compile`.
+    #[error(
+        "enable_compile (the CPU backends have no kernel fusion and the CUDA build does not \
+         include Burn's fusion; leave it false)"
+    )]
+    Compile,
+    /// `fsdp2_backward_prefetch_depth`.
+    #[error(
+        "fsdp2_backward_prefetch_depth {0} (Burn 0.22's backward has no hooks: a resharded unit \
+         is gathered again when backward first needs it; leave the key out)"
+    )]
+    BackwardPrefetchDepth(usize),
+    /// An `activation_checkpointing_scope` other than "all".
+    #[error("activation_checkpointing_scope {0:?} (only \"all\")")]
+    CheckpointingScope(String),
+    /// A combination megatron_fsdp refuses.
+    #[error("megatron_fsdp with {0}")]
+    MegatronFsdpWith(&'static str),
+    /// Something a user's own sidecar hook does not support, in its words.
+    #[error("{0}")]
+    Other(String),
+}

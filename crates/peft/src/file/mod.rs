@@ -1,0 +1,168 @@
+//! peft's adapter directory, in and out: `adapter_config.json` and
+//! `adapter_model.safetensors` with keys `base_model.model.<module path>.lora_A.weight`
+//! (`[r, in]`, this crate's `a` transposed) and `.lora_B.weight` (`[out, r]`, `b` transposed).
+//!
+//! Module paths are those [`LoraModule::map_lora`] gives (the Llama's are Hugging Face's,
+//! `model.layers.0.self_attn.q_proj`), so an adapter written here loads in peft on the same
+//! transformers model, and one peft wrote loads here.
+
+mod json;
+mod tensors;
+
+use std::path::Path;
+
+use burn::module::{Module, Param};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
+
+use crate::apply::LoraModule;
+use crate::config::LoraConfig;
+use crate::error::LoraError;
+use crate::lora::{Adapter, LoraBase};
+use tensors::{Matrix, PeftFactors};
+
+pub use json::{AdapterConfig, CONFIG_FILE, TargetModules};
+pub use tensors::WEIGHTS_FILE;
+
+/// Writes `model`'s adapters to `dir` in peft's format (f32 tensors), `config` giving the
+/// rank, alpha, targets and scaling recorded in `adapter_config.json` (each adapter must have
+/// its rank and scale), `base_model` its `base_model_name_or_path`. The model must be whole
+/// (after `full_model` when it was parallelized).
+pub fn save_adapter<M: LoraModule + Clone>(
+    model: &M,
+    config: &LoraConfig,
+    dir: impl AsRef<Path>,
+    base_model: Option<&str>,
+) -> Result<(), LoraError> {
+    let dir = dir.as_ref();
+    config.validate()?;
+    let mut modules = Vec::new();
+    model.clone().map_lora("", &mut |path, layer| {
+        if let Some(ad) = &layer.adapter {
+            let (a, b) = (matrix(&ad.a), matrix(&ad.b));
+            let scale = config.scale();
+            if a.shape[1] != config.r || (ad.scale - scale).abs() > 1e-9 * scale.abs() {
+                return Err(LoraError::InvalidConfig(format!(
+                    "`{path}` has rank {} and scale {}, but the config says rank {} and scale \
+                     {scale}; save with the config the adapters were built with",
+                    a.shape[1], ad.scale, config.r
+                )));
+            }
+            let factors = PeftFactors {
+                a: a.transpose(),
+                b: b.transpose(),
+            };
+            modules.push((path.to_string(), factors));
+        }
+        Ok(layer)
+    })?;
+    if modules.is_empty() {
+        return Err(LoraError::file(
+            dir,
+            "the model has no LoRA adapter to save; attach them with apply_lora first",
+        ));
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| LoraError::file(dir, format!("cannot create the directory: {e}")))?;
+    let config_path = dir.join(CONFIG_FILE);
+    let text = serde_json::to_string_pretty(&json::config_json(config, base_model))
+        .expect("a JSON value serializes");
+    std::fs::write(&config_path, text + "\n")
+        .map_err(|e| LoraError::file(&config_path, format!("cannot write it: {e}")))?;
+    tensors::write(&dir.join(WEIGHTS_FILE), &modules)
+}
+
+/// peft's `PeftModel.from_pretrained`: freezes every parameter of `model` and attaches, to
+/// each `Lora` module the adapter file has factors for, an adapter with the file's values,
+/// rank, alpha and scaling. Returns the model and the adapter's [`LoraConfig`] (targets from
+/// the file; see [`AdapterConfig::to_lora`]). A missing file, a key that names no `Lora`
+/// module of the model, a factor of the wrong shape or dtype is an error naming it. Call it on
+/// the whole model, before `parallelize_model`, on every rank.
+pub fn load_adapter<M: Module + LoraModule>(
+    model: M,
+    dir: impl AsRef<Path>,
+) -> Result<(M, LoraConfig), LoraError> {
+    let dir = dir.as_ref();
+    let file = AdapterConfig::read(dir)?;
+    let weights = dir.join(WEIGHTS_FILE);
+    let mut factors = tensors::read(&weights)?;
+    if factors.is_empty() {
+        return Err(LoraError::file(&weights, "it holds no LoRA factor"));
+    }
+    let adapted: Vec<String> = factors.keys().cloned().collect();
+    let config = file.to_lora(&adapted);
+    let mut seen = Vec::new();
+    let model = model.no_grad().map_lora("", &mut |path, layer| {
+        seen.push(path.to_string());
+        let Some(f) = factors.remove(path) else {
+            return Ok(layer);
+        };
+        let [d_in, d_out] = layer.base.features();
+        for (is_a, m, want) in [
+            (true, &f.a, [config.r, d_in]),
+            (false, &f.b, [d_out, config.r]),
+        ] {
+            if m.shape != want {
+                let (k, dims) = (
+                    tensors::key(path, is_a),
+                    if is_a { "[r, in]" } else { "[out, r]" },
+                );
+                return Err(LoraError::file(
+                    &weights,
+                    format!(
+                        "`{k}` has shape {:?}, expected {dims} = {want:?} (r = {} from \
+                         {CONFIG_FILE}, the module is {d_in} -> {d_out}); was the adapter \
+                         trained on this model?",
+                        m.shape, config.r
+                    ),
+                ));
+            }
+        }
+        let mut layer = layer.attach(path, &config)?;
+        let ad = layer.adapter.take().expect("attach gives an adapter");
+        layer.adapter = Some(Adapter {
+            a: replace(ad.a, f.a.transpose()),
+            b: replace(ad.b, f.b.transpose()),
+            ..ad
+        });
+        Ok(layer)
+    })?;
+    if !factors.is_empty() {
+        let keys: Vec<String> = factors.keys().map(|m| tensors::key(m, true)).collect();
+        return Err(LoraError::file(
+            &weights,
+            format!(
+                "{} names no LoRA module of the model (its Lora modules: {}); was the adapter \
+                 trained on this architecture?",
+                keys.join(", "),
+                if seen.is_empty() {
+                    "none".into()
+                } else {
+                    seen.join(", ")
+                }
+            ),
+        ));
+    }
+    Ok((model, config))
+}
+
+/// A factor's values, f32.
+fn matrix(p: &Param<Tensor<2>>) -> Matrix {
+    let t = p.val();
+    let shape = t.dims();
+    let values = t
+        .into_data()
+        .convert_dtype(DType::F32)
+        .try_to_vec::<f32>()
+        .expect("f32 after conversion");
+    Matrix { shape, values }
+}
+
+/// `p` with `m`'s values, in `p`'s dtype and device, keeping its id and require-grad setting.
+fn replace(p: Param<Tensor<2>>, m: Matrix) -> Param<Tensor<2>> {
+    p.map(|old| {
+        let (trainable, dtype) = (old.is_require_grad(), FloatDType::from(old.dtype()));
+        let t =
+            Tensor::<2>::from_data(TensorData::new(m.values, m.shape), &old.device()).cast(dtype);
+        if trainable { t.require_grad() } else { t }
+    })
+}

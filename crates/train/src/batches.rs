@@ -1,0 +1,198 @@
+//! One step's batches and losses: the micro-batches of `--grad-accum`, each rank's rows of
+//! them, the loss normalised over the step's GLOBAL batch, and the evaluation loss.
+//!
+//! The loss is `sum of the counting targets' cross-entropy / their count` over every
+//! micro-batch and data-parallel rank of the step. Rank `d` hands micro-batch `m` to backward
+//! as `E = dp * S_dm / N` (`S_dm` its weighted sum, `N` the count all-reduced over dp), and the
+//! step averages over dp, so the gradient is the global mean's whatever each rank's count.
+//! A token stream without accumulation keeps the plain mean over the rank's tokens (equal, as
+//! every row has the same count).
+
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_parallel_comm::ReduceOp;
+use burn_parallel_models::Llama;
+use burn_parallel_parallelizer::{Accumulated, LocalRows, MeshContext};
+use burn_parallel_tp::{loss_parallel, loss_parallel_weighted};
+
+use crate::aux::{RouterReport, router_report};
+use crate::config::TrainConfig;
+use crate::data::{Dataset, LossBatch};
+use crate::error::TrainError;
+
+/// The global sample indices of micro-batch `m` of the step at data position `position`,
+/// this rank's rows of it.
+fn micro_samples(
+    cfg: &TrainConfig,
+    position: usize,
+    m: usize,
+    rows: &LocalRows,
+) -> std::ops::Range<usize> {
+    let start = position + m * cfg.global_batch;
+    start + rows.rows.start..start + rows.rows.end
+}
+
+/// The padded length of the step's rows: `--seq-len` when padding to it, else the longest row
+/// of the step's whole global batch (every micro-batch, every rank).
+fn pad_len(cfg: &TrainConfig, data: &Dataset, samples: std::ops::Range<usize>) -> usize {
+    match cfg.data_options.pad_to_seq_len {
+        true => cfg.seq_len,
+        false => data.longest(samples, cfg.data_options.shuffle_seed),
+    }
+}
+
+/// The model's logits of a batch, `[rows * seq, local vocab]`, and its router logits.
+fn logits_of(
+    model: &Llama,
+    batch: &LossBatch,
+    device: &burn::tensor::Device,
+) -> Result<(Tensor<2>, Vec<Tensor<2>>), TrainError> {
+    let (b, t) = (batch.rows, batch.seq_len);
+    let int = |v: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), [b, t]), device);
+    let ids = int(&batch.inputs);
+    let (logits, router) = match &batch.packed {
+        None => model.try_forward_routed(ids)?,
+        Some((positions, segments)) => model.try_forward_packed(ids, positions, segments)?,
+    };
+    let local_vocab = logits.dims()[2];
+    Ok((logits.reshape([b * t, local_vocab]), router))
+}
+
+/// What the step's forward passes leave for `train_step_accumulated`.
+pub(crate) struct StepForward {
+    /// The last micro-batch's loss, in `train_step`'s convention (weighted by the rows'
+    /// share there).
+    pub loss: Tensor<1>,
+    /// The earlier micro-batches' gradients and loss.
+    pub accumulated: Accumulated,
+    /// The last micro-batch's MoE routing report.
+    pub routing: Option<RouterReport>,
+}
+
+/// Forward (and, for all but the last micro-batch, backward) of the step at data position
+/// `position`. Collective: every rank calls it.
+pub(crate) fn forward_step(
+    cfg: &TrainConfig,
+    model: &Llama,
+    data: &Dataset,
+    position: usize,
+    rows: &LocalRows,
+    mesh: &MeshContext,
+) -> Result<StepForward, TrainError> {
+    let device = mesh.device().clone();
+    let k = cfg.grad_accum;
+    let vocab = model.config.vocab_size;
+    let seed = cfg.data_options.shuffle_seed;
+    let pad = pad_len(cfg, data, position..position + k * cfg.global_batch);
+    let batches: Vec<LossBatch> = (0..k)
+        .map(|m| data.batch(micro_samples(cfg, position, m, rows), seed, pad))
+        .collect();
+    // The plain per-rank mean: a token stream in one micro-batch (today's numerics).
+    let plain = !data.masked() && k == 1;
+    let w = rows.loss_weight();
+    // E = dp * S / N, handed over as E / w (train_step weights it by w again).
+    let scale = match plain {
+        true => 0.0,
+        false => {
+            let local: usize = batches.iter().map(|b| b.count()).sum();
+            let n = all_reduce_sum(mesh, &[local as f64])?[0];
+            match (n > 0.0, w > 0.0) {
+                (true, true) => mesh.dp_size() as f64 / (n * w),
+                _ => 0.0,
+            }
+        }
+    };
+    let mut accumulated = Accumulated::default();
+    let mut last = None;
+    for (m, batch) in batches.into_iter().enumerate() {
+        let (logits, router_logits) = logits_of(model, &batch, &device)?;
+        let targets = Tensor::<1, Int>::from_data(
+            TensorData::new(batch.targets.clone(), [batch.rows * batch.seq_len]),
+            &device,
+        );
+        let mut loss = match plain {
+            true => loss_parallel(logits, targets, mesh.tp_group(), vocab)?,
+            false => {
+                let weights: Vec<f32> = batch
+                    .mask
+                    .iter()
+                    .map(|v| (*v as f64 * scale) as f32)
+                    .collect();
+                let len = weights.len();
+                let weights = Tensor::<1>::from_data(TensorData::new(weights, [len]), &device);
+                loss_parallel_weighted(logits, targets, weights, mesh.tp_group(), vocab)?
+            }
+        };
+        let routing = router_report(model, &router_logits, rows, mesh)?;
+        if let Some(term) = routing.as_ref().and_then(|r| r.term.clone()) {
+            loss = loss + term.div_scalar(k as f64);
+        }
+        if m + 1 < k {
+            mesh.set_requires_gradient_sync(false);
+            accumulated.backward(model, loss.mul_scalar(w));
+            mesh.set_requires_gradient_sync(true);
+        } else {
+            last = Some((loss, routing));
+        }
+    }
+    let (loss, routing) = last.expect("at least one micro-batch");
+    Ok(StepForward {
+        loss,
+        accumulated,
+        routing,
+    })
+}
+
+/// Sums `values` over the data-parallel group (exactly, in f64).
+fn all_reduce_sum(mesh: &MeshContext, values: &[f64]) -> Result<Vec<f64>, TrainError> {
+    if mesh.dp_size() == 1 {
+        return Ok(values.to_vec());
+    }
+    let data = TensorData::new(values.to_vec(), [values.len()]);
+    let summed = mesh.dp_group().all_reduce(data, ReduceOp::Sum)?;
+    Ok(summed.try_into_vec::<f64>().expect("f64 sums"))
+}
+
+/// The evaluation loss: the counting targets' mean cross-entropy over the first
+/// `--eval-batches` global batches of `data` (file order), forward only, under the run's
+/// strategy. Collective: every rank calls it.
+pub(crate) fn eval_loss(
+    cfg: &TrainConfig,
+    model: &Llama,
+    data: &Dataset,
+    rows: &LocalRows,
+    mesh: &MeshContext,
+) -> Result<f32, TrainError> {
+    let device = mesh.device().clone();
+    let vocab = model.config.vocab_size;
+    let b = cfg.global_batch;
+    let (mut sum, mut count) = (0.0f64, 0.0f64);
+    for e in 0..cfg.data_options.eval_batches {
+        let start = e * b;
+        let pad = match cfg.data_options.pad_to_seq_len {
+            true => cfg.seq_len,
+            false => data.longest(start..start + b, None),
+        };
+        let batch = data.batch(start + rows.rows.start..start + rows.rows.end, None, pad);
+        let (logits, _) = logits_of(model, &batch, &device)?;
+        let n = batch.rows * batch.seq_len;
+        let targets =
+            Tensor::<1, Int>::from_data(TensorData::new(batch.targets.clone(), [n]), &device);
+        let weights = Tensor::<1>::from_data(TensorData::new(batch.mask.clone(), [n]), &device);
+        let s = loss_parallel_weighted(logits, targets, weights, mesh.tp_group(), vocab)?;
+        let s = s
+            .detach()
+            .into_data()
+            .convert_dtype(burn::tensor::DType::F64);
+        sum += s.try_into_vec::<f64>().expect("an f64 sum")[0];
+        count += batch.count() as f64;
+    }
+    let total = all_reduce_sum(mesh, &[sum, count])?;
+    Ok((total[0] / total[1]) as f32)
+}
+
+/// Whether the run evaluates after `done` steps: every `--eval-every` steps and after the
+/// last.
+pub(crate) fn evaluates_after(cfg: &TrainConfig, done: usize) -> bool {
+    let every = cfg.data_options.eval_every;
+    every > 0 && (done.is_multiple_of(every) || done == cfg.steps)
+}

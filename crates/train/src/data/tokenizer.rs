@@ -1,0 +1,178 @@
+//! A Hugging Face `tokenizer.json` (`--tokenizer`) with its special tokens: bos, eos and pad
+//! from the `tokenizer_config.json` beside it when present (`bos_token` etc., as strings or
+//! `{"content": ...}` objects), else `<s>`, `</s>`, `<pad>` from the vocabulary; pad falls
+//! back to eos (said on stderr). Text is always encoded without specials: the formats add
+//! bos/eos themselves, and a chat template renders its own.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+use crate::error::TrainError;
+
+/// A token's byte range `(start, end)` in the encoded text.
+pub type Offsets = (usize, usize);
+
+/// A loaded tokenizer, its special ids and its chat template.
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    path: PathBuf,
+    /// The beginning-of-sequence id, if the config or vocabulary has one.
+    pub bos: Option<Special>,
+    /// The end-of-sequence id, if the config or vocabulary has one.
+    pub eos: Option<Special>,
+    /// The padding id (eos when the tokenizer has no pad token).
+    pub pad: Option<Special>,
+    /// tokenizer_config.json's `chat_template`, if any.
+    pub chat_template: Option<String>,
+    /// The bytes of tokenizer.json and tokenizer_config.json, hashed: the cache key's part.
+    pub hash: u64,
+}
+
+/// A special token: its text and id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Special {
+    /// The token's text (`<s>`).
+    pub text: String,
+    /// Its id.
+    pub id: u32,
+}
+
+impl TextTokenizer {
+    /// Loads `path` (a tokenizer.json) and the tokenizer_config.json beside it, if any.
+    pub fn load(path: &Path) -> Result<Self, TrainError> {
+        let bad =
+            |what: String| TrainError::Data(format!("--tokenizer {}: {what}", path.display()));
+        let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
+        let inner = Tokenizer::from_bytes(&bytes).map_err(|e| {
+            bad(format!(
+                "not a Hugging Face tokenizer.json ({e}); give the tokenizer.json of the model"
+            ))
+        })?;
+        let config_path = path.with_file_name("tokenizer_config.json");
+        let (config, config_bytes) = match std::fs::read(&config_path) {
+            Ok(b) => {
+                let v: Value = serde_json::from_slice(&b).map_err(|e| {
+                    TrainError::Data(format!(
+                        "{}: not JSON ({e}); fix it or remove it",
+                        config_path.display()
+                    ))
+                })?;
+                (Some(v), b)
+            }
+            Err(_) => (None, Vec::new()),
+        };
+        let mut hash = crate::data::cache::fnv1a(crate::data::cache::FNV_OFFSET, &bytes);
+        hash = crate::data::cache::fnv1a(hash, &config_bytes);
+        let named = |key: &str, default: &str| -> Result<Option<Special>, TrainError> {
+            let text = match config.as_ref().and_then(|c| c.get(key)) {
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(Value::Object(o)) => match o.get("content") {
+                    Some(Value::String(s)) => Some(s.clone()),
+                    _ => {
+                        return Err(TrainError::Data(format!(
+                            "{}: `{key}` is an object without a string \"content\"",
+                            config_path.display()
+                        )));
+                    }
+                },
+                Some(Value::Null) | None => None,
+                Some(other) => {
+                    return Err(TrainError::Data(format!(
+                        "{}: `{key}` is {other}, not a token string or {{\"content\": ...}}",
+                        config_path.display()
+                    )));
+                }
+            };
+            match text {
+                Some(text) => match inner.token_to_id(&text) {
+                    Some(id) => Ok(Some(Special { text, id })),
+                    None => Err(TrainError::Data(format!(
+                        "{}: `{key}` {text:?} is not in the vocabulary of {}",
+                        config_path.display(),
+                        path.display()
+                    ))),
+                },
+                None => Ok(inner.token_to_id(default).map(|id| Special {
+                    text: default.into(),
+                    id,
+                })),
+            }
+        };
+        let bos = named("bos_token", "<s>")?;
+        let eos = named("eos_token", "</s>")?;
+        let mut pad = named("pad_token", "<pad>")?;
+        if pad.is_none()
+            && let Some(eos) = &eos
+        {
+            eprintln!(
+                "--tokenizer {}: no pad token, padding with eos {:?}",
+                path.display(),
+                eos.text
+            );
+            pad = Some(eos.clone());
+        }
+        let chat_template = match config.as_ref().and_then(|c| c.get("chat_template")) {
+            Some(Value::String(s)) => Some(s.clone()),
+            _ => None,
+        };
+        Ok(Self {
+            inner,
+            path: path.into(),
+            bos,
+            eos,
+            pad,
+            chat_template,
+            hash,
+        })
+    }
+
+    /// The tokenizer file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Ids in the vocabulary, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The ids of `text`, without special tokens; `what` names the text in errors.
+    pub fn encode(&self, text: &str, what: &dyn Fn() -> String) -> Result<Vec<u32>, TrainError> {
+        Ok(self.encode_with_offsets(text, what)?.0)
+    }
+
+    /// The ids of `text` without special tokens, and each token's byte range in `text`.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        what: &dyn Fn() -> String,
+    ) -> Result<(Vec<u32>, Vec<Offsets>), TrainError> {
+        let enc = self.inner.encode(text, false).map_err(|e| {
+            TrainError::Data(format!(
+                "{}: cannot tokenize with {}: {e}",
+                what(),
+                self.path.display()
+            ))
+        })?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+    }
+
+    /// The special `which` (`bos`, `eos`, `pad`) that `format` needs, or an error saying the
+    /// tokenizer has none.
+    pub fn need(&self, which: &str, format: &str) -> Result<u32, TrainError> {
+        let (special, key, default) = match which {
+            "bos" => (&self.bos, "bos_token", "<s>"),
+            "eos" => (&self.eos, "eos_token", "</s>"),
+            _ => (&self.pad, "pad_token", "<pad>"),
+        };
+        special.as_ref().map(|s| s.id).ok_or_else(|| {
+            TrainError::Data(format!(
+                "{format} needs a {which} token, but {} has none: name it as `{key}` in the \
+                 tokenizer_config.json beside it (the vocabulary has no {default})",
+                self.path.display()
+            ))
+        })
+    }
+}

@@ -1,0 +1,306 @@
+//! LoRA fine-tuning in the trainer: `--lora-rank`, `--lora-alpha`, `--lora-targets`,
+//! `--lora-rslora`, `--lora-init DIR` (start from a peft adapter) and `--save-adapter DIR`
+//! (write one). The adapters are attached to the whole model on every rank before
+//! `parallelize_model`; after training the model is gathered, rank 0 writes the adapter, and
+//! `--save` writes the merged model.
+
+use std::path::{Path, PathBuf};
+
+use burn::nn::Linear;
+use burn_parallel_models::Llama;
+use burn_parallel_parallelizer::full_model;
+use burn_parallel_peft::{
+    AdapterConfig, Lora, LoraConfig, LoraError, LoraModule, TargetModules, adapted_paths,
+    apply_lora, load_adapter, merge_lora, save_adapter,
+};
+
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+
+/// The Llama's seven projections, `--lora-targets`' default.
+pub const DEFAULT_TARGETS: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
+/// A run's LoRA settings ([`TrainConfig::lora`](crate::TrainConfig::lora)); the default (no
+/// rank, no initial adapter) trains every parameter.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoraOptions {
+    /// `--lora-rank`: adapters of this rank on `targets`, the base frozen.
+    pub rank: Option<usize>,
+    /// `--lora-alpha`: the scale numerator (default: the rank, a scale of 1).
+    pub alpha: Option<f64>,
+    /// `--lora-targets`: Hugging Face module names or dotted path suffixes (default
+    /// [`DEFAULT_TARGETS`]).
+    pub targets: Option<Vec<String>>,
+    /// `--lora-rslora`: scale by `alpha / sqrt(r)`.
+    pub rslora: bool,
+    /// `--lora-init`: a peft adapter directory to start from; its `adapter_config.json` gives
+    /// the rank, alpha, targets and scaling.
+    pub init: Option<PathBuf>,
+    /// `--save-adapter`: where rank 0 writes the trained adapter in peft's format.
+    pub save_adapter: Option<PathBuf>,
+}
+
+/// The LoRA flags of the trainer's command line; [`options`](Self::options) gives the run's
+/// [`LoraOptions`].
+#[derive(clap::Args, Debug, Clone, Default, PartialEq)]
+pub struct LoraFlags {
+    /// `--lora-rank R`.
+    #[arg(
+        long,
+        value_name = "R",
+        help = "Train LoRA adapters of rank R on --lora-targets, every base parameter frozen"
+    )]
+    pub lora_rank: Option<usize>,
+    /// `--lora-alpha A`.
+    #[arg(
+        long,
+        value_name = "A",
+        help = "LoRA's scale numerator: adapters are scaled by A / R (default: A = R, a scale of \
+                1; peft users often give 2 * R)"
+    )]
+    pub lora_alpha: Option<f64>,
+    /// `--lora-targets LIST`.
+    #[arg(
+        long,
+        value_name = "LIST",
+        help = "LoRA target modules: comma-separated Hugging Face module names or dotted path \
+                suffixes (default: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)"
+    )]
+    pub lora_targets: Option<String>,
+    /// `--lora-rslora`.
+    #[arg(long, help = "Rank-stabilized LoRA: scale by A / sqrt(R)")]
+    pub lora_rslora: bool,
+    /// `--lora-init DIR`.
+    #[arg(
+        long,
+        value_name = "DIR",
+        help = "Start from a peft LoRA adapter (adapter_config.json + adapter_model.safetensors); \
+                its config gives the rank, alpha and targets"
+    )]
+    pub lora_init: Option<PathBuf>,
+    /// `--save-adapter DIR`.
+    #[arg(
+        long,
+        value_name = "DIR",
+        help = "Save the trained LoRA adapter here in peft's format (--save then writes the \
+                merged model)"
+    )]
+    pub save_adapter: Option<PathBuf>,
+}
+
+impl LoraFlags {
+    /// The run's LoRA settings.
+    pub fn options(&self) -> LoraOptions {
+        LoraOptions {
+            rank: self.lora_rank,
+            alpha: self.lora_alpha,
+            targets: self.lora_targets.as_deref().map(split_targets),
+            rslora: self.lora_rslora,
+            init: self.lora_init.clone(),
+            save_adapter: self.save_adapter.clone(),
+        }
+    }
+}
+
+/// Checks a run's LoRA settings before any rank starts (reading `--lora-init`'s config).
+pub(crate) fn check(cfg: &TrainConfig) -> Result<(), TrainError> {
+    if cfg.lora.plan(cfg.seed)?.is_some() && !cfg.freeze.is_empty() {
+        return Err(TrainError::Config(
+            "--freeze with LoRA: LoRA already freezes every base parameter (only the adapters \
+             train); drop --freeze"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Where a run's adapters come from.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum LoraPlan {
+    /// Fresh adapters (`a` seeded, `b` zero) of this config.
+    New(LoraConfig),
+    /// A peft adapter directory.
+    Load(PathBuf),
+}
+
+impl LoraOptions {
+    /// Whether the run trains LoRA adapters.
+    pub fn enabled(&self) -> bool {
+        self.rank.is_some() || self.init.is_some()
+    }
+
+    /// The run's adapters, or `None` without LoRA. Reads `--lora-init`'s config, which the
+    /// LoRA flags given with it must agree with; flags that need a rank without one are
+    /// errors saying so.
+    pub(crate) fn plan(&self, seed: u64) -> Result<Option<LoraPlan>, TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
+        if let Some(dir) = &self.init {
+            let file = AdapterConfig::read(dir).map_err(lora_error)?;
+            self.agrees_with(&file, dir)?;
+            return Ok(Some(LoraPlan::Load(dir.clone())));
+        }
+        let Some(r) = self.rank else {
+            let given = [
+                (self.alpha.is_some(), "--lora-alpha"),
+                (self.targets.is_some(), "--lora-targets"),
+                (self.rslora, "--lora-rslora"),
+                (self.save_adapter.is_some(), "--save-adapter"),
+            ];
+            return match given.iter().find(|(set, _)| *set) {
+                Some((_, flag)) => bad(format!(
+                    "{flag} needs LoRA: give --lora-rank R (or --lora-init DIR)"
+                )),
+                None => Ok(None),
+            };
+        };
+        let targets = match &self.targets {
+            Some(t) => t.clone(),
+            None => DEFAULT_TARGETS.map(String::from).to_vec(),
+        };
+        let config = LoraConfig {
+            r,
+            alpha: self.alpha.unwrap_or(r as f64),
+            targets,
+            rslora: self.rslora,
+            seed,
+        };
+        config.validate().map_err(|e| {
+            TrainError::Config(format!("--lora-rank/--lora-alpha/--lora-targets: {e}"))
+        })?;
+        Ok(Some(LoraPlan::New(config)))
+    }
+
+    /// Refuses LoRA flags that contradict `--lora-init`'s `adapter_config.json`.
+    fn agrees_with(&self, file: &AdapterConfig, dir: &Path) -> Result<(), TrainError> {
+        let where_ = format!("--lora-init {}", dir.display());
+        let contradicts = |flag: String, theirs: String| {
+            Err(TrainError::Config(format!(
+                "{flag} contradicts {where_}, whose adapter_config.json says {theirs}; drop the \
+                 flag (the adapter's config is used) or start without --lora-init"
+            )))
+        };
+        if let Some(r) = self.rank.filter(|r| *r != file.r) {
+            return contradicts(format!("--lora-rank {r}"), format!("r = {}", file.r));
+        }
+        if let Some(a) = self.alpha.filter(|a| *a != file.lora_alpha) {
+            return contradicts(
+                format!("--lora-alpha {a}"),
+                format!("lora_alpha = {}", file.lora_alpha),
+            );
+        }
+        if self.rslora && !file.use_rslora {
+            return contradicts("--lora-rslora".into(), "use_rslora = false".into());
+        }
+        if let Some(t) = &self.targets {
+            let theirs = match &file.target_modules {
+                Some(TargetModules::List(list)) => list.clone(),
+                Some(TargetModules::One(one)) => vec![one.clone()],
+                None => Vec::new(),
+            };
+            let (mut mine, mut sorted) = (t.clone(), theirs.clone());
+            mine.sort();
+            sorted.sort();
+            if mine != sorted {
+                return contradicts(
+                    format!("--lora-targets {}", t.join(",")),
+                    format!("target_modules = {theirs:?}"),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Splits `--lora-targets`' comma-separated list, dropping blanks.
+pub(crate) fn split_targets(list: &str) -> Vec<String> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+fn lora_error(e: LoraError) -> TrainError {
+    TrainError::Config(e.to_string())
+}
+
+/// `model` (whole, before `parallelize_model`) with `plan`'s adapters attached and its base
+/// frozen, and the adapters' element count (what trains).
+pub(crate) fn apply(model: Llama, plan: &LoraPlan) -> Result<(Llama, u64), TrainError> {
+    let model = match plan {
+        LoraPlan::New(config) => apply_lora(model, config).map_err(lora_error)?,
+        LoraPlan::Load(dir) => load_adapter(model, dir).map_err(lora_error)?.0,
+    };
+    let trainable = adapter_elements(&model)?;
+    Ok((model, trainable))
+}
+
+/// Elements of every adapter's `a` and `b` (a whole model's).
+fn adapter_elements(model: &Llama) -> Result<u64, TrainError> {
+    let mut n = 0u64;
+    model
+        .clone()
+        .map_lora("", &mut |_, layer: Lora<Linear>| {
+            if let Some(ad) = &layer.adapter {
+                n += (ad.a.lazy_shape().num_elements() + ad.b.lazy_shape().num_elements()) as u64;
+            }
+            Ok(layer)
+        })
+        .map_err(lora_error)?;
+    Ok(n)
+}
+
+/// After training: the whole model (gathered: collective, every rank calls it), `--save-adapter`
+/// written by rank 0 (`is_root`), and the model with its adapters merged, for `--save`.
+pub(crate) fn finish(
+    model: Llama,
+    plan: &LoraPlan,
+    save_to: Option<&Path>,
+    base_model: Option<&Path>,
+    is_root: bool,
+) -> Result<Llama, TrainError> {
+    let model = full_model(model)?;
+    if let (Some(dir), true) = (save_to, is_root) {
+        let config = match plan {
+            LoraPlan::New(config) => config.clone(),
+            LoraPlan::Load(init) => {
+                let file = AdapterConfig::read(init).map_err(lora_error)?;
+                file.to_lora(&adapted_paths(&model).map_err(lora_error)?)
+            }
+        };
+        let base = base_model.map(|p| p.display().to_string());
+        save_adapter(&model, &config, dir, base.as_deref()).map_err(lora_error)?;
+    }
+    merge_lora(model).map_err(lora_error)
+}
+
+/// The end of a run on one rank: without LoRA, or with nothing to save, `model` as it is;
+/// else [`finish`] (collective) with the run's settings.
+pub(crate) fn finish_run(
+    cfg: &TrainConfig,
+    model: Llama,
+    is_root: bool,
+) -> Result<Llama, TrainError> {
+    let save_adapter = cfg.lora.save_adapter.as_deref();
+    let Some(plan) = cfg.lora.plan(cfg.seed)? else {
+        return Ok(model);
+    };
+    if save_adapter.is_none() && cfg.save.is_none() {
+        return Ok(model);
+    }
+    finish(
+        model,
+        &plan,
+        save_adapter,
+        cfg.checkpoint.as_deref(),
+        is_root,
+    )
+}

@@ -1,0 +1,461 @@
+//! The trainer on tokenized text and SFT records (tests/data/, made by
+//! scripts/make_text_fixtures.py): the tokenizer gives Hugging Face's Python ids; SFT and text
+//! pretraining train under ddp 2, fsdp2 x3, tp 2 and fsdp2_tp 2x2 as on one device, with rows
+//! whose completion token counts differ between ranks; the SFT loss of a batch is the masked
+//! mean computed here from the model's logits without the trainer; K=2 accumulation equals the
+//! doubled batch; the eval loss equals a forward-only computation; bad data is named.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_parallel::models::{Llama, LlamaConfig};
+use burn_parallel::train::data::tokenizer::TextTokenizer;
+use burn_parallel::train::data::{self, DataOptions};
+use burn_parallel::train::{Strategy, TrainConfig, TrainSummary, train};
+
+use crate::common::{ndarray, to_vec};
+use crate::llama_train::{assert_curves, run};
+
+pub(crate) fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// The small test Llama with the fixture tokenizer's 320 ids.
+pub(crate) fn text_model() -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 320,
+        ..crate::llama_train::small_model()
+    }
+}
+
+/// The small Llama on `data` (a tests/data file) with the fixture tokenizer: 2 steps of 4 rows
+/// of at most 32 positions, ndarray, AdamW, no clipping.
+pub(crate) fn text_run(strategy: Strategy, world: usize, data: &str) -> TrainConfig {
+    TrainConfig {
+        steps: 2,
+        seq_len: 32,
+        model: text_model(),
+        data: Some(fixture(data)),
+        data_options: DataOptions {
+            tokenizer: Some(fixture("tokenizer.json")),
+            ..DataOptions::default()
+        },
+        ..crate::train_guards::tiny_run(strategy, world, &[])
+    }
+}
+
+fn expected() -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture("expected.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn tokenizer() -> TextTokenizer {
+    TextTokenizer::load(&fixture("tokenizer.json")).unwrap()
+}
+
+/// The SFT records of tests/data/sft.jsonl as (prompt, completion).
+fn sft_records() -> Vec<(String, String)> {
+    std::fs::read_to_string(fixture("sft.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (
+                v["prompt"].as_str().unwrap().to_string(),
+                v["completion"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Example `i` as this test builds it: bos + prompt + completion + eos, and the index of the
+/// first id that counts as a target (the completion's first).
+fn sft_ids(tok: &TextTokenizer, i: usize) -> (Vec<u32>, usize) {
+    let (prompt, completion) = &sft_records()[i];
+    let p = tok.encode(prompt, &|| "prompt".into()).unwrap();
+    let c = tok.encode(completion, &|| "completion".into()).unwrap();
+    let mut ids = vec![tok.bos.as_ref().unwrap().id];
+    ids.extend(&p);
+    ids.extend(&c);
+    ids.push(tok.eos.as_ref().unwrap().id);
+    (ids, 1 + p.len())
+}
+
+/// Sum and count of the cross-entropy of the targets `ids[first..]` given the model's logits
+/// of `ids[..-1]` alone (one unpadded row), in f64.
+pub(crate) fn example_ce(model: &Llama, ids: &[u32], first: usize) -> (f64, usize) {
+    let n = ids.len() - 1;
+    let input: Vec<i64> = ids[..n].iter().map(|x| *x as i64).collect();
+    let logits = model.forward(Tensor::<2, Int>::from_data(
+        TensorData::new(input, [1, n]),
+        &ndarray(),
+    ));
+    let vocab = logits.dims()[2];
+    let logits = to_vec(&logits.into_data());
+    let (mut sum, mut count) = (0.0, 0);
+    for p in first.max(1) - 1..n {
+        let row = &logits[p * vocab..(p + 1) * vocab];
+        let max = row.iter().fold(f32::MIN, |a, b| a.max(*b)) as f64;
+        let lse = max
+            + row
+                .iter()
+                .map(|x| (*x as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        sum += lse - row[ids[p + 1] as usize] as f64;
+        count += 1;
+    }
+    (sum, count)
+}
+
+#[test]
+fn the_tokenizer_gives_hugging_faces_ids_and_specials() {
+    let tok = tokenizer();
+    let want = expected();
+    assert_eq!(tok.vocab_size(), 320);
+    assert_eq!(tok.bos.as_ref().unwrap().text, "<s>");
+    // eos is written as a {"content": ...} object in tokenizer_config.json.
+    assert_eq!(tok.eos.as_ref().unwrap().text, "</s>");
+    assert_eq!(tok.pad.as_ref().unwrap().text, "<pad>");
+    let (ids, first) = sft_ids(&tok, 0);
+    assert_eq!(ids, ids_of(&want["sft_first"]));
+    assert_eq!(first as u64, want["sft_first_prompt_len"].as_u64().unwrap());
+    let text = std::fs::read_to_string(fixture("text.txt")).unwrap();
+    let ids = tok.encode(&text, &|| "text".into()).unwrap();
+    assert_eq!(ids[..40], ids_of(&want["text_first_40"])[..]);
+}
+
+/// The rows each of `dp` ranks holds at step 0 count different numbers of targets.
+fn counts_per_rank(cfg: &TrainConfig, dp: usize) -> Vec<usize> {
+    let d = data::load(
+        cfg.data.as_ref().unwrap(),
+        &cfg.data_options,
+        cfg.seq_len,
+        320,
+        "--data",
+    )
+    .unwrap();
+    let b = cfg.global_batch;
+    let pad = d.longest(0..b, None);
+    (0..dp)
+        .map(|r| d.batch(r * b / dp..(r + 1) * b / dp, None, pad).count())
+        .collect()
+}
+
+#[test]
+fn sft_and_text_train_under_every_strategy_as_on_one_device() {
+    let layouts = [
+        (Strategy::Ddp, 2),
+        (Strategy::Fsdp2, 3),
+        (Strategy::Tp, 2),
+        (Strategy::Fsdp2Tp, 4),
+    ];
+    for file in ["sft.jsonl", "text.txt", "text.jsonl", "chat.jsonl"] {
+        let single = run(&text_run(Strategy::Single, 1, file));
+        assert!(single.losses().iter().all(|l| l.is_finite()), "{file}");
+        if file == "sft.jsonl" {
+            // Different numbers of counting targets on the two dp ranks.
+            let counts = counts_per_rank(&text_run(Strategy::Ddp, 2, file), 2);
+            assert_ne!(counts[0], counts[1], "{counts:?}");
+        }
+        for (strategy, world) in layouts {
+            let got = run(&text_run(strategy, world, file));
+            assert_curves(&got, &single, 1e-5, &format!("{file} {strategy} x{world}"));
+        }
+    }
+}
+
+/// Step 0's loss of 4 SFT rows (padded together, two of them truncated at 16 positions) is
+/// the sum of the completion targets' cross-entropy over their count, computed here on each
+/// example alone from the seeded model's logits.
+#[test]
+fn the_sft_loss_is_the_masked_mean_over_the_global_batch() {
+    let seq = 16;
+    let cfg = TrainConfig {
+        seq_len: seq,
+        steps: 1,
+        ..text_run(Strategy::Single, 1, "sft.jsonl")
+    };
+    let got = run(&cfg).steps[0].report.loss as f64;
+    let ddp = run(&TrainConfig {
+        steps: 1,
+        ..text_run(Strategy::Ddp, 2, "sft.jsonl")
+    });
+    let tok = tokenizer();
+    let model = Llama::seeded(&text_model(), cfg.seed, &ndarray());
+    let (mut sum, mut count) = (0.0, 0);
+    let mut truncated = 0;
+    for i in 0..cfg.global_batch {
+        let (mut ids, first) = sft_ids(&tok, i);
+        if ids.len() > seq + 1 {
+            ids.truncate(seq + 1);
+            truncated += 1;
+        }
+        let (s, c) = example_ce(&model, &ids, first);
+        sum += s;
+        count += c;
+    }
+    assert!(truncated > 0, "the batch exercises truncation");
+    let want = sum / count as f64;
+    assert!((got - want).abs() <= 1e-5 * want, "{got} vs {want}");
+    // Without truncation (seq 32 fits every example) ddp 2 gives the untruncated mean.
+    let (mut sum, mut count) = (0.0, 0);
+    for i in 0..4 {
+        let (ids, first) = sft_ids(&tok, i);
+        assert!(ids.len() <= 33);
+        let (s, c) = example_ce(&model, &ids, first);
+        sum += s;
+        count += c;
+    }
+    let want = sum / count as f64;
+    let got = ddp.steps[0].report.loss as f64;
+    assert!((got - want).abs() <= 1e-5 * want, "ddp: {got} vs {want}");
+}
+
+fn accumulated(cfg: TrainConfig) -> (TrainSummary, TrainSummary) {
+    let doubled = run(&TrainConfig {
+        global_batch: 4,
+        grad_accum: 1,
+        steps: 3,
+        ..cfg.clone()
+    });
+    let accumulated = run(&TrainConfig {
+        global_batch: 2,
+        grad_accum: 2,
+        steps: 3,
+        ..cfg
+    });
+    (accumulated, doubled)
+}
+
+/// `--grad-accum 2` of 2 rows equals one step of 4 rows: the same data, loss, gradient norm and
+/// updates (the losses of later steps), SFT (different counts per micro-batch) and text, on one
+/// device, ddp 2, fsdp2 2 (deferred reduce-scatter) and tp 2.
+#[test]
+fn accumulating_two_micro_batches_equals_the_doubled_batch() {
+    for (strategy, world) in [
+        (Strategy::Single, 1),
+        (Strategy::Ddp, 2),
+        (Strategy::Fsdp2, 2),
+        (Strategy::Tp, 2),
+    ] {
+        for file in ["sft.jsonl", "text.txt"] {
+            let (acc, doubled) = accumulated(TrainConfig {
+                grad_clip: Some(1.0),
+                ..text_run(strategy, world, file)
+            });
+            assert_curves(&acc, &doubled, 1e-5, &format!("{file} {strategy} x{world}"));
+        }
+    }
+}
+
+/// `--eval-data` at lr 0: every eval loss is the seeded model's masked mean over the first
+/// `--eval-batches` batches, computed here forward-only; fsdp2 x2 and tp 2 report the same.
+#[test]
+fn the_eval_loss_equals_a_forward_only_computation() {
+    let eval = |strategy, world| TrainConfig {
+        lr: 0.0,
+        steps: 3,
+        data_options: DataOptions {
+            tokenizer: Some(fixture("tokenizer.json")),
+            eval_data: Some(fixture("sft.jsonl")),
+            eval_every: 2,
+            eval_batches: 2,
+            ..DataOptions::default()
+        },
+        ..text_run(strategy, world, "text.txt")
+    };
+    let single = run(&eval(Strategy::Single, 1));
+    let evals: Vec<Option<f32>> = single.steps.iter().map(|s| s.eval_loss).collect();
+    // After steps 2 and 3 (every 2, and the last).
+    assert!(
+        evals[0].is_none() && evals[1].is_some() && evals[2].is_some(),
+        "{evals:?}"
+    );
+    let tok = tokenizer();
+    let model = Llama::seeded(&text_model(), 0, &ndarray());
+    let (mut sum, mut count) = (0.0, 0);
+    for i in 0..8 {
+        let (ids, first) = sft_ids(&tok, i);
+        let (s, c) = example_ce(&model, &ids, first);
+        sum += s;
+        count += c;
+    }
+    let want = sum / count as f64;
+    for got in evals.iter().flatten() {
+        assert!((*got as f64 - want).abs() <= 1e-5 * want, "{got} vs {want}");
+    }
+    for (strategy, world) in [(Strategy::Fsdp2, 2), (Strategy::Tp, 2)] {
+        let got = run(&eval(strategy, world));
+        for (g, w) in got.steps.iter().zip(&single.steps) {
+            let (g, w) = (g.eval_loss, w.eval_loss);
+            assert_eq!(g.is_some(), w.is_some());
+            if let (Some(g), Some(w)) = (g, w) {
+                assert!((g - w).abs() <= 1e-5 * w, "{strategy}: {g} vs {w}");
+            }
+        }
+        // The training loss is untouched by evaluation.
+        assert_curves(&got, &single, 1e-5, &format!("{strategy} with eval"));
+    }
+}
+
+fn error_of(cfg: &TrainConfig) -> String {
+    match train(cfg, &|_| {}) {
+        Ok(_) => panic!("{cfg:?} must fail"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_data_is_named_with_its_file_line_and_field() {
+    let dir = crate::llama_hf::temp_dir("bad-data");
+    let with = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        TrainConfig {
+            data: Some(path),
+            ..text_run(Strategy::Single, 1, "sft.jsonl")
+        }
+    };
+    let e = error_of(&with(
+        "a.jsonl",
+        "{\"prompt\": \"a\", \"completion\": \"b\"}\n\n{\"prompt\": 1}\n",
+    ));
+    assert!(
+        e.contains("a.jsonl line 3") && e.contains("\"prompt\""),
+        "{e}"
+    );
+    let e = error_of(&with(
+        "b.jsonl",
+        "{\"prompt\": \"a\", \"completion\": \"b\"}\nnot json\n",
+    ));
+    assert!(
+        e.contains("b.jsonl line 2") && e.contains("not JSON"),
+        "{e}"
+    );
+    let e = error_of(&TrainConfig {
+        data_options: DataOptions::default(),
+        ..text_run(Strategy::Single, 1, "text.txt")
+    });
+    assert!(e.contains("--tokenizer"), "{e}");
+    let e = error_of(&TrainConfig {
+        model: LlamaConfig::tiny(),
+        ..text_run(Strategy::Single, 1, "text.txt")
+    });
+    assert!(e.contains("vocab_size 256"), "{e}");
+    // A batch whose logits cannot fit in memory is refused before anything is allocated.
+    let e = error_of(&TrainConfig {
+        global_batch: 1 << 22,
+        seq_len: 2048,
+        data_options: DataOptions {
+            pad_to_seq_len: true,
+            ..text_run(Strategy::Single, 1, "sft.jsonl").data_options
+        },
+        ..text_run(Strategy::Single, 1, "sft.jsonl")
+    });
+    assert!(
+        e.contains("logits need") && e.contains("--global-batch"),
+        "{e}"
+    );
+}
+
+/// The data flags on the command line: each sets its `DataOptions` field; `--seq-len` given
+/// pads SFT rows to it; `--eval-data` and `--eval-every` go together.
+#[test]
+fn the_data_flags_parse_into_the_run() {
+    use burn_parallel::train::TrainArgs;
+    use clap::Parser;
+    let parse = |extra: &[&str]| {
+        let args = ["train_llama", "--engine", "threads", "--data", "d.jsonl"];
+        TrainArgs::try_parse_from(args.iter().chain(extra))
+    };
+    let cfg = parse(&[
+        "--tokenizer",
+        "t.json",
+        "--pack",
+        "--shuffle-seed",
+        "7",
+        "--eval-data",
+        "e.jsonl",
+        "--eval-every",
+        "5",
+        "--eval-batches",
+        "3",
+        "--grad-accum",
+        "4",
+    ])
+    .unwrap()
+    .config()
+    .unwrap();
+    assert_eq!(
+        cfg.data_options,
+        DataOptions {
+            tokenizer: Some("t.json".into()),
+            pack: true,
+            shuffle_seed: Some(7),
+            pad_to_seq_len: false,
+            eval_data: Some("e.jsonl".into()),
+            eval_every: 5,
+            eval_batches: 3,
+        }
+    );
+    assert_eq!((cfg.grad_accum, cfg.seq_len), (4, 64));
+    let cfg = parse(&["--seq-len", "32"]).unwrap().config().unwrap();
+    assert!(cfg.data_options.pad_to_seq_len && cfg.seq_len == 32);
+    assert_eq!(cfg.grad_accum, 1);
+    assert!(parse(&["--eval-data", "e.jsonl"]).is_err());
+    let e = error_of(&TrainConfig {
+        grad_accum: 0,
+        ..text_run(Strategy::Single, 1, "sft.jsonl")
+    });
+    assert!(e.contains("--grad-accum"), "{e}");
+}
+
+/// `--shuffle-seed`: each epoch's own permutation of the 12 SFT examples (3 steps of 4 = one
+/// epoch, then the next epoch's order), the same under ddp 2 as on one device, and another
+/// order than the file's.
+#[test]
+fn shuffled_sft_trains_alike_under_ddp_and_differs_from_file_order() {
+    let shuffled = |strategy, world| {
+        let mut cfg = text_run(strategy, world, "sft.jsonl");
+        cfg.steps = 4;
+        cfg.data_options.shuffle_seed = Some(5);
+        cfg
+    };
+    let single = run(&shuffled(Strategy::Single, 1));
+    assert_curves(
+        &run(&shuffled(Strategy::Ddp, 2)),
+        &single,
+        1e-5,
+        "shuffled ddp x2",
+    );
+    let ordered = run(&TrainConfig {
+        steps: 4,
+        ..text_run(Strategy::Single, 1, "sft.jsonl")
+    });
+    assert_ne!(single.steps[0].report.loss, ordered.steps[0].report.loss);
+    // Step 0 takes permutation(12, 5, 0)[0..4]: its loss is those examples' masked mean.
+    let opts = shuffled(Strategy::Single, 1).data_options;
+    let d = data::load(&fixture("sft.jsonl"), &opts, 32, 320, "--data").unwrap();
+    let p = data::permutation(12, 5, 0);
+    let (by_seed, by_perm) = (d.batch(0..4, Some(5), 32), {
+        let rows: Vec<_> = p[..4]
+            .iter()
+            .map(|k| d.batch(*k..*k + 1, None, 32))
+            .collect();
+        rows.iter()
+            .flat_map(|b| b.inputs.clone())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(by_seed.inputs, by_perm);
+}
