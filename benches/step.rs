@@ -1,16 +1,20 @@
-//! Where one training step's time goes, per strategy, against one device in the same run: the
-//! tiny Llama (`LlamaConfig::tiny()`) on flex, global batch 8 x 128 tokens, AdamW, the gradient
-//! norm clipped to 1.0, one thread per rank, the trainer's allocator setting (`Malloc::Kept`).
+//! Where one training step's time goes, per strategy, against one device in the same run: a
+//! Llama (`--model`: `hf-3m`, examples/models/llama_hf3m.json, 3.4M parameters where matmuls
+//! dominate, the default; `tiny`, `LlamaConfig::tiny()`, where per-op overhead does; `95m`) on
+//! flex, global batch 8 x 128 tokens, AdamW, the gradient norm clipped to 1.0, the trainer's
+//! allocator setting (`Malloc::Kept`).
 //! The Rust-only counterpart of `scripts/bench-torch.py` (which adds PyTorch's figures): a
 //! change that slows a phase shows here without Python.
 //!
-//! Run: cargo bench --bench step
+//! Run: cargo bench --bench step [-- --model tiny|hf-3m|95m]
 //!
 //! Prints the median over steps 2.. of rank 0's step time and its split (forward with the
 //! loss, backward with the gradient sync and clipping, optimizer; the all-gathers,
-//! reduce-scatters and all-reduces inside forward and backward), and step / single.
+//! reduce-scatters and all-reduces inside forward and backward), step / single, and the
+//! model GFLOP/s per rank (scripts/bench-torch.py's count).
 
 use burn_parallel::models::LlamaConfig;
+use burn_parallel::train::step_flops;
 use burn_parallel::train::{
     Backend, DistributedFlags, Malloc, OptimizerKind, StepLog, Strategy, TrainConfig, train,
 };
@@ -27,8 +31,30 @@ fn median_of(steps: &[StepLog], field: impl Fn(&StepLog) -> f64) -> f64 {
     median(steps.iter().skip(2).map(field).collect())
 }
 
+/// The `--model` argument's Llama and its name.
+fn model() -> (String, LlamaConfig) {
+    let args: Vec<String> = std::env::args().collect();
+    let name = args
+        .iter()
+        .position(|a| a == "--model")
+        .and_then(|i| args.get(i + 1))
+        .map_or("hf-3m", |s| s.as_str())
+        .to_string();
+    let file = match name.as_str() {
+        "tiny" => return (name, LlamaConfig::tiny()),
+        "hf-3m" => "examples/models/llama_hf3m.json",
+        "95m" => "examples/models/llama_95m.json",
+        other => panic!("unknown --model {other}: tiny, hf-3m or 95m"),
+    };
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    let config = LlamaConfig::load(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+    (name, config)
+}
+
 fn main() {
     Malloc::Kept.apply();
+    let (name, model) = model();
+    let flops = step_flops(&model, 8, 128);
     let base = TrainConfig {
         steps: STEPS,
         global_batch: 8,
@@ -38,7 +64,7 @@ fn main() {
         weight_decay: 0.0,
         grad_clip: Some(1.0),
         backend: Backend::Flex,
-        model: LlamaConfig::tiny(),
+        model,
         ..TrainConfig::default()
     };
     let runs = [
@@ -50,11 +76,13 @@ fn main() {
         ("fsdp2_tp 2x2", Strategy::Fsdp2Tp, 4, Some(2)),
     ];
     println!(
-        "tiny Llama, flex, batch 8 x 128, AdamW, 1 thread per rank; seconds, median of steps 3..{STEPS}"
+        "{name} Llama ({:.1} GFLOP per step), flex, batch 8 x 128, AdamW; seconds, median of \
+         steps 3..{STEPS}",
+        flops / 1e9
     );
     println!(
-        "{:<14}{:>8}{:>8}{:>8}{:>8}{:>8}{:>8}{:>8}{:>9}",
-        "run", "step", "fwd", "bwd", "opt", "gather", "r-scat", "a-red", "/single"
+        "{:<14}{:>8}{:>8}{:>8}{:>8}{:>8}{:>8}{:>8}{:>9}{:>11}",
+        "run", "step", "fwd", "bwd", "opt", "gather", "r-scat", "a-red", "/single", "GFLOP/s/rk"
     );
     let mut single = None;
     for (name, strategy, world, tp) in runs {
@@ -71,7 +99,7 @@ fn main() {
         let step = median_of(s, |l| l.step_time_s);
         let single_step = *single.get_or_insert(step);
         println!(
-            "{name:<14}{step:>8.4}{:>8.4}{:>8.4}{:>8.4}{:>8.4}{:>8.4}{:>8.4}{:>9.2}",
+            "{name:<14}{step:>8.4}{:>8.4}{:>8.4}{:>8.4}{:>8.4}{:>8.4}{:>8.4}{:>9.2}{:>11.1}",
             median_of(s, |l| l.times.forward_s),
             median_of(s, |l| l.times.backward_s),
             median_of(s, |l| l.times.optimizer_s),
@@ -79,6 +107,7 @@ fn main() {
             median_of(s, |l| l.times.reduce_scatter_s),
             median_of(s, |l| l.times.all_reduce_s),
             step / single_step,
+            flops / world as f64 / step / 1e9,
         );
     }
 }

@@ -1,16 +1,25 @@
 #!/usr/bin/env python3
-"""Our training step against PyTorch's, strategy by strategy, on the same tiny Llama.
+"""Our training step against PyTorch's, strategy by strategy, on the same Llama.
 
-Both sides train the built-in tiny Llama (`LlamaConfig::tiny()`: vocab 256, hidden 64,
-intermediate 172, 4 layers, 4 heads over 2 kv heads, head_dim 16, untied) in float32 with
-AdamW (lr 3e-3, betas 0.9/0.999, eps 1e-8, no weight decay), the global gradient norm clipped
-to 1.0, on the same global batch and sequence length, one thread per rank. Ours is the
-`train_llama` example (ranks are threads of one process); PyTorch's is Hugging Face's
-`LlamaForCausalLM` (eager attention) under torch.distributed on gloo, one process per rank.
+Both sides train the same Llama shape (--model): `tiny` is the built-in tiny Llama
+(`LlamaConfig::tiny()`: vocab 256, hidden 64, intermediate 172, 4 layers, 4 heads over 2 kv
+heads, head_dim 16, untied), where per-op overhead dominates; `hf-3m` is
+examples/models/llama_hf3m.json (vocab 1024, hidden 256, intermediate 688, 4 layers, 8 heads
+over 4 kv heads: 3.4M parameters, matmuls dominate), the default; `95m` is
+examples/models/llama_95m.json. Each side initializes from its own seed with the config's
+initializer_range. Float32, AdamW (lr 3e-3, betas 0.9/0.999, eps 1e-8, no weight decay), the
+global gradient norm clipped to 1.0, on the same global batch and sequence length, --threads
+compute threads per rank (default 1). Ours is the `train_llama` example (ranks are threads
+of one process); PyTorch's is Hugging Face's `LlamaForCausalLM` (eager attention) under
+torch.distributed on gloo, one process per rank.
 Each rank trains global_batch / dp rows; the loss is the model's own causal LM loss (the mean
 over every position of the batch). The tokens differ, not the work: ours come from the
 binary's synthetic corpus (its loss falls), PyTorch's are uniform random (its loss stays near
-ln 256 = 5.55); the per-run log on stderr shows both.
+ln vocab); the per-run log on stderr shows both.
+
+GFLOP/s: the step's model FLOPs over its time, 6 x (the Linear and lm_head parameters) x
+tokens plus causal attention's 6 x layers x seq x heads x head_dim x tokens, over the global
+batch (the work of all ranks together) divided by the ranks.
 
 Figures: the median step time of rank 0 over steps 2.. (the first two warm up), per run; each
 strategy runs --rounds times, ours and PyTorch's alternating; the table gives the median of the
@@ -21,8 +30,9 @@ Setup (once; torch from PyPI, the CPU wheel index is not needed):
     python3 -m venv VENV && VENV/bin/pip install torch transformers
     cargo build --release --example train_llama
 Usage:
-    VENV/bin/python scripts/bench-torch.py [--strategies single,ddp,fsdp2,fsdp2x4,tp,fsdp2_tp]
-        [--steps 12] [--rounds 3] [--global-batch 8] [--seq-len 128] [--backend flex]
+    VENV/bin/python scripts/bench-torch.py [--model tiny|hf-3m|95m]
+        [--strategies single,ddp,fsdp2,fsdp2x4,tp,fsdp2_tp] [--steps 12] [--rounds 3]
+        [--global-batch 8] [--seq-len 128] [--backend flex] [--threads 1]
 The binary is $TRAIN_LLAMA, else target/release/examples/train_llama.
 
 Strategies: single (1 rank); ddp (2); fsdp2 (2); fsdp2x4 (fsdp2 on 4); tp (2, tp the whole
@@ -60,6 +70,9 @@ TINY = dict(
     mlp_bias=False,
     initializer_range=0.02,
 )
+# The other shapes, as Hugging Face config.json files both sides read.
+MODEL_FILES = {"hf-3m": "examples/models/llama_hf3m.json", "95m": "examples/models/llama_95m.json"}
+CONFIG_KEYS = tuple(TINY)
 LR, BETAS, EPS, GRAD_CLIP = 3e-3, (0.9, 0.999), 1e-8, 1.0
 WARMUP_STEPS = 2  # left out of the medians
 
@@ -110,6 +123,8 @@ def run_ours(binary, strategy, args):
         "--lr", str(LR),
         "--grad-clip", str(GRAD_CLIP),
         "--backend", args.backend,
+        "--threads-per-rank", str(args.threads),
+        *(("--config", MODEL_FILES[args.model]) if args.model in MODEL_FILES else ()),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -145,15 +160,15 @@ def torch_rank(rank, strategy, args, port, out):
     import torch
     import torch.distributed as dist
 
-    # One thread per rank, as ours; the interop pool too, so that no rank borrows cores.
-    torch.set_num_threads(1)
+    # --threads per rank, as ours; one interop thread, so that no rank borrows cores.
+    torch.set_num_threads(args["threads"])
     torch.set_num_interop_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if strategy.world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=strategy.world)
     try:
         torch.manual_seed(0)  # the same init on every rank, before sharding
-        model = build_model()
+        model = build_model(args["model_config"])
         model, loss_context = parallelize(model, strategy, rank)
         opt = torch.optim.AdamW(
             model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0
@@ -167,11 +182,31 @@ def torch_rank(rank, strategy, args, port, out):
             dist.destroy_process_group()
 
 
-def build_model():
+def model_config(model):
+    """The Llama's shape: TINY, or the keys of its config.json that TINY names."""
+    if model not in MODEL_FILES:
+        return dict(TINY)
+    with open(MODEL_FILES[model]) as f:
+        file = json.load(f)
+    cfg = {k: file[k] for k in CONFIG_KEYS if k in file}
+    cfg.setdefault("head_dim", file["hidden_size"] // file["num_attention_heads"])
+    return cfg
+
+
+def step_flops(cfg, tokens, seq):
+    """Model FLOPs of one training step over `tokens` tokens (see the module doc)."""
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    linear = layers * (h * q + 2 * h * kv + q * h + 3 * h * i) + h * cfg["vocab_size"]
+    return 6 * linear * tokens + 6 * layers * seq * q * tokens
+
+
+def build_model(config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # No kv cache: it is for generation and would cost a copy of k and v per layer.
-    cfg = LlamaConfig(**TINY, use_cache=False, attn_implementation="eager")
+    cfg = LlamaConfig(**config, use_cache=False, attn_implementation="eager")
     return LlamaForCausalLM(cfg).float().train()
 
 
@@ -252,7 +287,8 @@ def train(model, opt, loss_context, strategy, rank, args):
     times, losses = [], []
     for _ in range(args["steps"]):
         start = time.perf_counter()
-        tokens = torch.randint(0, TINY["vocab_size"], (rows, seq + 1), generator=gen)
+        vocab = args["model_config"]["vocab_size"]
+        tokens = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
         # Contiguous: the loss flattens the targets with a view.
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         with loss_context():
@@ -351,33 +387,45 @@ def first_line(e):
 
 
 def print_table(rows, args):
+    flops = step_flops(args.model_config, args.global_batch * args.seq_len, args.seq_len)
     print(
-        f"\ntiny Llama, global batch {args.global_batch} x seq {args.seq_len}, AdamW, "
-        f"grad clip {GRAD_CLIP}, f32, 1 thread per rank, {args.backend} backend; median step "
+        f"\n{args.model} Llama ({flops / 1e9:.1f} GFLOP per step), global batch "
+        f"{args.global_batch} x seq {args.seq_len}, AdamW, "
+        f"grad clip {GRAD_CLIP}, f32, {args.threads} thread(s) per rank, {args.backend} backend; median step "
         f"time of rank 0 over steps {WARMUP_STEPS}..{args.steps - 1}, median of {args.rounds} "
         f"round(s)"
     )
-    print(f"{'strategy':10} {'ours s':>9} {'PyTorch s':>10} {'ours/PyTorch':>13} {'range':>13}")
+    print(
+        f"{'strategy':10} {'ours s':>9} {'PyTorch s':>10} {'ours/PyTorch':>13} {'range':>13} "
+        f"{'GFLOP/s/rank ours':>18} {'PyTorch':>8}"
+    )
     for name, ours, theirs, ratios, error in rows:
         ours_s = statistics.median(ours)
+        world = STRATEGIES[name].world
+        rate = lambda s: flops / world / s / 1e9  # noqa: E731
         if error is not None and not theirs:
             print(f"{name:10} {ours_s:9.4f} {'failed':>10}   {error}")
             continue
         theirs_s = statistics.median(theirs)
         span = f"{min(ratios):.2f}-{max(ratios):.2f}"
-        print(f"{name:10} {ours_s:9.4f} {theirs_s:10.4f} {ours_s / theirs_s:13.2f} {span:>13}")
+        print(
+            f"{name:10} {ours_s:9.4f} {theirs_s:10.4f} {ours_s / theirs_s:13.2f} {span:>13} "
+            f"{rate(ours_s):18.1f} {rate(theirs_s):8.1f}"
+        )
         if error is not None:
             print(f"{'':10} PyTorch failed in a later round: {error}")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="hf-3m", choices=["tiny", *MODEL_FILES])
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--backend", default="flex")
+    p.add_argument("--threads", type=int, default=1, help="compute threads per rank, both sides")
     args = p.parse_args()
     names = [n for n in args.strategies.split(",") if n]
     unknown = [n for n in names if n not in STRATEGIES]
@@ -389,6 +437,7 @@ def parse_args():
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps must be over {WARMUP_STEPS} (the first {WARMUP_STEPS} are left out)")
     args.strategies = names
+    args.model_config = model_config(args.model)
     return args
 
 

@@ -238,3 +238,31 @@ fn unknown_names_in_a_file_or_a_flag_are_errors_listing_the_valid_names() {
         assert_lists(&err, word, names);
     }
 }
+
+/// `--threads-per-rank` sets each rank's compute pool; the run is the same computation, and a
+/// zero is refused at launch with a message naming it.
+#[test]
+fn threads_per_rank_sets_the_compute_pool_and_zero_is_an_error() {
+    let two = config_of(&[
+        "--strategy",
+        "ddp",
+        "--world-size",
+        "2",
+        "--threads-per-rank",
+        "2",
+    ])
+    .unwrap();
+    assert_eq!(two.threads_per_rank, Some(2));
+    let one = TrainConfig {
+        threads_per_rank: Some(1),
+        ..two.clone()
+    };
+    // Matmul blocking does not depend on the thread count: the same bits.
+    assert_eq!(loss_bits(&one), loss_bits(&two));
+    let zero = TrainConfig {
+        threads_per_rank: Some(0),
+        ..two
+    };
+    let err = train(&zero, &|_| {}).unwrap_err().to_string();
+    assert!(err.contains("threads per rank must be at least 1"), "{err}");
+}

@@ -59,12 +59,14 @@ pub mod mpi {
 pub use transport::collective::{
     Collective, CollectiveHandle, CollectiveOutput, Communicator, GroupInfo, OpKind,
 };
+pub use transport::compute_threads::{THREADS_PER_RANK_ENV, threads_per_rank};
 pub use transport::data::{ReduceOp, sum as sum_data};
 pub use transport::engine::{Engine, RankContext};
 pub use transport::error::{CollectiveError, LaunchError, MeshError, PendingCall, RankFailure};
 pub use transport::group::ProcessGroup;
 pub use transport::launch::{
-    ENGINE_ENV, EngineKind, UnknownEngine, run_ranks, run_ranks_on, started_by_mpi_launcher,
+    ENGINE_ENV, EngineKind, UnknownEngine, run_ranks, run_ranks_on, run_ranks_with,
+    started_by_mpi_launcher,
 };
 pub use transport::mesh::{DeviceMesh, MeshShape};
 pub use transport::stats::{CommStats, OpCounters};

@@ -186,6 +186,10 @@ pub struct TrainArgs {
     /// rank (one thread per GPU, or one process per GPU when the launcher sets RANK).
     #[arg(long)]
     pub engine: Option<EngineKind>,
+    /// Compute threads of each rank (default: $BURN_PARALLEL_THREADS_PER_RANK, else the cores
+    /// divided by the ranks of this process).
+    #[arg(long, value_name = "N")]
+    pub threads_per_rank: Option<usize>,
     /// Whether freed memory stays in the process for the next step.
     #[arg(
         long,
@@ -247,6 +251,7 @@ impl TrainArgs {
             resume: self.resume.clone(),
             seed: self.seed,
             engine,
+            threads_per_rank: self.threads_per_rank,
             freeze: self
                 .freeze
                 .as_deref()

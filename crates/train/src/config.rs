@@ -146,6 +146,9 @@ pub struct TrainConfig {
     pub resume: Option<PathBuf>,
     /// Ranks as threads of this process, or as the processes of an MPI job (default threads).
     pub engine: EngineKind,
+    /// Compute threads of each CPU rank (default None: `BURN_PARALLEL_THREADS_PER_RANK`, else
+    /// the cores divided by the ranks of the process, so ranks x threads <= cores).
+    pub threads_per_rank: Option<usize>,
     /// Hugging Face parameter-name prefixes or globs whose parameters are frozen (no gradient,
     /// reduction or optimizer state) before the model is parallelized, e.g.
     /// `model.embed_tokens` or `model.layers.*.self_attn` (default: none). A pattern that
@@ -186,6 +189,7 @@ impl Default for TrainConfig {
             save_dir: None,
             resume: None,
             engine: EngineKind::Threads,
+            threads_per_rank: None,
             freeze: Vec::new(),
             lora: LoraOptions::default(),
         }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::tensor::{Gradients, TensorData};
 use burn_parallel_checkpoint::LoadOptions;
-use burn_parallel_comm::{LaunchError, OpKind, run_ranks_on};
+use burn_parallel_comm::{LaunchError, OpKind, run_ranks_with};
 use burn_parallel_fsdp::{RowRequest, gather_full};
 use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama_ep, save_llama};
 use burn_parallel_models::data::TokenData;
@@ -221,7 +221,8 @@ pub fn train(
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
     }
     let resume = open_resume(cfg)?;
-    let results = run_ranks_on(cfg.world_size()?, cfg.engine, |ctx| {
+    let world = cfg.world_size()?;
+    let results = run_ranks_with(world, cfg.engine, cfg.threads_per_rank, |ctx| {
         run_rank(
             cfg,
             &model_cfg,

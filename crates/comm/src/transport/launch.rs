@@ -129,13 +129,35 @@ where
     E: fmt::Display,
     F: Fn(RankContext) -> Result<T, E> + Sync,
 {
+    run_ranks_with(world_size, engine, None, f)
+}
+
+/// [`run_ranks_on`] with each CPU rank's compute threads set (`None`: the default of
+/// [`threads_per_rank`](crate::threads_per_rank), the cores shared among the process's ranks).
+pub fn run_ranks_with<T, E, F>(
+    world_size: usize,
+    engine: EngineKind,
+    threads_per_rank: Option<usize>,
+    f: F,
+) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
     match engine {
         EngineKind::Threads => {
-            let results = crate::transport::threads::launch(world_size, f)?;
+            let mut launcher = crate::transport::threads::Launcher::new(world_size);
+            if let Some(threads) = threads_per_rank {
+                launcher = launcher.threads_per_rank(threads);
+            }
+            let results = launcher.run(f)?;
             Ok(results.into_iter().enumerate().collect())
         }
         #[cfg(feature = "mpi")]
-        EngineKind::Mpi => crate::transport::mpi::run(world_size, f),
+        EngineKind::Mpi => {
+            crate::transport::mpi::run_with_threads(world_size, threads_per_rank, &f)
+        }
         #[cfg(not(feature = "mpi"))]
         EngineKind::Mpi => Err(launch_error(
             "the mpi engine is not in this build: enable the cargo feature `mpi` \

@@ -6,6 +6,7 @@
 pub mod buffer;
 pub mod chunk;
 pub mod collective;
+pub mod compute_threads;
 pub(crate) mod data;
 pub mod engine;
 pub mod error;

@@ -6,6 +6,7 @@ use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 
+use crate::transport::compute_threads::run_in_pool;
 use crate::transport::engine::RankContext;
 use crate::transport::error::{LaunchError, RankFailure};
 
@@ -36,13 +37,15 @@ pub(crate) trait RankThreads: Sync {
 }
 
 /// Stack of a rank thread: Burn's backward recurses through the graph.
-const RANK_STACK_BYTES: usize = 64 << 20;
+pub(crate) const RANK_STACK_BYTES: usize = 64 << 20;
 
-/// Runs `f` on one scoped thread per rank and returns the ranks' results in rank order, or
-/// every failure: an error returned or a panic, the root cause first. The one
-/// failure-collection routine of every engine that runs ranks as threads.
+/// Runs `f` on one scoped thread per rank, each inside its own pool of `threads_per_rank`
+/// compute threads, and returns the ranks' results in rank order, or every failure: an error
+/// returned or a panic, the root cause first. The one failure-collection routine of every
+/// engine that runs ranks as threads.
 pub(crate) fn run_on_threads<T, E, F>(
     world_size: usize,
+    threads_per_rank: usize,
     ranks: &impl RankThreads,
     f: &F,
 ) -> Result<Vec<T>, LaunchError>
@@ -60,13 +63,17 @@ where
                     .name(format!("rank-{rank}"))
                     .stack_size(RANK_STACK_BYTES)
                     .spawn_scoped(scope, move || {
-                        let outcome = catch_unwind(AssertUnwindSafe(|| f(ranks.context(rank))));
+                        let outcome = catch_unwind(AssertUnwindSafe(|| {
+                            run_in_pool(rank, threads_per_rank, RANK_STACK_BYTES, || {
+                                f(ranks.context(rank)).map_err(|e| e.to_string())
+                            })
+                        }));
                         let (message, panicked) = match outcome {
-                            Ok(Ok(value)) => {
+                            Ok(Ok(Ok(value))) => {
                                 ranks.finished(rank, None);
                                 return Some(value);
                             }
-                            Ok(Err(e)) => (e.to_string(), false),
+                            Ok(Ok(Err(message))) | Ok(Err(message)) => (message, false),
                             Err(payload) => (panic_message(payload.as_ref()), true),
                         };
                         ranks.finished(rank, Some(&message));

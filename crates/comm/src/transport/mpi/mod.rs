@@ -32,8 +32,10 @@ use mpi::Threading;
 use mpi::topology::{Communicator as _, SimpleCommunicator};
 
 use crate::transport::collective::Communicator;
+use crate::transport::compute_threads::{run_in_pool, threads_per_rank as compute_threads};
 use crate::transport::engine::{Engine, RankContext, group_info};
 use crate::transport::error::{CollectiveError, LaunchError, RankFailure};
+use crate::transport::rank_threads::RANK_STACK_BYTES;
 use crate::transport::stats::CommStats;
 
 use comm::MpiCommunicator;
@@ -101,13 +103,31 @@ impl Engine for MpiEngine {
 /// and finalizes MPI. Returns `[(rank, result)]`. `world_size` must equal the number of
 /// processes of the job. MPI can be initialized once per process, so this runs once.
 ///
+/// `f` runs in a pool of compute threads: the cores divided by the job's processes on this node
+/// (`OMPI_COMM_WORLD_LOCAL_SIZE` / `MPI_LOCALNRANKS`), or `BURN_PARALLEL_THREADS_PER_RANK`.
+///
 /// If `f` returns an error or panics, the process prints which rank failed and why, and aborts
 /// the whole job (`MPI_Abort`): this call then never returns, and the job's processes exit
 /// with a failure status.
 pub fn run<T, E, F>(world_size: usize, f: F) -> Result<Vec<(usize, T)>, LaunchError>
 where
+    T: Send,
     E: std::fmt::Display,
-    F: FnOnce(RankContext) -> Result<T, E>,
+    F: FnOnce(RankContext) -> Result<T, E> + Send,
+{
+    run_with_threads(world_size, None, f)
+}
+
+/// [`run`] with the rank's compute threads set (`None`: the default described there).
+pub(crate) fn run_with_threads<T, E, F>(
+    world_size: usize,
+    threads_per_rank: Option<usize>,
+    f: F,
+) -> Result<Vec<(usize, T)>, LaunchError>
+where
+    T: Send,
+    E: std::fmt::Display,
+    F: FnOnce(RankContext) -> Result<T, E> + Send,
 {
     let launch_error = |rank: usize, message: String| LaunchError {
         failures: vec![RankFailure {
@@ -155,11 +175,17 @@ where
         groups: Mutex::new(HashMap::new()),
         workers: comm::WorkerRegistry::default(),
     });
-    let ctx = RankContext::new(engine.clone());
-    let outcome = catch_unwind(AssertUnwindSafe(|| f(ctx)));
+    let threads = compute_threads(threads_per_rank, local_ranks())
+        .unwrap_or_else(|e| abort_job(rank, size, &e));
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let engine = engine.clone();
+        run_in_pool(rank, threads, RANK_STACK_BYTES, move || {
+            f(RankContext::new(engine)).map_err(|e| e.to_string())
+        })
+    }));
     let value = match outcome {
-        Ok(Ok(value)) => value,
-        Ok(Err(e)) => abort_job(rank, size, &e.to_string()),
+        Ok(Ok(Ok(value))) => value,
+        Ok(Ok(Err(message)) | Err(message)) => abort_job(rank, size, &message),
         Err(payload) => abort_job(
             rank,
             size,
@@ -177,6 +203,14 @@ where
     drop(world);
     drop(universe);
     Ok(vec![(rank, value)])
+}
+
+/// The processes of this job on this node, as the MPI launcher says (1 when it does not).
+fn local_ranks() -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+        .unwrap_or(1)
 }
 
 /// Ends the whole job: the failure of one rank would leave the others blocked in collectives.

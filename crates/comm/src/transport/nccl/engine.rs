@@ -323,7 +323,8 @@ where
         engines: Mutex::new((0..world).map(|_| None).collect()),
         options,
     };
-    run_on_threads(world, &ranks, &f)
+    // GPU ranks compute on their device: one host thread each runs the rank.
+    run_on_threads(world, 1, &ranks, &f)
 }
 
 /// Threads of one process, one per GPU: each rank takes its communicator; they share the

@@ -17,6 +17,7 @@ mod world;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::transport::compute_threads::threads_per_rank;
 use crate::transport::engine::RankContext;
 use crate::transport::error::{LaunchError, RankFailure};
 use crate::transport::rank_threads::{RankThreads, run_on_threads};
@@ -31,6 +32,7 @@ pub use crate::transport::timeout::{DEFAULT_TIMEOUT, TIMEOUT_ENV};
 pub struct Launcher {
     world_size: usize,
     timeout: Duration,
+    threads_per_rank: Option<usize>,
 }
 
 impl Launcher {
@@ -39,7 +41,15 @@ impl Launcher {
         Self {
             world_size,
             timeout: crate::transport::timeout::from_env(),
+            threads_per_rank: None,
         }
+    }
+
+    /// The compute threads each rank's kernels use (default: [`crate::THREADS_PER_RANK_ENV`] when
+    /// set, else the cores divided by the ranks; see [`crate::threads_per_rank`]).
+    pub fn threads_per_rank(mut self, threads: usize) -> Self {
+        self.threads_per_rank = Some(threads);
+        self
     }
 
     /// How long a rank waits for the others in one collective before giving up.
@@ -66,8 +76,18 @@ impl Launcher {
                 }],
             });
         }
+        let threads =
+            threads_per_rank(self.threads_per_rank, self.world_size).map_err(|message| {
+                LaunchError {
+                    failures: vec![RankFailure {
+                        rank: 0,
+                        message,
+                        panicked: false,
+                    }],
+                }
+            })?;
         let world = Arc::new(World::new(self.world_size, self.timeout));
-        run_on_threads(self.world_size, &ThreadRanks(world), &f)
+        run_on_threads(self.world_size, threads, &ThreadRanks(world), &f)
     }
 }
 
