@@ -55,3 +55,25 @@ fn chat_renders_as_the_template_says_and_only_assistant_tokens_count() {
         }
     }
 }
+
+/// Templates written for Python's Jinja call str methods on the messages (Qwen's and Llama's
+/// do): they render as transformers renders them.
+#[test]
+fn chat_templates_may_call_pythons_string_methods() {
+    let mut tok = TextTokenizer::load(&fixture("tokenizer.json")).unwrap();
+    tok.chat_template = Some(
+        "{% for m in messages %}{% if m.content.startswith(' ') %}[{{ m.role.upper() }}]{% \
+         endif %}{{ m.content.strip() }}|{{ m.content.split(' ') | length }};{% endfor %}"
+            .into(),
+    );
+    let template = ChatTemplate::of(&tok).unwrap();
+    let what = || "inline record".to_string();
+    let record: serde_json::Value = serde_json::json!([
+        {"role": "user", "content": " two words "},
+        {"role": "assistant", "content": "one"}
+    ]);
+    let messages = messages_of(&record, &what).unwrap();
+    let text = template.render(&messages, false).unwrap();
+    // Python: " two words ".split(" ") has 4 parts; "one".split(" ") 1.
+    assert_eq!(text, "[USER]two words|4;one|1;");
+}

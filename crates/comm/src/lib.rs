@@ -35,9 +35,10 @@ pub mod collectives {
 }
 
 /// The NCCL engine (cargo feature `nccl`): one rank per GPU, collectives on device buffers.
-/// Without the feature only the library checks and the launch environment's names remain, so
-/// a program can say what is missing.
+/// Without the feature only the names remain (the launch environment's variables, the error
+/// types and the dtype and reduce-op mappings), so a program can still describe what is missing.
 pub mod nccl {
+    #[cfg(feature = "nccl")]
     pub use crate::transport::nccl::library::check_libraries;
     pub use crate::transport::nccl::types::{NcclDataType, NcclRedOp, avg_tolerance};
     pub use crate::transport::nccl::{
@@ -70,4 +71,4 @@ pub use transport::launch::{
 };
 pub use transport::mesh::{DeviceMesh, MeshShape};
 pub use transport::stats::{CommStats, OpCounters};
-pub use transport::threads::{Launcher, TIMEOUT_ENV, launch};
+pub use transport::threads::{DEFAULT_TIMEOUT, Launcher, TIMEOUT_ENV, launch};

@@ -53,6 +53,8 @@ impl ChatTemplate {
             .build()
             .expect("a valid syntax");
         env.set_syntax(syntax);
+        // Hugging Face templates are Jinja for Python: `.strip()`, `.startswith()`, `.split()`.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
