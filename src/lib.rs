@@ -3,8 +3,8 @@
 //! parallelism), [`tp`] (tensor and sequence parallelism), [`describe`] (the contract a model
 //! implements, through the [`parallelize`] attribute macro), [`parallelizer`]
 //! (`parallelize_model` and its dispatch), [`peft`] (LoRA adapters as a module decorator),
-//! [`checkpoint`] (sharded training checkpoints that resume in any layout), [`models`] and
-//! [`train`].
+//! [`checkpoint`] (sharded training checkpoints that resume in any layout), [`learner`]
+//! (burn-train's Learner under every strategy), [`models`] and [`train`].
 
 #![warn(missing_docs)]
 
@@ -13,6 +13,7 @@ pub use burn_parallel_comm as comm;
 pub use burn_parallel_describe as describe;
 pub use burn_parallel_ep as ep;
 pub use burn_parallel_fsdp as fsdp;
+pub use burn_parallel_learner as learner;
 pub use burn_parallel_models as models;
 pub use burn_parallel_parallelizer as parallelizer;
 pub use burn_parallel_peft as peft;

@@ -243,10 +243,20 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
         (
             DistributedConfig {
                 cp_size: 2,
+                ep_size: 2,
+                ..base()
+            },
+            4,
+            "context parallelism (cp_size 2) with expert parallelism or megatron_fsdp",
+        ),
+        (
+            DistributedConfig {
+                cp_size: 2,
+                strategy: Strategy::Ddp,
                 ..base()
             },
             2,
-            "context parallelism (cp_size 2) is not yet supported",
+            "cp_size 2 with strategy ddp",
         ),
         (
             DistributedConfig {
@@ -283,9 +293,10 @@ fn validation_errors_are_values_to_match_on() {
     ));
     let cp = DistributedConfig {
         cp_size: 2,
+        ep_size: 2,
         ..base()
     }
-    .validate(2);
+    .validate(4);
     assert!(matches!(
         cp,
         Err(ParallelError::NotSupported(Unsupported::ContextParallel(2)))

@@ -71,6 +71,19 @@ pub enum ModelError {
         /// The shape the config needs.
         expected: Vec<usize>,
     },
+    /// A sequence context parallelism cannot split: head-tail load balancing cuts each row in
+    /// `2 * cp` equal chunks.
+    #[error(
+        "a sequence of {seq} tokens does not split over cp {cp}: it must be a multiple of \
+         2 * cp = {}; pad the rows to such a length (or choose another seq_len / cp)",
+        2 * cp
+    )]
+    ContextParallelSplit {
+        /// The sequence length.
+        seq: usize,
+        /// The context-parallel size.
+        cp: usize,
+    },
     /// A token file is unreadable, too short, or holds ids outside the vocabulary.
     #[error("token data {path}: {reason}")]
     Data {

@@ -14,8 +14,10 @@
 
 #![warn(missing_docs)]
 
+pub mod attention;
 pub mod checkpoint;
 mod config;
+pub mod context_parallel;
 pub mod data;
 mod error;
 pub mod fused;

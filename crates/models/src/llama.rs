@@ -5,7 +5,7 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_parallel_comm::collectives as coll;
 use burn_parallel_macros::parallelize;
 use burn_parallel_peft::{Lora, LoraError, LoraFn, LoraModule};
@@ -14,7 +14,9 @@ use burn_parallel_tp::{Layout, ParallelStyle, Tp, child_path, forward_shared};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_ep::{ExpertModule, ExpertShard};
 
+use crate::attention::AttentionMask;
 use crate::config::{LlamaConfig, RopeScaling};
+use crate::context_parallel::TokenLayout;
 use crate::error::ModelError;
 use crate::fused;
 use crate::init::{ParamKind, SeededInit, TensorSource};
@@ -185,16 +187,18 @@ impl Attention {
         self.forward_masked(x, cos, sin, None)
     }
 
-    /// As [`forward`](Self::forward); with `mask` (`[batch, 1, seq, seq]`, true where query
-    /// `i` must not see key `j`: packed rows' block-diagonal causal mask) and per-row `cos` /
-    /// `sin` (`[batch, 1, seq, head_dim]`, [`Rope::cos_sin_at`]) attention is computed with
-    /// plain tensor ops instead of the fused causal kernel.
+    /// As [`forward`](Self::forward), under `layout` when given: its mask (packed rows'
+    /// block-diagonal causal mask, a context-parallel rank's global order) and, under context
+    /// parallelism, K and V gathered over its cp group ([`TokenLayout::attend`]). Per-row `cos`
+    /// / `sin` (`[batch, 1, seq, head_dim]`, [`Rope::cos_sin_at`]) take the plain rotary ops.
+    /// Attention is the memory-efficient [`flash_attention`](crate::attention::flash_attention)
+    /// either way.
     pub fn forward_masked(
         &self,
         x: Tensor<3>,
         cos: &Tensor<4>,
         sin: &Tensor<4>,
-        mask: Option<&Tensor<4, Bool>>,
+        layout: Option<&TokenLayout>,
     ) -> Tensor<3> {
         // q, k and v read the same input: one input collective serves the three.
         let [q, k, v] = forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj]);
@@ -211,66 +215,22 @@ impl Attention {
             (Some(n), None) => n.forward(t),
             (None, _) => t,
         };
-        let rope = |t: Tensor<4>| match mask {
-            None => Rope::apply(t, cos, sin),
-            Some(_) => Rope::apply_plain(t, cos, sin),
+        let rope = |t: Tensor<4>| match cos.dims()[0] {
+            1 => Rope::apply(t, cos, sin),
+            _ => Rope::apply_plain(t, cos, sin),
         };
         let q = rope(head_norm(&self.q_norm, split(q, self.heads)));
         let k = rope(head_norm(&self.k_norm, split(k, self.kv_heads)));
         let v = split(v, self.kv_heads);
-        let groups = self.heads / self.kv_heads;
-        let repeat = |t: Tensor<4>| {
-            if groups == 1 {
-                t
-            } else {
-                t.unsqueeze_dim::<5>(2)
-                    .repeat_dim(2, groups)
-                    .reshape([b, self.heads, s, hd])
-            }
-        };
-        let (k, v) = (repeat(k), repeat(v));
+        // Grouped-query heads are read in place by the attention kernel (not repeated).
         let scale = 1.0 / (hd as f64).sqrt();
-        let out = match mask {
-            None => fused::causal_attention(q, k, v, scale),
-            Some(mask) => masked_attention(q, k, v, scale, mask),
+        let out = match layout {
+            None => crate::attention::flash_attention(q, k, v, &AttentionMask::causal(s), scale),
+            Some(layout) => layout.attend(q, k, v, scale),
         };
         let out = out.swap_dims(1, 2).reshape([b, s, self.heads * hd]);
         self.o_proj.forward(out)
     }
-}
-
-/// Softmax attention of `q`, `k`, `v` `[batch, heads, seq, head_dim]` with the keys `mask`
-/// (`[batch, 1, seq, seq]`) hides set to -inf, scores and softmax in f32 as transformers'
-/// eager attention. Every query must see at least one key (its own, in a causal mask).
-fn masked_attention(
-    q: Tensor<4>,
-    k: Tensor<4>,
-    v: Tensor<4>,
-    scale: f64,
-    mask: &Tensor<4, Bool>,
-) -> Tensor<4> {
-    let dtype = v.dtype();
-    let [b, h, s, _] = q.dims();
-    let scores = q
-        .cast(burn::tensor::FloatDType::F32)
-        .matmul(k.cast(burn::tensor::FloatDType::F32).swap_dims(2, 3))
-        .mul_scalar(scale)
-        .mask_fill(mask.clone().expand([b, h, s, s]), f32::NEG_INFINITY);
-    let probs = burn::tensor::activation::softmax(scores, 3);
-    probs.cast(burn::tensor::FloatDType::from(dtype)).matmul(v)
-}
-
-/// The block-diagonal causal mask of packed rows: true where query `i` must not see key `j`
-/// (`j > i`, or another segment), `[batch, 1, seq, seq]`, from `segments` `[batch * seq]`.
-pub fn packed_mask(segments: &[i64], batch: usize, device: &Device) -> Tensor<4, Bool> {
-    let s = segments.len() / batch.max(1);
-    let mut hidden = Vec::with_capacity(batch * s * s);
-    for row in segments.chunks(s.max(1)) {
-        for i in 0..s {
-            hidden.extend((0..s).map(|j| j > i || row[i] != row[j]));
-        }
-    }
-    Tensor::<4, Bool>::from_data(TensorData::new(hidden, [batch, 1, s, s]), device)
 }
 
 /// SwiGLU: `down(silu(gate(x)) * up(x))`.
@@ -335,19 +295,19 @@ impl DecoderLayer {
         self.forward_masked(x, cos, sin, None)
     }
 
-    /// As [`forward_routed`](Self::forward_routed), attention under `mask` when given (see
+    /// As [`forward_routed`](Self::forward_routed), attention under `layout` when given (see
     /// [`Attention::forward_masked`]).
     pub fn forward_masked(
         &self,
         x: Tensor<3>,
         cos: &Tensor<4>,
         sin: &Tensor<4>,
-        mask: Option<&Tensor<4, Bool>>,
+        layout: Option<&TokenLayout>,
     ) -> (Tensor<3>, Option<Tensor<2>>) {
         let h = x.clone()
             + self
                 .self_attn
-                .forward_masked(norm(&self.input_layernorm, x), cos, sin, mask);
+                .forward_masked(norm(&self.input_layernorm, x), cos, sin, layout);
         let normed = norm(&self.post_attention_layernorm, h.clone());
         let (ffn, router_logits) = match (&self.mlp, &self.moe) {
             (Some(mlp), _) => (mlp.forward(normed), None),
@@ -693,20 +653,39 @@ impl Llama {
         ids: Tensor<2, Int>,
         packed: Option<(&[i64], &[i64])>,
     ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
+        self.forward_body_in(ids, packed, None)
+    }
+
+    /// The forward of [`forward_body`](Self::forward_body), this rank holding its head-tail part
+    /// of each row under context parallelism over `cp` (see [`crate::context_parallel`]).
+    pub(crate) fn forward_body_in(
+        &self,
+        ids: Tensor<2, Int>,
+        packed: Option<(&[i64], &[i64])>,
+        cp: Option<&ProcessGroup>,
+    ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
         let [batch, seq] = ids.dims();
         let x = self.embed_tokens.try_forward(ids)?;
         // Positions span the whole sequence: under sequence parallelism attention gathers it.
-        let ((cos, sin), mask) = match packed {
-            None => (self.rope.cos_sin(seq, &x.device(), x.dtype()), None),
-            Some((positions, segments)) => (
-                self.rope
-                    .cos_sin_at(positions, batch, &x.device(), x.dtype()),
-                Some(packed_mask(segments, batch, &x.device())),
-            ),
+        let layout = match (packed, cp) {
+            (None, None) => None,
+            _ => Some(TokenLayout::new(
+                &self.rope,
+                batch,
+                seq,
+                packed,
+                cp,
+                &x.device(),
+                x.dtype(),
+            )?),
+        };
+        let (cos, sin) = match &layout {
+            None => self.rope.cos_sin(seq, &x.device(), x.dtype()),
+            Some(layout) => (layout.cos.clone(), layout.sin.clone()),
         };
         let mut router_logits = Vec::new();
         let layer = |l: &DecoderLayer, x: Tensor<3>| {
-            let (x, logits) = l.forward_masked(x, &cos, &sin, mask.as_ref());
+            let (x, logits) = l.forward_masked(x, &cos, &sin, layout.as_ref());
             router_logits.extend(logits);
             x
         };

@@ -306,7 +306,9 @@ pub struct DistributedConfig {
     pub dp_replicate_size: usize,
     /// Tensor-parallel ranks (default 1: none; under `tp`, 1 means every rank).
     pub tp_size: usize,
-    /// Context-parallel ranks (default 1; more is not supported yet).
+    /// Context-parallel ranks (default 1): each sequence is split over `cp` ranks (head-tail
+    /// load balancing) and FSDP shards over the flattened `dp_shard x cp` (strategies fsdp2,
+    /// hsdp and fsdp2_tp).
     pub cp_size: usize,
     /// Pipeline stages (default 1; more is not supported yet).
     pub pp_size: usize,
@@ -397,11 +399,13 @@ impl Default for DistributedConfig {
 pub struct MeshSizes {
     /// HSDP replicas.
     pub dp_replicate: usize,
-    /// Ranks the parameters are sharded over.
+    /// Data-parallel ranks per replica the parameters are sharded over (with `cp > 1` FSDP
+    /// shards over `dp_shard x cp`).
     pub dp_shard: usize,
     /// Tensor-parallel ranks.
     pub tp: usize,
-    /// Context-parallel ranks (1 until context parallelism lands).
+    /// Context-parallel ranks: each sequence split over them; FSDP shards over
+    /// `dp_shard x cp`.
     pub cp: usize,
     /// Pipeline stages (1 until pipeline parallelism lands).
     pub pp: usize,
@@ -595,7 +599,18 @@ impl DistributedConfig {
             });
         }
         if self.cp_size > 1 {
-            return unsupported(Unsupported::ContextParallel(self.cp_size));
+            if self.ep_size > 1 || self.strategy == Strategy::MegatronFsdp {
+                return unsupported(Unsupported::ContextParallel(self.cp_size));
+            }
+            if !matches!(
+                self.strategy,
+                Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp
+            ) {
+                return Err(invalid(ConfigError::ContextParallelStrategy {
+                    cp: self.cp_size,
+                    strategy: self.strategy,
+                }));
+            }
         }
         if self.pp_size > 1 {
             return unsupported(Unsupported::PipelineParallel(self.pp_size));
@@ -757,7 +772,10 @@ impl DistributedConfig {
                     return bad("needs dp_replicate_size >= 2 (with 1 it is fsdp2)".into());
                 }
                 let dp_shard = self.dp_size.unwrap_or(world / model_parallel);
-                Ok(sizes(replicate, dp_shard, tp))
+                Ok(MeshSizes {
+                    cp: self.cp_size,
+                    ..sizes(replicate, dp_shard, tp)
+                })
             }
         }
     }

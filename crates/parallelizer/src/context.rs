@@ -18,6 +18,18 @@ pub const DP: &str = "dp";
 /// The name of the dimension that spans the whole mesh (every rank).
 pub const WORLD: &str = "world";
 
+/// The name of the flattened `dp_replicate x dp_shard x cp` dimension (NeMo's `dp_cp`) when
+/// `cp > 1`: every rank holding a different part of the global batch, over which losses are
+/// averaged (with `cp` 1 that is the dp group).
+pub const DP_CP: &str = "dp_cp";
+
+/// With `cp > 1`, the name of the data-parallel shard dimension without the cp ranks (the
+/// configured `dp_shard` name, `dp_shard_cp` by default, is then its flattening with cp).
+pub const DP_SHARD_ONLY: &str = "dp_shard";
+
+/// With `cp > 1`, the name of the context-parallel dimension.
+pub const CP: &str = "cp";
+
 /// One rank's parallel context. Build it on every rank from the same config; the config is
 /// validated against the world before any communication.
 #[derive(Debug, Clone)]
@@ -76,8 +88,9 @@ impl ExpertGroups {
 }
 
 impl MeshContext {
-    /// A `dp_replicate x dp_shard x tp` mesh (names from `config.mesh_names`) over the ranks
-    /// of `rank`, computing on `device`: `parallelize_model` moves the model there, and inputs
+    /// A `dp_replicate x dp_shard x tp` mesh (names from `config.mesh_names`; with `cp_size >
+    /// 1`, `dp_replicate x dp_shard x cp x tp` whose `dp_shard_cp` is the flattened `dp_shard x
+    /// cp`) over the ranks of `rank`, computing on `device`: `parallelize_model` moves the model there, and inputs
     /// are built there too. Checked before any communication.
     ///
     /// Burn 0.22 selects gradient checkpointing per device (every tensor of an op must agree).
@@ -96,14 +109,20 @@ impl MeshContext {
             == Some(GradientCheckpointingStrategy::Balanced);
         check_device(&config, sizes, &device, checkpointing)?;
         let names = &config.mesh_names;
-        let shape = MeshShape::new(&[
-            (names.dp_replicate.as_str(), sizes.dp_replicate),
-            (names.dp_shard.as_str(), sizes.dp_shard),
-            (names.tp.as_str(), sizes.tp),
-        ])?;
-        let mut mesh = DeviceMesh::new(rank, shape)?;
-        mesh.flatten(&[&names.dp_replicate, &names.dp_shard], DP)?;
-        mesh.flatten(&[&names.dp_replicate, &names.dp_shard, &names.tp], WORLD)?;
+        let mesh = match sizes.cp {
+            1 => {
+                let shape = MeshShape::new(&[
+                    (names.dp_replicate.as_str(), sizes.dp_replicate),
+                    (names.dp_shard.as_str(), sizes.dp_shard),
+                    (names.tp.as_str(), sizes.tp),
+                ])?;
+                let mut mesh = DeviceMesh::new(rank, shape)?;
+                mesh.flatten(&[&names.dp_replicate, &names.dp_shard], DP)?;
+                mesh.flatten(&[&names.dp_replicate, &names.dp_shard, &names.tp], WORLD)?;
+                mesh
+            }
+            _ => context_parallel_mesh(rank, &config, sizes)?,
+        };
         let shard = mesh.group(&names.dp_shard)?.clone();
         let mut fsdp = if sizes.dp_replicate > 1 {
             FsdpConfig::hybrid(shard, mesh.group(&names.dp_replicate)?.clone())
@@ -132,7 +151,7 @@ impl MeshContext {
             false => None,
         };
         let offload = config.offload_policy.is_some_and(|o| o.offload_params);
-        let shards = sizes.dp_shard * sizes.dp_replicate > 1
+        let shards = sizes.dp_shard * sizes.cp * sizes.dp_replicate > 1
             || config.mp_policy.casts()
             || offload
             || config.strategy == Strategy::MegatronFsdp;
@@ -257,7 +276,8 @@ impl MeshContext {
             .expect("MeshContext::new created every dimension")
     }
 
-    /// The group parameters are sharded over (FSDP2's shard dimension).
+    /// The group parameters are sharded over (FSDP2's shard dimension): the dp_shard ranks,
+    /// flattened with the cp ranks under context parallelism (`dp_shard_cp`).
     pub fn dp_shard_group(&self) -> &ProcessGroup {
         self.group(&self.config.mesh_names.dp_shard)
     }
@@ -294,6 +314,27 @@ impl MeshContext {
     /// The tensor-parallel group (size 1 without tensor parallelism).
     pub fn tp_group(&self) -> &ProcessGroup {
         self.group(&self.config.mesh_names.tp)
+    }
+
+    /// The context-parallel group: the ranks of one data-parallel group that split each
+    /// sequence (`None` when `cp_size` is 1).
+    pub fn cp_group(&self) -> Option<&ProcessGroup> {
+        (self.sizes.cp > 1).then(|| self.group(CP))
+    }
+
+    /// Every rank holding a different part of the global batch: `dp_replicate x dp_shard x
+    /// cp` (the dp group when `cp` is 1). Losses and token counts are summed or averaged over
+    /// it.
+    pub fn dp_cp_group(&self) -> &ProcessGroup {
+        match self.sizes.cp {
+            1 => self.group(DP),
+            _ => self.group(DP_CP),
+        }
+    }
+
+    /// The number of ranks of [`dp_cp_group`](Self::dp_cp_group).
+    pub fn dp_cp_size(&self) -> usize {
+        self.dp_size() * self.sizes.cp
     }
 
     /// This rank's index among the data-parallel ranks (which rows of the batch it takes).
@@ -350,7 +391,10 @@ fn check_device(
     }
     let needs = if config.activation_checkpointing {
         Some("activation_checkpointing recomputes activations")
-    } else if config.resharding() == Some(true) && sizes.dp_shard > 1 && !uses_ddp(config) {
+    } else if config.resharding() == Some(true)
+        && sizes.dp_shard * sizes.cp > 1
+        && !uses_ddp(config)
+    {
         Some("reshard_after_forward = true frees gathered weights after forward")
     } else {
         None
@@ -363,6 +407,35 @@ fn check_device(
         .into()),
         None => Ok(()),
     }
+}
+
+/// The mesh of a context-parallel config, `dp_replicate x dp_shard x cp x tp` (tp innermost):
+/// the configured `dp_shard` name (`dp_shard_cp`) is the flattened `dp_shard x cp`, FSDP's
+/// shard group; `dp` is `dp_replicate x dp_shard` (the ranks reading different rows), `dp_cp`
+/// adds cp, `world` is every rank.
+fn context_parallel_mesh(
+    rank: &RankContext,
+    config: &DistributedConfig,
+    sizes: MeshSizes,
+) -> Result<DeviceMesh, ParallelError> {
+    let names = &config.mesh_names;
+    for name in [&names.dp_replicate, &names.dp_shard, &names.tp] {
+        if name == DP_SHARD_ONLY || name == CP {
+            return Err(ConfigError::ContextParallelMeshName(name.clone()).into());
+        }
+    }
+    let shape = MeshShape::new(&[
+        (names.dp_replicate.as_str(), sizes.dp_replicate),
+        (DP_SHARD_ONLY, sizes.dp_shard),
+        (CP, sizes.cp),
+        (names.tp.as_str(), sizes.tp),
+    ])?;
+    let mut mesh = DeviceMesh::new(rank, shape)?;
+    mesh.flatten(&[DP_SHARD_ONLY, CP], &names.dp_shard)?;
+    mesh.flatten(&[&names.dp_replicate, DP_SHARD_ONLY], DP)?;
+    mesh.flatten(&[&names.dp_replicate, DP_SHARD_ONLY, CP], DP_CP)?;
+    mesh.flatten(&[&names.dp_replicate, DP_SHARD_ONLY, CP, &names.tp], WORLD)?;
+    Ok(mesh)
 }
 
 /// Whether units gather ahead: `enable_fsdp2_prefetch`, or megatron_fsdp's

@@ -40,7 +40,7 @@ pub use error::ParallelError;
 pub use full::{full_model, full_state_dict};
 pub use sidecar::{ModelParallelizer, fsdp_config};
 pub use step::{
-    Accumulated, StepReport, global_grad_norm, train_step, train_step_accumulated,
+    Accumulated, StepReport, global_grad_norm, sync_gradients, train_step, train_step_accumulated,
     train_step_reported, train_step_with,
 };
 

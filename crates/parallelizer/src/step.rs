@@ -160,33 +160,48 @@ pub fn train_step_accumulated<M: Parallelize>(
             from,
         });
     }
-    model.sync_tp_grads(&mut grads)?;
-    // FSDP's reduce-scatter (and HSDP's replica all-reduce) sum over the data-parallel ranks;
-    // every strategy here averages, as DDP and PyTorch's FSDP2 do.
-    if !ctx.uses_ddp() && ctx.dp_size() > 1 {
-        scale_grads(&model, &mut grads, 1.0 / ctx.dp_size() as f32);
-    }
-    let experts = expert_params(&model, ctx);
-    if ctx.uses_ddp() {
-        let bucket = (ctx.config().ddp_bucket_cap_mb * 1024.0 * 1024.0) as usize;
-        match experts.is_empty() {
-            true => ddp::all_reduce_gradients(&model, &mut grads, ctx.dp_group(), bucket)?,
-            false => {
-                ddp::all_reduce_gradients_with_experts(&model, &mut grads, &experts, ctx, bucket)?
-            }
-        }
-    }
-    let grad_norm = grad_norm_with_experts(&model, &grads, &experts, ctx)?;
-    if let Some(max) = max_grad_norm {
-        clip_to_norm(&model, &mut grads, grad_norm, max);
-    }
+    let grad_norm = sync_gradients(&model, &mut grads, max_grad_norm, ctx)?;
     let loss = scalar(
-        ctx.dp_group()
+        ctx.dp_cp_group()
             .all_reduce(TensorData::new(vec![local_loss], [1]), ReduceOp::Avg)?,
     );
     let report = StepReport { loss, grad_norm };
     let model = optimizer_step(model, grads, &report);
     Ok((model, report))
+}
+
+/// The gradient sync of one optimizer step, on the gradients of this rank's parameters (shards
+/// under FSDP, already reduced over the shard group by backward): the tp sync of replicated
+/// sequence-parallel parameters, the average over the data-parallel (and cp) ranks, DDP's
+/// all-reduce, and clipping by the global norm when `max_grad_norm` is set. Returns the global
+/// norm before clipping. What every step runs after its backward, whoever ran it (the
+/// trainer's `train_step`, burn-train's Learner). Collective: every rank calls it.
+pub fn sync_gradients<M: Parallelize>(
+    model: &M,
+    grads: &mut Gradients,
+    max_grad_norm: Option<f32>,
+    ctx: &MeshContext,
+) -> Result<f32, ParallelError> {
+    model.sync_tp_grads(grads)?;
+    // FSDP's reduce-scatter (and HSDP's replica all-reduce) sum over the data-parallel ranks
+    // (and the cp ranks, each holding a part of every sequence); every strategy here averages,
+    // as DDP and PyTorch's FSDP2 do.
+    if !ctx.uses_ddp() && ctx.dp_cp_size() > 1 {
+        scale_grads(model, grads, 1.0 / ctx.dp_cp_size() as f32);
+    }
+    let experts = expert_params(model, ctx);
+    if ctx.uses_ddp() {
+        let bucket = (ctx.config().ddp_bucket_cap_mb * 1024.0 * 1024.0) as usize;
+        match experts.is_empty() {
+            true => ddp::all_reduce_gradients(model, grads, ctx.dp_group(), bucket)?,
+            false => ddp::all_reduce_gradients_with_experts(model, grads, &experts, ctx, bucket)?,
+        }
+    }
+    let grad_norm = grad_norm_with_experts(model, grads, &experts, ctx)?;
+    if let Some(max) = max_grad_norm {
+        clip_to_norm(model, grads, grad_norm, max);
+    }
+    Ok(grad_norm)
 }
 
 fn scalar(data: TensorData) -> f32 {

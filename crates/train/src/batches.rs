@@ -11,6 +11,7 @@
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel_comm::ReduceOp;
 use burn_parallel_models::Llama;
+use burn_parallel_models::context_parallel::split_rows;
 use burn_parallel_parallelizer::{Accumulated, LocalRows, MeshContext};
 use burn_parallel_tp::{loss_parallel, loss_parallel_weighted};
 
@@ -33,25 +34,61 @@ fn micro_samples(
 
 /// The padded length of the step's rows: `--seq-len` when padding to it, else the longest row
 /// of the step's whole global batch (every micro-batch, every rank).
-fn pad_len(cfg: &TrainConfig, data: &Dataset, samples: std::ops::Range<usize>) -> usize {
-    match cfg.data_options.pad_to_seq_len {
+fn pad_len(
+    cfg: &TrainConfig,
+    data: &Dataset,
+    samples: std::ops::Range<usize>,
+    mesh: &MeshContext,
+) -> usize {
+    let len = match cfg.data_options.pad_to_seq_len {
         true => cfg.seq_len,
         false => data.longest(samples, cfg.data_options.shuffle_seed),
+    };
+    // Context parallelism cuts each row in 2 x cp chunks (--seq-len is a multiple of it).
+    let chunks = 2 * mesh.sizes().cp;
+    match chunks > 2 {
+        true => len.next_multiple_of(chunks),
+        false => len,
     }
+}
+
+/// This rank's part of `batch` under context parallelism: the head-tail part of each row of
+/// the ids, targets and loss mask (packed positions and segments stay whole: the model reads
+/// them for the gathered keys too). The batch itself without it.
+fn cp_part(batch: LossBatch, mesh: &MeshContext) -> Result<LossBatch, TrainError> {
+    let Some(group) = mesh.cp_group() else {
+        return Ok(batch);
+    };
+    let (cp, rank, rows) = (group.size(), group.index(), batch.rows);
+    Ok(LossBatch {
+        inputs: split_rows(&batch.inputs, rows, cp, rank)?,
+        targets: split_rows(&batch.targets, rows, cp, rank)?,
+        mask: split_rows(&batch.mask, rows, cp, rank)?,
+        seq_len: batch.seq_len / cp,
+        ..batch
+    })
 }
 
 /// The model's logits of a batch, `[rows * seq, local vocab]`, and its router logits.
 fn logits_of(
     model: &Llama,
     batch: &LossBatch,
-    device: &burn::tensor::Device,
+    mesh: &MeshContext,
 ) -> Result<(Tensor<2>, Vec<Tensor<2>>), TrainError> {
+    let device = mesh.device();
     let (b, t) = (batch.rows, batch.seq_len);
     let int = |v: &[i64]| Tensor::<2, Int>::from_data(TensorData::new(v.to_vec(), [b, t]), device);
     let ids = int(&batch.inputs);
-    let (logits, router) = match &batch.packed {
-        None => model.try_forward_routed(ids)?,
-        Some((positions, segments)) => model.try_forward_packed(ids, positions, segments)?,
+    let packed = batch
+        .packed
+        .as_ref()
+        .map(|(p, s)| (p.as_slice(), s.as_slice()));
+    let (logits, router) = match (mesh.cp_group(), packed) {
+        (Some(group), packed) => model.try_forward_context_parallel(ids, group, packed)?,
+        (None, None) => model.try_forward_routed(ids)?,
+        (None, Some((positions, segments))) => {
+            model.try_forward_packed(ids, positions, segments)?
+        }
     };
     let local_vocab = logits.dims()[2];
     Ok((logits.reshape([b * t, local_vocab]), router))
@@ -82,10 +119,15 @@ pub(crate) fn forward_step(
     let k = cfg.grad_accum;
     let vocab = model.config.vocab_size;
     let seed = cfg.data_options.shuffle_seed;
-    let pad = pad_len(cfg, data, position..position + k * cfg.global_batch);
+    let pad = pad_len(cfg, data, position..position + k * cfg.global_batch, mesh);
     let batches: Vec<LossBatch> = (0..k)
-        .map(|m| data.batch(micro_samples(cfg, position, m, rows), seed, pad))
-        .collect();
+        .map(|m| {
+            cp_part(
+                data.batch(micro_samples(cfg, position, m, rows), seed, pad),
+                mesh,
+            )
+        })
+        .collect::<Result<_, _>>()?;
     // The plain per-rank mean: a token stream in one micro-batch (today's numerics).
     let plain = !data.masked() && k == 1;
     let w = rows.loss_weight();
@@ -96,7 +138,7 @@ pub(crate) fn forward_step(
             let local: usize = batches.iter().map(|b| b.count()).sum();
             let n = all_reduce_sum(mesh, &[local as f64])?[0];
             match (n > 0.0, w > 0.0) {
-                (true, true) => mesh.dp_size() as f64 / (n * w),
+                (true, true) => mesh.dp_cp_size() as f64 / (n * w),
                 _ => 0.0,
             }
         }
@@ -104,7 +146,7 @@ pub(crate) fn forward_step(
     let mut accumulated = Accumulated::default();
     let mut last = None;
     for (m, batch) in batches.into_iter().enumerate() {
-        let (logits, router_logits) = logits_of(model, &batch, &device)?;
+        let (logits, router_logits) = logits_of(model, &batch, mesh)?;
         let targets = Tensor::<1, Int>::from_data(
             TensorData::new(batch.targets.clone(), [batch.rows * batch.seq_len]),
             &device,
@@ -142,13 +184,14 @@ pub(crate) fn forward_step(
     })
 }
 
-/// Sums `values` over the data-parallel group (exactly, in f64).
+/// Sums `values` over the data-parallel group, with the cp ranks (each holding a part of every
+/// row) under context parallelism (exactly, in f64).
 fn all_reduce_sum(mesh: &MeshContext, values: &[f64]) -> Result<Vec<f64>, TrainError> {
-    if mesh.dp_size() == 1 {
+    if mesh.dp_cp_size() == 1 {
         return Ok(values.to_vec());
     }
     let data = TensorData::new(values.to_vec(), [values.len()]);
-    let summed = mesh.dp_group().all_reduce(data, ReduceOp::Sum)?;
+    let summed = mesh.dp_cp_group().all_reduce(data, ReduceOp::Sum)?;
     Ok(summed.try_into_vec::<f64>().expect("f64 sums"))
 }
 
@@ -172,8 +215,13 @@ pub(crate) fn eval_loss(
             true => cfg.seq_len,
             false => data.longest(start..start + b, None),
         };
+        let pad = match mesh.sizes().cp {
+            1 => pad,
+            cp => pad.next_multiple_of(2 * cp),
+        };
         let batch = data.batch(start + rows.rows.start..start + rows.rows.end, None, pad);
-        let (logits, _) = logits_of(model, &batch, &device)?;
+        let batch = cp_part(batch, mesh)?;
+        let (logits, _) = logits_of(model, &batch, mesh)?;
         let n = batch.rows * batch.seq_len;
         let targets =
             Tensor::<1, Int>::from_data(TensorData::new(batch.targets.clone(), [n]), &device);

@@ -55,6 +55,14 @@ pub struct DistributedFlags {
         help = "Replica count under hsdp (default 2), fsdp2 and megatron_fsdp (default 1)"
     )]
     pub dp_replicate: Option<usize>,
+    /// `--cp`: `cp_size`.
+    #[arg(
+        long,
+        help = "Context-parallel size (fsdp2, hsdp, fsdp2_tp): each sequence is split over this \
+                many ranks (head-tail), which read the same rows; FSDP shards over dp_shard x cp; \
+                --seq-len must be a multiple of 2 x cp (default 1)"
+    )]
+    pub cp: Option<usize>,
     /// `--ep`: `ep_size`.
     #[arg(
         long,
@@ -182,6 +190,7 @@ impl DistributedFlags {
         set(&mut c.tp_size, self.tp);
         set(&mut c.dp_replicate_size, self.dp_replicate);
         set(&mut c.ep_size, self.ep);
+        set(&mut c.cp_size, self.cp);
         set(&mut c.megatron_fsdp.zero_dp_strategy, self.zero_dp_strategy);
         set(&mut c.megatron_fsdp.bucket_size, self.bucket_size.map(Some));
         let sp = self.tp_plan.map(|p| p == TpPlanName::LlamaSp);

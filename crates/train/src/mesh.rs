@@ -54,6 +54,24 @@ pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, T
             ));
         }
     }
+    if sizes.cp > 1 {
+        let cp = sizes.cp;
+        if !cfg.seq_len.is_multiple_of(2 * cp) {
+            return bad(format!(
+                "--seq-len {} does not split over --cp {cp}: each row is cut in 2 x cp = {} \
+                 equal chunks (head-tail load balancing); use a multiple of {}",
+                cfg.seq_len,
+                2 * cp,
+                2 * cp
+            ));
+        }
+        if model.moe.is_some() {
+            return bad(format!(
+                "--cp {cp} with a mixture-of-experts model is not yet supported (its \
+                 load-balancing loss needs every token's routing); use --cp 1"
+            ));
+        }
+    }
     if cfg.global_batch < sizes.dp() {
         return bad(format!(
             "--global-batch {} gives some of the {} data-parallel ranks no rows",

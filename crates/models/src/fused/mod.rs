@@ -191,4 +191,4 @@ pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f64) ->
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -7,8 +7,9 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use super::{causal_attention, reference, rms_norm, rotary, swiglu};
 
+/// The devices every fused-kernel test runs on (the attention tests share them).
 #[allow(deprecated)] // ndarray: the default test backend until Burn 0.23
-fn devices() -> Vec<Device> {
+pub(crate) fn devices() -> Vec<Device> {
     let flex = Device::flex().autodiff();
     let ndarray = Device::ndarray().autodiff();
     vec![
@@ -20,7 +21,7 @@ fn devices() -> Vec<Device> {
 }
 
 /// Deterministic values in about [-2, 2).
-fn values(n: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut state = seed
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);

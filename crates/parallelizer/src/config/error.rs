@@ -59,6 +59,23 @@ pub enum ConfigError {
         /// The ranks the job has.
         world: usize,
     },
+    /// `cp_size > 1` under a strategy that cannot shard over the cp ranks.
+    #[error(
+        "cp_size {cp} with strategy {strategy}: context parallelism shards the model over \
+         dp_shard x cp, which only fsdp2, hsdp and fsdp2_tp do; use one of them (or cp_size 1)"
+    )]
+    ContextParallelStrategy {
+        /// `cp_size`.
+        cp: usize,
+        /// The strategy.
+        strategy: Strategy,
+    },
+    /// A configured mesh dimension name clashes with a dimension context parallelism adds.
+    #[error(
+        "mesh name {0:?} is taken by context parallelism's own dimensions (`dp_shard`, `cp`): \
+         rename it in mesh_names"
+    )]
+    ContextParallelMeshName(String),
     /// `ep_size` does not divide the ranks experts are split over.
     #[error(
         "ep_size {ep} does not divide the dp_shard size {dp_shard}: experts are split over \
@@ -161,8 +178,12 @@ pub enum Unsupported {
         /// The strategy.
         strategy: Strategy,
     },
-    /// `cp_size > 1`.
-    #[error("context parallelism (cp_size {0})")]
+    /// `cp_size > 1` together with what context parallelism does not compose with yet:
+    /// expert parallelism (`ep_size > 1`) or megatron_fsdp.
+    #[error(
+        "context parallelism (cp_size {0}) with expert parallelism or megatron_fsdp (cp works \
+         with fsdp2, hsdp and fsdp2_tp, ep_size 1)"
+    )]
     ContextParallel(usize),
     /// `pp_size > 1`.
     #[error("pipeline parallelism (pp_size {0})")]
