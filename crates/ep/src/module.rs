@@ -18,4 +18,9 @@ pub trait ExpertModule: Module {
 
     /// The shard, once split.
     fn expert_shard(&self) -> Option<&ExpertShard>;
+
+    /// Every expert back on every rank of the group, unsplit: the inverse of
+    /// [`shard_experts`](Self::shard_experts) (collective over the group; a module that is not
+    /// split is returned as it is). What `full_model` runs on each `#[experts]` module.
+    fn gather_experts(self) -> Result<Self, EpError>;
 }

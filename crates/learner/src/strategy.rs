@@ -51,8 +51,7 @@ type DeviceOf = Arc<dyn Fn(usize) -> Device + Send + Sync>;
 /// learning-rate scheduler; the outputs of the data-parallel ranks are joined
 /// ([`GatherOutput`]) so that rank 0 renders the metrics of the whole batch. Interruption, early
 /// stopping and failures are agreed by every rank at each step. The returned model is whole
-/// (`full_model`), but for experts split over ep, which `full_model` leaves on their ranks (the
-/// returned model then holds rank 0's; sharded checkpoints hold them all).
+/// (`full_model`: FSDP, TP and expert shards gathered back).
 ///
 /// What burn-train's extension point cannot express, and what this does instead:
 /// - the Learner's optimizer is private: the strategy takes the optimizer (give the same one

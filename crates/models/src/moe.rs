@@ -185,6 +185,32 @@ impl ExpertModule for Experts {
     fn expert_shard(&self) -> Option<&ExpertShard> {
         self.shard.as_ref()
     }
+
+    fn gather_experts(self) -> Result<Self, EpError> {
+        let Some(shard) = self.shard.clone() else {
+            return Ok(self);
+        };
+        // Group order is expert order: rank i of the group holds the i-th block of experts.
+        let gather = |p: Param<Tensor<3>>| -> Result<Param<Tensor<3>>, EpError> {
+            let whole = shard.group().all_gather(p.val().into_data(), 0)?;
+            Ok(p.map(|t| {
+                let trainable = t.is_require_grad();
+                let whole = Tensor::from_data(whole, &t.device());
+                if trainable {
+                    whole.require_grad()
+                } else {
+                    whole
+                }
+            }))
+        };
+        Ok(Self {
+            gate_proj: gather(self.gate_proj)?,
+            up_proj: gather(self.up_proj)?,
+            down_proj: gather(self.down_proj)?,
+            num_experts: self.num_experts,
+            shard: None,
+        })
+    }
 }
 
 /// The `k` largest of each row of `probs` `[tokens, experts]` (ties to the lower expert), by
