@@ -22,4 +22,4 @@ pub use batch::{
 /// metrics and renderers with the same version).
 pub use burn_train;
 pub use error::LearnerError;
-pub use strategy::ParallelStrategy;
+pub use strategy::{ParallelLearnerModel, ParallelStrategy};

@@ -213,6 +213,24 @@ struct Shared<M: LearnerModel> {
     device: Device,
 }
 
+/// What the strategy needs of a Learner's model: a model the parallelizer understands whose
+/// train and valid batches split per data-parallel rank and whose outputs join back.
+pub trait ParallelLearnerModel:
+    LearnerModel
+    + ParallelizableModel
+    + TrainStep<Input: SplitBatch, Output: GatherOutput>
+    + InferenceStep<Input: SplitBatch, Output: GatherOutput>
+{
+}
+
+impl<M> ParallelLearnerModel for M where
+    M: LearnerModel
+        + ParallelizableModel
+        + TrainStep<Input: SplitBatch, Output: GatherOutput>
+        + InferenceStep<Input: SplitBatch, Output: GatherOutput>
+{
+}
+
 /// The local ranks' ends of their feeds.
 type Senders<T, V> = Vec<SyncSender<Fed<T, V>>>;
 
@@ -224,11 +242,7 @@ struct Registry<T, V> {
 
 impl<M> SupervisedLearningStrategy<M> for ParallelStrategy
 where
-    M: LearnerModel + ParallelizableModel,
-    <M as TrainStep>::Input: SplitBatch,
-    <M as InferenceStep>::Input: SplitBatch,
-    <M as TrainStep>::Output: GatherOutput,
-    <M as InferenceStep>::Output: GatherOutput,
+    M: ParallelLearnerModel,
 {
     fn fit(
         &self,
@@ -333,11 +347,7 @@ impl ParallelStrategy {
         registry: &Registry<<M as TrainStep>::Input, <M as InferenceStep>::Input>,
     ) -> Result<M, LearnerError>
     where
-        M: LearnerModel + ParallelizableModel,
-        <M as TrainStep>::Input: SplitBatch,
-        <M as InferenceStep>::Input: SplitBatch,
-        <M as TrainStep>::Output: GatherOutput,
-        <M as InferenceStep>::Output: GatherOutput,
+        M: ParallelLearnerModel,
     {
         let id = rank.rank();
         let device = self.rank_device(id, &shared.device);
@@ -407,11 +417,7 @@ impl ParallelStrategy {
 
 impl<M> Rank<'_, M>
 where
-    M: LearnerModel + ParallelizableModel,
-    <M as TrainStep>::Input: SplitBatch,
-    <M as InferenceStep>::Input: SplitBatch,
-    <M as TrainStep>::Output: GatherOutput,
-    <M as InferenceStep>::Output: GatherOutput,
+    M: ParallelLearnerModel,
 {
     /// An event for the renderer and the metrics: rank 0's alone.
     fn event(

@@ -89,6 +89,18 @@ pub struct LossBatch {
 }
 
 impl LossBatch {
+    /// Unpacked rows of a token stream, where every target counts.
+    fn every_target(rows: usize, seq_len: usize, inputs: Vec<i64>, targets: Vec<i64>) -> Self {
+        Self {
+            rows,
+            seq_len,
+            inputs,
+            targets,
+            mask: vec![1.0; rows * seq_len],
+            packed: None,
+        }
+    }
+
     /// The targets that count.
     pub fn count(&self) -> usize {
         self.mask.iter().filter(|m| **m > 0.0).count()
@@ -187,15 +199,7 @@ impl Dataset {
                     inputs.extend(b.inputs);
                     targets.extend(b.targets);
                 }
-                let mask = vec![1.0; rows * t];
-                LossBatch {
-                    rows,
-                    seq_len: t,
-                    inputs,
-                    targets,
-                    mask,
-                    packed: None,
-                }
+                LossBatch::every_target(rows, t, inputs, targets)
             }
             Dataset::Stream { ids, seq_len } => {
                 let t = *seq_len;
@@ -205,15 +209,7 @@ impl Dataset {
                     inputs.extend(sample[..t].iter().map(|x| *x as i64));
                     targets.extend(sample[1..].iter().map(|x| *x as i64));
                 }
-                let mask = vec![1.0; rows * t];
-                LossBatch {
-                    rows,
-                    seq_len: t,
-                    inputs,
-                    targets,
-                    mask,
-                    packed: None,
-                }
+                LossBatch::every_target(rows, t, inputs, targets)
             }
             Dataset::Rows {
                 rows: all,
