@@ -13,7 +13,7 @@ use burn_parallel::models::Llama;
 use burn_parallel::models::context_parallel::split_rows;
 use burn_parallel::parallelizer::{
     ConfigError, DistributedConfig, MeshContext, MixedPrecisionConfig, ParallelError, Strategy,
-    Unsupported, full_model, parallelize_model, train_step,
+    full_model, parallelize_model, train_step,
 };
 use burn_parallel::tp::loss_parallel;
 use burn_parallel::train::{
@@ -24,6 +24,7 @@ use crate::checkpoint::tensors;
 use crate::common::{assert_close, ndarray_ad};
 use crate::llama_hf::temp_dir;
 use crate::llama_train::{assert_curves, resolved, small_model, small_run};
+use crate::moe::{assert_same_weights, tiny_moe};
 use crate::parallelize_train::values_of;
 
 const SEQ: usize = 32;
@@ -199,6 +200,13 @@ fn context_parallel_llama_trains_like_one_device() {
     };
     check("tp 2 x cp 2", 4, tp(false), false, &single);
     check(
+        "megatron_fsdp dp 2 x cp 2",
+        4,
+        config(Strategy::MegatronFsdp, 2),
+        false,
+        &single,
+    );
+    check(
         "tp 2 x cp 2, sequence parallel",
         4,
         tp(true),
@@ -210,7 +218,7 @@ fn context_parallel_llama_trains_like_one_device() {
 }
 
 /// The length: 512 tokens over 10 AdamW steps, cp 2 and dp 2 x cp 2 (each rank holds
-/// two chunks of 128 tokens), and tp 2 x cp 2.
+/// two chunks of 128 tokens), tp 2 x cp 2 and hsdp 2 x cp 2.
 #[test]
 fn context_parallel_at_512_tokens_trains_like_one_device_for_10_steps() {
     let long = Shape {
@@ -227,6 +235,14 @@ fn context_parallel_at_512_tokens_trains_like_one_device_for_10_steps() {
             DistributedConfig {
                 tp_size: 2,
                 ..config(Strategy::Fsdp2Tp, 2)
+            },
+        ),
+        (
+            "hsdp 2 x cp 2",
+            4,
+            DistributedConfig {
+                dp_replicate_size: 2,
+                ..config(Strategy::Hsdp, 2)
             },
         ),
     ] {
@@ -272,27 +288,35 @@ fn context_parallel_errors_come_before_any_communication() {
             "{strategy}: {err}"
         );
         assert!(
-            err.to_string().contains("fsdp2, hsdp and fsdp2_tp"),
+            err.to_string()
+                .contains("fsdp2, hsdp, fsdp2_tp and megatron_fsdp"),
             "{err}"
         );
     }
-    // What is not built yet.
-    for cfg in [
+    // Experts split over dp_shard x cp: ep must divide it (4 ranks of dp 2 x cp 2, not 3).
+    let err = validate(
         DistributedConfig {
-            ep_size: 2,
+            ep_size: 3,
             ..config(Strategy::Fsdp2, 2)
         },
-        config(Strategy::MegatronFsdp, 2),
-    ] {
-        let err = validate(cfg, 4);
-        assert!(
-            matches!(
-                err,
-                ParallelError::NotSupported(Unsupported::ContextParallel(2))
-            ),
-            "{err}"
-        );
-    }
+        4,
+    );
+    assert!(
+        matches!(
+            err,
+            ParallelError::Config(ConfigError::ExpertGroups {
+                ep: 3,
+                dp_shard: 2,
+                cp: 2
+            })
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("ep_size 3 does not divide the dp_shard size 2 times cp 2"),
+        "{err}"
+    );
     // A sequence that does not split in 2 x cp chunks: an error on every rank, before the
     // forward's first collective (a rank that went on would hang the other).
     let errors = launch(2, |rank| {
@@ -385,6 +409,120 @@ fn the_trainers_cp_flag_trains_like_one_device_and_its_checkpoint_resumes_on_one
     assert_eq!(got.len(), want.len());
     for ((name, g), (_, w)) in got.iter().zip(&want) {
         assert_close(g, w, 1e-4, &format!("resumed {name}"));
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// The tiny all-sparse MoE (8 experts, top 2) with its load-balancing loss in the training
+/// loss, trained by the trainer on `world` ranks under `strategy` with `--cp cp --ep ep` (and
+/// `--tp` / `--dp-replicate`), on 3 rows of 512 tokens for 10 AdamW steps, saving the model.
+fn moe_cp_run(layout: MoeLayout, save: &std::path::Path) -> TrainConfig {
+    let MoeLayout {
+        strategy,
+        world,
+        cp,
+        ep,
+        tp,
+        replicate,
+    } = layout;
+    let mut model = tiny_moe();
+    let moe = model.moe.as_mut().unwrap();
+    moe.output_router_logits = true;
+    // Large enough that a wrong share of the router's gradient shows at 1e-5.
+    moe.router_aux_loss_coef = 0.05;
+    let flags = DistributedFlags {
+        cp: (cp > 1).then_some(cp),
+        ep: (ep > 1).then_some(ep),
+        tp: (tp > 1).then_some(tp),
+        dp_replicate: (replicate > 1).then_some(replicate),
+        ..DistributedFlags::on(strategy, world)
+    };
+    TrainConfig {
+        distributed: resolved(flags),
+        model,
+        // Three rows: uneven over the two dp ranks of a 4-rank layout.
+        global_batch: 3,
+        seq_len: 512,
+        steps: 10,
+        save: Some(save.to_path_buf()),
+        ..small_run(strategy, world, OptimizerKind::AdamW)
+    }
+}
+
+/// One layout of the MoE comparison.
+#[derive(Clone, Copy, Debug)]
+struct MoeLayout {
+    strategy: Strategy,
+    world: usize,
+    cp: usize,
+    ep: usize,
+    tp: usize,
+    replicate: usize,
+}
+
+const MOE_SINGLE: MoeLayout = MoeLayout {
+    strategy: Strategy::Single,
+    world: 1,
+    cp: 1,
+    ep: 1,
+    tp: 1,
+    replicate: 1,
+};
+
+/// Experts split over the ranks of one sequence: each cp rank routes its tokens to the experts
+/// of every rank of its ep group, and the load-balancing loss counts every token of the
+/// global batch. Losses, gradient norms and every saved weight (experts gathered) equal one
+/// device's to 1e-5.
+#[test]
+fn moe_with_experts_split_over_cp_ranks_trains_like_one_device_at_512_tokens() {
+    let root = temp_dir("cp-moe");
+    let single_dir = root.join("single");
+    let single = run(&moe_cp_run(MOE_SINGLE, &single_dir));
+    assert!(
+        single.steps.iter().all(|s| s.aux_loss.is_some()),
+        "the load-balancing loss is part of the training loss"
+    );
+    let fsdp = |world, ep| MoeLayout {
+        strategy: Strategy::Fsdp2,
+        world,
+        cp: 2,
+        ep,
+        ..MOE_SINGLE
+    };
+    for layout in [
+        // ep over the two halves of each sequence.
+        fsdp(2, 2),
+        // dp 2 x cp 2: ep 2 within a dp group's cp ranks' block, and ep 4 over all of them.
+        fsdp(4, 2),
+        fsdp(4, 4),
+        MoeLayout {
+            strategy: Strategy::Hsdp,
+            replicate: 2,
+            ..fsdp(4, 2)
+        },
+        MoeLayout {
+            strategy: Strategy::Fsdp2Tp,
+            tp: 2,
+            ..fsdp(4, 2)
+        },
+        MoeLayout {
+            strategy: Strategy::MegatronFsdp,
+            ..fsdp(4, 2)
+        },
+    ] {
+        let what = format!("{layout:?}");
+        let dir = root.join(what.replace(|c: char| !c.is_ascii_alphanumeric(), "_"));
+        let got = run(&moe_cp_run(layout, &dir));
+        assert_curves(&got, &single, 1e-5, &what);
+        for (g, w) in got.steps.iter().zip(&single.steps) {
+            let (a, b) = (g.aux_loss.unwrap(), w.aux_loss.unwrap());
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{what}, step {}: aux loss {a} vs one device's {b}",
+                g.step
+            );
+        }
+        assert_same_weights(&dir, &single_dir, 1e-5, &what);
     }
     std::fs::remove_dir_all(&root).unwrap();
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use burn_parallel::comm::launch;
 use burn_parallel::parallelizer::{
     ConfigError, DistributedConfig, Dtype, MeshContext, MeshSizes, MixedPrecisionConfig,
-    ModelDescription, ParallelError, Parallelize, Strategy, TpShardPlan, Unsupported,
+    ModelDescription, ParallelError, Parallelize, Strategy, TpShardPlan,
 };
 
 use crate::common::ndarray_ad;
@@ -243,11 +243,11 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
         (
             DistributedConfig {
                 cp_size: 2,
-                ep_size: 2,
+                ep_size: 4,
                 ..base()
             },
-            4,
-            "context parallelism (cp_size 2) with expert parallelism or megatron_fsdp",
+            6,
+            "ep_size 4 does not divide the dp_shard size 3 times cp 2",
         ),
         (
             DistributedConfig {
@@ -291,16 +291,15 @@ fn validation_errors_are_values_to_match_on() {
             cp: 1
         }))
     ));
+    // Experts split over dp_shard x cp: ep 4 on dp_shard 2 x cp 2.
     let cp = DistributedConfig {
         cp_size: 2,
-        ep_size: 2,
+        ep_size: 4,
         ..base()
     }
-    .validate(4);
-    assert!(matches!(
-        cp,
-        Err(ParallelError::NotSupported(Unsupported::ContextParallel(2)))
-    ));
+    .validate(4)
+    .unwrap();
+    assert_eq!((cp.dp_shard, cp.cp, cp.ep), (2, 2, 4));
     let world = DistributedConfig {
         world_size: Some(4),
         ..base()

@@ -564,10 +564,13 @@ impl DistributedConfig {
                 "more than one tp rank",
             )));
         }
-        if !sizes.dp_shard.is_multiple_of(self.ep_size) {
+        // Experts split over the flattened dp_shard x cp ranks (TorchTitan's dp_shard_cp):
+        // under context parallelism the cp ranks of a sequence hold different experts too.
+        if !(sizes.dp_shard * sizes.cp).is_multiple_of(self.ep_size) {
             return Err(invalid(ConfigError::ExpertGroups {
                 ep: self.ep_size,
                 dp_shard: sizes.dp_shard,
+                cp: sizes.cp,
             }));
         }
         Ok(MeshSizes {
@@ -598,19 +601,16 @@ impl DistributedConfig {
                 strategy: self.strategy,
             });
         }
-        if self.cp_size > 1 {
-            if self.ep_size > 1 || self.strategy == Strategy::MegatronFsdp {
-                return unsupported(Unsupported::ContextParallel(self.cp_size));
-            }
-            if !matches!(
+        if self.cp_size > 1
+            && !matches!(
                 self.strategy,
-                Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp
-            ) {
-                return Err(invalid(ConfigError::ContextParallelStrategy {
-                    cp: self.cp_size,
-                    strategy: self.strategy,
-                }));
-            }
+                Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp | Strategy::MegatronFsdp
+            )
+        {
+            return Err(invalid(ConfigError::ContextParallelStrategy {
+                cp: self.cp_size,
+                strategy: self.strategy,
+            }));
         }
         if self.pp_size > 1 {
             return unsupported(Unsupported::PipelineParallel(self.pp_size));

@@ -48,9 +48,10 @@ pub struct MeshContext {
     shards: bool,
 }
 
-/// The groups of expert parallelism. dp_shard splits into `ep_shard x ep` (ep innermost):
-/// the `ep` consecutive dp_shard ranks of one group hold one copy of every expert between them
-/// and exchange tokens.
+/// The groups of expert parallelism. dp_shard (flattened with cp under context parallelism,
+/// as TorchTitan borrows `dp_shard_cp`) splits into `ep_shard x ep` (ep innermost): the `ep`
+/// consecutive ranks of one group hold one copy of every expert between them and exchange
+/// tokens, whichever rows or parts of a sequence those tokens come from.
 #[derive(Debug, Clone)]
 pub struct ExpertGroups {
     /// The ranks that split the experts (and exchange tokens).
@@ -64,10 +65,12 @@ pub struct ExpertGroups {
 }
 
 impl ExpertGroups {
-    /// The groups of the rank `rank` of a `dp_replicate x dp_shard x tp` mesh (tp innermost)
-    /// whose dp_shard splits into `ep_shard x ep`. Every rank builds its own, in this order.
+    /// The groups of the rank `rank` of a `dp_replicate x dp_shard x cp x tp` mesh (tp
+    /// innermost) whose `dp_shard x cp` splits into `ep_shard x ep`. Every rank builds its own,
+    /// in this order.
     fn new(ctx: &RankContext, sizes: MeshSizes) -> Result<Self, ParallelError> {
-        let (shards, ep, tp) = (sizes.dp_shard, sizes.ep, sizes.tp);
+        // cp sits between dp_shard and tp, so `dp_shard x cp` is one contiguous index.
+        let (shards, ep, tp) = (sizes.dp_shard * sizes.cp, sizes.ep, sizes.tp);
         let me = ctx.rank();
         let (t, shard, replica) = (me % tp, (me / tp) % shards, me / (tp * shards));
         let (block, e) = (shard / ep, shard % ep);

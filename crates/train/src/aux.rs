@@ -1,6 +1,6 @@
 //! What a MoE model's routers did in a step, over the global batch: the tokens each expert
 //! received and the load-balancing loss as one device computes it on the whole batch. The
-//! experts' top-k counts are summed over the data-parallel ranks; each rank's share of the
+//! experts' top-k counts are summed over the data-parallel and cp ranks; each rank's share of the
 //! loss is differentiable through its own router probabilities.
 
 use burn::tensor::{Tensor, TensorData};
@@ -24,7 +24,8 @@ pub struct RouterReport {
 }
 
 /// The routing report of this step's `router_logits` (every sparse layer's, in order);
-/// `None` for a dense model. Collective over the data-parallel group.
+/// `None` for a dense model. Collective over the data-parallel ranks and, under context
+/// parallelism, the cp ranks (each routes its part of every sequence).
 pub fn router_report(
     model: &Llama,
     router_logits: &[Tensor<2>],
@@ -67,7 +68,7 @@ pub fn router_report(
     }
     let n = local.len();
     let total = mesh
-        .dp_group()
+        .dp_cp_group()
         .all_reduce(TensorData::new(local, [n]), ReduceOp::Sum)?
         .try_to_vec::<f64>()
         .map_err(|e| TrainError::Config(format!("summed router stats: {e:?}")))?;
@@ -104,8 +105,8 @@ pub fn router_report(
         prob_sums,
         rows: total_rows,
     };
-    // Undo train_step's weighting (rows' share) and averaging (1 / dp) for this term.
-    let scale = mesh.dp_size() as f64 / rows.loss_weight();
+    // Undo train_step's weighting (rows' share) and averaging (1 / dp_cp) for this term.
+    let scale = mesh.dp_cp_size() as f64 / rows.loss_weight();
     report.term = Some(
         stacked
             .loss(&counts, total_rows)

@@ -65,12 +65,6 @@ pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, T
                 2 * cp
             ));
         }
-        if model.moe.is_some() {
-            return bad(format!(
-                "--cp {cp} with a mixture-of-experts model is not yet supported (its \
-                 load-balancing loss needs every token's routing); use --cp 1"
-            ));
-        }
     }
     if cfg.global_batch < sizes.dp() {
         return bad(format!(

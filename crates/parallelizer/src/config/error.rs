@@ -62,7 +62,8 @@ pub enum ConfigError {
     /// `cp_size > 1` under a strategy that cannot shard over the cp ranks.
     #[error(
         "cp_size {cp} with strategy {strategy}: context parallelism shards the model over \
-         dp_shard x cp, which only fsdp2, hsdp and fsdp2_tp do; use one of them (or cp_size 1)"
+         dp_shard x cp, which only fsdp2, hsdp, fsdp2_tp and megatron_fsdp do; use one of them \
+         (or cp_size 1)"
     )]
     ContextParallelStrategy {
         /// `cp_size`.
@@ -76,16 +77,19 @@ pub enum ConfigError {
          rename it in mesh_names"
     )]
     ContextParallelMeshName(String),
-    /// `ep_size` does not divide the ranks experts are split over.
+    /// `ep_size` does not divide the ranks experts are split over (`dp_shard x cp`).
     #[error(
-        "ep_size {ep} does not divide the dp_shard size {dp_shard}: experts are split over \
-         consecutive dp_shard ranks"
+        "ep_size {ep} does not divide the dp_shard size {dp_shard}{}: experts are split over \
+         consecutive dp_shard ranks",
+        if *cp > 1 { format!(" times cp {cp}") } else { String::new() }
     )]
     ExpertGroups {
         /// `ep_size`.
         ep: usize,
-        /// The dp_shard size.
+        /// The dp_shard size (without the cp ranks).
         dp_shard: usize,
+        /// The cp size: experts are split over `dp_shard x cp` ranks.
+        cp: usize,
     },
     /// The strategy cannot use the sizes given.
     #[error("strategy {strategy}: {reason}")]
@@ -178,13 +182,6 @@ pub enum Unsupported {
         /// The strategy.
         strategy: Strategy,
     },
-    /// `cp_size > 1` together with what context parallelism does not compose with yet:
-    /// expert parallelism (`ep_size > 1`) or megatron_fsdp.
-    #[error(
-        "context parallelism (cp_size {0}) with expert parallelism or megatron_fsdp (cp works \
-         with fsdp2, hsdp and fsdp2_tp, ep_size 1)"
-    )]
-    ContextParallel(usize),
     /// `pp_size > 1`.
     #[error("pipeline parallelism (pp_size {0})")]
     PipelineParallel(usize),
