@@ -3,7 +3,8 @@
 //! parallelism), [`tp`] (tensor and sequence parallelism), [`describe`] (the contract a model
 //! implements, through the [`parallelize`] attribute macro), [`parallelizer`]
 //! (`parallelize_model` and its dispatch), [`peft`] (LoRA adapters as a module decorator),
-//! [`checkpoint`] (sharded training checkpoints that resume in any layout), [`learner`]
+//! [`checkpoint`] (sharded training checkpoints that resume in any layout), [`pp`] (pipeline
+//! parallelism: stages, point-to-point, schedules), [`learner`]
 //! (burn-train's Learner under every strategy), [`models`] and [`train`].
 
 #![warn(missing_docs)]
@@ -17,6 +18,7 @@ pub use burn_parallel_learner as learner;
 pub use burn_parallel_models as models;
 pub use burn_parallel_parallelizer as parallelizer;
 pub use burn_parallel_peft as peft;
+pub use burn_parallel_pp as pp;
 pub use burn_parallel_tp as tp;
 pub use burn_parallel_train as train;
 

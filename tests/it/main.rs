@@ -34,6 +34,7 @@ mod moe_sparse;
 mod parallelize_config;
 mod parallelize_macro;
 mod parallelize_train;
+mod pipeline;
 mod readme;
 mod recompute;
 mod tp_attention;

@@ -261,10 +261,11 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
         (
             DistributedConfig {
                 pp_size: 2,
+                strategy: Strategy::Ddp,
                 ..base()
             },
             2,
-            "pipeline parallelism (pp_size 2) is not yet supported",
+            "pipeline parallelism (pp_size 2) with strategy ddp",
         ),
     ];
     for (config, world, expected) in cases {

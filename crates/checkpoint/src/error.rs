@@ -88,6 +88,16 @@ pub enum CheckpointError {
         /// The file it wrote last.
         file: PathBuf,
     },
+    /// Sharded checkpoints of a pipeline-parallel model (each rank holding one stage) are not
+    /// written or read yet; refused on every rank before any file is touched.
+    #[error(
+        "sharded checkpoints under pipeline parallelism (pp_size {pp}) are not supported yet: \
+         gather each stage with full_model and save it, or train without pp"
+    )]
+    PipelineParallel {
+        /// `pp_size`.
+        pp: usize,
+    },
 }
 
 impl CheckpointError {

@@ -125,6 +125,11 @@ impl Checkpoint {
         mesh: &MeshContext,
         options: &LoadOptions,
     ) -> Result<(M, LoadReport), CheckpointError> {
+        if mesh.sizes().pp > 1 {
+            return Err(CheckpointError::PipelineParallel {
+                pp: mesh.sizes().pp,
+            });
+        }
         let world = mesh.world_group();
         let mut meter = Meter::default();
         let checked = (|| {

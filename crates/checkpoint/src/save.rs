@@ -392,6 +392,12 @@ fn start<M: Parallelize>(
     options: &SaveOptions,
     background: bool,
 ) -> Result<PendingSave, CheckpointError> {
+    // The world group is one stage's ranks under pp: the stages would overwrite each other.
+    if mesh.sizes().pp > 1 {
+        return Err(CheckpointError::PipelineParallel {
+            pp: mesh.sizes().pp,
+        });
+    }
     let world = mesh.world_group();
     let rank = mesh.rank();
     let temp = temp_dir(dir);

@@ -8,6 +8,8 @@
 //!   are `Tp<Lora<Linear>>`: plain linears until `apply_lora` / `load_adapter` (crate
 //!   burn-parallel-peft) reaches them by Hugging Face module path
 //!   (`model.layers.0.self_attn.q_proj`).
+//! - [`LlamaStage`]: one pipeline stage of the Llama (a slice of its layers; the embedding on
+//!   the first stage, the norm, head and loss on the last), for `pipeline_train_step`.
 //! - [`checkpoint`]: memory-mapped safetensors loading (whole or one rank's rows) and saving
 //!   in the Hugging Face layout.
 //! - [`data`]: nanoGPT-style u16 token files, the batch convention, a synthetic corpus.
@@ -27,6 +29,7 @@ mod llama;
 mod moe;
 mod moe_config;
 mod parallel;
+mod pipeline;
 mod plan;
 
 pub use config::{LlamaConfig, RopeScaling};
@@ -35,4 +38,5 @@ pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal}
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm, Rope};
 pub use moe::{Experts, RouterStats, SparseMoe, load_balancing_loss};
 pub use moe_config::{ExpertProj, MoeConfig, MoeFlavor};
+pub use pipeline::{LlamaStage, TokenMicrobatch};
 pub use plan::{LLAMA_PLAN, llama_plan};

@@ -274,7 +274,7 @@ pub struct DecoderLayer {
     pub moe: Option<SparseMoe>,
 }
 
-fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
+pub(crate) fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
     n.forward_with(x, |m, x| m.forward(x))
 }
 
@@ -344,7 +344,7 @@ pub struct Llama {
     pub rope: Rope,
 }
 
-fn param<const D: usize>(
+pub(crate) fn param<const D: usize>(
     source: &mut dyn TensorSource,
     name: &str,
     shape: [usize; D],
@@ -383,7 +383,7 @@ fn param<const D: usize>(
 
 /// A linear layer read from `source`, as `L`: a plain `Linear` (the LM head) or a
 /// `Lora<Linear>` without adapter (the projections), which is exactly its base.
-fn linear<L: From<Linear>>(
+pub(crate) fn linear<L: From<Linear>>(
     source: &mut dyn TensorSource,
     prefix: &str,
     d_in: usize,
@@ -412,7 +412,7 @@ fn linear<L: From<Linear>>(
     Ok(Tp::new(L::from(Linear { weight, bias })))
 }
 
-fn rms_norm(
+pub(crate) fn rms_norm(
     source: &mut dyn TensorSource,
     name: &str,
     c: &LlamaConfig,
@@ -507,6 +507,54 @@ fn sparse_moe(
     })
 }
 
+/// Decoder layer `i` of `c` read from `source` (Hugging Face names `model.layers.{i}.*`); a
+/// sparse layer's experts are only `shard`'s when given.
+pub(crate) fn decoder_layer(
+    source: &mut dyn TensorSource,
+    i: usize,
+    c: &LlamaConfig,
+    shard: Option<&ExpertShard>,
+    device: &Device,
+) -> Result<DecoderLayer, ModelError> {
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let p = format!("model.layers.{i}");
+    let ab = c.attention_bias;
+    let s = &mut *source;
+    let head_norm = |s: &mut dyn TensorSource, which: &str| -> Result<_, ModelError> {
+        if !c.qk_norm {
+            return Ok(None);
+        }
+        let name = format!("{p}.self_attn.{which}.weight");
+        Ok(Some(RmsNorm {
+            weight: param(s, &name, [hd], ParamKind::Norm, device)?,
+            eps: c.rms_norm_eps,
+        }))
+    };
+    let self_attn = Attention {
+        q_proj: linear(s, &format!("{p}.self_attn.q_proj"), h, q, ab, device)?,
+        k_proj: linear(s, &format!("{p}.self_attn.k_proj"), h, kv, ab, device)?,
+        v_proj: linear(s, &format!("{p}.self_attn.v_proj"), h, kv, ab, device)?,
+        o_proj: linear(s, &format!("{p}.self_attn.o_proj"), q, h, ab, device)?,
+        q_norm: head_norm(s, "q_norm")?,
+        k_norm: head_norm(s, "k_norm")?,
+        heads: c.num_attention_heads,
+        kv_heads: c.num_key_value_heads,
+        head_dim: hd,
+    };
+    let (mlp, moe) = match &c.moe {
+        Some(m) if m.is_sparse(i) => (None, Some(sparse_moe(s, &p, c, m, shard.cloned(), device)?)),
+        _ => (Some(dense_mlp(s, &p, c, device)?), None),
+    };
+    Ok(DecoderLayer {
+        input_layernorm: rms_norm(s, &format!("{p}.input_layernorm"), c, device)?,
+        self_attn,
+        post_attention_layernorm: rms_norm(s, &format!("{p}.post_attention_layernorm"), c, device)?,
+        mlp,
+        moe,
+    })
+}
+
 impl Llama {
     /// A model with Hugging Face's initialisation, identical on every rank for one `seed`.
     pub fn seeded(config: &LlamaConfig, seed: u64, device: &Device) -> Self {
@@ -533,8 +581,7 @@ impl Llama {
         ep_group: Option<&ProcessGroup>,
     ) -> Result<Self, ModelError> {
         let c = config;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let (q, kv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let h = c.hidden_size;
         let shard = match (&c.moe, ep_group) {
             (Some(moe), Some(group)) => Some(ExpertShard::new(group.clone(), moe.num_experts)?),
             _ => None,
@@ -550,48 +597,7 @@ impl Llama {
         });
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            let ab = c.attention_bias;
-            let s = &mut *source;
-            let head_norm = |s: &mut dyn TensorSource, which: &str| -> Result<_, ModelError> {
-                if !c.qk_norm {
-                    return Ok(None);
-                }
-                let name = format!("{p}.self_attn.{which}.weight");
-                Ok(Some(RmsNorm {
-                    weight: param(s, &name, [hd], ParamKind::Norm, device)?,
-                    eps: c.rms_norm_eps,
-                }))
-            };
-            let self_attn = Attention {
-                q_proj: linear(s, &format!("{p}.self_attn.q_proj"), h, q, ab, device)?,
-                k_proj: linear(s, &format!("{p}.self_attn.k_proj"), h, kv, ab, device)?,
-                v_proj: linear(s, &format!("{p}.self_attn.v_proj"), h, kv, ab, device)?,
-                o_proj: linear(s, &format!("{p}.self_attn.o_proj"), q, h, ab, device)?,
-                q_norm: head_norm(s, "q_norm")?,
-                k_norm: head_norm(s, "k_norm")?,
-                heads: c.num_attention_heads,
-                kv_heads: c.num_key_value_heads,
-                head_dim: hd,
-            };
-            let (mlp, moe) = match &c.moe {
-                Some(m) if m.is_sparse(i) => {
-                    (None, Some(sparse_moe(s, &p, c, m, shard.clone(), device)?))
-                }
-                _ => (Some(dense_mlp(s, &p, c, device)?), None),
-            };
-            layers.push(DecoderLayer {
-                input_layernorm: rms_norm(s, &format!("{p}.input_layernorm"), c, device)?,
-                self_attn,
-                post_attention_layernorm: rms_norm(
-                    s,
-                    &format!("{p}.post_attention_layernorm"),
-                    c,
-                    device,
-                )?,
-                mlp,
-                moe,
-            });
+            layers.push(decoder_layer(source, i, c, shard.as_ref(), device)?);
         }
         let norm = rms_norm(source, "model.norm", c, device)?;
         let lm_head = if c.tie_word_embeddings {

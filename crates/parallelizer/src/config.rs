@@ -299,8 +299,8 @@ pub struct DistributedConfig {
     /// The number of ranks the job expects; checked against the world when set (default
     /// `None`: not checked).
     pub world_size: Option<usize>,
-    /// Data-parallel shard size; inferred as `world / (dp_replicate * tp * cp)` when unset (the
-    /// default).
+    /// Data-parallel shard size; inferred as `world / (pp * dp_replicate * tp * cp)` when unset
+    /// (the default).
     pub dp_size: Option<usize>,
     /// HSDP replicas, each sharding the model over dp_shard (default 1: plain FSDP).
     pub dp_replicate_size: usize,
@@ -310,7 +310,9 @@ pub struct DistributedConfig {
     /// load balancing) and FSDP shards over the flattened `dp_shard x cp` (strategies fsdp2,
     /// hsdp and fsdp2_tp).
     pub cp_size: usize,
-    /// Pipeline stages (default 1; more is not supported yet).
+    /// Pipeline stages (default 1: none): the outermost mesh dimension, each stage holding
+    /// consecutive layers and every other dimension living within one stage (strategies
+    /// fsdp2, hsdp and fsdp2_tp; not yet with cp or ep).
     pub pp_size: usize,
     /// Expert-parallel ranks (default 1: none): a MoE model's experts are split over `ep`
     /// consecutive dp_shard ranks, which exchange tokens; `ep_size` must divide the dp_shard
@@ -394,7 +396,7 @@ impl Default for DistributedConfig {
     }
 }
 
-/// The sizes of the mesh a config asks for: `dp_replicate x dp_shard x tp`.
+/// The sizes of the mesh a config asks for: `pp x dp_replicate x dp_shard x cp x tp`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MeshSizes {
     /// HSDP replicas.
@@ -407,7 +409,7 @@ pub struct MeshSizes {
     /// Context-parallel ranks: each sequence split over them; FSDP shards over
     /// `dp_shard x cp`.
     pub cp: usize,
-    /// Pipeline stages (1 until pipeline parallelism lands).
+    /// Pipeline stages (the outermost dimension; 1: none).
     pub pp: usize,
     /// Expert-parallel ranks: consecutive dp_shard ranks that split a MoE model's experts
     /// (1: none).
@@ -613,7 +615,7 @@ impl DistributedConfig {
             }));
         }
         if self.pp_size > 1 {
-            return unsupported(Unsupported::PipelineParallel(self.pp_size));
+            self.check_pipeline()?;
         }
         if self.enable_async_tensor_parallel {
             return unsupported(Unsupported::AsyncTensorParallel);
@@ -630,6 +632,33 @@ impl DistributedConfig {
             ));
         }
         Ok(())
+    }
+
+    /// What pipeline parallelism composes with so far: the sharding strategies (fsdp2, hsdp,
+    /// fsdp2_tp), without context or expert parallelism.
+    fn check_pipeline(&self) -> Result<(), ParallelError> {
+        let with = if !matches!(
+            self.strategy,
+            Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp
+        ) {
+            Some(format!(
+                "strategy {} (pp works with fsdp2, hsdp and fsdp2_tp)",
+                self.strategy
+            ))
+        } else if self.cp_size > 1 {
+            Some(format!("context parallelism (cp_size {})", self.cp_size))
+        } else if self.ep_size > 1 {
+            Some(format!("expert parallelism (ep_size {})", self.ep_size))
+        } else {
+            None
+        };
+        match with {
+            Some(with) => Err(ParallelError::NotSupported(Unsupported::PipelineParallel {
+                pp: self.pp_size,
+                with,
+            })),
+            None => Ok(()),
+        }
     }
 
     /// `frozen_multimodal_sharding` places frozen units among FSDP units: under a strategy
@@ -759,7 +788,19 @@ impl DistributedConfig {
             }
             Strategy::Fsdp2Tp if tp == 1 => bad("needs tp_size > 1".into()),
             Strategy::Fsdp2 | Strategy::Fsdp2Tp | Strategy::Hsdp | Strategy::MegatronFsdp => {
-                let model_parallel = tp * self.cp_size * replicate;
+                // Pipeline stages are the outermost dimension: every other group lives within
+                // one stage.
+                let pp = self.pp_size;
+                let model_parallel = tp * self.cp_size * replicate * pp;
+                if pp > 1 && !world.is_multiple_of(model_parallel) {
+                    return Err(invalid(ConfigError::StagesNotDivisible {
+                        world,
+                        pp,
+                        dp_replicate: replicate,
+                        tp,
+                        cp: self.cp_size,
+                    }));
+                }
                 if !world.is_multiple_of(model_parallel) {
                     return Err(invalid(ConfigError::NotDivisible {
                         world,
@@ -774,6 +815,7 @@ impl DistributedConfig {
                 let dp_shard = self.dp_size.unwrap_or(world / model_parallel);
                 Ok(MeshSizes {
                     cp: self.cp_size,
+                    pp,
                     ..sizes(replicate, dp_shard, tp)
                 })
             }

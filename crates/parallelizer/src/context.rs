@@ -15,8 +15,17 @@ use crate::error::ParallelError;
 /// which the batch is split and losses are averaged.
 pub const DP: &str = "dp";
 
-/// The name of the dimension that spans the whole mesh (every rank).
+/// The name of the dimension that spans every rank of one pipeline stage: the whole mesh
+/// without pipeline parallelism (every group but [`PP`] lives within a stage).
 pub const WORLD: &str = "world";
+
+/// With `pp > 1`, the name of the pipeline dimension, the outermost: the ranks holding the same
+/// place in every stage, one per stage, in stage order. Activations travel on it.
+pub const PP: &str = "pp";
+
+/// With `pp > 1`, a second group of the [`PP`] ranks, on which gradients travel back (each
+/// group delivers its messages between two ranks in order; two keep the two directions apart).
+pub const PP_BACKWARD: &str = "pp_backward";
 
 /// The name of the flattened `dp_replicate x dp_shard x cp` dimension (NeMo's `dp_cp`) when
 /// `cp > 1`: every rank holding a different part of the global batch, over which losses are
@@ -93,8 +102,9 @@ impl ExpertGroups {
 impl MeshContext {
     /// A `dp_replicate x dp_shard x tp` mesh (names from `config.mesh_names`; with `cp_size >
     /// 1`, `dp_replicate x dp_shard x cp x tp` whose `dp_shard_cp` is the flattened `dp_shard x
-    /// cp`) over the ranks of `rank`, computing on `device`: `parallelize_model` moves the model there, and inputs
-    /// are built there too. Checked before any communication.
+    /// cp`; with `pp_size > 1`, a [`PP`] dimension outermost) over the ranks of `rank`,
+    /// computing on `device`: `parallelize_model` moves the model there, and inputs are built
+    /// there too. Checked before any communication.
     ///
     /// Burn 0.22 selects gradient checkpointing per device (every tensor of an op must agree).
     /// FSDP frees gathered weights after forward (`reshard_after_forward`, gathering them again
@@ -114,14 +124,23 @@ impl MeshContext {
         let names = &config.mesh_names;
         let mesh = match sizes.cp {
             1 => {
-                let shape = MeshShape::new(&[
-                    (names.dp_replicate.as_str(), sizes.dp_replicate),
-                    (names.dp_shard.as_str(), sizes.dp_shard),
-                    (names.tp.as_str(), sizes.tp),
-                ])?;
+                // Pipeline stages outermost (NeMo's `pp x dp_replicate x dp_shard x cp x tp`).
+                let stages = (sizes.pp > 1).then_some((PP, sizes.pp));
+                let dims: Vec<(&str, usize)> = stages
+                    .into_iter()
+                    .chain([
+                        (names.dp_replicate.as_str(), sizes.dp_replicate),
+                        (names.dp_shard.as_str(), sizes.dp_shard),
+                        (names.tp.as_str(), sizes.tp),
+                    ])
+                    .collect();
+                let shape = MeshShape::new(&dims)?;
                 let mut mesh = DeviceMesh::new(rank, shape)?;
                 mesh.flatten(&[&names.dp_replicate, &names.dp_shard], DP)?;
                 mesh.flatten(&[&names.dp_replicate, &names.dp_shard, &names.tp], WORLD)?;
+                if sizes.pp > 1 {
+                    mesh.flatten(&[PP], PP_BACKWARD)?;
+                }
                 mesh
             }
             _ => context_parallel_mesh(rank, &config, sizes)?,
@@ -295,9 +314,21 @@ impl MeshContext {
         self.group(DP)
     }
 
-    /// Every rank of the mesh.
+    /// Every rank of the mesh (of this rank's pipeline stage under pipeline parallelism).
     pub fn world_group(&self) -> &ProcessGroup {
         self.group(WORLD)
+    }
+
+    /// The pipeline group: one rank per stage, in stage order, all holding the same place
+    /// within their stages (`None` when `pp_size` is 1). This rank's stage is its index.
+    pub fn pp_group(&self) -> Option<&ProcessGroup> {
+        (self.sizes.pp > 1).then(|| self.group(PP))
+    }
+
+    /// The second group of the [`pp_group`](Self::pp_group)'s ranks, for the gradients that
+    /// travel back between stages (`None` when `pp_size` is 1).
+    pub fn pp_backward_group(&self) -> Option<&ProcessGroup> {
+        (self.sizes.pp > 1).then(|| self.group(PP_BACKWARD))
     }
 
     /// The rows of a `global_batch`-row batch this rank trains on: data-parallel rank `d` of

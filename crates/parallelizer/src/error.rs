@@ -25,6 +25,9 @@ pub enum ParallelError {
     /// A mesh could not be built.
     #[error("mesh: {0}")]
     Mesh(#[from] MeshError),
+    /// A pipeline stage could not be built or run its schedule.
+    #[error("pipeline parallel: {0}")]
+    Pipeline(#[from] burn_parallel_pp::PipelineError),
     /// A collective (a DDP all-reduce, the replica check, ...) failed.
     #[error("collective: {0}")]
     Collective(#[from] CollectiveError),

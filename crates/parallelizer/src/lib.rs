@@ -8,7 +8,8 @@
 //!   `#[parallelize(sidecar = MySidecar)]` to override any hook.
 //! - [`DistributedConfig`] (TOML/JSON/YAML) and [`MeshContext`] (one rank's mesh and groups).
 //! - [`parallelize_model`]: DDP, FSDP2, HSDP, TP, FSDP2 + TP, unsharded FSDP2 on one rank.
-//! - [`train_step`]: backward, gradient sync, global-norm clipping and the optimizer step.
+//! - [`train_step`]: backward, gradient sync, global-norm clipping and the optimizer step;
+//!   [`pipeline_train_step`] the same for one stage of a pipeline-parallel model.
 //!
 //! A model's forward runs its FSDP units through `fsdp::forward_units` (a stack of layers with
 //! the prefetch depth the config sets) or `fsdp::with_gathered_unit`, so each unit gathers with
@@ -22,6 +23,7 @@ mod context;
 pub mod ddp;
 mod error;
 mod full;
+mod pipeline;
 mod sidecar;
 mod step;
 
@@ -35,9 +37,10 @@ pub use config::{
     MeshSizes, MixedPrecisionConfig, OffloadConfig, Strategy, TpShardPlan, Unsupported,
     ZeroDpStrategy, style_by_name,
 };
-pub use context::{DP, ExpertGroups, LocalRows, MeshContext, WORLD};
+pub use context::{DP, ExpertGroups, LocalRows, MeshContext, PP, PP_BACKWARD, WORLD};
 pub use error::ParallelError;
 pub use full::{full_model, full_state_dict};
+pub use pipeline::{PipelineReport, pipeline_train_step, pipeline_train_step_reported};
 pub use sidecar::{ModelParallelizer, fsdp_config};
 pub use step::{
     Accumulated, StepReport, global_grad_norm, sync_gradients, train_step, train_step_accumulated,

@@ -11,6 +11,7 @@ use burn_parallel_describe::{ModelDescription, Parallelize};
 use burn_parallel_fsdp::{clip_to_norm, grad_square_sums, scale_grads};
 use burn_parallel_tp::TpModule;
 
+use crate::config::Unsupported;
 use crate::context::{LocalRows, MeshContext};
 use crate::ddp;
 use crate::error::ParallelError;
@@ -151,6 +152,8 @@ pub fn train_step_accumulated<M: Parallelize>(
     ctx: &MeshContext,
     optimizer_step: impl FnOnce(M, Gradients, &StepReport) -> M,
 ) -> Result<(M, StepReport), ParallelError> {
+    // Before backward, so that no rank communicates.
+    refuse_pipeline(ctx)?;
     let loss = loss.mul_scalar(rows.loss_weight());
     let local_loss = scalar(loss.clone().detach().into_data()) + accumulated.loss as f32;
     let mut grads = loss.backward();
@@ -176,7 +179,35 @@ pub fn train_step_accumulated<M: Parallelize>(
 /// all-reduce, and clipping by the global norm when `max_grad_norm` is set. Returns the global
 /// norm before clipping. What every step runs after its backward, whoever ran it (the
 /// trainer's `train_step`, burn-train's Learner). Collective: every rank calls it.
+///
+/// Under pipeline parallelism a model is one stage of the whole: its step is
+/// [`pipeline_train_step`](crate::pipeline_train_step), and this refuses.
 pub fn sync_gradients<M: Parallelize>(
+    model: &M,
+    grads: &mut Gradients,
+    max_grad_norm: Option<f32>,
+    ctx: &MeshContext,
+) -> Result<f32, ParallelError> {
+    refuse_pipeline(ctx)?;
+    sync_stage_gradients(model, grads, max_grad_norm, ctx)
+}
+
+/// A step for a whole model (train_step, the Learner's) under pipeline parallelism would train
+/// every stage's ranks on a full replica: refused, naming the pipeline step.
+fn refuse_pipeline(ctx: &MeshContext) -> Result<(), ParallelError> {
+    match ctx.sizes().pp {
+        1 => Ok(()),
+        pp => Err(ParallelError::NotSupported(Unsupported::PipelineParallel {
+            pp,
+            with: "a whole-model training step: each rank holds one stage, trained with \
+                   pipeline_train_step"
+                .into(),
+        })),
+    }
+}
+
+/// [`sync_gradients`] of one pipeline stage (any pp): the global norm sums over the stages.
+pub(crate) fn sync_stage_gradients<M: Parallelize>(
     model: &M,
     grads: &mut Gradients,
     max_grad_norm: Option<f32>,
@@ -197,14 +228,20 @@ pub fn sync_gradients<M: Parallelize>(
             false => ddp::all_reduce_gradients_with_experts(model, grads, &experts, ctx, bucket)?,
         }
     }
-    let grad_norm = grad_norm_with_experts(model, grads, &experts, ctx)?;
+    let mut grad_norm = grad_norm_with_experts(model, grads, &experts, ctx)?;
+    if let Some(pp) = ctx.pp_group() {
+        // Each pipeline stage holds different parameters: the squares add over the stages.
+        let square = f64::from(grad_norm).powi(2);
+        let summed = pp.all_reduce(TensorData::new(vec![square], [1]), ReduceOp::Sum)?;
+        grad_norm = summed.try_into_vec::<f64>().expect("an f64 sum")[0].sqrt() as f32;
+    }
     if let Some(max) = max_grad_norm {
         clip_to_norm(model, grads, grad_norm, max);
     }
     Ok(grad_norm)
 }
 
-fn scalar(data: TensorData) -> f32 {
+pub(crate) fn scalar(data: TensorData) -> f32 {
     data.convert_dtype(DType::F32)
         .try_into_vec::<f32>()
         .expect("an f32 scalar")[0]

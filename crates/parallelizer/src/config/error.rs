@@ -44,6 +44,24 @@ pub enum ConfigError {
         /// `cp_size`.
         cp: usize,
     },
+    /// Under pipeline parallelism, the world does not split into `pp` stages of
+    /// `dp_replicate x tp x cp` blocks.
+    #[error(
+        "world size {world} is not divisible by pp_size {pp} x dp_replicate_size {dp_replicate} \
+         x tp_size {tp} x cp_size {cp}"
+    )]
+    StagesNotDivisible {
+        /// The ranks the job has.
+        world: usize,
+        /// `pp_size`.
+        pp: usize,
+        /// `dp_replicate_size`.
+        dp_replicate: usize,
+        /// `tp_size`.
+        tp: usize,
+        /// `cp_size`.
+        cp: usize,
+    },
     /// The mesh's sizes multiply to another world size (an explicit `dp_size`).
     #[error(
         "mesh dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} has {} ranks but the \
@@ -182,9 +200,14 @@ pub enum Unsupported {
         /// The strategy.
         strategy: Strategy,
     },
-    /// `pp_size > 1`.
-    #[error("pipeline parallelism (pp_size {0})")]
-    PipelineParallel(usize),
+    /// `pp_size > 1` with a strategy or dimension pipelines do not compose with yet.
+    #[error("pipeline parallelism (pp_size {pp}) with {with}")]
+    PipelineParallel {
+        /// `pp_size`.
+        pp: usize,
+        /// What it was combined with, and what works.
+        with: String,
+    },
     /// `enable_async_tensor_parallel`.
     #[error("enable_async_tensor_parallel")]
     AsyncTensorParallel,
