@@ -230,8 +230,9 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
             "{t:?} vs {}",
             r.step_time_s
         );
+        // Each collective's time is its own wait; prefetched gathers overlap one another, so
+        // their sum is not bounded by the step's wall time (it exceeded it under load).
         assert!(t.all_gather_s > 0.0 && t.reduce_scatter_s > 0.0, "{t:?}");
-        assert!(t.all_gather_s + t.reduce_scatter_s < r.step_time_s, "{t:?}");
         assert!(r.peak_rss_bytes > 1 << 20);
         assert_eq!(v["step"].as_u64(), Some(r.step as u64));
         assert!(v["loss"].as_f64().unwrap() > 0.0 && v["tokens_per_s"].as_f64().unwrap() > 0.0);

@@ -32,6 +32,8 @@ pub use burn_parallel_describe::{
     describe_unit_vec, map_unit_option, map_unit_vec,
 };
 pub use burn_parallel_fsdp::RowSource;
+/// The pipeline schedules and layer splits, for callers without a burn-parallel-pp dependency.
+pub use burn_parallel_pp::{ScheduleKind, StageSplit};
 pub use config::{
     ConfigError, DistributedConfig, Dtype, FrozenModuleSharding, MegatronFsdpConfig, MeshNames,
     MeshSizes, MixedPrecisionConfig, OffloadConfig, Strategy, TpShardPlan, Unsupported,

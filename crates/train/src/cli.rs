@@ -258,6 +258,7 @@ impl TrainArgs {
                 .map(split_patterns)
                 .unwrap_or_default(),
             lora: self.lora.options(),
+            pipeline: self.distributed.pipeline(),
         })
     }
 }

@@ -157,6 +157,9 @@ pub struct TrainConfig {
     /// LoRA adapters to train instead of the whole model, from flags or a peft adapter, and
     /// where to save them (default: none, full training).
     pub lora: LoraOptions,
+    /// The schedule of a pipeline-parallel run (`distributed.pp_size > 1`): `--pp-schedule`,
+    /// `--microbatches`, `--stages-per-rank` (default: none given, 1F1B over pp microbatches).
+    pub pipeline: crate::pipeline::PipelineOptions,
 }
 
 impl Default for TrainConfig {
@@ -192,6 +195,7 @@ impl Default for TrainConfig {
             threads_per_rank: None,
             freeze: Vec::new(),
             lora: LoraOptions::default(),
+            pipeline: Default::default(),
         }
     }
 }

@@ -6,10 +6,12 @@
 use std::path::PathBuf;
 
 use burn_parallel_parallelizer::{
-    DistributedConfig, Dtype, MixedPrecisionConfig, Strategy, ZeroDpStrategy, named_enum,
+    DistributedConfig, Dtype, MixedPrecisionConfig, ScheduleKind, Strategy, ZeroDpStrategy,
+    named_enum,
 };
 
 use crate::error::TrainError;
+use crate::pipeline::PipelineOptions;
 
 named_enum! {
     /// The Llama's tensor-parallel plans, as `--tp-plan` names them.
@@ -70,6 +72,30 @@ pub struct DistributedFlags {
                 its experts are split over this many consecutive data-parallel ranks (default 1)"
     )]
     pub ep: Option<usize>,
+    /// `--pp`: `pp_size`.
+    #[arg(
+        long,
+        help = "Pipeline-parallel size: the Llama's layers split into stages over this many \
+                ranks (outermost mesh dim; default 1)"
+    )]
+    pub pp: Option<usize>,
+    /// `--pp-schedule`: the pipeline schedule ([`PipelineOptions::schedule`]).
+    #[arg(long, help = one_of("The pipeline schedule under --pp (default 1f1b)", ScheduleKind::NAMES))]
+    pub pp_schedule: Option<ScheduleKind>,
+    /// `--microbatches`: microbatches per step under `--pp` ([`PipelineOptions::microbatches`]).
+    #[arg(
+        long,
+        help = "Microbatches each pipeline rank splits its rows of the step into, as evenly as \
+                possible (default: the --pp size)"
+    )]
+    pub microbatches: Option<usize>,
+    /// `--stages-per-rank`: chunks per pipeline rank ([`PipelineOptions::stages_per_rank`]).
+    #[arg(
+        long,
+        help = "Stages (chunks) each pipeline rank holds under --pp-schedule interleaved \
+                (default 2; 1 under the others)"
+    )]
+    pub stages_per_rank: Option<usize>,
     /// `--zero-dp-strategy`: `megatron_fsdp.zero_dp_strategy`.
     #[arg(
         long,
@@ -180,6 +206,16 @@ impl DistributedFlags {
         Ok(config)
     }
 
+    /// The pipeline flags (`--pp-schedule`, `--microbatches`, `--stages-per-rank`); `--pp`
+    /// itself is the config's `pp_size`.
+    pub fn pipeline(&self) -> PipelineOptions {
+        PipelineOptions {
+            schedule: self.pp_schedule,
+            microbatches: self.microbatches,
+            stages_per_rank: self.stages_per_rank,
+        }
+    }
+
     /// Writes every flag given into `config`.
     fn apply(&self, config: &mut DistributedConfig) {
         // f32 is the model's own dtype: no cast, as the trainer has always run it.
@@ -191,6 +227,7 @@ impl DistributedFlags {
         set(&mut c.dp_replicate_size, self.dp_replicate);
         set(&mut c.ep_size, self.ep);
         set(&mut c.cp_size, self.cp);
+        set(&mut c.pp_size, self.pp);
         set(&mut c.megatron_fsdp.zero_dp_strategy, self.zero_dp_strategy);
         set(&mut c.megatron_fsdp.bucket_size, self.bucket_size.map(Some));
         let sp = self.tp_plan.map(|p| p == TpPlanName::LlamaSp);

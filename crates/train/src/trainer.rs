@@ -212,10 +212,12 @@ pub fn train(
     let model_cfg = model_config(cfg)?;
     // Before the data, the ranks and the model allocate anything sized by the sequence.
     check_positions(cfg, &model_cfg)?;
+    crate::pipeline::check_flags(cfg, &model_cfg)?;
     let mesh = mesh_sizes(cfg, &model_cfg)?;
     let data = token_data(cfg, &model_cfg)?;
     let eval = eval_data(cfg, &model_cfg)?;
     check_batch_memory(cfg, &model_cfg, &data, mesh)?;
+    crate::pipeline::check(cfg, &model_cfg, mesh, &data)?;
     if let Some(dir) = &cfg.checkpoint {
         // Opens every file now, so that a broken checkpoint fails before training.
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
@@ -264,7 +266,7 @@ fn ranks_failed(e: LaunchError) -> TrainError {
     }
 }
 
-type RankResult = (Vec<StepLog>, u64, u64, Vec<PathBuf>);
+pub(crate) type RankResult = (Vec<StepLog>, u64, u64, Vec<PathBuf>);
 
 /// The GPU of `rank` on its node: the launcher's local rank when it sets one (one process per
 /// GPU), else the rank itself (one thread per GPU of this process).
@@ -325,6 +327,9 @@ fn run_rank(
         false => device,
     };
     let mesh = MeshContext::new(&ctx, cfg.distributed.clone(), device)?;
+    if mesh.pp_group().is_some() {
+        return crate::pipeline::run_rank(cfg, model_cfg, data, &mesh, &ctx, on_step);
+    }
     let (mut model, trainable_params) = build_model(cfg, model_cfg, &mesh)?;
     let mut optimizer = RunOptimizer::new(cfg);
     // Where the data stream stands, in samples: batches follow it rather than the step, so a
@@ -472,7 +477,7 @@ fn save(
 
 /// The largest of every rank's value of each of `values`, exactly (each as two f32 halves), in
 /// one all-gather.
-fn max_over_world<const N: usize>(
+pub(crate) fn max_over_world<const N: usize>(
     ctx: &burn_parallel_comm::RankContext,
     values: [u64; N],
 ) -> Result<[u64; N], TrainError> {
