@@ -62,7 +62,8 @@ fn main() -> ExitCode {
             // The trainer launches its own ranks (MPI initializes once per process).
             let strategy = args.get(i + 1).map(String::as_str).unwrap_or("fsdp2");
             let tp = args.get(i + 2).and_then(|t| t.parse().ok());
-            return match train::run(size, strategy, tp) {
+            let pp = args.get(i + 3).and_then(|p| p.parse().ok());
+            return match train::run(size, strategy, tp, pp) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("mpi tests: {e}");
@@ -156,9 +157,10 @@ fn checks_and_training() -> Result<(), String> {
             "mpi tests: {np} processes passed in {:.1?}",
             started.elapsed()
         );
-        for (strategy, tp) in train::strategies(np) {
+        for (strategy, tp, pp) in train::strategies(np) {
             let tp = tp.map(|t| t.to_string()).unwrap_or_default();
-            let status = mpirun(np, &[train::TRAIN_ARG, strategy, &tp])?
+            let pp = pp.map(|p| p.to_string()).unwrap_or_default();
+            let status = mpirun(np, &[train::TRAIN_ARG, strategy, &tp, &pp])?
                 .status()
                 .map_err(|e| format!("cannot start mpirun: {e}"))?;
             if !status.success() {
