@@ -50,3 +50,5 @@ mod train_flags;
 mod train_guards;
 mod train_schedules;
 mod user_api;
+#[cfg(feature = "wgpu")]
+mod wgpu_lane;

@@ -156,7 +156,7 @@ pub struct TrainArgs {
         default_value = "flex",
         help = one_of(
             "The backend each rank computes on (cuda and tch: one GPU per rank, --features \
-             cuda|tch)",
+             cuda|tch; wgpu: one device all ranks share, --features wgpu)",
             Backend::NAMES
         )
     )]

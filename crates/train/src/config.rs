@@ -16,8 +16,9 @@ use crate::lora::LoraOptions;
 use crate::schedule::LrScheduleKind;
 
 named_enum! {
-    /// The backend each rank computes on: a CPU backend, or one GPU per rank (`cuda`: Burn's
-    /// CUDA backend, build with `--features cuda`; `tch`: LibTorch on CUDA, `--features tch`).
+    /// The backend each rank computes on: a CPU backend, one GPU per rank (`cuda`: Burn's
+    /// CUDA backend, build with `--features cuda`; `tch`: LibTorch on CUDA, `--features tch`),
+    /// or one wgpu device every rank shares (`wgpu`, `--features wgpu`).
     pub enum Backend as "backend" {
         /// Burn's ndarray CPU backend (no bf16).
         Ndarray = "ndarray",
@@ -27,6 +28,9 @@ named_enum! {
         Cuda = "cuda",
         /// LibTorch on CUDA, one GPU per rank.
         Tch = "tch",
+        /// Burn's CubeCL backend on wgpu's default adapter (Vulkan, Metal or DX12; Mesa's
+        /// llvmpipe on a machine without a GPU), one device every rank shares.
+        Wgpu = "wgpu",
     }
 }
 
@@ -42,7 +46,7 @@ named_enum! {
 
 impl Backend {
     /// The autodiff device of a rank whose GPU (for `cuda` and `tch`) is `gpu`, or an error
-    /// naming the cargo feature this build lacks.
+    /// naming the cargo feature this build lacks (or, for `wgpu`, the missing driver).
     #[allow(deprecated)] // burn-ndarray and burn-tch are deprecated in Burn 0.22, not removed
     pub fn device(self, gpu: usize) -> Result<Device, TrainError> {
         #[cfg(any(feature = "cuda", feature = "tch"))]
@@ -58,6 +62,12 @@ impl Backend {
             Backend::Cuda => Device::cuda(gpu),
             #[cfg(feature = "tch")]
             Backend::Tch => Device::libtorch_cuda(gpu),
+            #[cfg(feature = "wgpu")]
+            // One device every rank shares (rank identity comes from the communicator).
+            Backend::Wgpu => crate::wgpu_device::wgpu_adapter()
+                .map_err(|e| TrainError::Config(format!("--backend wgpu: {e}")))?
+                .device
+                .clone(),
             #[allow(unreachable_patterns)]
             other => {
                 return Err(TrainError::Config(format!(
@@ -74,6 +84,7 @@ impl Backend {
             Backend::Ndarray | Backend::Flex => true,
             Backend::Cuda => cfg!(feature = "cuda"),
             Backend::Tch => cfg!(feature = "tch"),
+            Backend::Wgpu => cfg!(feature = "wgpu"),
         }
     }
 }
@@ -272,6 +283,10 @@ impl TrainConfig {
         if !self.backend.available() {
             self.backend.device(0)?;
         }
+        #[cfg(feature = "wgpu")]
+        if self.backend == Backend::Wgpu {
+            crate::wgpu_device::check_dtypes(&self.distributed.mp_policy)?;
+        }
         crate::lora::check(self)?;
         if !self.engine.available() {
             return bad(format!(
@@ -280,5 +295,18 @@ impl TrainConfig {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(all(test, not(feature = "wgpu")))]
+mod tests {
+    use super::*;
+
+    /// Without the cargo feature, `--backend wgpu` is an error that says how to build it.
+    #[test]
+    fn backend_wgpu_without_the_feature_names_it() {
+        assert!(!Backend::Wgpu.available());
+        let e = Backend::Wgpu.device(0).unwrap_err().to_string();
+        assert!(e.contains("`--features wgpu`"), "{e}");
     }
 }

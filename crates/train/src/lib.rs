@@ -51,6 +51,8 @@ mod schedule;
 mod state;
 mod trainer;
 mod usage;
+#[cfg(feature = "wgpu")]
+mod wgpu_device;
 
 pub use burn_parallel_comm::EngineKind;
 pub use burn_parallel_parallelizer::{
@@ -72,3 +74,5 @@ pub use schedule::LrScheduleKind;
 pub use state::model_state_bytes;
 pub use trainer::{StepCalls, StepLog, StepTimes, TrainSummary, train};
 pub use usage::ProcessUsage;
+#[cfg(feature = "wgpu")]
+pub use wgpu_device::{WgpuAdapter, wgpu_adapter};

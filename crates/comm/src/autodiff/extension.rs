@@ -31,7 +31,7 @@ use crate::device::{DeviceCollective, DeviceStep, NcclCall, Phase, no_nccl, run_
     Autodiff,
     NdArray,
     Flex,
-    Cube: cfg(feature = "cuda"),
+    Cube: cfg(any(feature = "cuda", feature = "wgpu")),
     LibTorch: cfg(feature = "tch")
 )]
 pub trait CollectiveBackend: Backend {
@@ -106,6 +106,11 @@ impl CollectiveBackend for burn_cubecl::CubeBackend {
         call.finish(crate::device::cube::run(x, &call.op, &call.group))
     }
 }
+
+/// Burn's CubeCL backend built for wgpu alone: its tensors exchange through the group's engine
+/// (`device::route` sends NCCL steps to CUDA tensors only), so it has no NCCL step.
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+impl CollectiveBackend for burn_cubecl::CubeBackend {}
 
 #[derive(Debug)]
 struct DeviceBackward;

@@ -178,7 +178,7 @@ impl AttentionMask {
     Autodiff,
     NdArray,
     Flex,
-    Cube: cfg(feature = "cuda"),
+    Cube: cfg(any(feature = "cuda", feature = "wgpu")),
     LibTorch: cfg(feature = "tch")
 )]
 pub trait FlashBackend: Backend {
@@ -234,8 +234,8 @@ impl FlashBackend for burn::backend::Flex {}
 #[cfg(feature = "tch")]
 impl FlashBackend for burn::backend::LibTorch {}
 
-/// Burn's CUDA backend: the blockwise plain-op math until a GPU kernel exists.
-#[cfg(feature = "cuda")]
+/// Burn's CubeCL backend (CUDA, wgpu): the blockwise plain-op math until a GPU kernel exists.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl FlashBackend for burn_cubecl::CubeBackend {}
 
 /// Memory-efficient attention of `q` `[batch, heads, queries, head_dim]` over `k`, `v`

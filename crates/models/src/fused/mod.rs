@@ -31,7 +31,7 @@ use burn::tensor::Tensor;
     Autodiff,
     NdArray,
     Flex,
-    Cube: cfg(feature = "cuda"),
+    Cube: cfg(any(feature = "cuda", feature = "wgpu")),
     LibTorch: cfg(feature = "tch")
 )]
 pub trait FusedBackend: Backend {
@@ -139,8 +139,8 @@ impl FusedBackend for NdArray {}
 #[cfg(feature = "tch")]
 impl FusedBackend for burn::backend::LibTorch {}
 
-/// Burn's CUDA backend: the plain-op math until a GPU kernel exists.
-#[cfg(feature = "cuda")]
+/// Burn's CubeCL backend (CUDA, wgpu): the plain-op math until a GPU kernel exists.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl FusedBackend for burn_cubecl::CubeBackend {}
 
 /// `silu(gate) * up` as one autodiff node (SwiGLU's gating), in the inputs' dtype.
