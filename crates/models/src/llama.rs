@@ -507,6 +507,23 @@ fn sparse_moe(
     })
 }
 
+/// The token embedding `model.embed_tokens.weight` `[vocab, hidden]`.
+pub(crate) fn embedding(
+    source: &mut dyn TensorSource,
+    c: &LlamaConfig,
+    device: &Device,
+) -> Result<Tp<Embedding>, ModelError> {
+    Ok(Tp::new(Embedding {
+        weight: param(
+            source,
+            "model.embed_tokens.weight",
+            [c.vocab_size, c.hidden_size],
+            ParamKind::Embedding,
+            device,
+        )?,
+    }))
+}
+
 /// Decoder layer `i` of `c` read from `source` (Hugging Face names `model.layers.{i}.*`); a
 /// sparse layer's experts are only `shard`'s when given.
 pub(crate) fn decoder_layer(
@@ -586,15 +603,7 @@ impl Llama {
             (Some(moe), Some(group)) => Some(ExpertShard::new(group.clone(), moe.num_experts)?),
             _ => None,
         };
-        let embed_tokens = Tp::new(Embedding {
-            weight: param(
-                source,
-                "model.embed_tokens.weight",
-                [c.vocab_size, h],
-                ParamKind::Embedding,
-                device,
-            )?,
-        });
+        let embed_tokens = embedding(source, c, device)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             layers.push(decoder_layer(source, i, c, shard.as_ref(), device)?);

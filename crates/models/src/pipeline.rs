@@ -15,8 +15,8 @@ use burn_parallel_tp::Tp;
 
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
-use crate::init::{ParamKind, SeededInit, TensorSource};
-use crate::llama::{DecoderLayer, RmsNorm, Rope, decoder_layer, linear, norm, param, rms_norm};
+use crate::init::{SeededInit, TensorSource};
+use crate::llama::{DecoderLayer, RmsNorm, Rope, decoder_layer, embedding, linear, norm, rms_norm};
 
 /// One pipeline stage of a [`Llama`](crate::Llama). Field names and module paths are the
 /// Llama's (`layers` holds the stage's layers, renumbered from 0).
@@ -154,15 +154,7 @@ impl LlamaStage {
         let (first, last) = (stage == 0, stage + 1 == stages);
         let h = c.hidden_size;
         let embed_tokens = match first {
-            true => Some(Tp::new(Embedding {
-                weight: param(
-                    source,
-                    "model.embed_tokens.weight",
-                    [c.vocab_size, h],
-                    ParamKind::Embedding,
-                    device,
-                )?,
-            })),
+            true => Some(embedding(source, c, device)?),
             false => None,
         };
         let layers = split
