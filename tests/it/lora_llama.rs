@@ -55,7 +55,7 @@ const LAYOUTS: [(&str, Strategy, usize, Option<usize>); 6] = [
 ];
 
 /// Named f32 tensors of a safetensors file (f32 only: what this crate writes).
-fn read_safetensors(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
+pub(crate) fn read_safetensors(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<f32>)> {
     let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let file = SafeTensors::deserialize(&bytes).unwrap();
     file.iter()

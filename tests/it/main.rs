@@ -35,6 +35,7 @@ mod parallelize_config;
 mod parallelize_macro;
 mod parallelize_train;
 mod pipeline;
+mod pipeline_checkpoint;
 mod pipeline_trainer;
 mod readme;
 mod recompute;

@@ -1,6 +1,7 @@
 //! Pipeline parallelism on the Llama: stages of consecutive layers over the `pp` ranks, GPipe,
 //! 1F1B and interleaved 1F1B over microbatches. Every layout (pp 2 with each schedule, 3 layers
-//! on 2 stages, an explicit split, pp 4, pp 2 x fsdp2 2, pp 2 x tp 2) trains like one device
+//! on 2 stages, an explicit split, pp 4, pp 2 x fsdp2 2, pp 2 x hsdp 2 x 2, pp 2 x tp 2, and a
+//! MoE under pp 2 x ep 2 with each schedule) trains like one device
 //! over 6 AdamW steps with global-norm clipping: the same losses and gradient norms (relative
 //! 1e-5) and the same weights, each stage's gathered and laid end to end. A stage whose
 //! activation shape disagrees with its neighbour's is a named error on both ranks; a failing
@@ -40,6 +41,19 @@ fn model(layers: usize) -> LlamaConfig {
     }
 }
 
+/// [`model`] with sparse MoE blocks (4 experts, top 2) in every layer but the second, without
+/// the load-balancing loss.
+fn moe_model(layers: usize) -> LlamaConfig {
+    let mut moe = LlamaConfig::tiny_moe().moe.expect("a MoE config");
+    moe.num_experts = 4;
+    moe.moe_intermediate_size = 9;
+    moe.mlp_only_layers = vec![1];
+    LlamaConfig {
+        moe: Some(moe),
+        ..model(layers)
+    }
+}
+
 /// Token ids of `rows` of step `step`, `[rows, SEQ]`, and their next-token targets.
 fn tokens(step: usize, rows: std::ops::Range<usize>, vocab: usize) -> (Vec<i64>, Vec<i64>) {
     let id = |r: usize, t: usize| ((r * 131 + t * 17 + step * 7 + (t * t) % 11) % vocab) as i64;
@@ -64,7 +78,11 @@ struct Run {
 
 /// The Llama of `layers` layers trained on one device.
 fn single(layers: usize) -> Run {
-    let cfg = model(layers);
+    single_of(&model(layers))
+}
+
+/// The Llama `cfg` describes trained on one device.
+fn single_of(cfg: &LlamaConfig) -> Run {
     let mut runs = launch(1, |rank| {
         let device = ndarray_ad();
         let config = DistributedConfig {
@@ -73,7 +91,7 @@ fn single(layers: usize) -> Run {
             ..DistributedConfig::default()
         };
         let ctx = MeshContext::new(&rank, config, device.clone())?;
-        let mut model = parallelize_model(Llama::seeded(&cfg, 3, &device), &ctx)?;
+        let mut model = parallelize_model(Llama::seeded(cfg, 3, &device), &ctx)?;
         let mut optim = AdamWConfig::new().with_weight_decay(0.1).init();
         let rows = ctx.local_rows(BATCH);
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -107,6 +125,8 @@ fn single(layers: usize) -> Run {
 #[derive(Clone)]
 struct Layout {
     layers: usize,
+    /// Sparse MoE layers ([`moe_model`]).
+    moe: bool,
     world: usize,
     config: DistributedConfig,
     schedule: ScheduleKind,
@@ -120,6 +140,7 @@ struct Layout {
 fn pp(stages: usize, schedule: ScheduleKind, microbatches: usize) -> Layout {
     Layout {
         layers: 4,
+        moe: false,
         world: stages,
         config: DistributedConfig {
             strategy: Strategy::Fsdp2,
@@ -140,7 +161,10 @@ type RankRun = (usize, bool, Run, Vec<Vec<Vec<f32>>>);
 
 /// Trains `layout`'s stage on every rank.
 fn pipelined(layout: &Layout) -> Result<Vec<RankRun>, burn_parallel::comm::LaunchError> {
-    let cfg = model(layout.layers);
+    let cfg = match layout.moe {
+        true => moe_model(layout.layers),
+        false => model(layout.layers),
+    };
     launch(layout.world, |rank| {
         let device = ndarray_ad();
         let ctx = MeshContext::new(&rank, layout.config.clone(), device.clone())?;
@@ -258,6 +282,18 @@ fn pipelined_llama_trains_like_one_device() {
         },
         &four,
     );
+    // HSDP within each stage: 2 replicas of 2 shards each, 8 ranks (one row, one microbatch
+    // each).
+    let hsdp = Layout {
+        world: 8,
+        config: DistributedConfig {
+            strategy: Strategy::Hsdp,
+            dp_replicate_size: 2,
+            ..pp(2, ScheduleKind::OneFOneB, 1).config
+        },
+        ..pp(2, ScheduleKind::OneFOneB, 1)
+    };
+    check("pp 2 x hsdp 2 x 2 1f1b", hsdp, &four);
     // Tensor parallelism within each stage: the stages' tp ranks exchange full activations
     // with the same tp rank of the neighbouring stage.
     let tp = Layout {
@@ -292,6 +328,51 @@ fn pipelined_llama_trains_like_one_device() {
             ..pp(2, ScheduleKind::OneFOneB, 2)
         },
         &three,
+    );
+}
+
+#[test]
+fn pipelined_moe_with_expert_parallelism_trains_like_one_device() {
+    // Each stage's experts split over its 2 dp_shard ranks, which exchange their routed tokens
+    // (data-dependent counts, some experts receiving none).
+    let single = single_of(&moe_model(4));
+    let ep = Layout {
+        moe: true,
+        world: 4,
+        config: DistributedConfig {
+            ep_size: 2,
+            ..pp(2, ScheduleKind::OneFOneB, 2).config
+        },
+        ..pp(2, ScheduleKind::OneFOneB, 2)
+    };
+    check("MoE pp 2 x ep 2 1f1b", ep.clone(), &single);
+    check(
+        "MoE pp 2 x ep 2 gpipe, layers split 3 + 1",
+        Layout {
+            schedule: ScheduleKind::GPipe,
+            split: Some(vec![3, 1]),
+            ..ep.clone()
+        },
+        &single,
+    );
+    check(
+        "MoE pp 2 x ep 2 interleaved, 2 chunks",
+        Layout {
+            schedule: ScheduleKind::Interleaved,
+            chunks: 2,
+            microbatches: 2,
+            ..ep
+        },
+        &single,
+    );
+    // The load-balancing loss is refused across stages, naming the setting.
+    let mut aux = moe_model(4);
+    aux.moe.as_mut().unwrap().output_router_logits = true;
+    let split = StageSplit::even(4, 2).unwrap();
+    let err = LlamaStage::seeded(&aux, 3, &split, 0, &ndarray_ad()).unwrap_err();
+    assert!(
+        err.to_string().contains("output_router_logits = false"),
+        "{err}"
     );
 }
 
@@ -440,7 +521,7 @@ fn pipeline_settings_that_cannot_work_are_named_errors() {
             "{message}"
         );
     }
-    // pp composes with the sharding strategies only, not yet with cp or ep.
+    // pp composes with the sharding strategies only, not yet with cp.
     for (config, expected) in [
         (
             DistributedConfig {
@@ -474,34 +555,6 @@ fn pipeline_settings_that_cannot_work_are_named_errors() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("not divisible by pp_size 2"), "{err}");
-}
-
-#[test]
-fn sharded_checkpoints_under_pp_are_refused_before_any_file() {
-    use burn_parallel::checkpoint::{SaveOptions, TrainingProgress, save};
-    let dir = std::env::temp_dir().join(format!("pp-save-{}", std::process::id()));
-    let cfg = model(4);
-    let messages = launch(2, |rank| {
-        let device = ndarray_ad();
-        let ctx = MeshContext::new(&rank, pp(2, ScheduleKind::GPipe, 2).config, device.clone())?;
-        let group = ctx.pp_group().expect("pp 2").clone();
-        let split = StageSplit::even(4, 2)?;
-        let stage = LlamaStage::seeded(&cfg, 3, &split, group.index(), &device)?;
-        let stage = parallelize_model(stage, &ctx)?;
-        let progress = TrainingProgress::default();
-        match save(&dir, &stage, None, &progress, &ctx, &SaveOptions::default()) {
-            Err(e) => Ok::<_, BoxError>(e.to_string()),
-            Ok(_) => Err("saved".into()),
-        }
-    })
-    .unwrap();
-    for message in messages {
-        assert!(
-            message.contains("pipeline parallelism (pp_size 2)"),
-            "{message}"
-        );
-    }
-    assert!(!dir.exists());
 }
 
 #[test]

@@ -2,8 +2,10 @@
 //! `--stages-per-rank`): pp 2 under 1f1b and gpipe, pp 2 x fsdp2 2 and interleaved pp 2 with 2
 //! stages per rank each train like the trainer's single-device run (losses and gradient norms
 //! within 1e-5 over 4 AdamW steps, clipped), on a global batch of 5 rows (uneven microbatches
-//! and data-parallel ranks). What the pipeline path does not support is a named error before
-//! any rank starts.
+//! and data-parallel ranks); so do a MoE under pp 2 x ep 2, `--freeze` across stages, a Hugging
+//! Face checkpoint read lazily into the stages (and `--save`'s sharded export), `--eval-data`
+//! (forward-only through the stages) and `--on-nonfinite skip`. What the pipeline path does not
+//! support is a named error before any rank starts.
 
 use burn_parallel::models::LlamaConfig;
 use burn_parallel::parallelizer::ScheduleKind;
@@ -69,9 +71,26 @@ fn the_trainers_pp_flag_trains_like_one_device() {
             pp_flags(2, ScheduleKind::Interleaved, Some(4)),
         ),
     ];
+    assert!(want.steps.iter().all(|s| s.pp_wait_s.is_none()));
     for (what, flags) in layouts {
+        let gpipe = flags.pp_schedule == Some(ScheduleKind::GPipe);
         let got = run(&pp_run(flags));
         assert_curves(&got, &want, 1e-5, what);
+        for s in &got.steps {
+            // Rank 0's wait is part of its step; under gpipe it held all 3 microbatches (at most 4
+            // microbatches of 2 chunks interleaved).
+            let wait = s.pp_wait_s.expect("a pp step reports its wait");
+            assert!((0.0..=s.step_time_s).contains(&wait), "{what}: {wait}");
+            let peak = s.pp_peak_microbatches.expect("and its peak");
+            assert!(
+                if gpipe {
+                    peak == 3
+                } else {
+                    (1..=8).contains(&peak)
+                },
+                "{what}: {peak}"
+            );
+        }
         assert!(
             got.steps
                 .iter()
@@ -115,65 +134,54 @@ fn the_trainers_pp_flag_refuses_what_it_does_not_support_yet() {
         ..base()
     };
     assert_refused(tied, &["tied embeddings", "tie_word_embeddings = false"]);
-    let moe = TrainConfig {
-        model: LlamaConfig {
-            num_hidden_layers: 2,
-            ..LlamaConfig::tiny_moe()
-        },
+    let mut aux = LlamaConfig {
+        num_hidden_layers: 2,
+        ..LlamaConfig::tiny_moe()
+    };
+    aux.moe.as_mut().unwrap().output_router_logits = true;
+    let aux = TrainConfig {
+        model: aux,
         ..base()
     };
-    assert_refused(moe, &["mixture-of-experts", "dense model"]);
-    let dir = std::env::temp_dir().join("burn-parallel-pp-trainer-refused");
-    for cfg in [
-        TrainConfig {
-            save: Some(dir.clone()),
-            ..base()
-        },
-        TrainConfig {
-            save_every: Some(2),
-            save_dir: Some(dir.clone()),
-            ..base()
-        },
-    ] {
-        assert_refused(cfg, &["--save", "sharded checkpoints refuse pp"]);
-    }
+    assert_refused(
+        aux,
+        &["load-balancing loss", "output_router_logits = false"],
+    );
+    let dense_ep = with(DistributedFlags {
+        ep: Some(2),
+        ..pp_flags(4, ScheduleKind::OneFOneB, None)
+    });
+    assert_refused(dense_ep, &["--ep", "a mixture-of-experts model"]);
+    let adapter = crate::llama_hf::temp_dir("pp-lora-init");
+    let config = r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}"#;
+    std::fs::write(adapter.join("adapter_config.json"), config).unwrap();
     let lora = TrainConfig {
         lora: LoraOptions {
-            rank: Some(2),
+            init: Some(adapter.clone()),
             ..LoraOptions::default()
         },
         ..base()
     };
-    assert_refused(lora, &["LoRA", "full training"]);
-    let eval = TrainConfig {
-        data_options: DataOptions {
-            eval_data: Some(dir.join("eval.bin")),
-            ..DataOptions::default()
-        },
-        ..base()
+    assert_refused(lora, &["--lora-init", "fresh adapters (--lora-rank)"]);
+    std::fs::remove_dir_all(adapter).unwrap();
+    // Packed rows (several documents per row) as the training or the eval data.
+    let packed = |eval: bool| {
+        let mut cfg = sft_run(pp_flags(2, ScheduleKind::OneFOneB, None));
+        cfg.data_options.pack = true;
+        if eval {
+            cfg.data = None;
+            cfg.data_options.eval_data = Some(crate::data_sft::fixture("sft.jsonl"));
+            cfg.data_options.eval_every = 1;
+        }
+        cfg
     };
-    assert_refused(eval, &["--eval-data"]);
-    let ep = DistributedFlags {
-        ep: Some(2),
-        ..pp_flags(4, ScheduleKind::OneFOneB, None)
-    };
-    assert_refused(with(ep), &["--ep", "expert parallelism without --pp"]);
-    let freeze = TrainConfig {
-        freeze: vec!["model.embed_tokens".into()],
-        ..base()
-    };
-    assert_refused(freeze, &["--freeze"]);
-    let resume = TrainConfig {
-        resume: Some(dir.clone()),
-        ..base()
-    };
-    assert_refused(resume, &["--resume", "sharded checkpoints refuse pp"]);
+    assert_refused(packed(false), &["--data is packed", "drop --pack"]);
+    assert_refused(packed(true), &["--eval-data is packed"]);
     let accum = TrainConfig {
         grad_accum: 2,
         ..base()
     };
     assert_refused(accum, &["--grad-accum", "--microbatches"]);
-    assert!(!dir.exists(), "a refused run wrote {dir:?}");
 }
 
 #[test]
@@ -244,4 +252,413 @@ fn the_pipeline_flags_parse_into_the_run() {
         err.to_string().contains("gpipe, 1f1b, interleaved"),
         "{err}"
     );
+}
+
+/// A MoE model (4 experts, top 2, sparse layers but the second) without the load-balancing
+/// loss.
+fn moe_model() -> LlamaConfig {
+    let mut moe = LlamaConfig::tiny_moe().moe.expect("a MoE config");
+    moe.num_experts = 4;
+    moe.moe_intermediate_size = 9;
+    moe.mlp_only_layers = vec![1];
+    LlamaConfig {
+        moe: Some(moe),
+        ..model()
+    }
+}
+
+#[test]
+fn the_trainers_pp_with_ep_trains_a_moe_like_one_device() {
+    let moe = |flags: DistributedFlags| TrainConfig {
+        model: moe_model(),
+        ..pp_run(flags)
+    };
+    let want = run(&moe(DistributedFlags::on(Strategy::Single, 1)));
+    let flags = DistributedFlags {
+        ep: Some(2),
+        ..pp_flags(4, ScheduleKind::OneFOneB, None)
+    };
+    let got = run(&moe(flags));
+    assert_curves(&got, &want, 1e-5, "MoE pp 2 x ep 2");
+    // Experts split over ep count whole, each stage once.
+    assert_eq!(
+        got.steps[0].trainable_params,
+        want.steps[0].trainable_params
+    );
+}
+
+/// A Hugging Face checkpoint read lazily into the stages trains like one device reading it
+/// whole, and `--save` writes the trained model as a sharded checkpoint (one file per stage)
+/// holding what one device's `--save` holds.
+#[test]
+fn the_trainers_pp_reads_and_writes_hugging_face_checkpoints() {
+    use burn_parallel::models::Llama;
+    use burn_parallel::models::checkpoint::{HfCheckpoint, SaveDtype, hf_tensors, save_llama};
+
+    use crate::common::{assert_close, ndarray, to_vec};
+    use crate::llama_hf::temp_dir;
+
+    let dir = temp_dir("pp-hf");
+    let seeded = Llama::seeded(&model(), 7, &ndarray());
+    let hf = dir.join("hf");
+    save_llama(&model(), &hf_tensors(&seeded).unwrap(), &hf, SaveDtype::F32).unwrap();
+    let trained = |flags: DistributedFlags, name: &str| {
+        let cfg = TrainConfig {
+            checkpoint: Some(hf.clone()),
+            save: Some(dir.join(name)),
+            ..pp_run(flags)
+        };
+        (run(&cfg), HfCheckpoint::open(dir.join(name)).unwrap())
+    };
+    let (want, single) = trained(DistributedFlags::on(Strategy::Single, 1), "single");
+    for (what, flags, name) in [
+        (
+            "pp 2 x fsdp2 2 1f1b",
+            pp_flags(4, ScheduleKind::OneFOneB, None),
+            "pp-fsdp",
+        ),
+        (
+            "pp 2 interleaved, 2 stages per rank",
+            pp_flags(2, ScheduleKind::Interleaved, Some(4)),
+            "pp-interleaved",
+        ),
+    ] {
+        let (got, saved) = trained(flags, name);
+        assert_curves(&got, &want, 1e-5, what);
+        let files = std::fs::read_dir(dir.join(name)).unwrap().count();
+        // config.json, the index and one file per stage.
+        let stages = if name == "pp-interleaved" { 4 } else { 2 };
+        assert_eq!(files, 2 + stages, "{what}");
+        let mut names = saved.names();
+        names.sort();
+        let mut expected = single.names();
+        expected.sort();
+        assert_eq!(names, expected, "{what}");
+        for t in single.names() {
+            let (a, b) = (saved.read(t).unwrap(), single.read(t).unwrap());
+            assert_close(&to_vec(&a), &to_vec(&b), 1e-5, &format!("{what}: {t}"));
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `--freeze` selects by Hugging Face name over every stage: patterns matching layers of one
+/// stage and the head of the other train like one device freezing them; a pattern no stage
+/// matches is the named error.
+#[test]
+fn the_trainers_pp_freezes_by_name_across_stages() {
+    let frozen = |flags: DistributedFlags, patterns: &[&str]| TrainConfig {
+        freeze: patterns.iter().map(|p| p.to_string()).collect(),
+        ..pp_run(flags)
+    };
+    let patterns = ["model.embed_tokens", "model.layers.*.self_attn", "lm_head"];
+    let want = run(&frozen(
+        DistributedFlags::on(Strategy::Single, 1),
+        &patterns,
+    ));
+    let got = run(&frozen(
+        pp_flags(4, ScheduleKind::OneFOneB, None),
+        &patterns,
+    ));
+    assert_curves(&got, &want, 1e-5, "pp 2 x fsdp2 2 with --freeze");
+    let all = run(&pp_run(DistributedFlags::on(Strategy::Single, 1)));
+    let (trainable, total) = (got.steps[0].trainable_params, all.steps[0].trainable_params);
+    assert_eq!(trainable, want.steps[0].trainable_params);
+    assert!(trainable < total, "{trainable} of {total}");
+    assert_refused(
+        frozen(
+            pp_flags(2, ScheduleKind::OneFOneB, None),
+            &["model.layers.9"],
+        ),
+        &["--freeze `model.layers.9` matches no parameter"],
+    );
+}
+
+/// `--eval-data` under pp runs the eval batches forward only through the stages: the same
+/// eval losses as one device, after every 2 steps and the last.
+#[test]
+fn the_trainers_pp_evaluates_like_one_device() {
+    let dir = crate::llama_hf::temp_dir("pp-eval");
+    let tokens: Vec<u8> = (0..400u32)
+        .flat_map(|i| (((i * 37 + i * i / 7) % 67) as u16).to_le_bytes())
+        .collect();
+    let file = dir.join("eval.bin");
+    std::fs::write(&file, tokens).unwrap();
+    let eval = |flags: DistributedFlags| TrainConfig {
+        steps: 3,
+        data_options: DataOptions {
+            eval_data: Some(file.clone()),
+            eval_every: 2,
+            eval_batches: 2,
+            ..DataOptions::default()
+        },
+        ..pp_run(flags)
+    };
+    let want = run(&eval(DistributedFlags::on(Strategy::Single, 1)));
+    let evals = |s: &TrainSummary| s.steps.iter().map(|s| s.eval_loss).collect::<Vec<_>>();
+    let want_evals = evals(&want);
+    assert!(
+        want_evals[0].is_none() && want_evals[1].is_some() && want_evals[2].is_some(),
+        "{want_evals:?}"
+    );
+    for (what, flags) in [
+        (
+            "pp 2 x fsdp2 2 1f1b",
+            pp_flags(4, ScheduleKind::OneFOneB, None),
+        ),
+        (
+            "pp 2 interleaved",
+            pp_flags(2, ScheduleKind::Interleaved, Some(2)),
+        ),
+    ] {
+        let got = run(&eval(flags));
+        assert_curves(&got, &want, 1e-5, what);
+        for (g, w) in evals(&got).iter().zip(&want_evals) {
+            match (g, w) {
+                (Some(g), Some(w)) => assert!((g - w).abs() <= 1e-5 * w, "{what}: {g} vs {w}"),
+                (None, None) => {}
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `--lr 1e30` makes step 1's loss or gradient norm non-finite. Under `--on-nonfinite skip` every stage drops steps 1
+/// and 2 (the loss and norm are the global ones, the same on every rank): the saved weights are
+/// bit for bit those of the run that stopped after step 0. Under `stop` the run ends there.
+#[test]
+fn the_trainers_pp_skips_a_non_finite_step_on_every_stage() {
+    use burn_parallel::models::checkpoint::HfCheckpoint;
+    use burn_parallel::train::OnNonFinite;
+
+    use crate::common::to_vec;
+
+    let dir = crate::llama_hf::temp_dir("pp-skip");
+    let flags = || pp_flags(4, ScheduleKind::OneFOneB, None);
+    let saved = |steps: usize, name: &str| {
+        let cfg = TrainConfig {
+            lr: 1e30,
+            steps,
+            on_nonfinite: OnNonFinite::Skip,
+            save: Some(dir.join(name)),
+            ..pp_run(flags())
+        };
+        (run(&cfg), HfCheckpoint::open(dir.join(name)).unwrap())
+    };
+    let (skipping, after_skips) = saved(3, "skips");
+    let skipped: Vec<bool> = skipping.steps.iter().map(|s| s.skipped).collect();
+    assert_eq!(skipped, [false, true, true]);
+    let report = skipping.steps[1].report;
+    assert!(
+        !(report.loss.is_finite() && report.grad_norm.is_finite()),
+        "{report:?}"
+    );
+    let (_, after_one) = saved(1, "one");
+    for t in after_one.names() {
+        let (a, b) = (after_skips.read(t).unwrap(), after_one.read(t).unwrap());
+        let bits = |d| to_vec(&d).iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(a) == bits(b), "{t}: a skipped step changed it");
+    }
+    let stop = TrainConfig {
+        lr: 1e30,
+        steps: 3,
+        ..pp_run(flags())
+    };
+    let e = train(&stop, &|_| {})
+        .expect_err("stop ends the run")
+        .to_string();
+    assert!(
+        e.contains("step 1") && e.contains("--on-nonfinite skip"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// LoRA under pp: each stage attaches the adapters of its layers (seeded by their global
+/// paths), trains like one device, and `--save-adapter` writes one peft adapter (every
+/// stage's factors) equal to one device's, with the merged model under `--save`. A target no
+/// stage holds is the named error.
+#[test]
+fn the_trainers_pp_trains_lora_adapters_like_one_device() {
+    use burn_parallel::models::checkpoint::HfCheckpoint;
+
+    use crate::common::{assert_close, to_vec};
+    use crate::lora_llama::read_safetensors;
+
+    let dir = crate::llama_hf::temp_dir("pp-lora");
+    let lora = |flags: DistributedFlags, name: &str, targets: Option<Vec<String>>| TrainConfig {
+        lora: LoraOptions {
+            rank: Some(2),
+            alpha: Some(4.0),
+            targets,
+            save_adapter: Some(dir.join(name).join("adapter")),
+            ..LoraOptions::default()
+        },
+        save: Some(dir.join(name).join("merged")),
+        ..pp_run(flags)
+    };
+    let want = run(&lora(
+        DistributedFlags::on(Strategy::Single, 1),
+        "single",
+        None,
+    ));
+    let adapter =
+        |name: &str| read_safetensors(&dir.join(name).join("adapter/adapter_model.safetensors"));
+    let merged = |name: &str| HfCheckpoint::open(dir.join(name).join("merged")).unwrap();
+    let (want_adapter, want_merged) = (adapter("single"), merged("single"));
+    for (what, flags, name) in [
+        (
+            "pp 2 x fsdp2 2",
+            pp_flags(4, ScheduleKind::OneFOneB, None),
+            "fsdp",
+        ),
+        (
+            "pp 2 interleaved",
+            pp_flags(2, ScheduleKind::Interleaved, Some(4)),
+            "interleaved",
+        ),
+    ] {
+        let got = run(&lora(flags, name, None));
+        assert_curves(&got, &want, 1e-5, what);
+        assert_eq!(
+            got.steps[0].trainable_params,
+            want.steps[0].trainable_params
+        );
+        let got_adapter = adapter(name);
+        assert_eq!(
+            got_adapter.keys().collect::<Vec<_>>(),
+            want_adapter.keys().collect::<Vec<_>>(),
+            "{what}"
+        );
+        for (key, (shape, values)) in &want_adapter {
+            let (got_shape, got_values) = &got_adapter[key];
+            assert_eq!(got_shape, shape, "{what}: {key}");
+            assert_close(got_values, values, 1e-5, &format!("{what}: {key}"));
+        }
+        assert!(!dir.join(name).join("adapter/.stages").exists(), "{what}");
+        let got_merged = merged(name);
+        for t in want_merged.names() {
+            let (a, b) = (got_merged.read(t).unwrap(), want_merged.read(t).unwrap());
+            assert_close(&to_vec(&a), &to_vec(&b), 1e-5, &format!("{what}: {t}"));
+        }
+    }
+    // A target of a layer the model does not have matches on no stage.
+    let missing = Some(vec!["q_proj".into(), "model.layers.7.mlp.up_proj".into()]);
+    assert_refused(
+        lora(
+            pp_flags(2, ScheduleKind::OneFOneB, None),
+            "missing",
+            missing,
+        ),
+        &["model.layers.7.mlp.up_proj"],
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The small Llama on 4 layers trained on SFT records (prompts masked, rows padded to the
+/// batch's longest) with the fixture tokenizer.
+fn sft_run(flags: DistributedFlags) -> TrainConfig {
+    let (strategy, world) = (flags.strategy.unwrap(), flags.world_size.unwrap());
+    let mut cfg = crate::data_sft::text_run(strategy, world, "sft.jsonl");
+    cfg.distributed = resolved(flags.clone());
+    cfg.pipeline = flags.pipeline();
+    cfg.model.num_hidden_layers = 4;
+    cfg.steps = 3;
+    cfg.grad_clip = Some(0.5);
+    cfg
+}
+
+/// SFT data under pp: each microbatch's loss is the weighted sum over its counting targets,
+/// so the step trains on the global batch's counting-target mean, and `--eval-data` (SFT too)
+/// reports that mean forward only: both as one device.
+#[test]
+fn the_trainers_pp_trains_and_evaluates_sft_data_like_one_device() {
+    let with_eval = |flags| {
+        let mut cfg = sft_run(flags);
+        cfg.data_options.eval_data = Some(crate::data_sft::fixture("sft.jsonl"));
+        cfg.data_options.eval_every = 2;
+        cfg.data_options.eval_batches = 2;
+        cfg
+    };
+    let want = run(&with_eval(DistributedFlags::on(Strategy::Single, 1)));
+    assert!(want.steps[1].eval_loss.is_some() && want.steps[2].eval_loss.is_some());
+    for (what, flags) in [
+        ("pp 2 1f1b", pp_flags(2, ScheduleKind::OneFOneB, None)),
+        (
+            "pp 2 x fsdp2 2 gpipe",
+            pp_flags(4, ScheduleKind::GPipe, None),
+        ),
+        (
+            "pp 2 interleaved",
+            pp_flags(2, ScheduleKind::Interleaved, Some(4)),
+        ),
+    ] {
+        let got = run(&with_eval(flags));
+        assert_curves(&got, &want, 1e-5, what);
+        for (g, w) in got.steps.iter().zip(&want.steps) {
+            match (g.eval_loss, w.eval_loss) {
+                (Some(g), Some(w)) => assert!((g - w).abs() <= 1e-5 * w, "{what}: {g} vs {w}"),
+                (None, None) => {}
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+    }
+}
+
+/// `--save-every` under pp writes sharded checkpoints of every stage under the whole model's
+/// paths; `--resume` continues them under another layout (one device, fsdp2, another
+/// schedule and split), and a one-device checkpoint under pp: the resumed steps equal the
+/// uninterrupted one-device run's.
+#[test]
+fn the_trainers_pp_saves_and_resumes_across_layouts() {
+    use burn_parallel::checkpoint::step_dir;
+
+    let dir = crate::llama_hf::temp_dir("pp-resume");
+    let straight = run(&pp_run(DistributedFlags::on(Strategy::Single, 1)));
+    let saving = |flags: DistributedFlags, name: &str| TrainConfig {
+        save_every: Some(2),
+        save_dir: Some(dir.join(name)),
+        ..pp_run(flags)
+    };
+    let saved = run(&saving(pp_flags(4, ScheduleKind::OneFOneB, None), "pp"));
+    assert_curves(&saved, &straight, 1e-5, "pp 2 x fsdp2 2 saving");
+    assert_eq!(saved.checkpoints.len(), 2);
+    let single = run(&saving(DistributedFlags::on(Strategy::Single, 1), "single"));
+    assert_eq!(single.checkpoints.len(), 2);
+    let rest = TrainSummary {
+        steps: straight.steps[2..].to_vec(),
+        ..straight.clone()
+    };
+    for (what, from, flags) in [
+        (
+            "pp -> one device",
+            "pp",
+            DistributedFlags::on(Strategy::Single, 1),
+        ),
+        (
+            "pp -> fsdp2 2",
+            "pp",
+            DistributedFlags::on(Strategy::Fsdp2, 2),
+        ),
+        (
+            "pp -> pp 2 interleaved",
+            "pp",
+            pp_flags(2, ScheduleKind::Interleaved, Some(4)),
+        ),
+        (
+            "one device -> pp 2 x fsdp2 2 gpipe",
+            "single",
+            pp_flags(4, ScheduleKind::GPipe, None),
+        ),
+    ] {
+        let resumed = TrainConfig {
+            resume: Some(step_dir(&dir.join(from), 2)),
+            ..pp_run(flags)
+        };
+        let got = run(&resumed);
+        assert_eq!(got.steps[0].step, 2, "{what}");
+        assert_curves(&got, &rest, 1e-5, what);
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -12,6 +12,7 @@ use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_pack::{Reader, Scalar, Writer};
 use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
+use burn_parallel_pp::StageParamPaths;
 use serde_json::json;
 
 use crate::error::CheckpointError;
@@ -52,14 +53,16 @@ pub struct BurnOptimizer<'a> {
     loaded: Vec<(ParamId, Vec<Tensor<1>>)>,
 }
 
-fn params_of<M: Module>(model: &M) -> HashMap<ParamId, ParamInfo> {
-    struct Visit {
+/// The parameters of `model`, each under the path `naming` gives its own.
+fn params_of<M: Module>(model: &M, naming: &dyn Fn(&str) -> String) -> HashMap<ParamId, ParamInfo> {
+    struct Visit<'a> {
         out: HashMap<ParamId, ParamInfo>,
+        naming: &'a dyn Fn(&str) -> String,
     }
-    impl PathVisitor for Visit {
+    impl PathVisitor for Visit<'_> {
         fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
             let info = ParamInfo {
-                path: path.to_string(),
+                path: (self.naming)(path),
                 shape: param.lazy_shape().to_vec(),
                 device: param.lazy_device(),
             };
@@ -68,6 +71,7 @@ fn params_of<M: Module>(model: &M) -> HashMap<ParamId, ParamInfo> {
     }
     let mut visit = Visit {
         out: HashMap::new(),
+        naming,
     };
     visit_with_paths(model, &mut visit);
     visit.out
@@ -83,7 +87,28 @@ impl<'a> BurnOptimizer<'a> {
         optimizer: &'a mut ModuleOptimizer,
         model: &M,
     ) -> Result<Self, CheckpointError> {
-        let params = params_of(model);
+        Self::with_params(optimizer, params_of(model, &|p| p.to_string()))
+    }
+
+    /// Reads `optimizer`'s record for the parameters of a rank's pipeline stages (`stages`:
+    /// its chunks, which the one optimizer steps together), each named by the whole model's
+    /// path ([`StageParamPaths::global_path`]): for [`save_stages`](crate::save_stages) and
+    /// [`Checkpoint::load_stages`](crate::Checkpoint::load_stages).
+    pub fn for_stages<M: Module + StageParamPaths>(
+        optimizer: &'a mut ModuleOptimizer,
+        stages: &[M],
+    ) -> Result<Self, CheckpointError> {
+        let mut params = HashMap::new();
+        for stage in stages {
+            params.extend(params_of(stage, &|p| stage.global_path(p)));
+        }
+        Self::with_params(optimizer, params)
+    }
+
+    fn with_params(
+        optimizer: &'a mut ModuleOptimizer,
+        params: HashMap<ParamId, ParamInfo>,
+    ) -> Result<Self, CheckpointError> {
         let bytes = optimizer.into_bytes().map_err(record_error)?;
         let reader = Reader::from_bytes(bytes).map_err(record_error)?;
         let mut stored: HashMap<ParamId, Stored> = HashMap::new();

@@ -88,15 +88,19 @@ pub enum CheckpointError {
         /// The file it wrote last.
         file: PathBuf,
     },
-    /// Sharded checkpoints of a pipeline-parallel model (each rank holding one stage) are not
-    /// written or read yet; refused on every rank before any file is touched.
+    /// The whole-model `save` or `load` under pipeline parallelism: a rank holds stages, whose
+    /// module paths are not the whole model's; refused on every rank before any file is
+    /// touched.
     #[error(
-        "sharded checkpoints under pipeline parallelism (pp_size {pp}) are not supported yet: \
-         gather each stage with full_model and save it, or train without pp"
+        "under pipeline parallelism (pp_size {pp}) each rank holds pipeline stages, not the whole \
+         model: use {instead} with the rank's stage chunks (their type implements \
+         StageParamPaths, as LlamaStage does)"
     )]
     PipelineParallel {
         /// `pp_size`.
         pp: usize,
+        /// The stage API to call instead (`save_stages`, `Checkpoint::load_stages`, ...).
+        instead: &'static str,
     },
 }
 

@@ -49,6 +49,16 @@
 //! (`BurnOptimizer::new(&mut optim, &model)?`). Pass `None` to save or load the model alone. [`save_async`] writes from a snapshot on a background
 //! thread while training continues.
 //!
+//! # Pipeline parallelism
+//!
+//! Under `pp_size > 1` each rank holds one or more pipeline stages (chunks) of the model:
+//! [`save_stages`] and [`Checkpoint::load_stages`] take the rank's chunks, and store or read
+//! every parameter by the whole model's path ([`StageParamPaths`]; a stage's `layers.0` whose
+//! first layer is the model's layer 2 is `layers.2`), agreeing over every rank of every stage.
+//! The checkpoint is the whole model's: it loads under another split, another pp size, or
+//! into a whole model with [`Checkpoint::load`] (and a whole model's into stages). The optimizer
+//! is one for all of a rank's chunks ([`BurnOptimizer::for_stages`] for Burn's).
+//!
 //! # Guarantees
 //!
 //! - Atomic: files go to a hidden temporary directory, are flushed, and the directory is
@@ -78,6 +88,7 @@ mod optim;
 mod placement;
 mod region;
 mod save;
+mod stages;
 
 pub use burn_optim::BurnOptimizer;
 pub use dirs::{latest, resolve, step_dir};
@@ -90,4 +101,11 @@ pub use meta::{
 pub use optim::OptimizerState;
 pub use placement::{Placement, placements};
 pub use region::{Region, boxes_of_range};
-pub use save::{PendingSave, SaveFault, SaveOptions, SaveReport, save, save_async};
+pub use save::{
+    PendingSave, SaveFault, SaveOptions, SaveReport, save, save_async, save_stages,
+    save_stages_async,
+};
+
+/// How a pipeline stage's parameter paths map to the whole model's (re-exported from
+/// burn-parallel-pp): what [`save_stages`] and [`Checkpoint::load_stages`] key tensors by.
+pub use burn_parallel_pp::StageParamPaths;

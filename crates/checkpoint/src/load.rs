@@ -19,6 +19,7 @@ use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_parallel_fsdp::frozen_param_ids;
 use burn_parallel_parallelizer::{MeshContext, Parallelize};
+use burn_parallel_pp::StageParamPaths;
 
 use crate::dirs::resolve;
 use crate::error::CheckpointError;
@@ -28,6 +29,7 @@ use crate::meta::{Metadata, TrainingProgress, dtype_name, dtype_of, model_key, o
 use crate::optim::OptimizerState;
 use crate::placement::{Placement, placements};
 use crate::region::{Region, copy_part};
+use crate::stages::{WholeModel, whole_model_only};
 
 /// How a load runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,6 +120,10 @@ impl Checkpoint {
     /// Loads the checkpoint into `model` (parallelized under `mesh`, in any layout) and, when
     /// given, `optimizer`. Collective: every rank calls it. Every check runs, and the ranks
     /// agree on it, before any parameter is replaced; an error leaves no rank half-loaded.
+    ///
+    /// For a whole model, which must hold every parameter of the checkpoint (saved whole or
+    /// by stages); under pipeline parallelism (`pp_size > 1`) use
+    /// [`load_stages`](Self::load_stages).
     pub fn load<M: Parallelize>(
         &self,
         model: M,
@@ -125,15 +131,62 @@ impl Checkpoint {
         mesh: &MeshContext,
         options: &LoadOptions,
     ) -> Result<(M, LoadReport), CheckpointError> {
-        if mesh.sizes().pp > 1 {
-            return Err(CheckpointError::PipelineParallel {
-                pp: mesh.sizes().pp,
-            });
+        whole_model_only(mesh, "Checkpoint::load_stages")?;
+        fn whole<M>(_: &M) -> &dyn StageParamPaths {
+            &WholeModel
         }
-        let world = mesh.world_group();
+        let (mut models, report) =
+            self.load_chunks(vec![model], whole, true, optimizer, mesh, options)?;
+        Ok((models.remove(0), report))
+    }
+
+    /// Loads the checkpoint into this rank's pipeline stages (`stages`: its chunks, several
+    /// under the interleaved schedule, each parallelized under `mesh` in any layout within
+    /// its stage) and, when given, `optimizer` (one for all the chunks). Collective: every
+    /// rank of every stage calls it; the ranks agree on every check before any parameter is
+    /// replaced. Each parameter is read by the whole model's path
+    /// ([`StageParamPaths::global_path`]), so the checkpoint may come from any pipeline split
+    /// or pp size, or from a whole model ([`save`](crate::save)). A stage parameter the
+    /// checkpoint lacks, or holds with another shape or dtype, is an error naming it; the
+    /// checkpoint's parameters no chunk of this rank holds are other stages' and are not read.
+    pub fn load_stages<M: Parallelize + StageParamPaths>(
+        &self,
+        stages: Vec<M>,
+        optimizer: Option<&mut dyn OptimizerState>,
+        mesh: &MeshContext,
+        options: &LoadOptions,
+    ) -> Result<(Vec<M>, LoadReport), CheckpointError> {
+        fn own<M: StageParamPaths>(stage: &M) -> &dyn StageParamPaths {
+            stage
+        }
+        self.load_chunks(stages, own, false, optimizer, mesh, options)
+    }
+
+    /// Loads `models` (named by `naming`); `whole`: they must hold every parameter of the
+    /// checkpoint.
+    fn load_chunks<M: Parallelize>(
+        &self,
+        models: Vec<M>,
+        naming: fn(&M) -> &dyn StageParamPaths,
+        whole: bool,
+        optimizer: Option<&mut dyn OptimizerState>,
+        mesh: &MeshContext,
+        options: &LoadOptions,
+    ) -> Result<(Vec<M>, LoadReport), CheckpointError> {
+        // Every rank of every stage: under pp the world group is one stage's ranks.
+        let world = mesh.all_stages_group();
         let mut meter = Meter::default();
         let checked = (|| {
-            let placed = self.check_model(placements(&model)?, &frozen_param_ids(&model))?;
+            let (mut all, mut frozen) = (Vec::new(), HashSet::new());
+            for model in &models {
+                let names = naming(model);
+                for mut p in placements(model)? {
+                    p.path = names.global_path(&p.path);
+                    all.push(p);
+                }
+                frozen.extend(frozen_param_ids(model));
+            }
+            let placed = self.check_model(all, &frozen, whole)?;
             if let Some(o) = &optimizer {
                 self.check_optimizer(&**o)?;
             }
@@ -154,15 +207,15 @@ impl Checkpoint {
             .max()
             .unwrap_or(0);
         let loaded = self
-            .load_params(model, &placed, &mut meter)
-            .and_then(|model| {
+            .load_params(models, &placed, &mut meter)
+            .and_then(|models| {
                 if let Some(o) = optimizer {
                     self.load_optimizer(o, &placed, &mut meter)?;
                 }
-                Ok(model)
+                Ok(models)
             });
-        let model = agree(world, loaded)?;
-        Ok((model, meter.report))
+        let models = agree(world, loaded)?;
+        Ok((models, meter.report))
     }
 
     /// The dtype of parameter `path` in the checkpoint (checked to exist).
@@ -171,13 +224,14 @@ impl Checkpoint {
     }
 
     /// The first parameter in which the model and the checkpoint differ, in the model's order,
-    /// then the checkpoint's parameters the model lacks. Returns the placements to load: a
-    /// parameter the checkpoint left out as frozen, and that `frozen` (the model's) holds too,
-    /// keeps the model's value.
+    /// then (for a `whole` model) the checkpoint's parameters the model lacks. Returns the
+    /// placements to load: a parameter the checkpoint left out as frozen, and that `frozen`
+    /// (the model's) holds too, keeps the model's value.
     fn check_model(
         &self,
         placed: Vec<Placement>,
         frozen: &HashSet<ParamId>,
+        whole: bool,
     ) -> Result<Vec<Placement>, CheckpointError> {
         let mismatch = |param: &str, reason: String| CheckpointError::ModelMismatch {
             param: param.to_string(),
@@ -218,8 +272,9 @@ impl Checkpoint {
             }
             kept.push(p);
         }
-        for path in &self.meta.order {
-            if !kept.iter().any(|p| &p.path == path) {
+        let held: HashSet<&str> = kept.iter().map(|p| p.path.as_str()).collect();
+        for path in self.meta.order.iter().filter(|_| whole) {
+            if !held.contains(path.as_str()) {
                 return Err(mismatch(
                     path,
                     "is in the checkpoint but not in the model".into(),
@@ -302,13 +357,14 @@ impl Checkpoint {
         ))
     }
 
-    /// Every stored parameter replaced by its region read from the checkpoint, one at a time.
+    /// Every stored parameter of `models` replaced by its region read from the checkpoint,
+    /// one at a time.
     fn load_params<M: Module>(
         &self,
-        model: M,
+        models: Vec<M>,
         placed: &[Placement],
         meter: &mut Meter,
-    ) -> Result<M, CheckpointError> {
+    ) -> Result<Vec<M>, CheckpointError> {
         let mut loader = ParamLoader {
             checkpoint: self,
             files: Files::new(self),
@@ -316,10 +372,10 @@ impl Checkpoint {
             meter,
             error: None,
         };
-        let model = model.map(&mut loader);
+        let models = models.into_iter().map(|m| m.map(&mut loader)).collect();
         match loader.error {
             Some(e) => Err(e),
-            None => Ok(model),
+            None => Ok(models),
         }
     }
 

@@ -37,8 +37,12 @@ pub struct TrainingProgress {
 /// The mesh and strategy a checkpoint was saved under (informational: loading reshards to any).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SavedLayout {
-    /// Ranks that saved it.
+    /// Ranks that saved it (every stage's, under pipeline parallelism).
     pub world_size: usize,
+    /// Pipeline stages (`pp_size`; 1 without pipeline parallelism, and in checkpoints written
+    /// before the field).
+    #[serde(default = "one")]
+    pub pp: usize,
     /// Size of the replicate (HSDP) mesh dimension.
     pub dp_replicate: usize,
     /// Size of the FSDP shard mesh dimension.
@@ -49,6 +53,10 @@ pub struct SavedLayout {
     pub strategy: String,
     /// The whole `DistributedConfig` (mixed-precision policy, plan, ...), as JSON.
     pub config: serde_json::Value,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// The optimizer the state was saved from.

@@ -23,6 +23,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
 use burn_parallel_fsdp::frozen_param_ids;
 use burn_parallel_parallelizer::{MeshContext, Parallelize};
+use burn_parallel_pp::StageParamPaths;
 use serde::{Deserialize, Serialize};
 
 use crate::dirs::{fresh_dir, publish, temp_dir};
@@ -36,6 +37,10 @@ use crate::meta::{
 use crate::optim::OptimizerState;
 use crate::placement::{Placement, placements};
 use crate::region::{Region, tiles};
+use crate::stages::{
+    Chunk, StagePaths, WholeModel, merge_optimizer, merge_stage_paths, stage_chunks,
+    whole_model_only,
+};
 
 /// How a save runs.
 #[derive(Debug, Clone, Default)]
@@ -98,10 +103,10 @@ struct Held {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct RankPlan {
     held: Vec<Held>,
-    /// Saved model parameter paths in module order.
-    order: Vec<String>,
-    /// Frozen parameter paths left out.
-    frozen: Vec<String>,
+    /// Saved model parameter paths of each chunk, in module order.
+    order: Vec<StagePaths>,
+    /// Frozen parameter paths left out, of each chunk.
+    frozen: Vec<StagePaths>,
     optimizer: Option<OptimizerMeta>,
     error: Option<String>,
 }
@@ -112,30 +117,52 @@ struct Local {
     tensor: ShardTensor,
 }
 
-/// This rank's tensors, the model's saved parameter paths in module order, and the frozen
+/// This rank's tensors, each chunk's saved parameter paths in module order, and the frozen
 /// ones left out.
 #[derive(Default)]
 struct LocalTensors {
     params: Vec<Local>,
     states: Vec<Local>,
-    order: Vec<String>,
-    frozen: Vec<String>,
+    order: Vec<StagePaths>,
+    frozen: Vec<StagePaths>,
 }
 
-/// This rank's tensors: every trainable parameter's stored shard, then the optimizer state of
-/// each, one [`Local`] per box of the shard. Frozen parameters are left out (a LoRA
-/// checkpoint holds only the adapters): they never change, so a resumed run keeps its own.
+/// This rank's tensors, chunk by chunk: every trainable parameter's stored shard, then the
+/// optimizer state of each, one [`Local`] per box of the shard, named by the whole model's
+/// path. Frozen parameters are left out (a LoRA checkpoint holds only the adapters): they
+/// never change, so a resumed run keeps its own.
 fn local_tensors<M: Parallelize>(
-    model: &M,
+    chunks: &[Chunk<'_, M>],
     optimizer: Option<&dyn OptimizerState>,
 ) -> Result<LocalTensors, CheckpointError> {
+    let mut all = LocalTensors::default();
+    for (model, paths) in chunks {
+        let (params, states, order, frozen) = chunk_tensors(*model, *paths, optimizer)?;
+        all.params.extend(params);
+        all.states.extend(states);
+        all.order.push((paths.stage_index(), order));
+        all.frozen.push((paths.stage_index(), frozen));
+    }
+    Ok(all)
+}
+
+/// One chunk's part of [`local_tensors`]: its parameters' and their states' locals, its saved
+/// paths and its frozen ones.
+type ChunkTensors = (Vec<Local>, Vec<Local>, Vec<String>, Vec<String>);
+
+fn chunk_tensors<M: Parallelize>(
+    model: &M,
+    paths: &dyn StageParamPaths,
+    optimizer: Option<&dyn OptimizerState>,
+) -> Result<ChunkTensors, CheckpointError> {
     let placed = placements(model)?;
     let values = stored_values(model);
     let names = optimizer.map(|o| o.state_names()).unwrap_or_default();
     let frozen_ids = frozen_param_ids(model);
     let (mut params, mut states, mut order) = (Vec::new(), Vec::new(), Vec::new());
     let mut frozen = Vec::new();
-    for p in placed {
+    for mut p in placed {
+        p.path = paths.global_path(&p.path);
         if frozen_ids.contains(&p.id) {
             frozen.push(p.path);
             continue;
@@ -158,12 +185,7 @@ fn local_tensors<M: Parallelize>(
         }
         order.push(p.path);
     }
-    Ok(LocalTensors {
-        params,
-        states,
-        order,
-        frozen,
-    })
+    Ok((params, states, order, frozen))
 }
 
 /// One [`Local`] of tensor `key` per box of `p`: the part of `value` (the stored elements,
@@ -325,6 +347,7 @@ fn layout(mesh: &MeshContext) -> SavedLayout {
     let sizes = mesh.sizes();
     SavedLayout {
         world_size: mesh.world_size(),
+        pp: sizes.pp,
         dp_replicate: sizes.dp_replicate,
         dp_shard: sizes.dp_shard,
         tp: sizes.tp,
@@ -356,6 +379,9 @@ enum Writing {
 /// progress to the checkpoint directory `dir` (by convention [`step_dir`](crate::step_dir)
 /// of a save directory), atomically. Collective: every rank calls it. Each rank writes only
 /// what it holds and no rank gathers a parameter.
+///
+/// For a whole model: under pipeline parallelism (`pp_size > 1`) a rank holds stages, saved
+/// with [`save_stages`].
 pub fn save<M: Parallelize>(
     dir: &Path,
     model: &M,
@@ -364,14 +390,54 @@ pub fn save<M: Parallelize>(
     mesh: &MeshContext,
     options: &SaveOptions,
 ) -> Result<SaveReport, CheckpointError> {
-    start(dir, model, optimizer, progress, mesh, options, false)?.finish(mesh)
+    whole_model_only(mesh, "save_stages")?;
+    let chunks: [Chunk<'_, M>; 1] = [(model, &WholeModel)];
+    start(dir, &chunks, optimizer, progress, mesh, options, false)?.finish(mesh)
+}
+
+/// Saves this rank's pipeline stages (`stages`: its chunks, several under the interleaved
+/// schedule, each parallelized under `mesh`), the optimizer's state of all of them and the
+/// training progress to `dir`, atomically over every rank of every stage. Collective: every
+/// rank of the whole mesh calls it. Each parameter (and its optimizer state) is stored under
+/// the whole model's path ([`StageParamPaths::global_path`]), so the checkpoint is the whole
+/// model's: it loads under another split or pp size ([`Checkpoint::load_stages`]), or without
+/// pipeline parallelism ([`Checkpoint::load`]). Also works with `pp_size` 1 (a rank holding the
+/// whole model as one stage).
+///
+/// [`Checkpoint::load_stages`]: crate::Checkpoint::load_stages
+/// [`Checkpoint::load`]: crate::Checkpoint::load
+pub fn save_stages<M: Parallelize + StageParamPaths>(
+    dir: &Path,
+    stages: &[M],
+    optimizer: Option<&dyn OptimizerState>,
+    progress: &TrainingProgress,
+    mesh: &MeshContext,
+    options: &SaveOptions,
+) -> Result<SaveReport, CheckpointError> {
+    let chunks = stage_chunks(stages);
+    start(dir, &chunks, optimizer, progress, mesh, options, false)?.finish(mesh)
+}
+
+/// As [`save_stages`], with the files written on a background thread (see [`save_async`]);
+/// commit with [`PendingSave::finish`] on every rank of every stage.
+pub fn save_stages_async<M: Parallelize + StageParamPaths>(
+    dir: &Path,
+    stages: &[M],
+    optimizer: Option<&dyn OptimizerState>,
+    progress: &TrainingProgress,
+    mesh: &MeshContext,
+    options: &SaveOptions,
+) -> Result<PendingSave, CheckpointError> {
+    let chunks = stage_chunks(stages);
+    start(dir, &chunks, optimizer, progress, mesh, options, true)
 }
 
 /// As [`save`], but the files are written on a background thread from a snapshot (handles to
 /// the current tensors: the optimizer step replaces tensors rather than changing them), so
 /// training goes on meanwhile; the snapshot keeps the old tensors alive until written. Call
 /// [`PendingSave::finish`] on every rank at the same point of the loop (before the next save
-/// at the latest) to commit. Until then the checkpoint does not exist.
+/// at the latest) to commit. Until then the checkpoint does not exist. Under pipeline
+/// parallelism, use [`save_stages_async`].
 pub fn save_async<M: Parallelize>(
     dir: &Path,
     model: &M,
@@ -380,25 +446,22 @@ pub fn save_async<M: Parallelize>(
     mesh: &MeshContext,
     options: &SaveOptions,
 ) -> Result<PendingSave, CheckpointError> {
-    start(dir, model, optimizer, progress, mesh, options, true)
+    whole_model_only(mesh, "save_stages_async")?;
+    let chunks: [Chunk<'_, M>; 1] = [(model, &WholeModel)];
+    start(dir, &chunks, optimizer, progress, mesh, options, true)
 }
 
 fn start<M: Parallelize>(
     dir: &Path,
-    model: &M,
+    chunks: &[Chunk<'_, M>],
     optimizer: Option<&dyn OptimizerState>,
     progress: &TrainingProgress,
     mesh: &MeshContext,
     options: &SaveOptions,
     background: bool,
 ) -> Result<PendingSave, CheckpointError> {
-    // The world group is one stage's ranks under pp: the stages would overwrite each other.
-    if mesh.sizes().pp > 1 {
-        return Err(CheckpointError::PipelineParallel {
-            pp: mesh.sizes().pp,
-        });
-    }
-    let world = mesh.world_group();
+    // Every rank of every stage: under pp the world group is one stage's ranks.
+    let world = mesh.all_stages_group();
     let rank = mesh.rank();
     let temp = temp_dir(dir);
     let mut error = None;
@@ -412,7 +475,7 @@ fn start<M: Parallelize>(
         states,
         order,
         frozen,
-    } = local_tensors(model, optimizer).unwrap_or_else(|e| {
+    } = local_tensors(chunks, optimizer).unwrap_or_else(|e| {
         error.get_or_insert(e.to_string());
         LocalTensors::default()
     });
@@ -445,7 +508,17 @@ fn start<M: Parallelize>(
             message: e.clone(),
         });
     }
-    let tensors = plan_tensors(&plans)?;
+    // The same outcome on every rank: each computes it from the same plans.
+    let planned = plan_tensors(&plans).and_then(|tensors| {
+        let order = merge_stage_paths(plans.iter().flat_map(|p| &p.order))?;
+        let frozen = merge_stage_paths(plans.iter().flat_map(|p| &p.frozen))?;
+        Ok((tensors, order, frozen))
+    });
+    let (tensors, order, frozen) = planned.inspect_err(|_| {
+        if rank == 0 {
+            let _ = std::fs::remove_dir_all(&temp);
+        }
+    })?;
     let mine = |locals: Vec<Local>| -> Vec<ShardTensor> {
         locals
             .into_iter()
@@ -470,15 +543,14 @@ fn start<M: Parallelize>(
     } else {
         Writing::Done(write())
     };
-    let first = &plans[0];
     Ok(PendingSave {
         dir: dir.to_path_buf(),
         temp,
         rank,
         tensors,
-        order: first.order.clone(),
-        frozen: first.frozen.clone(),
-        optimizer: first.optimizer.clone(),
+        order,
+        frozen,
+        optimizer: merge_optimizer(plans.iter().filter_map(|p| p.optimizer.as_ref())),
         progress: progress.clone(),
         layout: layout(mesh),
         writing,
@@ -525,7 +597,7 @@ impl PendingSave {
     /// Waits for this rank's files, then commits the checkpoint: collective, every rank calls
     /// it. On any rank's failure no checkpoint appears and every rank returns an error.
     pub fn finish(mut self, mesh: &MeshContext) -> Result<SaveReport, CheckpointError> {
-        let world = mesh.world_group();
+        let world = mesh.all_stages_group();
         let writing = std::mem::replace(&mut self.writing, Writing::Done(Ok(Vec::new())));
         let written = match writing {
             Writing::Done(r) => r,

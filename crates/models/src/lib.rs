@@ -30,6 +30,7 @@ mod moe;
 mod moe_config;
 mod parallel;
 mod pipeline;
+mod pipeline_paths;
 mod plan;
 
 pub use config::{LlamaConfig, RopeScaling};

@@ -9,9 +9,11 @@ use burn::module::Module;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
+use burn_parallel_ep::ExpertShard;
 use burn_parallel_macros::parallelize;
+use burn_parallel_peft::{LoraError, LoraFn, LoraModule};
 use burn_parallel_pp::{PipelineError, PipelineStage, StageOutput, StageSplit, split_rows};
-use burn_parallel_tp::Tp;
+use burn_parallel_tp::{Tp, child_path};
 
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
@@ -61,6 +63,10 @@ pub struct TokenMicrobatch {
     pub ids: Vec<i64>,
     /// The target of every token, `rows * seq`.
     pub targets: Vec<i64>,
+    /// Each target's weight, `rows * seq` (`None`: the loss is the mean over every target;
+    /// given: the loss is `sum_i weights[i] * CE_i`, a weight of 0 dropping a padding or
+    /// prompt target).
+    pub weights: Option<Vec<f32>>,
     /// Rows.
     pub rows: usize,
     /// Tokens per row.
@@ -92,11 +98,28 @@ impl TokenMicrobatch {
             .map(|r| Self {
                 ids: cut(ids, r),
                 targets: cut(targets, r),
+                weights: None,
                 rows: r.len(),
                 seq,
             })
             .collect();
         Ok((microbatches, counts))
+    }
+
+    /// This microbatch with per-target `weights` (see [`TokenMicrobatch::weights`]).
+    pub fn with_weights(self, weights: Vec<f32>) -> Result<Self, PipelineError> {
+        if weights.len() != self.rows * self.seq {
+            return Err(PipelineError::Schedule(format!(
+                "{} target weights for {} rows of {} tokens",
+                weights.len(),
+                self.rows,
+                self.seq
+            )));
+        }
+        Ok(Self {
+            weights: Some(weights),
+            ..self
+        })
     }
 }
 
@@ -122,13 +145,29 @@ impl LlamaStage {
 
     /// Stage `stage` of `split`, its parameters (only) read from `source` by Hugging Face
     /// name. Tied embeddings across stages are refused: the embedding lives on the first
-    /// stage and the head on the last.
+    /// stage and the head on the last. A mixture-of-experts stage holds every expert of its
+    /// sparse layers (`parallelize_model` splits them under `ep_size > 1`); the
+    /// load-balancing loss is refused across stages.
     pub fn from_source(
         config: &LlamaConfig,
         source: &mut dyn TensorSource,
         split: &StageSplit,
         stage: usize,
         device: &Device,
+    ) -> Result<Self, ModelError> {
+        Self::from_source_ep(config, source, split, stage, device, None)
+    }
+
+    /// As [`from_source`](Self::from_source), with a MoE model's experts split over
+    /// `ep_group` (expert parallelism, within the stage): each rank reads and holds only its
+    /// own experts, as [`Llama::from_source_ep`](crate::Llama::from_source_ep).
+    pub fn from_source_ep(
+        config: &LlamaConfig,
+        source: &mut dyn TensorSource,
+        split: &StageSplit,
+        stage: usize,
+        device: &Device,
+        ep_group: Option<&ProcessGroup>,
     ) -> Result<Self, ModelError> {
         let c = config;
         let stages = split.stages();
@@ -146,11 +185,18 @@ impl LlamaStage {
                  false) to pipeline this model"
             )));
         }
-        if c.moe.is_some() {
-            return Err(ModelError::Unsupported(
-                "a mixture-of-experts model in pipeline stages (not yet)".into(),
-            ));
+        if c.moe.as_ref().is_some_and(|m| m.output_router_logits) && stages > 1 {
+            return Err(ModelError::Unsupported(format!(
+                "the load-balancing loss (output_router_logits) over {stages} pipeline stages: \
+                 it combines every layer's routing over the whole batch, and the stages' layers \
+                 run their backwards before the last microbatch's forward; set \
+                 output_router_logits = false to pipeline this model"
+            )));
         }
+        let shard = match (&c.moe, ep_group) {
+            (Some(moe), Some(group)) => Some(ExpertShard::new(group.clone(), moe.num_experts)?),
+            _ => None,
+        };
         let (first, last) = (stage == 0, stage + 1 == stages);
         let h = c.hidden_size;
         let embed_tokens = match first {
@@ -159,7 +205,7 @@ impl LlamaStage {
         };
         let layers = split
             .range(stage)
-            .map(|i| decoder_layer(source, i, c, None, device))
+            .map(|i| decoder_layer(source, i, c, shard.as_ref(), device))
             .collect::<Result<Vec<_>, _>>()?;
         let (norm, lm_head) = match last {
             true => (
@@ -231,8 +277,15 @@ impl LlamaStage {
         let group = self.loss_group.as_ref().ok_or_else(|| {
             self.error("the last stage computes the loss: give it the tp group (with_loss_group)")
         })?;
-        let loss = burn_parallel_tp::loss_parallel(logits, targets, group, self.config.vocab_size)
-            .map_err(|e| self.error(e))?;
+        let vocab = self.config.vocab_size;
+        let loss = match &mb.weights {
+            None => burn_parallel_tp::loss_parallel(logits, targets, group, vocab),
+            Some(w) => {
+                let w = Tensor::<1>::from_data(TensorData::new(w.clone(), [w.len()]), &device);
+                burn_parallel_tp::loss_parallel_weighted(logits, targets, w, group, vocab)
+            }
+        }
+        .map_err(|e| self.error(e))?;
         Ok(StageOutput::Loss(loss))
     }
 }
@@ -261,5 +314,25 @@ impl PipelineStage<3> for LlamaStage {
         // the whole forward, as the Llama's root unit.
         burn_parallel_fsdp::try_with_module_unit(self, || self.forward_body(mb, input))
             .map_err(|e| self.error(e))?
+    }
+}
+
+/// LoRA on a stage walks its layers under the whole model's Hugging Face paths
+/// (`model.layers.{first_layer + i}`), so that adapters get the ids, seeds and peft names they
+/// have on the whole Llama.
+impl LoraModule for LlamaStage {
+    fn map_lora(self, path: &str, f: &mut LoraFn<'_>) -> Result<Self, LoraError> {
+        let layers = child_path(&child_path(path, "model"), "layers");
+        let first = self.first_layer;
+        let layers_mapped = self
+            .layers
+            .into_iter()
+            .enumerate()
+            .map(|(i, layer)| layer.map_lora(&child_path(&layers, &(first + i).to_string()), f))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            layers: layers_mapped,
+            ..self
+        })
     }
 }

@@ -635,7 +635,8 @@ impl DistributedConfig {
     }
 
     /// What pipeline parallelism composes with so far: the sharding strategies (fsdp2, hsdp,
-    /// fsdp2_tp), without context or expert parallelism.
+    /// fsdp2_tp; expert parallelism with those that split experts), without context
+    /// parallelism.
     fn check_pipeline(&self) -> Result<(), ParallelError> {
         let with = if !matches!(
             self.strategy,
@@ -647,8 +648,6 @@ impl DistributedConfig {
             ))
         } else if self.cp_size > 1 {
             Some(format!("context parallelism (cp_size {})", self.cp_size))
-        } else if self.ep_size > 1 {
-            Some(format!("expert parallelism (ep_size {})", self.ep_size))
         } else {
             None
         };

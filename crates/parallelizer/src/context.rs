@@ -27,6 +27,10 @@ pub const PP: &str = "pp";
 /// group delivers its messages between two ranks in order; two keep the two directions apart).
 pub const PP_BACKWARD: &str = "pp_backward";
 
+/// With `pp > 1`, the name of the dimension that spans every rank of every stage (the whole
+/// mesh, pp included; [`WORLD`] is one stage's ranks): what a sharded checkpoint agrees over.
+const ALL_STAGES: &str = "all_stages";
+
 /// The name of the flattened `dp_replicate x dp_shard x cp` dimension (NeMo's `dp_cp`) when
 /// `cp > 1`: every rank holding a different part of the global batch, over which losses are
 /// averaged (with `cp` 1 that is the dp group).
@@ -74,7 +78,7 @@ pub struct ExpertGroups {
 }
 
 impl ExpertGroups {
-    /// The groups of the rank `rank` of a `dp_replicate x dp_shard x cp x tp` mesh (tp
+    /// The groups of the rank `rank` of a `(pp x) dp_replicate x dp_shard x cp x tp` mesh (tp
     /// innermost) whose `dp_shard x cp` splits into `ep_shard x ep`. Every rank builds its own,
     /// in this order.
     fn new(ctx: &RankContext, sizes: MeshSizes) -> Result<Self, ParallelError> {
@@ -83,11 +87,14 @@ impl ExpertGroups {
         let me = ctx.rank();
         let (t, shard, replica) = (me % tp, (me / tp) % shards, me / (tp * shards));
         let (block, e) = (shard / ep, shard % ep);
+        // Under pipeline parallelism `replica` counts the replicas of every stage before this
+        // one: this stage's are the dp_replicate from its first.
+        let first_replica = replica - replica % sizes.dp_replicate;
         let global =
             |replica: usize, block: usize, e: usize| ((replica * shards) + block * ep + e) * tp + t;
         let ep_ranks: Vec<usize> = (0..ep).map(|e| global(replica, block, e)).collect();
         let shard_ranks: Vec<usize> = (0..shards / ep).map(|b| global(replica, b, e)).collect();
-        let replica_ranks: Vec<usize> = (0..sizes.dp_replicate)
+        let replica_ranks: Vec<usize> = (first_replica..first_replica + sizes.dp_replicate)
             .flat_map(|r| (0..shards / ep).map(move |b| (r, b)))
             .map(|(r, b)| global(r, b, e))
             .collect();
@@ -140,6 +147,10 @@ impl MeshContext {
                 mesh.flatten(&[&names.dp_replicate, &names.dp_shard, &names.tp], WORLD)?;
                 if sizes.pp > 1 {
                     mesh.flatten(&[PP], PP_BACKWARD)?;
+                    mesh.flatten(
+                        &[PP, &names.dp_replicate, &names.dp_shard, &names.tp],
+                        ALL_STAGES,
+                    )?;
                 }
                 mesh
             }
@@ -317,6 +328,16 @@ impl MeshContext {
     /// Every rank of the mesh (of this rank's pipeline stage under pipeline parallelism).
     pub fn world_group(&self) -> &ProcessGroup {
         self.group(WORLD)
+    }
+
+    /// Every rank of every pipeline stage, in global rank order (its index is
+    /// [`rank`](Self::rank)): the whole mesh. The [`world_group`](Self::world_group) when
+    /// `pp_size` is 1. Sharded checkpoints exchange their plans and agree over it.
+    pub fn all_stages_group(&self) -> &ProcessGroup {
+        match self.sizes.pp {
+            1 => self.world_group(),
+            _ => self.group(ALL_STAGES),
+        }
     }
 
     /// The pipeline group: one rank per stage, in stage order, all holding the same place

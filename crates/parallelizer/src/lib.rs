@@ -42,7 +42,9 @@ pub use config::{
 pub use context::{DP, ExpertGroups, LocalRows, MeshContext, PP, PP_BACKWARD, WORLD};
 pub use error::ParallelError;
 pub use full::{full_model, full_state_dict};
-pub use pipeline::{PipelineReport, pipeline_train_step, pipeline_train_step_reported};
+pub use pipeline::{
+    PipelineReport, pipeline_eval_loss, pipeline_train_step, pipeline_train_step_reported,
+};
 pub use sidecar::{ModelParallelizer, fsdp_config};
 pub use step::{
     Accumulated, StepReport, global_grad_norm, sync_gradients, train_step, train_step_accumulated,

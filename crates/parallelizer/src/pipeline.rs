@@ -8,7 +8,7 @@ use burn::tensor::{Gradients, TensorData};
 use burn_parallel_comm::ReduceOp;
 use burn_parallel_describe::Parallelize;
 use burn_parallel_pp::{
-    PipelineError, PipelineStage, ScheduleKind, ScheduleStats, StageLink, run_schedule,
+    PipelineError, PipelineStage, ScheduleKind, ScheduleStats, StageLink, run_forward, run_schedule,
 };
 
 use crate::context::{LocalRows, MeshContext};
@@ -49,28 +49,7 @@ pub fn pipeline_train_step_reported<const D: usize, S: PipelineStage<D> + Parall
     ctx: &MeshContext,
     optimizer_step: impl FnOnce(Vec<S>, Gradients, &StepReport) -> Vec<S>,
 ) -> Result<(Vec<S>, PipelineReport), ParallelError> {
-    let (Some(forward), Some(backward)) = (ctx.pp_group(), ctx.pp_backward_group()) else {
-        return Err(PipelineError::Schedule(
-            "a pipeline step needs pp_size > 1 in the config".into(),
-        )
-        .into());
-    };
-    let total: usize = microbatch_rows.iter().sum();
-    if total != rows.len() || microbatch_rows.len() != microbatches.len() {
-        return Err(PipelineError::Schedule(format!(
-            "{} microbatches of {microbatch_rows:?} rows for this rank's {} rows",
-            microbatches.len(),
-            rows.len()
-        ))
-        .into());
-    }
-    // Microbatch m's mean loss times rows_m / rows, times the rows' weight in the
-    // data-parallel average (train_step's weighting, split over the microbatches).
-    let weights: Vec<f64> = microbatch_rows
-        .iter()
-        .map(|&r| rows.loss_weight() * r as f64 / rows.len() as f64)
-        .collect();
-    let mut link = StageLink::new(forward.clone(), backward.clone())?;
+    let (mut link, weights) = link_and_weights(microbatches.len(), microbatch_rows, rows, ctx)?;
     let run = run_schedule(
         &chunks,
         &mut link,
@@ -85,11 +64,7 @@ pub fn pipeline_train_step_reported<const D: usize, S: PipelineStage<D> + Parall
     let run = run?;
     let mut grads = run.grads;
     let grad_norm = sync_stage_gradients(&chunks, &mut grads, max_grad_norm, ctx)?;
-    // Only the last stage has a loss: summed over the stages, then averaged over the
-    // data-parallel ranks as every step does.
-    let loss = TensorData::new(vec![run.loss as f32], [1]);
-    let loss = forward.all_reduce(loss, ReduceOp::Sum)?;
-    let loss = scalar(ctx.dp_cp_group().all_reduce(loss, ReduceOp::Avg)?);
+    let loss = global_mean(run.loss, ctx)?;
     let step = StepReport { loss, grad_norm };
     let chunks = optimizer_step(chunks, grads, &step);
     let schedule = run.stats;
@@ -122,4 +97,65 @@ pub fn pipeline_train_step<const D: usize, S: PipelineStage<D> + Parallelize>(
             optimizer.step(lr, chunks, grads)
         },
     )
+}
+
+/// The global batch's mean loss, forward only (an evaluation): the microbatches run through
+/// the stages under `schedule`'s order of forwards, weighted as [`pipeline_train_step`]
+/// weights them. The same on every rank. Collective as a step.
+pub fn pipeline_eval_loss<const D: usize, S: PipelineStage<D> + Parallelize>(
+    chunks: &[S],
+    microbatches: &[S::Microbatch],
+    microbatch_rows: &[usize],
+    rows: &LocalRows,
+    schedule: ScheduleKind,
+    ctx: &MeshContext,
+) -> Result<f32, ParallelError> {
+    let (mut link, weights) = link_and_weights(microbatches.len(), microbatch_rows, rows, ctx)?;
+    let loss = run_forward(
+        chunks,
+        &mut link,
+        schedule,
+        microbatches,
+        &weights,
+        ctx.device(),
+    )?;
+    global_mean(loss, ctx)
+}
+
+/// The link to the neighbouring stages and each microbatch's loss weight: its mean loss times
+/// `rows_m / rows`, times the rows' weight in the data-parallel average (`train_step`'s
+/// weighting, split over the microbatches).
+fn link_and_weights(
+    microbatches: usize,
+    microbatch_rows: &[usize],
+    rows: &LocalRows,
+    ctx: &MeshContext,
+) -> Result<(StageLink, Vec<f64>), ParallelError> {
+    let (Some(forward), Some(backward)) = (ctx.pp_group(), ctx.pp_backward_group()) else {
+        return Err(PipelineError::Schedule(
+            "a pipeline step needs pp_size > 1 in the config".into(),
+        )
+        .into());
+    };
+    let total: usize = microbatch_rows.iter().sum();
+    if total != rows.len() || microbatch_rows.len() != microbatches {
+        return Err(PipelineError::Schedule(format!(
+            "{microbatches} microbatches of {microbatch_rows:?} rows for this rank's {} rows",
+            rows.len()
+        ))
+        .into());
+    }
+    let weights = microbatch_rows
+        .iter()
+        .map(|&r| rows.loss_weight() * r as f64 / rows.len() as f64)
+        .collect();
+    Ok((StageLink::new(forward.clone(), backward.clone())?, weights))
+}
+
+/// Only the last stage has a loss: summed over the stages, then averaged over the
+/// data-parallel ranks as every step does.
+fn global_mean(loss: f64, ctx: &MeshContext) -> Result<f32, ParallelError> {
+    let pp = ctx.pp_group().expect("a pipeline has a pp group");
+    let loss = pp.all_reduce(TensorData::new(vec![loss as f32], [1]), ReduceOp::Sum)?;
+    Ok(scalar(ctx.dp_cp_group().all_reduce(loss, ReduceOp::Avg)?))
 }

@@ -351,7 +351,7 @@ where
 
 /// Splits every `#[experts]` module's experts over the context's ep group (those already split
 /// over it stay as they are), with the model's description. A model without `#[experts]`
-/// modules is an error.
+/// modules is an error, except a pipeline stage (its layers may all be dense).
 fn split_experts<M: Parallelize>(
     model: M,
     ctx: &MeshContext,
@@ -361,7 +361,8 @@ fn split_experts<M: Parallelize>(
         .expect("experts are split under expert parallelism");
     let mut description = ModelDescription::default();
     model.describe("", &mut description);
-    if description.experts.is_empty() {
+    // A pipeline stage may hold only dense layers of a MoE model.
+    if description.experts.is_empty() && ctx.sizes().pp == 1 {
         return Err(ConfigError::NoExperts {
             ep: groups.ep.size(),
         }

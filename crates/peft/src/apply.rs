@@ -80,6 +80,51 @@ impl<T: LoraModule> LoraModule for Option<T> {
 /// whole model, before `parallelize_model`, on every rank (the adapters are seeded, so every
 /// rank builds the same ones).
 pub fn apply_lora<M: Module + LoraModule>(model: M, config: &LoraConfig) -> Result<M, LoraError> {
+    let (model, attached) = attach_lora(model, config)?;
+    attached.check(config)?;
+    Ok(model)
+}
+
+/// What [`attach_lora`] did: how many modules each target of the config matched, and the
+/// paths of the `Lora` modules it saw.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Attached {
+    /// Modules matched, per target (in the config's order).
+    pub hits: Vec<usize>,
+    /// Every `Lora` module's path, in field order.
+    pub seen: Vec<String>,
+}
+
+impl Attached {
+    /// A target that matched nothing is an error naming it and the paths seen.
+    pub fn check(&self, config: &LoraConfig) -> Result<(), LoraError> {
+        let unmatched: Vec<&str> = config
+            .targets
+            .iter()
+            .zip(&self.hits)
+            .filter(|(_, h)| **h == 0)
+            .map(|(t, _)| t.as_str())
+            .collect();
+        if unmatched.is_empty() {
+            return Ok(());
+        }
+        Err(LoraError::UnmatchedTargets {
+            targets: unmatched.join(", "),
+            available: match self.seen.is_empty() {
+                true => "none".into(),
+                false => self.seen.join(", "),
+            },
+        })
+    }
+}
+
+/// [`apply_lora`] without its check that every target matched: for one part of a model (a
+/// pipeline stage) whose targets may name modules of other parts. Sum the parts' `hits` and
+/// [`check`](Attached::check) them.
+pub fn attach_lora<M: Module + LoraModule>(
+    model: M,
+    config: &LoraConfig,
+) -> Result<(M, Attached), LoraError> {
     config.validate()?;
     let mut hits = vec![0usize; config.targets.len()];
     let mut seen = Vec::new();
@@ -93,23 +138,7 @@ pub fn apply_lora<M: Module + LoraModule>(model: M, config: &LoraConfig) -> Resu
             None => Ok(layer),
         }
     })?;
-    let unmatched: Vec<&str> = config
-        .targets
-        .iter()
-        .zip(&hits)
-        .filter(|(_, h)| **h == 0)
-        .map(|(t, _)| t.as_str())
-        .collect();
-    if !unmatched.is_empty() {
-        return Err(LoraError::UnmatchedTargets {
-            targets: unmatched.join(", "),
-            available: match seen.is_empty() {
-                true => "none".into(),
-                false => seen.join(", "),
-            },
-        });
-    }
-    Ok(model)
+    Ok((model, Attached { hits, seen }))
 }
 
 /// peft's `merge_and_unload`: every adapter folded into its base weight and removed, for

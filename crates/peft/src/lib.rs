@@ -40,10 +40,11 @@ mod init;
 mod lora;
 mod tp;
 
-pub use apply::{LoraFn, LoraModule, adapted_paths, apply_lora, merge_lora};
+pub use apply::{Attached, LoraFn, LoraModule, adapted_paths, apply_lora, attach_lora, merge_lora};
 pub use config::LoraConfig;
 pub use error::LoraError;
 pub use file::{
-    AdapterConfig, CONFIG_FILE, TargetModules, WEIGHTS_FILE, load_adapter, save_adapter,
+    AdapterConfig, CONFIG_FILE, TargetModules, WEIGHTS_FILE, combine_adapters, load_adapter,
+    save_adapter,
 };
 pub use lora::{A_NAME, Adapter, B_NAME, Lora, LoraBase};

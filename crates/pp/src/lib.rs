@@ -11,6 +11,7 @@
 
 mod error;
 mod link;
+mod paths;
 mod run;
 mod schedule;
 mod split;
@@ -18,7 +19,8 @@ mod stage;
 
 pub use error::PipelineError;
 pub use link::StageLink;
-pub use run::{ScheduleStats, StageGrads, run_schedule};
+pub use paths::{StageParamPaths, renumber};
+pub use run::{ScheduleStats, StageGrads, run_forward, run_schedule};
 pub use schedule::{Action, ScheduleKind, actions, bubble_fraction};
 pub use split::{StageSplit, split_rows};
 pub use stage::{PipelineStage, StageOutput};

@@ -76,48 +76,9 @@ pub fn run_schedule<const D: usize, S: PipelineStage<D> + Module>(
     gradient_sync: &dyn Fn(bool),
 ) -> Result<StageGrads, PipelineError> {
     let started = Instant::now();
-    let (r, p, v) = (link.rank(), link.ranks(), chunks.len());
-    for (c, chunk) in chunks.iter().enumerate() {
-        if chunk.position() != (c * p + r, p * v) {
-            let (s, n) = chunk.position();
-            return Err(PipelineError::Stage {
-                stage: c * p + r,
-                stages: p * v,
-                message: format!(
-                    "chunk {c} of pipeline rank {r} was built as stage {s} of {n}; with {p} \
-                     ranks and {v} chunks each it must be stage {} of {}",
-                    c * p + r,
-                    p * v
-                ),
-            });
-        }
-    }
-    if weights.len() != microbatches.len() {
-        return Err(PipelineError::Schedule(format!(
-            "{} loss weights for {} microbatches",
-            weights.len(),
-            microbatches.len()
-        )));
-    }
-    let plan = actions(kind, r, p, v, microbatches.len())?;
-    let mut runner = Runner {
-        chunks,
-        link,
-        device,
-        r,
-        p,
-        saved: (0..v)
-            .map(|_| (0..microbatches.len()).map(|_| None).collect())
-            .collect(),
-        grads: None,
-        loss: 0.0,
-        waiting: Duration::ZERO,
-        live: 0,
-        peak: 0,
-        inputs: Vec::new(),
-        outputs: Vec::new(),
-    };
+    let (mut runner, plan) = prepare(chunks, link, kind, microbatches, weights, device)?;
     runner.agree_shapes(microbatches)?;
+    let v = chunks.len();
     // Each chunk's last backward: FSDP reduces that chunk's deferred gradients there.
     let last_backward: Vec<usize> = (0..v)
         .map(|c| {
@@ -153,6 +114,89 @@ pub fn run_schedule<const D: usize, S: PipelineStage<D> + Module>(
             peak_microbatches: runner.peak,
         },
     })
+}
+
+/// This rank's actions under `kind` and a runner for them, once the chunks' positions and the
+/// weights are checked.
+fn prepare<'a, const D: usize, S: PipelineStage<D> + Module>(
+    chunks: &'a [S],
+    link: &'a mut StageLink,
+    kind: ScheduleKind,
+    microbatches: &[S::Microbatch],
+    weights: &[f64],
+    device: &'a Device,
+) -> Result<(Runner<'a, D, S>, Vec<Action>), PipelineError> {
+    let (r, p, v) = (link.rank(), link.ranks(), chunks.len());
+    for (c, chunk) in chunks.iter().enumerate() {
+        if chunk.position() != (c * p + r, p * v) {
+            let (s, n) = chunk.position();
+            return Err(PipelineError::Stage {
+                stage: c * p + r,
+                stages: p * v,
+                message: format!(
+                    "chunk {c} of pipeline rank {r} was built as stage {s} of {n}; with {p} \
+                     ranks and {v} chunks each it must be stage {} of {}",
+                    c * p + r,
+                    p * v
+                ),
+            });
+        }
+    }
+    if weights.len() != microbatches.len() {
+        return Err(PipelineError::Schedule(format!(
+            "{} loss weights for {} microbatches",
+            weights.len(),
+            microbatches.len()
+        )));
+    }
+    let plan = actions(kind, r, p, v, microbatches.len())?;
+    let runner = Runner {
+        chunks,
+        link,
+        device,
+        r,
+        p,
+        saved: (0..v)
+            .map(|_| (0..microbatches.len()).map(|_| None).collect())
+            .collect(),
+        grads: None,
+        loss: 0.0,
+        waiting: Duration::ZERO,
+        live: 0,
+        peak: 0,
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+    };
+    Ok((runner, plan))
+}
+
+/// Runs only the forwards of `kind`'s schedule over `microbatches` (an evaluation): the same
+/// handshake, sends and receives as [`run_schedule`] without any backward, each microbatch's
+/// graph dropped once its activation is sent. Returns, on the rank holding the last stage, the
+/// sum over microbatches of each one's loss times `weights[m]`; 0 elsewhere. Collective over
+/// the pipeline groups.
+pub fn run_forward<const D: usize, S: PipelineStage<D> + Module>(
+    chunks: &[S],
+    link: &mut StageLink,
+    kind: ScheduleKind,
+    microbatches: &[S::Microbatch],
+    weights: &[f64],
+    device: &Device,
+) -> Result<f64, PipelineError> {
+    let (mut runner, plan) = prepare(chunks, link, kind, microbatches, weights, device)?;
+    runner.agree_shapes(microbatches)?;
+    // The forwards keep their order in the schedule: each rank's are a subsequence of a
+    // deadlock-free schedule, and dropping the backwards only removes waits.
+    for action in plan {
+        if let Action::Forward { chunk, microbatch } = action {
+            let mb = &microbatches[microbatch];
+            runner.forward(chunk, microbatch, mb, weights[microbatch])?;
+            runner.saved[chunk][microbatch] = None;
+            runner.live -= 1;
+        }
+    }
+    runner.link.finish()?;
+    Ok(runner.loss)
 }
 
 struct Runner<'a, const D: usize, S> {

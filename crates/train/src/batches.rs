@@ -34,7 +34,7 @@ fn micro_samples(
 
 /// The padded length of the step's rows: `--seq-len` when padding to it, else the longest row
 /// of the step's whole global batch (every micro-batch, every rank).
-fn pad_len(
+pub(crate) fn pad_len(
     cfg: &TrainConfig,
     data: &Dataset,
     samples: std::ops::Range<usize>,
@@ -186,7 +186,7 @@ pub(crate) fn forward_step(
 
 /// Sums `values` over the data-parallel group, with the cp ranks (each holding a part of every
 /// row) under context parallelism (exactly, in f64).
-fn all_reduce_sum(mesh: &MeshContext, values: &[f64]) -> Result<Vec<f64>, TrainError> {
+pub(crate) fn all_reduce_sum(mesh: &MeshContext, values: &[f64]) -> Result<Vec<f64>, TrainError> {
     if mesh.dp_cp_size() == 1 {
         return Ok(values.to_vec());
     }

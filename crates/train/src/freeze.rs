@@ -39,9 +39,21 @@ pub(crate) fn split_patterns(list: &str) -> Vec<String> {
 /// one stacked parameter per projection).
 pub(crate) fn plan(model: &Llama, patterns: &[String]) -> Result<FreezePlan, TrainError> {
     let params = hf_params(model);
+    let (plan, used) = plan_params(&params, patterns)?;
+    check_used(patterns, &used, &params)?;
+    Ok(plan)
+}
+
+/// What `patterns` select of `params` (a pipeline stage's: a pattern may select parameters of
+/// another stage only), and which patterns selected something. Selecting some experts of a
+/// layer but not all is an error.
+pub(crate) fn plan_params(
+    params: &[HfParam],
+    patterns: &[String],
+) -> Result<(FreezePlan, Vec<bool>), TrainError> {
     let mut used = vec![false; patterns.len()];
     let mut plan = FreezePlan::default();
-    for p in &params {
+    for p in params {
         let hits: Vec<&String> = p
             .names
             .iter()
@@ -64,10 +76,19 @@ pub(crate) fn plan(model: &Llama, patterns: &[String]) -> Result<FreezePlan, Tra
             plan.frozen.insert(p.id);
         }
     }
-    if let Some(i) = used.iter().position(|u| !u) {
-        return Err(no_match(&patterns[i], &params));
+    Ok((plan, used))
+}
+
+/// The first pattern no parameter matched (`used` over the whole model) is an error naming it.
+pub(crate) fn check_used(
+    patterns: &[String],
+    used: &[bool],
+    params: &[HfParam],
+) -> Result<(), TrainError> {
+    match used.iter().position(|u| !u) {
+        Some(i) => Err(no_match(&patterns[i], params)),
+        None => Ok(()),
     }
-    Ok(plan)
 }
 
 fn partial_stack(p: &HfParam, hit: &str) -> TrainError {
@@ -131,7 +152,7 @@ fn glob(pattern: &[u8], text: &[u8]) -> bool {
 }
 
 /// `model` with the parameters of `frozen` no longer taking gradients (lazy ones stay lazy).
-pub(crate) fn freeze(model: Llama, frozen: &HashSet<ParamId>) -> Llama {
+pub(crate) fn freeze<M: Module>(model: M, frozen: &HashSet<ParamId>) -> M {
     struct Freeze<'a>(&'a HashSet<ParamId>);
     impl ModuleMapper for Freeze<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {

@@ -228,7 +228,7 @@ pub(crate) fn split_targets(list: &str) -> Vec<String> {
         .collect()
 }
 
-fn lora_error(e: LoraError) -> TrainError {
+pub(crate) fn lora_error(e: LoraError) -> TrainError {
     TrainError::Config(e.to_string())
 }
 
@@ -243,8 +243,8 @@ pub(crate) fn apply(model: Llama, plan: &LoraPlan) -> Result<(Llama, u64), Train
     Ok((model, trainable))
 }
 
-/// Elements of every adapter's `a` and `b` (a whole model's).
-fn adapter_elements(model: &Llama) -> Result<u64, TrainError> {
+/// Elements of every adapter's `a` and `b` (a whole model's, or a pipeline stage's).
+pub(crate) fn adapter_elements<M: LoraModule + Clone>(model: &M) -> Result<u64, TrainError> {
     let mut n = 0u64;
     model
         .clone()

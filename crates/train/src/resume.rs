@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::tensor::Gradients;
 use burn_parallel_checkpoint::{
-    Checkpoint, OptimizerState, SaveOptions, TrainingProgress, save, step_dir,
+    Checkpoint, OptimizerState, SaveOptions, StageParamPaths, TrainingProgress, save, save_stages,
+    step_dir,
 };
 use burn_parallel_parallelizer::{MeshContext, Parallelize};
 use serde_json::json;
@@ -139,7 +140,41 @@ pub(crate) fn save_checkpoint<M: Parallelize>(
     optimizer: &RunOptimizer,
     mesh: &MeshContext,
 ) -> Result<PathBuf, TrainError> {
-    let progress = TrainingProgress {
+    let dir = step_dir(save_dir, done as u64);
+    let progress = progress(cfg, done, data_position);
+    let state = Some(optimizer.state());
+    let report = save(&dir, model, state, &progress, mesh, &SaveOptions::default())?;
+    Ok(report.dir)
+}
+
+/// [`save_checkpoint`] of a pipeline run: this rank's `stages`, each under the whole model's
+/// paths (collective over every stage).
+pub(crate) fn save_stage_checkpoint<M: Parallelize + StageParamPaths>(
+    cfg: &TrainConfig,
+    save_dir: &Path,
+    done: usize,
+    data_position: usize,
+    stages: &[M],
+    optimizer: &RunOptimizer,
+    mesh: &MeshContext,
+) -> Result<PathBuf, TrainError> {
+    let dir = step_dir(save_dir, done as u64);
+    let progress = progress(cfg, done, data_position);
+    let state = Some(optimizer.state());
+    let report = save_stages(
+        &dir,
+        stages,
+        state,
+        &progress,
+        mesh,
+        &SaveOptions::default(),
+    )?;
+    Ok(report.dir)
+}
+
+/// The progress a checkpoint after `done` steps records.
+fn progress(cfg: &TrainConfig, done: usize, data_position: usize) -> TrainingProgress {
+    TrainingProgress {
         step: done as u64,
         data_position: data_position as u64,
         // What the trainer needs to reproduce the data stream and the schedule (a resumed run
@@ -152,15 +187,5 @@ pub(crate) fn save_checkpoint<M: Parallelize>(
             "data": cfg.data.as_ref().map(|d| d.display().to_string()),
             "seed": cfg.seed,
         }),
-    };
-    let dir = step_dir(save_dir, done as u64);
-    let report = save(
-        &dir,
-        model,
-        Some(optimizer.state()),
-        &progress,
-        mesh,
-        &SaveOptions::default(),
-    )?;
-    Ok(report.dir)
+    }
 }

@@ -85,6 +85,15 @@ pub struct StepLog {
     /// The most routed token slots any expert received.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_tokens_max: Option<u64>,
+    /// Under `--pp`: the seconds rank 0's schedule waited for a neighbouring stage's
+    /// activation or gradient (its share of the pipeline bubble; compare its ratio to
+    /// `step_time_s` with `(p - 1) / (m + p - 1)`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pp_wait_s: Option<f64>,
+    /// Under `--pp`: the most microbatches rank 0 held activations for at once (`m` under
+    /// gpipe, at most `p` under 1f1b).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pp_peak_microbatches: Option<usize>,
 }
 
 /// Where a step's time went, as rank 0 saw it, in seconds. The collectives' times are inside
@@ -217,7 +226,7 @@ pub fn train(
     let data = token_data(cfg, &model_cfg)?;
     let eval = eval_data(cfg, &model_cfg)?;
     check_batch_memory(cfg, &model_cfg, &data, mesh)?;
-    crate::pipeline::check(cfg, &model_cfg, mesh, &data)?;
+    crate::pipeline::check(cfg, &model_cfg, mesh, (&data, eval.as_ref()))?;
     if let Some(dir) = &cfg.checkpoint {
         // Opens every file now, so that a broken checkpoint fails before training.
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
@@ -328,7 +337,15 @@ fn run_rank(
     };
     let mesh = MeshContext::new(&ctx, cfg.distributed.clone(), device)?;
     if mesh.pp_group().is_some() {
-        return crate::pipeline::run_rank(cfg, model_cfg, data, &mesh, &ctx, on_step);
+        return crate::pipeline::run_rank(
+            cfg,
+            model_cfg,
+            (data, eval),
+            resume,
+            &mesh,
+            &ctx,
+            on_step,
+        );
     }
     let (mut model, trainable_params) = build_model(cfg, model_cfg, &mesh)?;
     let mut optimizer = RunOptimizer::new(cfg);
@@ -434,6 +451,8 @@ fn run_rank(
             aux_loss: routing.as_ref().and_then(|r| r.aux_loss),
             expert_tokens_min: routing.as_ref().map(|r| r.expert_tokens.0),
             expert_tokens_max: routing.as_ref().map(|r| r.expert_tokens.1),
+            pp_wait_s: None,
+            pp_peak_microbatches: None,
         };
         if ctx.rank() == 0 {
             on_step(&report);

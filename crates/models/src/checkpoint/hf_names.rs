@@ -9,10 +9,12 @@ use burn_parallel_ep::ExpertShard;
 use burn_parallel_peft::Lora;
 use burn_parallel_tp::Tp;
 
+use crate::config::LlamaConfig;
 use crate::error::ModelError;
-use crate::llama::{Llama, RmsNorm};
+use crate::llama::{DecoderLayer, Llama, RmsNorm};
 use crate::moe::SparseMoe;
 use crate::moe_config::{ExpertProj, MoeFlavor};
+use crate::pipeline::LlamaStage;
 
 /// What [`walk`] shows each parameter to, in checkpoint order.
 pub(super) trait HfVisitor {
@@ -85,8 +87,43 @@ pub(super) fn walk(model: &Llama, v: &mut impl HfVisitor) -> Result<(), ModelErr
         &model.embed_tokens.inner().weight,
         false,
     )?;
-    for (i, l) in model.layers.iter().enumerate() {
-        let p = format!("model.layers.{i}");
+    walk_layers(&model.layers, 0, &model.config, v)?;
+    norm(v, "model.norm", model.norm.inner())?;
+    if let Some(head) = &model.lm_head {
+        linear(v, "lm_head", head)?;
+    }
+    Ok(())
+}
+
+/// As [`walk`] for one pipeline stage: its layers under their global indices, the embedding,
+/// final norm and head where the stage holds them.
+pub(super) fn walk_stage(stage: &LlamaStage, v: &mut impl HfVisitor) -> Result<(), ModelError> {
+    if let Some(embed) = &stage.embed_tokens {
+        v.param(
+            "model.embed_tokens.weight".into(),
+            &embed.inner().weight,
+            false,
+        )?;
+    }
+    walk_layers(&stage.layers, stage.first_layer, &stage.config, v)?;
+    if let Some(n) = &stage.norm {
+        norm(v, "model.norm", n.inner())?;
+    }
+    if let Some(head) = &stage.lm_head {
+        linear(v, "lm_head", head)?;
+    }
+    Ok(())
+}
+
+/// `layers`, the first being the model's layer `first`.
+fn walk_layers(
+    layers: &[DecoderLayer],
+    first: usize,
+    config: &LlamaConfig,
+    v: &mut impl HfVisitor,
+) -> Result<(), ModelError> {
+    for (i, l) in layers.iter().enumerate() {
+        let p = format!("model.layers.{}", first + i);
         norm(
             v,
             &format!("{p}.input_layernorm"),
@@ -117,13 +154,9 @@ pub(super) fn walk(model: &Llama, v: &mut impl HfVisitor) -> Result<(), ModelErr
                 lora_linear(v, &format!("{p}.mlp.{n}"), lin)?;
             }
         }
-        if let (Some(m), Some(config)) = (&l.moe, &model.config.moe) {
-            moe(v, &p, m, config.flavor)?;
+        if let (Some(m), Some(moe_config)) = (&l.moe, &config.moe) {
+            moe(v, &p, m, moe_config.flavor)?;
         }
-    }
-    norm(v, "model.norm", model.norm.inner())?;
-    if let Some(head) = &model.lm_head {
-        linear(v, "lm_head", head)?;
     }
     Ok(())
 }
@@ -144,38 +177,48 @@ pub struct HfParam {
 /// value and communicates nothing (lazy parameters stay lazy). Call it on the model as built
 /// (before sharding): element counts are those of the tensors the model holds.
 pub fn hf_params(model: &Llama) -> Vec<HfParam> {
-    struct Names(Vec<HfParam>);
-    impl HfVisitor for Names {
-        fn param<const D: usize>(
-            &mut self,
-            name: String,
-            param: &Param<Tensor<D>>,
-            _linear: bool,
-        ) -> Result<(), ModelError> {
-            self.0.push(HfParam {
-                id: param.id,
-                names: vec![name],
-                elements_per_name: param.lazy_shape().num_elements(),
-            });
-            Ok(())
-        }
-
-        fn experts(
-            &mut self,
-            names: Vec<String>,
-            stack: &Param<Tensor<3>>,
-            _shard: Option<&ExpertShard>,
-        ) -> Result<(), ModelError> {
-            let [_, rows, cols] = stack.lazy_shape().dims();
-            self.0.push(HfParam {
-                id: stack.id,
-                names,
-                elements_per_name: rows * cols,
-            });
-            Ok(())
-        }
-    }
     let mut names = Names(Vec::new());
     walk(model, &mut names).expect("naming parameters cannot fail");
     names.0
+}
+
+/// As [`hf_params`] for one pipeline stage (its layers under the whole model's names).
+pub fn hf_stage_params(stage: &LlamaStage) -> Vec<HfParam> {
+    let mut names = Names(Vec::new());
+    walk_stage(stage, &mut names).expect("naming parameters cannot fail");
+    names.0
+}
+
+/// Collects the names of each parameter (see [`hf_params`]).
+struct Names(Vec<HfParam>);
+
+impl HfVisitor for Names {
+    fn param<const D: usize>(
+        &mut self,
+        name: String,
+        param: &Param<Tensor<D>>,
+        _linear: bool,
+    ) -> Result<(), ModelError> {
+        self.0.push(HfParam {
+            id: param.id,
+            names: vec![name],
+            elements_per_name: param.lazy_shape().num_elements(),
+        });
+        Ok(())
+    }
+
+    fn experts(
+        &mut self,
+        names: Vec<String>,
+        stack: &Param<Tensor<3>>,
+        _shard: Option<&ExpertShard>,
+    ) -> Result<(), ModelError> {
+        let [_, rows, cols] = stack.lazy_shape().dims();
+        self.0.push(HfParam {
+            id: stack.id,
+            names,
+            elements_per_name: rows * cols,
+        });
+        Ok(())
+    }
 }

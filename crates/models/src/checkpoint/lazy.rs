@@ -15,6 +15,8 @@ use crate::config::LlamaConfig;
 use crate::error::ModelError;
 use crate::init::{DeferredRead, ParamKind, ParamValue, TensorSource};
 use crate::llama::Llama;
+use crate::pipeline::LlamaStage;
+use burn_parallel_pp::StageSplit;
 
 use super::{CheckpointSource, HfCheckpoint};
 
@@ -90,6 +92,30 @@ pub fn lazy_llama_ep(
         names: HashMap::new(),
     };
     let model = Llama::from_source_ep(&config, &mut source, device, ep_group)?;
+    let rows = CheckpointRows {
+        checkpoint: source.checkpoint,
+        names: source.names,
+    };
+    Ok((model, rows))
+}
+
+/// One pipeline stage of `dir`'s Llama ([`LlamaStage::from_source_ep`]) with its parameters
+/// lazy, and where each lives: each rank reads only its stage's tensors (its rows of them
+/// under FSDP), and under `ep_group` only its own experts.
+pub fn lazy_llama_stage(
+    dir: impl AsRef<Path>,
+    split: &StageSplit,
+    stage: usize,
+    device: &Device,
+    ep_group: Option<&ProcessGroup>,
+) -> Result<(LlamaStage, CheckpointRows), ModelError> {
+    let dir = dir.as_ref();
+    let config = LlamaConfig::load(dir)?;
+    let mut source = Deferred {
+        checkpoint: Arc::new(HfCheckpoint::open(dir)?),
+        names: HashMap::new(),
+    };
+    let model = LlamaStage::from_source_ep(&config, &mut source, split, stage, device, ep_group)?;
     let rows = CheckpointRows {
         checkpoint: source.checkpoint,
         names: source.names,

@@ -10,10 +10,11 @@ use burn_parallel_ep::ExpertShard;
 use burn_parallel_tp::TpModule;
 use safetensors::tensor::{Dtype, TensorView};
 
-use super::hf_names::{HfVisitor, walk};
+use super::hf_names::{HfVisitor, walk, walk_stage};
 use super::reader::transpose;
 use crate::error::ModelError;
 use crate::llama::Llama;
+use crate::pipeline::LlamaStage;
 
 /// The dtype tensors are written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +100,73 @@ pub fn hf_tensors(model: &Llama) -> Result<Vec<(String, TensorData)>, ModelError
     Ok(values.0)
 }
 
+/// As [`hf_tensors`] for one pipeline stage: its parameters under the whole model's Hugging
+/// Face names (collective over the stage's ranks).
+pub fn hf_stage_tensors(stage: &LlamaStage) -> Result<Vec<(String, TensorData)>, ModelError> {
+    let stage = burn_parallel_fsdp::gather_full(stage.clone())?.gather_tp()?;
+    let mut values = Values(Vec::new());
+    walk_stage(&stage, &mut values)?;
+    Ok(values.0)
+}
+
+/// The file of part `part` (from 0) of a checkpoint sharded into `parts` files, as the hub
+/// names them (`model-00001-of-00002.safetensors`).
+pub fn part_file_name(part: usize, parts: usize) -> String {
+    format!("model-{:05}-of-{parts:05}.safetensors", part + 1)
+}
+
+/// Writes part `part` of `parts` of a sharded Hugging Face checkpoint in `dir`: `tensors` (a
+/// pipeline stage's [`hf_stage_tensors`]) in [`part_file_name`]. Once every part is written,
+/// [`save_llama_index`] completes the checkpoint.
+pub fn save_llama_part(
+    tensors: &[(String, TensorData)],
+    dir: impl AsRef<Path>,
+    part: usize,
+    parts: usize,
+    dtype: SaveDtype,
+) -> Result<(), ModelError> {
+    let dir = dir.as_ref();
+    std::fs::create_dir_all(dir).map_err(ModelError::write(dir))?;
+    save_safetensors(tensors, dir.join(part_file_name(part, parts)), dtype)
+}
+
+/// Completes a sharded checkpoint whose `parts` files [`save_llama_part`] wrote: `config.json`
+/// and `model.safetensors.index.json` (each tensor's file, read from the files' headers), so
+/// that transformers and [`HfCheckpoint`](super::HfCheckpoint) load it.
+pub fn save_llama_index(
+    config: &crate::LlamaConfig,
+    dir: impl AsRef<Path>,
+    parts: usize,
+    dtype: SaveDtype,
+) -> Result<(), ModelError> {
+    let dir = dir.as_ref();
+    let mut weight_map = serde_json::Map::new();
+    let mut total_size = 0u64;
+    for part in 0..parts {
+        let name = part_file_name(part, parts);
+        let path = dir.join(&name);
+        let bytes = std::fs::read(&path).map_err(ModelError::io(&path))?;
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| {
+            ModelError::Checkpoint {
+                path: path.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        for (tensor, info) in metadata.tensors() {
+            total_size += (info.data_offsets.1 - info.data_offsets.0) as u64;
+            weight_map.insert(tensor, name.clone().into());
+        }
+    }
+    let index = serde_json::json!({
+        "metadata": { "total_size": total_size },
+        "weight_map": weight_map,
+    });
+    let index_path = dir.join("model.safetensors.index.json");
+    let text = serde_json::to_string_pretty(&index).expect("a JSON value");
+    std::fs::write(&index_path, text).map_err(ModelError::write(&index_path))?;
+    write_config(config, dir, dtype)
+}
+
 fn encode(data: &TensorData, dtype: SaveDtype) -> Vec<u8> {
     let v = data
         .clone()
@@ -127,12 +195,21 @@ pub fn save_llama(
 ) -> Result<(), ModelError> {
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(ModelError::write(dir))?;
+    write_config(config, dir, dtype)?;
+    save_safetensors(tensors, dir.join("model.safetensors"), dtype)
+}
+
+/// `dir/config.json`: the model's config with the saved dtype.
+fn write_config(
+    config: &crate::LlamaConfig,
+    dir: &Path,
+    dtype: SaveDtype,
+) -> Result<(), ModelError> {
     let mut json = config.to_hf_json();
     json["torch_dtype"] = dtype.torch_name().into();
     let config_path = dir.join("config.json");
     let text = serde_json::to_string_pretty(&json).expect("a JSON value");
-    std::fs::write(&config_path, text).map_err(ModelError::write(&config_path))?;
-    save_safetensors(tensors, dir.join("model.safetensors"), dtype)
+    std::fs::write(&config_path, text).map_err(ModelError::write(&config_path))
 }
 
 /// Writes named float tensors (a model's `parallelizer::full_state_dict`, or `hf_tensors`) to

@@ -71,6 +71,51 @@ pub fn save_adapter<M: LoraModule + Clone>(
     tensors::write(&dir.join(WEIGHTS_FILE), &modules)
 }
 
+/// Combines adapter directories [`save_adapter`] wrote for disjoint parts of one model (the
+/// stages of a pipeline, each with its layers' adapters) into one adapter in `dir`: every
+/// part's factors in one `adapter_model.safetensors` and the parts' common
+/// `adapter_config.json`. Parts whose configs differ, or that both hold a module, are errors
+/// naming them.
+pub fn combine_adapters(parts: &[&Path], dir: impl AsRef<Path>) -> Result<(), LoraError> {
+    let dir = dir.as_ref();
+    let first = parts
+        .first()
+        .ok_or_else(|| LoraError::file(dir, "no adapter parts to combine"))?;
+    let read_config = |part: &Path| {
+        let path = part.join(CONFIG_FILE);
+        std::fs::read_to_string(&path)
+            .map_err(|e| LoraError::file(&path, format!("cannot read it: {e}")))
+    };
+    let config = read_config(first)?;
+    let mut modules: Vec<(String, PeftFactors)> = Vec::new();
+    for part in parts {
+        if read_config(part)? != config {
+            return Err(LoraError::file(
+                &part.join(CONFIG_FILE),
+                format!(
+                    "it differs from {}'s: the parts are of different adapters",
+                    first.display()
+                ),
+            ));
+        }
+        for (module, factors) in tensors::read(&part.join(WEIGHTS_FILE))? {
+            if modules.iter().any(|(m, _)| *m == module) {
+                return Err(LoraError::file(
+                    &part.join(WEIGHTS_FILE),
+                    format!("`{module}` is in two parts: they must hold disjoint modules"),
+                ));
+            }
+            modules.push((module, factors));
+        }
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| LoraError::file(dir, format!("cannot create the directory: {e}")))?;
+    let config_path = dir.join(CONFIG_FILE);
+    std::fs::write(&config_path, config)
+        .map_err(|e| LoraError::file(&config_path, format!("cannot write it: {e}")))?;
+    tensors::write(&dir.join(WEIGHTS_FILE), &modules)
+}
+
 /// peft's `PeftModel.from_pretrained`: freezes every parameter of `model` and attaches, to
 /// each `Lora` module the adapter file has factors for, an adapter with the file's values,
 /// rank, alpha and scaling. Returns the model and the adapter's [`LoraConfig`] (targets from

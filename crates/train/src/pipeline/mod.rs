@@ -6,26 +6,33 @@
 //! global norm, as under every other layout. What the pipeline path does not support yet is
 //! refused by [`check`] before any rank starts.
 
+mod batches;
+mod build;
+mod export;
+
 use std::time::Instant;
 
-use burn::module::Module;
-use burn::tensor::{Gradients, TensorData};
-use burn_parallel_comm::{OpKind, RankContext, ReduceOp};
-use burn_parallel_models::{LlamaConfig, LlamaStage, TokenMicrobatch};
+use burn::tensor::Gradients;
+use burn_parallel_checkpoint::LoadOptions;
+use burn_parallel_comm::{OpKind, RankContext};
+use burn_parallel_models::{LlamaConfig, LlamaStage};
 use burn_parallel_parallelizer::{
-    LocalRows, MeshContext, MeshSizes, ScheduleKind, StageSplit, StepReport, parallelize_model,
-    pipeline_train_step_reported,
+    MeshContext, MeshSizes, ScheduleKind, StepReport, pipeline_train_step_reported,
 };
 
+use crate::batches::evaluates_after;
 use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::error::TrainError;
 use crate::guard::{check_finite, skips};
-use crate::resume::RunOptimizer;
+use crate::resume::{Resume, RunOptimizer, save_stage_checkpoint, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
 use crate::trainer::{RankResult, StepCalls, StepLog, StepTimes, max_over_world};
 use crate::usage::ProcessUsage;
+use batches::{eval_loss, step_microbatches};
+use build::build_chunks;
+use export::{finish_lora, save};
 
 /// The pipeline schedule of a `--pp` run, each `None` when not given.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -79,17 +86,19 @@ pub(crate) fn check(
     cfg: &TrainConfig,
     model: &LlamaConfig,
     mesh: MeshSizes,
-    data: &Dataset,
+    (data, eval): (&Dataset, Option<&Dataset>),
 ) -> Result<(), TrainError> {
     let (opts, pp) = (&cfg.pipeline, cfg.distributed.pp_size);
     if pp <= 1 {
         return Ok(());
     }
-    if data.masked() || data.packed() {
-        return bad(format!(
-            "--pp {pp}: SFT, chat or packed data (masked targets) is not supported under \
-             pipeline parallelism yet; use a token stream (.bin, text)"
-        ));
+    for (flag, data) in [("--data", Some(data)), ("--eval-data", eval)] {
+        if data.is_some_and(|d| d.packed()) {
+            return bad(format!(
+                "--pp {pp}: {flag} is packed (--pack: several documents per row), which is not \
+                 supported under pipeline parallelism yet; drop --pack (rows are then padded)"
+            ));
+        }
     }
     let (schedule, m, v) = (
         opts.schedule(),
@@ -137,11 +146,15 @@ fn unsupported(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError>
     let d = &cfg.distributed;
     let refusals = [
         (d.cp_size > 1, "--cp", "context parallelism without --pp"),
-        (d.ep_size > 1, "--ep", "expert parallelism without --pp"),
         (
-            model.moe.is_some(),
-            "a mixture-of-experts model",
-            "a dense model",
+            d.ep_size > 1 && model.moe.is_none(),
+            "--ep with a dense model",
+            "a mixture-of-experts model, or no --ep",
+        ),
+        (
+            model.moe.as_ref().is_some_and(|m| m.output_router_logits),
+            "a mixture-of-experts model's load-balancing loss (output_router_logits)",
+            "output_router_logits = false in the model's config",
         ),
         (
             model.tie_word_embeddings,
@@ -149,30 +162,14 @@ fn unsupported(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError>
             "a model with tie_word_embeddings = false",
         ),
         (
-            cfg.checkpoint.is_some(),
-            "--checkpoint",
-            "a seeded model (--model), or no --pp",
+            cfg.lora.init.is_some(),
+            "--lora-init",
+            "fresh adapters (--lora-rank), or no --pp",
         ),
-        (
-            cfg.save.is_some() || cfg.save_every.is_some() || cfg.resume.is_some(),
-            "--save, --save-every and --resume (sharded checkpoints refuse pp)",
-            "a run without them, or no --pp",
-        ),
-        (
-            cfg.lora.rank.is_some() || cfg.lora.init.is_some(),
-            "LoRA",
-            "full training, or no --pp",
-        ),
-        (!cfg.freeze.is_empty(), "--freeze", "no --freeze"),
         (
             cfg.grad_accum > 1,
             "--grad-accum > 1",
             "--microbatches (the pipeline accumulates over them)",
-        ),
-        (
-            cfg.data_options.eval_data.is_some(),
-            "--eval-data",
-            "no --eval-data",
         ),
     ];
     match refusals.iter().find(|r| r.0) {
@@ -188,60 +185,30 @@ fn bad(message: impl Into<String>) -> Result<(), TrainError> {
     Err(TrainError::Config(message.into()))
 }
 
-/// This rank's chunks (stage `c * pp + r` for chunk `c` of pipeline rank `r`), each
-/// parallelized over its stage's ranks, and the elements of the whole model that train.
-fn build_chunks(
-    cfg: &TrainConfig,
-    model: &LlamaConfig,
-    mesh: &MeshContext,
-) -> Result<(Vec<LlamaStage>, u64), TrainError> {
-    let group = mesh.pp_group().expect("a pipeline run has a pp group");
-    let (r, p, v) = (group.index(), group.size(), cfg.pipeline.stages_per_rank());
-    let split = StageSplit::even(model.num_hidden_layers, p * v)
-        .map_err(|e| TrainError::Config(format!("--pp {p} --stages-per-rank {v}: {e}")))?;
-    let mut own = 0;
-    let mut chunks = Vec::with_capacity(v);
-    for c in 0..v {
-        let stage = LlamaStage::seeded(model, cfg.seed, &split, c * p + r, mesh.device())?
-            .with_loss_group(mesh.tp_group().clone());
-        own += stage.num_params();
-        chunks.push(parallelize_model(stage, mesh)?);
-    }
-    // Each stage counted once: one rank per stage in the pp group.
-    let own = TensorData::new(vec![own as f64], [1]);
-    let total = group.all_reduce(own, ReduceOp::Sum)?;
-    let total = total.try_into_vec::<f64>().expect("f64 count")[0];
-    Ok((chunks, total as u64))
-}
-
-/// This rank's rows of the step at data position `position`, split into the run's
-/// microbatches, with the rows each holds.
-fn microbatches(
-    cfg: &TrainConfig,
-    data: &Dataset,
-    position: usize,
-    rows: &LocalRows,
-) -> Result<(Vec<TokenMicrobatch>, Vec<usize>), TrainError> {
-    let samples = position + rows.rows.start..position + rows.rows.end;
-    let batch = data.batch(samples, cfg.data_options.shuffle_seed, cfg.seq_len);
-    let m = cfg.pipeline.microbatches(cfg.distributed.pp_size);
-    let (b, t) = (batch.rows, batch.seq_len);
-    TokenMicrobatch::split(&batch.inputs, &batch.targets, b, t, m)
-        .map_err(|e| TrainError::Config(format!("--microbatches {m}: {e}")))
-}
-
 /// The pipeline run of one rank: [`crate::trainer`]'s loop with
 /// [`pipeline_train_step_reported`] as its step.
 pub(crate) fn run_rank(
     cfg: &TrainConfig,
     model_cfg: &LlamaConfig,
-    data: &Dataset,
+    (data, eval): (&Dataset, Option<&Dataset>),
+    resume: Option<&Resume>,
     mesh: &MeshContext,
     ctx: &RankContext,
     on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
     let (mut chunks, trainable_params) = build_chunks(cfg, model_cfg, mesh)?;
     let mut optimizer = RunOptimizer::new(cfg);
+    // As the whole-model loop: the stages' parameters and optimizer state from the checkpoint
+    // (saved under any layout), the data stream and the schedule from its progress.
+    let (start, mut position, schedule_start) = match resume {
+        Some(r) => {
+            let options = LoadOptions::default();
+            let state = Some(optimizer.state_mut());
+            chunks = r.checkpoint.load_stages(chunks, state, mesh, &options)?.0;
+            (r.step, r.data_position, r.schedule_position)
+        }
+        None => (0, 0, 0),
+    };
     let states = optimizer.states_per_param();
     let my_state = model_state_bytes(&chunks, states);
     let my_optimizer_state = optimizer_state_bytes(&chunks, states);
@@ -251,12 +218,13 @@ pub(crate) fn run_rank(
     let rows = mesh.local_rows(cfg.global_batch);
     let global_tokens = (cfg.global_batch * cfg.seq_len) as f64;
     let stats_before = ctx.stats();
-    let mut reports = Vec::with_capacity(cfg.steps);
-    for step in 0..cfg.steps {
+    let mut reports = Vec::with_capacity(cfg.steps - start);
+    let mut checkpoints = Vec::new();
+    for step in start..cfg.steps {
         let start_time = Instant::now();
         let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
-        let (mbs, counts) = microbatches(cfg, data, step * cfg.global_batch, &rows)?;
-        let lr = schedule.lr_at(step);
+        let (mbs, counts) = step_microbatches(cfg, data, position, &rows, mesh)?;
+        let lr = schedule.lr_at(schedule_start + (step - start));
         optimizer.set_lr(lr);
         let (mut optimizer_s, mut skipped) = (0.0, false);
         let step_fn = |m: Vec<LlamaStage>, g: Gradients, report: &StepReport| {
@@ -284,7 +252,14 @@ pub(crate) fn run_rank(
         if !skipped {
             check_finite(cfg, step, &done.step)?;
         }
+        position += cfg.global_batch;
         let step_time_s = start_time.elapsed().as_secs_f64();
+        let eval_loss = match eval {
+            Some(eval) if evaluates_after(cfg, step + 1) => {
+                Some(eval_loss(cfg, &chunks, eval, &rows, mesh)?)
+            }
+            _ => None,
+        };
         let usage = ProcessUsage::now();
         let comm = ctx.stats().since(&comm_before);
         let comm_s = |kind| comm.op(kind).time.as_secs_f64();
@@ -316,17 +291,31 @@ pub(crate) fn run_rank(
             },
             minor_faults: usage.minor_faults - usage_before.minor_faults,
             peak_rss_bytes: usage.peak_rss_bytes,
-            eval_loss: None,
+            eval_loss,
             aux_loss: None,
             expert_tokens_min: None,
             expert_tokens_max: None,
+            pp_wait_s: Some(done.schedule.waiting.as_secs_f64()),
+            pp_peak_microbatches: Some(done.schedule.peak_microbatches),
         };
         if ctx.rank() == 0 {
             on_step(&report);
         }
         reports.push(report);
+        if let Some(save_dir) = &cfg.save_dir
+            && saves_after(cfg, step + 1)
+        {
+            let done = step + 1;
+            let dir =
+                save_stage_checkpoint(cfg, save_dir, done, position, &chunks, &optimizer, mesh)?;
+            checkpoints.push(dir);
+        }
     }
     let comm = ctx.stats().since(&stats_before).total();
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
-    Ok((reports, my_state, comm_per_step, Vec::new()))
+    let chunks = finish_lora(cfg, chunks, mesh)?;
+    if let Some(dir) = &cfg.save {
+        save(&chunks, model_cfg, dir, mesh)?;
+    }
+    Ok((reports, my_state, comm_per_step, checkpoints))
 }
