@@ -43,7 +43,7 @@ fn model(layers: usize) -> LlamaConfig {
 
 /// [`model`] with sparse MoE blocks (4 experts, top 2) in every layer but the second, without
 /// the load-balancing loss.
-fn moe_model(layers: usize) -> LlamaConfig {
+pub(crate) fn moe_model(layers: usize) -> LlamaConfig {
     let mut moe = LlamaConfig::tiny_moe().moe.expect("a MoE config");
     moe.num_experts = 4;
     moe.moe_intermediate_size = 9;

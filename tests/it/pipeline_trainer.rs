@@ -254,23 +254,11 @@ fn the_pipeline_flags_parse_into_the_run() {
     );
 }
 
-/// A MoE model (4 experts, top 2, sparse layers but the second) without the load-balancing
-/// loss.
-fn moe_model() -> LlamaConfig {
-    let mut moe = LlamaConfig::tiny_moe().moe.expect("a MoE config");
-    moe.num_experts = 4;
-    moe.moe_intermediate_size = 9;
-    moe.mlp_only_layers = vec![1];
-    LlamaConfig {
-        moe: Some(moe),
-        ..model()
-    }
-}
-
 #[test]
 fn the_trainers_pp_with_ep_trains_a_moe_like_one_device() {
     let moe = |flags: DistributedFlags| TrainConfig {
-        model: moe_model(),
+        // The pipeline tests' MoE on this file's 4 layers.
+        model: crate::pipeline::moe_model(4),
         ..pp_run(flags)
     };
     let want = run(&moe(DistributedFlags::on(Strategy::Single, 1)));
