@@ -3,9 +3,10 @@
 //! stages per rank each train like the trainer's single-device run (losses and gradient norms
 //! within 1e-5 over 4 AdamW steps, clipped), on a global batch of 5 rows (uneven microbatches
 //! and data-parallel ranks); so do a MoE under pp 2 x ep 2, `--freeze` across stages, a Hugging
-//! Face checkpoint read lazily into the stages (and `--save`'s sharded export), `--eval-data`
-//! (forward-only through the stages) and `--on-nonfinite skip`. What the pipeline path does not
-//! support is a named error before any rank starts.
+//! Face checkpoint read lazily into the stages (and `--save`'s sharded export), `--save-every`
+//! and `--resume` across layouts, LoRA (fresh or `--lora-init`, `--save-adapter`), SFT data
+//! padded or packed, `--eval-data` (forward-only through the stages) and `--on-nonfinite skip`.
+//! What the pipeline path does not support is a named error before any rank starts.
 
 use burn_parallel::models::LlamaConfig;
 use burn_parallel::parallelizer::ScheduleKind;
@@ -152,31 +153,6 @@ fn the_trainers_pp_flag_refuses_what_it_does_not_support_yet() {
         ..pp_flags(4, ScheduleKind::OneFOneB, None)
     });
     assert_refused(dense_ep, &["--ep", "a mixture-of-experts model"]);
-    let adapter = crate::llama_hf::temp_dir("pp-lora-init");
-    let config = r#"{"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}"#;
-    std::fs::write(adapter.join("adapter_config.json"), config).unwrap();
-    let lora = TrainConfig {
-        lora: LoraOptions {
-            init: Some(adapter.clone()),
-            ..LoraOptions::default()
-        },
-        ..base()
-    };
-    assert_refused(lora, &["--lora-init", "fresh adapters (--lora-rank)"]);
-    std::fs::remove_dir_all(adapter).unwrap();
-    // Packed rows (several documents per row) as the training or the eval data.
-    let packed = |eval: bool| {
-        let mut cfg = sft_run(pp_flags(2, ScheduleKind::OneFOneB, None));
-        cfg.data_options.pack = true;
-        if eval {
-            cfg.data = None;
-            cfg.data_options.eval_data = Some(crate::data_sft::fixture("sft.jsonl"));
-            cfg.data_options.eval_every = 1;
-        }
-        cfg
-    };
-    assert_refused(packed(false), &["--data is packed", "drop --pack"]);
-    assert_refused(packed(true), &["--eval-data is packed"]);
     let accum = TrainConfig {
         grad_accum: 2,
         ..base()
@@ -531,6 +507,49 @@ fn the_trainers_pp_trains_lora_adapters_like_one_device() {
             assert_close(&to_vec(&a), &to_vec(&b), 1e-5, &format!("{what}: {t}"));
         }
     }
+    // Continuing from the one-device adapter (--lora-init): each stage loads its layers'
+    // factors; the curve and the adapter saved again equal one device's.
+    let from = |flags: DistributedFlags, name: &str| TrainConfig {
+        lora: LoraOptions {
+            init: Some(dir.join("single/adapter")),
+            save_adapter: Some(dir.join(name).join("adapter")),
+            ..LoraOptions::default()
+        },
+        ..pp_run(flags)
+    };
+    let want = run(&from(
+        DistributedFlags::on(Strategy::Single, 1),
+        "init-single",
+    ));
+    let want_adapter = adapter("init-single");
+    for (what, flags) in [
+        (
+            "--lora-init pp 2 x fsdp2 2",
+            pp_flags(4, ScheduleKind::OneFOneB, None),
+        ),
+        (
+            "--lora-init pp 2 interleaved",
+            pp_flags(2, ScheduleKind::Interleaved, Some(4)),
+        ),
+    ] {
+        let name = format!("init-{}", flags.world_size.unwrap());
+        let got = run(&from(flags, &name));
+        assert_curves(&got, &want, 1e-5, what);
+        let got_adapter = adapter(&name);
+        assert_eq!(got_adapter.len(), want_adapter.len(), "{what}");
+        for (key, (_, values)) in &want_adapter {
+            assert_close(&got_adapter[key].1, values, 1e-5, &format!("{what}: {key}"));
+        }
+    }
+    // An adapter of 4 layers on a 2-layer model: its last layers' modules are on no stage.
+    let two_layers = TrainConfig {
+        model: LlamaConfig {
+            num_hidden_layers: 2,
+            ..model()
+        },
+        ..from(pp_flags(2, ScheduleKind::OneFOneB, None), "init-two")
+    };
+    assert_refused(two_layers, &["model.layers.3", "names no LoRA module"]);
     // A target of a layer the model does not have matches on no stage.
     let missing = Some(vec!["q_proj".into(), "model.layers.7.mlp.up_proj".into()]);
     assert_refused(
@@ -557,38 +576,44 @@ fn sft_run(flags: DistributedFlags) -> TrainConfig {
     cfg
 }
 
-/// SFT data under pp: each microbatch's loss is the weighted sum over its counting targets,
-/// so the step trains on the global batch's counting-target mean, and `--eval-data` (SFT too)
-/// reports that mean forward only: both as one device.
+/// SFT data under pp, padded or packed: each microbatch's loss is the weighted sum over its
+/// counting targets, so the step trains on the global batch's counting-target mean, and
+/// `--eval-data` (SFT too) reports that mean forward only: both as one device.
 #[test]
-fn the_trainers_pp_trains_and_evaluates_sft_data_like_one_device() {
-    let with_eval = |flags| {
-        let mut cfg = sft_run(flags);
-        cfg.data_options.eval_data = Some(crate::data_sft::fixture("sft.jsonl"));
-        cfg.data_options.eval_every = 2;
-        cfg.data_options.eval_batches = 2;
-        cfg
-    };
-    let want = run(&with_eval(DistributedFlags::on(Strategy::Single, 1)));
-    assert!(want.steps[1].eval_loss.is_some() && want.steps[2].eval_loss.is_some());
-    for (what, flags) in [
-        ("pp 2 1f1b", pp_flags(2, ScheduleKind::OneFOneB, None)),
-        (
-            "pp 2 x fsdp2 2 gpipe",
-            pp_flags(4, ScheduleKind::GPipe, None),
-        ),
-        (
-            "pp 2 interleaved",
-            pp_flags(2, ScheduleKind::Interleaved, Some(4)),
-        ),
-    ] {
-        let got = run(&with_eval(flags));
-        assert_curves(&got, &want, 1e-5, what);
-        for (g, w) in got.steps.iter().zip(&want.steps) {
-            match (g.eval_loss, w.eval_loss) {
-                (Some(g), Some(w)) => assert!((g - w).abs() <= 1e-5 * w, "{what}: {g} vs {w}"),
-                (None, None) => {}
-                other => panic!("{what}: {other:?}"),
+fn the_trainers_pp_trains_and_evaluates_sft_data_padded_or_packed_like_one_device() {
+    // Padded rows, and packed ones (several records per row: positions restart and attention
+    // stays within each record).
+    for pack in [false, true] {
+        let with_eval = |flags| {
+            let mut cfg = sft_run(flags);
+            cfg.data_options.pack = pack;
+            cfg.data_options.eval_data = Some(crate::data_sft::fixture("sft.jsonl"));
+            cfg.data_options.eval_every = 2;
+            cfg.data_options.eval_batches = 2;
+            cfg
+        };
+        let want = run(&with_eval(DistributedFlags::on(Strategy::Single, 1)));
+        assert!(want.steps[1].eval_loss.is_some() && want.steps[2].eval_loss.is_some());
+        for (what, flags) in [
+            ("pp 2 1f1b", pp_flags(2, ScheduleKind::OneFOneB, None)),
+            (
+                "pp 2 x fsdp2 2 gpipe",
+                pp_flags(4, ScheduleKind::GPipe, None),
+            ),
+            (
+                "pp 2 interleaved",
+                pp_flags(2, ScheduleKind::Interleaved, Some(4)),
+            ),
+        ] {
+            let what = &format!("pack {pack}, {what}");
+            let got = run(&with_eval(flags));
+            assert_curves(&got, &want, 1e-5, what);
+            for (g, w) in got.steps.iter().zip(&want.steps) {
+                match (g.eval_loss, w.eval_loss) {
+                    (Some(g), Some(w)) => assert!((g - w).abs() <= 1e-5 * w, "{what}: {g} vs {w}"),
+                    (None, None) => {}
+                    other => panic!("{what}: {other:?}"),
+                }
             }
         }
     }

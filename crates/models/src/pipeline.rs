@@ -16,6 +16,7 @@ use burn_parallel_pp::{PipelineError, PipelineStage, StageOutput, StageSplit, sp
 use burn_parallel_tp::{Tp, child_path};
 
 use crate::config::LlamaConfig;
+use crate::context_parallel::TokenLayout;
 use crate::error::ModelError;
 use crate::init::{SeededInit, TensorSource};
 use crate::llama::{DecoderLayer, RmsNorm, Rope, decoder_layer, embedding, linear, norm, rms_norm};
@@ -67,6 +68,10 @@ pub struct TokenMicrobatch {
     /// given: the loss is `sum_i weights[i] * CE_i`, a weight of 0 dropping a padding or
     /// prompt target).
     pub weights: Option<Vec<f32>>,
+    /// Packed rows: every token's position within its document and its document's index,
+    /// `rows * seq` each (`None`: one sequence per row). Rotary positions are those, and
+    /// attention stays within a document.
+    pub packed: Option<(Vec<i64>, Vec<i64>)>,
     /// Rows.
     pub rows: usize,
     /// Tokens per row.
@@ -99,11 +104,35 @@ impl TokenMicrobatch {
                 ids: cut(ids, r),
                 targets: cut(targets, r),
                 weights: None,
+                packed: None,
                 rows: r.len(),
                 seq,
             })
             .collect();
         Ok((microbatches, counts))
+    }
+
+    /// This microbatch of packed rows: each token's `positions` and document `segments` (see
+    /// [`TokenMicrobatch::packed`]).
+    pub fn with_packing(
+        self,
+        positions: Vec<i64>,
+        segments: Vec<i64>,
+    ) -> Result<Self, PipelineError> {
+        let n = self.rows * self.seq;
+        if positions.len() != n || segments.len() != n {
+            return Err(PipelineError::Schedule(format!(
+                "{} positions and {} segments for {} rows of {} tokens",
+                positions.len(),
+                segments.len(),
+                self.rows,
+                self.seq
+            )));
+        }
+        Ok(Self {
+            packed: Some((positions, segments)),
+            ..self
+        })
     }
 
     /// This microbatch with per-target `weights` (see [`TokenMicrobatch::weights`]).
@@ -262,8 +291,23 @@ impl LlamaStage {
             (None, Some(x)) => x,
             _ => return Err(self.error("the first stage (only) embeds the tokens")),
         };
-        let (cos, sin) = self.rope.cos_sin(seq, &device, x.dtype());
-        let x = burn_parallel_fsdp::forward_units(&self.layers, x, |l, x| l.forward(x, &cos, &sin));
+        // Packed rows: rotary positions per document, attention within each (as the Llama).
+        let layout = match &mb.packed {
+            None => None,
+            Some((positions, segments)) => {
+                let packed = Some((positions.as_slice(), segments.as_slice()));
+                let layout =
+                    TokenLayout::new(&self.rope, rows, seq, packed, None, &device, x.dtype());
+                Some(layout.map_err(|e| self.error(e))?)
+            }
+        };
+        let (cos, sin) = match &layout {
+            None => self.rope.cos_sin(seq, &device, x.dtype()),
+            Some(layout) => (layout.cos.clone(), layout.sin.clone()),
+        };
+        let x = burn_parallel_fsdp::forward_units(&self.layers, x, |l, x| {
+            l.forward_masked(x, &cos, &sin, layout.as_ref()).0
+        });
         let (Some(final_norm), Some(head)) = (&self.norm, &self.lm_head) else {
             return Ok(StageOutput::Activation(x));
         };

@@ -44,7 +44,7 @@ pub use apply::{Attached, LoraFn, LoraModule, adapted_paths, apply_lora, attach_
 pub use config::LoraConfig;
 pub use error::LoraError;
 pub use file::{
-    AdapterConfig, CONFIG_FILE, TargetModules, WEIGHTS_FILE, combine_adapters, load_adapter,
-    save_adapter,
+    AdapterConfig, CONFIG_FILE, LoadedAdapter, TargetModules, WEIGHTS_FILE, combine_adapters,
+    load_adapter, load_adapter_part, save_adapter,
 };
 pub use lora::{A_NAME, Adapter, B_NAME, Lora, LoraBase};

@@ -9,7 +9,7 @@
 mod json;
 mod tensors;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use burn::module::{Module, Param};
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
@@ -126,6 +126,62 @@ pub fn load_adapter<M: Module + LoraModule>(
     model: M,
     dir: impl AsRef<Path>,
 ) -> Result<(M, LoraConfig), LoraError> {
+    let (model, loaded) = load_adapter_part(model, dir)?;
+    loaded.check()?;
+    Ok((model, loaded.config))
+}
+
+/// What [`load_adapter_part`] read: the adapter's config and modules, and which of them the
+/// part held.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedAdapter {
+    /// The adapter's config (targets from the file's modules, as [`load_adapter`] returns).
+    pub config: LoraConfig,
+    /// Every module the file has factors for, in the file's (sorted) order.
+    pub modules: Vec<String>,
+    /// Whether the model held each of `modules` (and so got its factors).
+    pub loaded: Vec<bool>,
+    /// The paths of the model's `Lora` modules, in field order.
+    pub seen: Vec<String>,
+    /// The weights file, for errors.
+    pub weights: PathBuf,
+}
+
+impl LoadedAdapter {
+    /// A module of the file no part held is an error naming it and the `Lora` modules seen.
+    pub fn check(&self) -> Result<(), LoraError> {
+        let missing: Vec<String> = self
+            .modules
+            .iter()
+            .zip(&self.loaded)
+            .filter(|(_, loaded)| !**loaded)
+            .map(|(m, _)| tensors::key(m, true))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(LoraError::file(
+            &self.weights,
+            format!(
+                "{} names no LoRA module of the model (its Lora modules: {}); was the adapter \
+                 trained on this architecture?",
+                missing.join(", "),
+                match self.seen.is_empty() {
+                    true => "none".into(),
+                    false => self.seen.join(", "),
+                }
+            ),
+        ))
+    }
+}
+
+/// [`load_adapter`] without its check that the model held every module of the file: for one
+/// part of a model (a pipeline stage) whose adapter names the other parts' modules too. OR the
+/// parts' [`LoadedAdapter::loaded`] and [`check`](LoadedAdapter::check) them.
+pub fn load_adapter_part<M: Module + LoraModule>(
+    model: M,
+    dir: impl AsRef<Path>,
+) -> Result<(M, LoadedAdapter), LoraError> {
     let dir = dir.as_ref();
     let file = AdapterConfig::read(dir)?;
     let weights = dir.join(WEIGHTS_FILE);
@@ -133,8 +189,8 @@ pub fn load_adapter<M: Module + LoraModule>(
     if factors.is_empty() {
         return Err(LoraError::file(&weights, "it holds no LoRA factor"));
     }
-    let adapted: Vec<String> = factors.keys().cloned().collect();
-    let config = file.to_lora(&adapted);
+    let modules: Vec<String> = factors.keys().cloned().collect();
+    let config = file.to_lora(&modules);
     let mut seen = Vec::new();
     let model = model.no_grad().map_lora("", &mut |path, layer| {
         seen.push(path.to_string());
@@ -171,23 +227,15 @@ pub fn load_adapter<M: Module + LoraModule>(
         });
         Ok(layer)
     })?;
-    if !factors.is_empty() {
-        let keys: Vec<String> = factors.keys().map(|m| tensors::key(m, true)).collect();
-        return Err(LoraError::file(
-            &weights,
-            format!(
-                "{} names no LoRA module of the model (its Lora modules: {}); was the adapter \
-                 trained on this architecture?",
-                keys.join(", "),
-                if seen.is_empty() {
-                    "none".into()
-                } else {
-                    seen.join(", ")
-                }
-            ),
-        ));
-    }
-    Ok((model, config))
+    let loaded = modules.iter().map(|m| !factors.contains_key(m)).collect();
+    let loaded = LoadedAdapter {
+        config,
+        modules,
+        loaded,
+        seen,
+        weights,
+    };
+    Ok((model, loaded))
 }
 
 /// A factor's values, f32.

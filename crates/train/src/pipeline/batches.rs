@@ -1,7 +1,7 @@
 //! A `--pp` run's rows as microbatches: each step's (this rank's rows of the global batch) and
 //! each evaluation batch's. Token streams train on each microbatch's mean loss; masked data
-//! (SFT, chat) weights each counting target so that the step's loss is the counting targets'
-//! mean over the global batch, as every other layout computes it.
+//! (SFT, chat, packed rows) weights each counting target so that the step's loss is the
+//! counting targets' mean over the global batch, as every other layout computes it.
 
 use burn_parallel_models::{LlamaStage, TokenMicrobatch};
 use burn_parallel_parallelizer::{LocalRows, MeshContext, pipeline_eval_loss};
@@ -37,14 +37,25 @@ fn split(
     let (b, t) = (batch.rows, batch.seq_len);
     let (microbatches, counts) = TokenMicrobatch::split(&batch.inputs, &batch.targets, b, t, m)
         .map_err(|e| TrainError::Config(format!("--microbatches {m}: {e}")))?;
-    let mut masks = Vec::with_capacity(counts.len());
+    let (mut masks, mut packed) = (Vec::with_capacity(counts.len()), Vec::new());
     let mut start = 0;
-    for &r in &counts {
-        masks.push(batch.mask[start * t..(start + r) * t].to_vec());
+    for (mb, &r) in microbatches.into_iter().zip(&counts) {
+        let tokens = start * t..(start + r) * t;
+        masks.push(batch.mask[tokens.clone()].to_vec());
+        // Packed rows keep their documents' positions and boundaries.
+        packed.push(match &batch.packed {
+            None => mb,
+            Some((positions, segments)) => mb
+                .with_packing(
+                    positions[tokens.clone()].to_vec(),
+                    segments[tokens].to_vec(),
+                )
+                .map_err(|e| TrainError::Config(e.to_string()))?,
+        });
         start += r;
     }
     Ok(Split {
-        microbatches,
+        microbatches: packed,
         rows: counts,
         masks,
         count: batch.count(),

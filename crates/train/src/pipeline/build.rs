@@ -2,6 +2,8 @@
 //! `--freeze` or LoRA's adapters applied by Hugging Face name across every stage, and
 //! parallelized over the stage's ranks.
 
+use std::path::PathBuf;
+
 use burn::tensor::TensorData;
 use burn_parallel_comm::ReduceOp;
 use burn_parallel_fsdp::RowRequest;
@@ -10,31 +12,50 @@ use burn_parallel_models::{LlamaConfig, LlamaStage};
 use burn_parallel_parallelizer::{
     MeshContext, StageSplit, parallelize_model, parallelize_model_from,
 };
-use burn_parallel_peft::{Attached, LoraConfig, attach_lora};
+use burn_parallel_peft::{Attached, LoraConfig, attach_lora, load_adapter_part};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::freeze;
 use crate::lora::{LoraPlan, adapter_elements, lora_error};
 
+/// What trains in a pipeline run, chosen stage by stage and checked over all of them: the
+/// parameters `--freeze` leaves, fresh LoRA adapters (`--lora-rank`) or a peft adapter's
+/// (`--lora-init`).
+enum Trainable {
+    Freeze,
+    Attach(LoraConfig),
+    Load(PathBuf),
+}
+
 /// This rank's chunks (stage `c * pp + r` for chunk `c` of pipeline rank `r`), each
-/// parallelized over its stage's ranks, and the elements of the whole model that train.
+/// parallelized over its stage's ranks, the elements of the whole model that train, and the
+/// run's LoRA config (fresh or loaded), if any.
 pub(super) fn build_chunks(
     cfg: &TrainConfig,
     model: &LlamaConfig,
     mesh: &MeshContext,
-) -> Result<(Vec<LlamaStage>, u64), TrainError> {
+) -> Result<(Vec<LlamaStage>, u64, Option<LoraConfig>), TrainError> {
     let group = mesh.pp_group().expect("a pipeline run has a pp group");
     let (r, p, v) = (group.index(), group.size(), cfg.pipeline.stages_per_rank());
     let split = StageSplit::even(model.num_hidden_layers, p * v)
         .map_err(|e| TrainError::Config(format!("--pp {p} --stages-per-rank {v}: {e}")))?;
     // Under expert parallelism each rank reads its own experts whole.
     let ep = mesh.expert_groups().map(|g| &g.ep);
-    let lora = new_adapters(cfg)?;
-    let targets = lora.as_ref().map_or(0, |l| l.targets.len());
-    let (mut hits, mut seen) = (vec![0usize; targets], Vec::new());
-    let mut used_anywhere = vec![false; cfg.freeze.len()];
-    let mut names = Vec::new();
+    let trainable = match cfg.lora.plan(cfg.seed)? {
+        Some(LoraPlan::New(config)) => Trainable::Attach(config),
+        Some(LoraPlan::Load(dir)) => Trainable::Load(dir),
+        None => Trainable::Freeze,
+    };
+    // Per pattern, target or adapter module: what this rank's stages selected of it.
+    let mut marks: Vec<f64> = Vec::new();
+    let mut add_marks = |mine: Vec<f64>| {
+        marks.resize(mine.len(), 0.0);
+        for (sum, m) in marks.iter_mut().zip(mine) {
+            *sum += m;
+        }
+    };
+    let (mut names, mut seen, mut loaded) = (Vec::new(), Vec::new(), None);
     let mut own = 0;
     let mut chunks = Vec::with_capacity(v);
     for c in 0..v {
@@ -55,23 +76,32 @@ pub(super) fn build_chunks(
         // counted by name, so experts split over ep count whole.
         let params = hf_stage_params(&stage);
         names.extend(params.iter().take(3).cloned());
-        let stage = match &lora {
-            Some(config) => {
+        let stage = match &trainable {
+            Trainable::Freeze => {
+                let (plan, used) = freeze::plan_params(&params, &cfg.freeze)?;
+                add_marks(used.into_iter().map(|u| f64::from(u8::from(u))).collect());
+                own += plan.trainable_elements;
+                freeze::freeze(stage, &plan.frozen)
+            }
+            Trainable::Attach(config) => {
                 let (stage, attached) = attach_lora(stage, config).map_err(lora_error)?;
-                for (sum, mine) in hits.iter_mut().zip(&attached.hits) {
-                    *sum += mine;
-                }
+                add_marks(attached.hits.iter().map(|&h| h as f64).collect());
                 seen.extend(attached.seen);
                 own += adapter_elements(&stage)?;
                 stage
             }
-            None => {
-                let (plan, used) = freeze::plan_params(&params, &cfg.freeze)?;
-                for (any, mine) in used_anywhere.iter_mut().zip(used) {
-                    *any |= mine;
-                }
-                own += plan.trainable_elements;
-                freeze::freeze(stage, &plan.frozen)
+            Trainable::Load(dir) => {
+                let (stage, part) = load_adapter_part(stage, dir).map_err(lora_error)?;
+                add_marks(
+                    part.loaded
+                        .iter()
+                        .map(|&l| f64::from(u8::from(l)))
+                        .collect(),
+                );
+                seen.extend(part.seen.iter().cloned());
+                loaded = Some(part);
+                own += adapter_elements(&stage)?;
+                stage
             }
         };
         chunks.push(match rows {
@@ -83,37 +113,32 @@ pub(super) fn build_chunks(
             None => parallelize_model(stage, mesh)?,
         });
     }
-    // Each stage counted once: one rank per stage in the pp group. A --freeze pattern and a
-    // LoRA target must each select something on some stage.
-    let sums: Vec<f64> = std::iter::once(own as f64)
-        .chain(used_anywhere.iter().map(|&u| f64::from(u8::from(u))))
-        .chain(hits.iter().map(|&h| h as f64))
-        .collect();
+    // Each stage counted once: one rank per stage in the pp group. A --freeze pattern, a LoRA
+    // target and an adapter's module must each select something on some stage.
+    let sums: Vec<f64> = std::iter::once(own as f64).chain(marks).collect();
     let n = sums.len();
     let total = group.all_reduce(TensorData::new(sums, [n]), ReduceOp::Sum)?;
     let total = total.try_into_vec::<f64>().expect("f64 sums");
-    let (used, hits) = total[1..].split_at(cfg.freeze.len());
-    let used: Vec<bool> = used.iter().map(|&u| u > 0.0).collect();
-    freeze::check_used(&cfg.freeze, &used, &names)?;
-    if let Some(config) = &lora {
-        let hits = hits.iter().map(|&h| h as usize).collect();
-        // `seen`: this rank's stages' modules (the others hold the rest).
-        Attached { hits, seen }.check(config).map_err(lora_error)?;
-    }
-    Ok((chunks, total[0] as u64))
-}
-
-/// The run's fresh LoRA adapters (`--lora-rank`), if any.
-pub(super) fn new_adapters(cfg: &TrainConfig) -> Result<Option<LoraConfig>, TrainError> {
-    Ok(match cfg.lora.plan(cfg.seed)? {
-        Some(LoraPlan::New(config)) => Some(config),
-        // Refused by `unsupported` before any rank starts.
-        Some(LoraPlan::Load(dir)) => {
-            return Err(TrainError::Config(format!(
-                "--lora-init {} under --pp is not supported yet",
-                dir.display()
-            )));
+    let (own, marks) = (total[0] as u64, &total[1..]);
+    // `seen` and `names`: this rank's stages' (the others hold the rest).
+    let lora = match trainable {
+        Trainable::Freeze => {
+            let used: Vec<bool> = marks.iter().map(|&u| u > 0.0).collect();
+            freeze::check_used(&cfg.freeze, &used, &names)?;
+            None
         }
-        None => None,
-    })
+        Trainable::Attach(config) => {
+            let hits = marks.iter().map(|&h| h as usize).collect();
+            Attached { hits, seen }.check(&config).map_err(lora_error)?;
+            Some(config)
+        }
+        Trainable::Load(_) => {
+            let mut part = loaded.expect("every rank holds a stage");
+            part.loaded = marks.iter().map(|&l| l > 0.0).collect();
+            part.seen = seen;
+            part.check().map_err(lora_error)?;
+            Some(part.config)
+        }
+    };
+    Ok((chunks, own, lora))
 }

@@ -11,25 +11,25 @@ use burn_parallel_models::checkpoint::{
 };
 use burn_parallel_models::{LlamaConfig, LlamaStage};
 use burn_parallel_parallelizer::{MeshContext, full_model};
-use burn_parallel_peft::{combine_adapters, merge_lora, save_adapter};
+use burn_parallel_peft::{LoraConfig, combine_adapters, merge_lora, save_adapter};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::lora::lora_error;
 
-use super::build::new_adapters;
-
 /// After a LoRA run with `--save-adapter` or `--save`: each stage gathered (collective over its
 /// ranks), `--save-adapter` written as one peft adapter (each stage's first rank writes its
 /// layers' part, rank 0 combines them once all are there), and the stages with their adapters
-/// merged, for `--save`. Without LoRA, or with nothing to save, the chunks as they are.
+/// merged, for `--save`. Without LoRA (`lora`: the run's config, fresh or loaded), or with
+/// nothing to save, the chunks as they are.
 pub(super) fn finish_lora(
     cfg: &TrainConfig,
     chunks: Vec<LlamaStage>,
+    lora: Option<&LoraConfig>,
     mesh: &MeshContext,
 ) -> Result<Vec<LlamaStage>, TrainError> {
     let save_to = cfg.lora.save_adapter.as_deref();
-    let Some(config) = new_adapters(cfg)? else {
+    let Some(config) = lora else {
         return Ok(chunks);
     };
     if save_to.is_none() && cfg.save.is_none() {
@@ -46,7 +46,7 @@ pub(super) fn finish_lora(
         if mesh.world_group().index() == 0 {
             for chunk in &whole {
                 if failed.is_none() {
-                    failed = save_adapter(chunk, &config, part(chunk.stage), base.as_deref())
+                    failed = save_adapter(chunk, config, part(chunk.stage), base.as_deref())
                         .map_err(lora_error)
                         .err();
                 }

@@ -80,25 +80,16 @@ pub(crate) fn check_flags(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), 
     }
 }
 
-/// Refuses, before any rank starts, data the pipeline path cannot train on and schedule
-/// settings that cannot work on `mesh` and the model.
+/// Refuses, before any rank starts, the schedule settings that cannot work on `mesh` and the
+/// model.
 pub(crate) fn check(
     cfg: &TrainConfig,
     model: &LlamaConfig,
     mesh: MeshSizes,
-    (data, eval): (&Dataset, Option<&Dataset>),
 ) -> Result<(), TrainError> {
     let (opts, pp) = (&cfg.pipeline, cfg.distributed.pp_size);
     if pp <= 1 {
         return Ok(());
-    }
-    for (flag, data) in [("--data", Some(data)), ("--eval-data", eval)] {
-        if data.is_some_and(|d| d.packed()) {
-            return bad(format!(
-                "--pp {pp}: {flag} is packed (--pack: several documents per row), which is not \
-                 supported under pipeline parallelism yet; drop --pack (rows are then padded)"
-            ));
-        }
     }
     let (schedule, m, v) = (
         opts.schedule(),
@@ -162,11 +153,6 @@ fn unsupported(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError>
             "a model with tie_word_embeddings = false",
         ),
         (
-            cfg.lora.init.is_some(),
-            "--lora-init",
-            "fresh adapters (--lora-rank), or no --pp",
-        ),
-        (
             cfg.grad_accum > 1,
             "--grad-accum > 1",
             "--microbatches (the pipeline accumulates over them)",
@@ -196,7 +182,7 @@ pub(crate) fn run_rank(
     ctx: &RankContext,
     on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
-    let (mut chunks, trainable_params) = build_chunks(cfg, model_cfg, mesh)?;
+    let (mut chunks, trainable_params, lora) = build_chunks(cfg, model_cfg, mesh)?;
     let mut optimizer = RunOptimizer::new(cfg);
     // As the whole-model loop: the stages' parameters and optimizer state from the checkpoint
     // (saved under any layout), the data stream and the schedule from its progress.
@@ -313,7 +299,7 @@ pub(crate) fn run_rank(
     }
     let comm = ctx.stats().since(&stats_before).total();
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
-    let chunks = finish_lora(cfg, chunks, mesh)?;
+    let chunks = finish_lora(cfg, chunks, lora.as_ref(), mesh)?;
     if let Some(dir) = &cfg.save {
         save(&chunks, model_cfg, dir, mesh)?;
     }
