@@ -336,6 +336,27 @@ fn the_trainers_pp_freezes_by_name_across_stages() {
         ),
         &["--freeze `model.layers.9` matches no parameter"],
     );
+    // The whole first stage frozen (the embedding and layers 0 and 1 of 4 on 2 stages): it runs
+    // no backward, the second stage trains as on one device.
+    let first_stage = ["model.embed_tokens", "model.layers.0", "model.layers.1"];
+    let want = run(&frozen(
+        DistributedFlags::on(Strategy::Single, 1),
+        &first_stage,
+    ));
+    for flags in [
+        pp_flags(2, ScheduleKind::OneFOneB, None),
+        pp_flags(4, ScheduleKind::GPipe, None),
+    ] {
+        let got = run(&frozen(flags, &first_stage));
+        assert_curves(&got, &want, 1e-5, "a wholly frozen first stage");
+    }
+    assert_refused(
+        frozen(
+            pp_flags(2, ScheduleKind::OneFOneB, None),
+            &["model", "lm_head"],
+        ),
+        &["nothing trains"],
+    );
 }
 
 /// `--eval-data` under pp runs the eval batches forward only through the stages: the same
@@ -540,6 +561,24 @@ fn the_trainers_pp_trains_lora_adapters_like_one_device() {
         for (key, (_, values)) in &want_adapter {
             assert_close(&got_adapter[key].1, values, 1e-5, &format!("{what}: {key}"));
         }
+    }
+    // Targets on the first stage's layers only: the other stage writes no part.
+    let first = Some(vec!["model.layers.0.self_attn.q_proj".to_string()]);
+    let want = run(&lora(
+        DistributedFlags::on(Strategy::Single, 1),
+        "one-single",
+        first.clone(),
+    ));
+    let got = run(&lora(
+        pp_flags(2, ScheduleKind::OneFOneB, None),
+        "one-pp",
+        first,
+    ));
+    assert_curves(&got, &want, 1e-5, "a first-stage target");
+    let (got_adapter, want_adapter) = (adapter("one-pp"), adapter("one-single"));
+    assert_eq!(got_adapter.len(), 2, "{:?}", got_adapter.keys());
+    for (key, (_, values)) in &want_adapter {
+        assert_close(&got_adapter[key].1, values, 1e-5, key);
     }
     // An adapter of 4 layers on a 2-layer model: its last layers' modules are on no stage.
     let two_layers = TrainConfig {

@@ -102,9 +102,14 @@ pub fn run_schedule<const D: usize, S: PipelineStage<D> + Module>(
         }
     }
     runner.link.finish()?;
-    let grads = runner
-        .grads
-        .expect("every schedule runs at least one backward");
+    // No parameter gradient at all: this rank's stages are wholly frozen. A throwaway leaf's
+    // backward makes the empty set (Burn has no other public constructor).
+    let grads = runner.grads.unwrap_or_else(|| {
+        Tensor::<1>::zeros([1], device)
+            .require_grad()
+            .sum()
+            .backward()
+    });
     Ok(StageGrads {
         grads,
         loss: runner.loss,
@@ -333,6 +338,10 @@ impl<const D: usize, S: PipelineStage<D> + Module> Runner<'_, D, S> {
             Output::Activation(output) => {
                 let data = self.receive(StageLink::recv_gradient)?;
                 self.check(c, m, "gradient received", data.shape(), &self.outputs[c][m])?;
+                // A wholly frozen first stage: nothing in it trains and nothing precedes it.
+                if !output.is_tracked() {
+                    return Ok(());
+                }
                 let grad = Tensor::<D>::from_data(data, &output.device());
                 // d(sum(out * g))/d(out) = g: backward seeded with the received gradient.
                 (output * grad).sum().backward()

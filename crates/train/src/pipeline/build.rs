@@ -120,6 +120,13 @@ pub(super) fn build_chunks(
     let total = group.all_reduce(TensorData::new(sums, [n]), ReduceOp::Sum)?;
     let total = total.try_into_vec::<f64>().expect("f64 sums");
     let (own, marks) = (total[0] as u64, &total[1..]);
+    if own == 0 {
+        return Err(TrainError::Config(
+            "nothing trains: --freeze selects every parameter of the model (a stage may be \
+             wholly frozen, not every stage); freeze less"
+                .into(),
+        ));
+    }
     // `seen` and `names`: this rank's stages' (the others hold the rest).
     let lora = match trainable {
         Trainable::Freeze => {

@@ -11,7 +11,7 @@ use burn_parallel_models::checkpoint::{
 };
 use burn_parallel_models::{LlamaConfig, LlamaStage};
 use burn_parallel_parallelizer::{MeshContext, full_model};
-use burn_parallel_peft::{LoraConfig, combine_adapters, merge_lora, save_adapter};
+use burn_parallel_peft::{LoraConfig, adapted_paths, combine_adapters, merge_lora, save_adapter};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
@@ -45,7 +45,9 @@ pub(super) fn finish_lora(
         let mut failed = None;
         if mesh.world_group().index() == 0 {
             for chunk in &whole {
-                if failed.is_none() {
+                // A stage none of whose modules a target names has no part.
+                let adapted = adapted_paths(chunk).map_err(lora_error)?;
+                if failed.is_none() && !adapted.is_empty() {
                     failed = save_adapter(chunk, config, part(chunk.stage), base.as_deref())
                         .map_err(lora_error)
                         .err();
@@ -55,7 +57,7 @@ pub(super) fn finish_lora(
         written_everywhere(failed, mesh, dir)?;
         if mesh.rank() == 0 {
             let stages = whole.len() * mesh.pp_group().map_or(1, |g| g.size());
-            let parts: Vec<PathBuf> = (0..stages).map(part).collect();
+            let parts: Vec<PathBuf> = (0..stages).map(part).filter(|p| p.exists()).collect();
             let parts: Vec<&Path> = parts.iter().map(PathBuf::as_path).collect();
             combine_adapters(&parts, dir).map_err(lora_error)?;
             let stages_dir = dir.join(".stages");
