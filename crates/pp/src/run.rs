@@ -77,7 +77,6 @@ pub fn run_schedule<const D: usize, S: PipelineStage<D> + Module>(
 ) -> Result<StageGrads, PipelineError> {
     let started = Instant::now();
     let (mut runner, plan) = prepare(chunks, link, kind, microbatches, weights, device)?;
-    runner.agree_shapes(microbatches)?;
     let v = chunks.len();
     // Each chunk's last backward: FSDP reduces that chunk's deferred gradients there.
     let last_backward: Vec<usize> = (0..v)
@@ -122,7 +121,7 @@ pub fn run_schedule<const D: usize, S: PipelineStage<D> + Module>(
 }
 
 /// This rank's actions under `kind` and a runner for them, once the chunks' positions and the
-/// weights are checked.
+/// weights are checked and the shapes agreed with the neighbours.
 fn prepare<'a, const D: usize, S: PipelineStage<D> + Module>(
     chunks: &'a [S],
     link: &'a mut StageLink,
@@ -155,7 +154,7 @@ fn prepare<'a, const D: usize, S: PipelineStage<D> + Module>(
         )));
     }
     let plan = actions(kind, r, p, v, microbatches.len())?;
-    let runner = Runner {
+    let mut runner = Runner {
         chunks,
         link,
         device,
@@ -172,6 +171,7 @@ fn prepare<'a, const D: usize, S: PipelineStage<D> + Module>(
         inputs: Vec::new(),
         outputs: Vec::new(),
     };
+    runner.agree_shapes(microbatches)?;
     Ok((runner, plan))
 }
 
@@ -189,7 +189,6 @@ pub fn run_forward<const D: usize, S: PipelineStage<D> + Module>(
     device: &Device,
 ) -> Result<f64, PipelineError> {
     let (mut runner, plan) = prepare(chunks, link, kind, microbatches, weights, device)?;
-    runner.agree_shapes(microbatches)?;
     // The forwards keep their order in the schedule: each rank's are a subsequence of a
     // deadlock-free schedule, and dropping the backwards only removes waits.
     for action in plan {

@@ -2,6 +2,7 @@
 //! saved), where a run starts when it resumes, and what it records when it saves.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::Gradients;
@@ -9,11 +10,12 @@ use burn_parallel_checkpoint::{
     Checkpoint, OptimizerState, SaveOptions, StageParamPaths, TrainingProgress, save, save_stages,
     step_dir,
 };
-use burn_parallel_parallelizer::{MeshContext, Parallelize};
+use burn_parallel_parallelizer::{MeshContext, Parallelize, StepReport};
 use serde_json::json;
 
 use crate::config::{OptimizerKind, TrainConfig};
 use crate::error::TrainError;
+use crate::guard::skips;
 use crate::optim::{AdamW, Optimizer, Sgd};
 use crate::schedule::LrSchedule;
 
@@ -42,6 +44,24 @@ impl RunOptimizer {
             Self::Sgd(o) => o.step(model, grads),
             Self::AdamW(o) => o.step(model, grads),
         }
+    }
+
+    /// The step's update unless `--on-nonfinite skip` drops it (decided on the reduced loss and
+    /// global norm, before any update, so every rank keeps its weights and optimizer state at
+    /// the same step): the model, and the update's seconds (`None`: skipped).
+    pub fn step_unless_skipped<M: Module>(
+        &mut self,
+        cfg: &TrainConfig,
+        model: M,
+        grads: &Gradients,
+        report: &StepReport,
+    ) -> (M, Option<f64>) {
+        if skips(cfg, report) {
+            return (model, None);
+        }
+        let started = Instant::now();
+        let model = self.step(model, grads);
+        (model, Some(started.elapsed().as_secs_f64()))
     }
 
     /// Sets the learning rate of the next step (the schedule's).

@@ -23,7 +23,7 @@ use crate::config::TrainConfig;
 use crate::data::{self, Dataset};
 use crate::error::TrainError;
 use crate::freeze;
-use crate::guard::{check_batch_memory, check_finite, check_positions, skips};
+use crate::guard::{check_batch_memory, check_finite, check_positions};
 use crate::mesh::mesh_sizes;
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
 use crate::schedule::LrSchedule;
@@ -386,17 +386,10 @@ fn run_rank(
         let forward_s = start_time.elapsed().as_secs_f64();
         let lr = schedule.lr_at(schedule_start + (step - start));
         optimizer.set_lr(lr);
-        let (mut optimizer_s, mut skipped) = (0.0, false);
+        let mut update_s = None;
         let step_fn = |m: Llama, g: Gradients, report: &StepReport| {
-            // Decided on the reduced loss and global norm, before any update, so every rank
-            // keeps its weights and optimizer state at the same step.
-            skipped = skips(cfg, report);
-            if skipped {
-                return m;
-            }
-            let started = Instant::now();
-            let m = optimizer.step(m, &g);
-            optimizer_s = started.elapsed().as_secs_f64();
+            let (m, seconds) = optimizer.step_unless_skipped(cfg, m, &g, report);
+            update_s = seconds;
             m
         };
         let (loss, acc) = (forward.loss, forward.accumulated);
@@ -404,6 +397,7 @@ fn run_rank(
             train_step_accumulated(model, loss, acc, &rows, cfg.grad_clip, &mesh, step_fn)?;
         model = next;
         // Under `stop`, ends the run on every rank alike (the values all ranks agree on).
+        let (skipped, optimizer_s) = (update_s.is_none(), update_s.unwrap_or(0.0));
         if !skipped {
             check_finite(cfg, step, &done)?;
         }

@@ -24,7 +24,7 @@ use crate::batches::evaluates_after;
 use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::error::TrainError;
-use crate::guard::{check_finite, skips};
+use crate::guard::check_finite;
 use crate::resume::{Resume, RunOptimizer, save_stage_checkpoint, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
@@ -212,15 +212,10 @@ pub(crate) fn run_rank(
         let (mbs, counts) = step_microbatches(cfg, data, position, &rows, mesh)?;
         let lr = schedule.lr_at(schedule_start + (step - start));
         optimizer.set_lr(lr);
-        let (mut optimizer_s, mut skipped) = (0.0, false);
+        let mut update_s = None;
         let step_fn = |m: Vec<LlamaStage>, g: Gradients, report: &StepReport| {
-            skipped = skips(cfg, report);
-            if skipped {
-                return m;
-            }
-            let started = Instant::now();
-            let m = optimizer.step(m, &g);
-            optimizer_s = started.elapsed().as_secs_f64();
+            let (m, seconds) = optimizer.step_unless_skipped(cfg, m, &g, report);
+            update_s = seconds;
             m
         };
         let kind = cfg.pipeline.schedule();
@@ -235,6 +230,7 @@ pub(crate) fn run_rank(
             step_fn,
         )?;
         chunks = next;
+        let (skipped, optimizer_s) = (update_s.is_none(), update_s.unwrap_or(0.0));
         if !skipped {
             check_finite(cfg, step, &done.step)?;
         }
