@@ -30,8 +30,9 @@ pub struct PipelineReport {
 /// `r`), each parallelized on its own. The microbatches are this rank's `rows` of the global
 /// batch: `microbatches[m]` holds `microbatch_rows[m]` of them (see
 /// [`burn_parallel_pp::split_rows`]). Each microbatch's mean loss is weighted by its share of
-/// the global batch, so the step trains on the global batch's mean loss whatever the layout.
-/// FSDP defers its gradient reduction to each chunk's last backward. Then
+/// the global batch, so the step trains on the global batch's mean loss whatever the layout
+/// (a stage whose loss is normalised otherwise, such as a sum over counting targets, folds the
+/// inverse of that share into it, as the trainer does for masked data). FSDP defers its gradient reduction to each chunk's last backward. Then
 /// [`sync_gradients`](crate::sync_gradients)'s work (the average over the stage's
 /// data-parallel ranks, the global gradient norm over every stage, clipping by it when
 /// `max_grad_norm` is set) and `optimizer_step` on this rank's parameters, which sees the step's

@@ -35,15 +35,15 @@ fn split(
     let batch = data.batch(samples, shuffle_seed, pad);
     let m = cfg.pipeline.microbatches(cfg.distributed.pp_size);
     let (b, t) = (batch.rows, batch.seq_len);
-    let (microbatches, counts) = TokenMicrobatch::split(&batch.inputs, &batch.targets, b, t, m)
+    let (plain, counts) = TokenMicrobatch::split(&batch.inputs, &batch.targets, b, t, m)
         .map_err(|e| TrainError::Config(format!("--microbatches {m}: {e}")))?;
-    let (mut masks, mut packed) = (Vec::with_capacity(counts.len()), Vec::new());
+    let (mut masks, mut microbatches) = (Vec::with_capacity(m), Vec::with_capacity(m));
     let mut start = 0;
-    for (mb, &r) in microbatches.into_iter().zip(&counts) {
+    for (mb, &r) in plain.into_iter().zip(&counts) {
         let tokens = start * t..(start + r) * t;
         masks.push(batch.mask[tokens.clone()].to_vec());
         // Packed rows keep their documents' positions and boundaries.
-        packed.push(match &batch.packed {
+        microbatches.push(match &batch.packed {
             None => mb,
             Some((positions, segments)) => mb
                 .with_packing(
@@ -55,7 +55,7 @@ fn split(
         start += r;
     }
     Ok(Split {
-        microbatches: packed,
+        microbatches,
         rows: counts,
         masks,
         count: batch.count(),
