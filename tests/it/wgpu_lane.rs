@@ -411,3 +411,65 @@ fn wgpu_lane_bf16_is_refused_by_name_or_trains() {
         );
     }
 }
+
+/// The replica check on device floats: the seeded Llama, made from per-name seeds on the CPU
+/// and placed on the wgpu device, passes `parallelize_model`'s check under fsdp2 x2 on every
+/// one of 20 launches (a check summing floats on the device failed about half of them), and a
+/// rank whose weights differ in one element is still named with the parameter.
+#[test]
+fn wgpu_lane_replica_check_is_exact_on_device_floats() {
+    use burn::module::{Module, ModuleMapper, Param};
+    use burn_parallel::models::Llama;
+    use burn_parallel::parallelizer::{MeshContext, ParallelError, parallelize_model};
+
+    /// Adds 2^-20 to the first element of the parameters under `prefix`.
+    struct Nudge(&'static str, Vec<String>);
+    impl ModuleMapper for Nudge {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.1.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.1.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if !self.1.join(".").starts_with(self.0) {
+                return param;
+            }
+            param.map(|t| {
+                let mut v = to_vec(&t.to_data());
+                v[0] += 2f32.powi(-20);
+                Tensor::from_data(TensorData::new(v, t.shape()), &t.device()).require_grad()
+            })
+        }
+    }
+
+    let config = resolved(DistributedFlags::on(Strategy::Fsdp2, 2));
+    let attempt = |nudge_rank_1: bool| {
+        let config = config.clone();
+        launch(2, move |rank| {
+            let device = wgpu_ad().gradient_checkpointing();
+            let ctx = MeshContext::new(&rank, config.clone(), device.clone())?;
+            let model = Llama::seeded(&small_model(), 7, &device);
+            let model = match (nudge_rank_1, rank.rank()) {
+                (true, 1) => model.map(&mut Nudge("layers.1.mlp.up_proj", Vec::new())),
+                _ => model,
+            };
+            Ok::<_, ParallelError>(parallelize_model(model, &ctx).map(|_| ()))
+        })
+        .expect("the ranks ran")
+    };
+    for launch_index in 0..20 {
+        for (rank, outcome) in attempt(false).into_iter().enumerate() {
+            if let Err(e) = outcome {
+                panic!("launch {launch_index}, rank {rank}: {e}");
+            }
+        }
+    }
+    for outcome in attempt(true) {
+        let e = outcome.expect_err("rank 1's weights differ").to_string();
+        assert!(
+            e.contains("rank 1") && e.contains("`layers.1.mlp.up_proj."),
+            "{e}"
+        );
+    }
+}
