@@ -10,13 +10,13 @@
 //! ([`AttentionMask::indexed`]). The loss of a rank is the mean over its tokens; the
 //! data-parallel average over `dp x cp` is then the mean over the global batch.
 
-use burn::tensor::{DType, Device, Int, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives as coll;
 
 use crate::attention::{AttentionMask, flash_attention};
 use crate::error::ModelError;
-use crate::llama::{Llama, Rope};
+use crate::rope::Rope;
 
 /// Checks that a sequence of `seq` tokens splits over `cp` ranks (a multiple of `2 * cp`).
 pub fn check_split(seq: usize, cp: usize) -> Result<(), ModelError> {
@@ -152,29 +152,6 @@ impl TokenLayout {
             }
         };
         flash_attention(q, k, v, &self.mask, scale)
-    }
-}
-
-impl Llama {
-    /// As [`try_forward_routed`](Llama::try_forward_routed) under context parallelism: `ids`
-    /// `[batch, seq / cp]` are this cp rank's head-tail part of each row ([`split_rows`]),
-    /// `group` the ranks holding the other parts (each runs this with its own part). The
-    /// logits are those of this rank's tokens, equal to the same tokens' logits of the whole
-    /// rows. `packed` (optional) gives the WHOLE rows' positions and examples (`[batch, seq]`)
-    /// as in [`try_forward_packed`](Llama::try_forward_packed). Collective over `group`. A
-    /// local length that does not come from a split of whole rows (odd) is an error before any
-    /// collective.
-    pub fn try_forward_context_parallel(
-        &self,
-        ids: Tensor<2, Int>,
-        group: &ProcessGroup,
-        packed: Option<(&[i64], &[i64])>,
-    ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
-        // Checked before the first collective, so that every rank returns the error.
-        check_split(ids.dims()[1] * group.size(), group.size())?;
-        burn_parallel_fsdp::try_with_module_unit(self, || {
-            self.forward_body_in(ids, packed, Some(group))
-        })?
     }
 }
 

@@ -32,12 +32,14 @@ mod parallel;
 mod pipeline;
 mod pipeline_paths;
 mod plan;
+mod rope;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use error::ModelError;
 pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal};
-pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm, Rope};
+pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm};
 pub use moe::{Experts, RouterStats, SparseMoe, load_balancing_loss};
 pub use moe_config::{ExpertProj, MoeConfig, MoeFlavor};
 pub use pipeline::{LlamaStage, TokenMicrobatch};
 pub use plan::{LLAMA_PLAN, llama_plan};
+pub use rope::Rope;

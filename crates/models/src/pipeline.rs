@@ -19,7 +19,8 @@ use crate::config::LlamaConfig;
 use crate::context_parallel::TokenLayout;
 use crate::error::ModelError;
 use crate::init::{SeededInit, TensorSource};
-use crate::llama::{DecoderLayer, RmsNorm, Rope, decoder_layer, embedding, linear, norm, rms_norm};
+use crate::llama::{DecoderLayer, RmsNorm, decoder_layer, embedding, linear, norm, rms_norm};
+use crate::rope::Rope;
 
 /// One pipeline stage of a [`Llama`](crate::Llama). Field names and module paths are the
 /// Llama's (`layers` holds the stage's layers, renumbered from 0).

@@ -2,7 +2,7 @@ use burn_parallel_comm::{CollectiveError, MeshError};
 use burn_parallel_fsdp::FsdpError;
 use burn_parallel_tp::TpError;
 
-use crate::config::{ConfigError, Unsupported};
+use crate::config::error::{ConfigError, Unsupported};
 
 /// Why a model could not be parallelized or trained.
 #[derive(Debug, thiserror::Error)]

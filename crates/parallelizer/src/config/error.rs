@@ -2,7 +2,7 @@
 //! that contradicts itself, the world or the model, [`Unsupported`] for an option of the
 //! reference systems that does not exist here. Each message says what to change.
 
-use super::{FrozenModuleSharding, Strategy};
+use super::placement::{FrozenModuleSharding, Strategy};
 
 /// A distributed config that contradicts itself, the world or the model; raised by
 /// `MeshContext::new` or `parallelize_model` before any rank communicates.

@@ -7,7 +7,7 @@ use std::ops::Deref;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -21,13 +21,9 @@ use crate::transport::error::{CollectiveError, PendingCall};
 use crate::transport::stats::CommStats;
 use crate::transport::traffic::CallBytes;
 
+use super::lock::lock;
 use super::pending::{PendingCalls, await_reply};
 use super::{ops, p2p};
-
-/// Locks ignoring poisoning: no lock is held across user code.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// An MPI communicator that worker threads share. The MPI library is initialized with
 /// `MPI_THREAD_MULTIPLE`, so a communicator may be used from any thread.

@@ -17,6 +17,7 @@
 //! where they wait, and the rank's failure then aborts the job.
 
 mod comm;
+mod lock;
 #[cfg(feature = "nccl")]
 mod nccl_id;
 mod ops;
@@ -83,7 +84,7 @@ impl Engine for MpiEngine {
         label: &str,
         ranks: &[usize],
     ) -> Result<Arc<dyn Communicator>, CollectiveError> {
-        let mut groups = comm::lock(&self.groups);
+        let mut groups = lock::lock(&self.groups);
         let key = (label.to_string(), ranks.to_vec());
         if let Some(comm) = groups.get(&key) {
             return Ok(comm.clone());
@@ -95,7 +96,7 @@ impl Engine for MpiEngine {
     }
 
     fn stats(&self) -> CommStats {
-        comm::lock(&self.shared.rank_stats).clone()
+        lock::lock(&self.shared.rank_stats).clone()
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::transport::collective::CollectiveResult;
 use crate::transport::error::{CollectiveError, PendingCall};
 
-use super::comm::lock;
+use super::lock::lock;
 
 /// One process's pending calls, in issue order.
 #[derive(Debug, Default)]

@@ -35,12 +35,13 @@ use crate::transport::traffic::CallBytes;
 
 use super::agreement::{Agreed, Agreement, AgreementMode, CallKind, CallSpec, MAX_DIMS};
 use super::comm::{NcclComm, NcclError};
+use super::launch_env::LaunchEnv;
 use super::layout::{AlongDim, gather_layout, narrow_copy, place_copy, scatter_layout};
 use super::rendezvous::IdSource;
 use super::scope::{Scope, Slot, Staging, collective_error, watched_name};
 use super::split::split_key;
 use super::types::{NcclDataType, dtype_code, dtype_from_code, nccl_dtype, nccl_reduce};
-use super::unique_id::{LaunchEnv, UniqueIdBytes};
+use super::unique_id::UniqueIdBytes;
 use super::watchdog::{Abort, FailureSignal, Watchdog};
 
 /// How an NCCL engine guards its calls.

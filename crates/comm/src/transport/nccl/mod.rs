@@ -10,7 +10,8 @@
 //! The planning around NCCL is pure and compiled without the feature, so it is tested on every
 //! machine: [`split`] (group -> `ncclCommSplit` color/key), [`unique_id`] (rank 0's id through
 //! the environment), [`types`] (dtype and reduce-op mapping), [`layout`] (uneven pieces as
-//! strided copies around NCCL's equal-sized collectives), [`library`] (the messages for
+//! strided copies around NCCL's equal-sized collectives), [`launch_env`] (a process's rank,
+//! world size and id source from the launcher's environment), [`library`] (the messages for
 //! missing or too old libraries), [`agreement`] (what the ranks state and agree on before a
 //! call, and its cache), [`watchdog`] (stopping calls that cannot finish; their owner aborts),
 //! [`config`] (non-blocking communicators) and [`rendezvous`] (rank 0's id reaching every
@@ -22,6 +23,7 @@
 
 pub mod agreement;
 pub mod config;
+pub mod launch_env;
 pub mod layout;
 pub mod library;
 // The id's broadcast over MPI is the only user of the message format.
@@ -46,6 +48,7 @@ pub use comm::{DeviceWork, NcclComm, NcclError, check_gpu, nccl_version, new_uni
 pub use engine::{
     NcclCommunicator, NcclEngine, NcclOptions, launch_local, launch_local_with, nccl_comm,
 };
+pub use launch_env::LaunchEnv;
 pub use library::{CudaLibrary, LibraryMissing};
 pub use rendezvous::COMM_ID_ENV;
-pub use unique_id::{ID_ENV, LaunchEnv};
+pub use unique_id::ID_ENV;

@@ -1,9 +1,10 @@
-//! NCCL's 128-byte unique id as bytes and hex, and a process's place in a launch.
+//! NCCL's 128-byte unique id as bytes and hex, and why an id or the launcher's environment
+//! could not be read.
 //!
 //! Rank 0 creates the id (`ncclGetUniqueId`, whose bootstrap root listens in rank 0's process)
 //! and every rank needs the same bytes before it can join the communicator; how they travel
-//! without losing the root is [`super::rendezvous`]. A launcher names the rank and world size
-//! (`RANK`, `WORLD_SIZE`, as `torchrun` names them, and `LOCAL_RANK` for the GPU).
+//! without losing the root is [`super::rendezvous`], and a process's place in the launch is
+//! [`super::launch_env`].
 
 use std::fmt::Write;
 
@@ -117,67 +118,22 @@ pub fn decode(hex: &str, var: &str) -> Result<UniqueIdBytes, IdError> {
     Ok(UniqueIdBytes(out))
 }
 
-/// One process's place in a launch, as the launcher's environment describes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LaunchEnv {
-    /// Where the unique id comes from.
-    pub source: super::rendezvous::IdSource,
-    /// This process's global rank (`RANK`).
-    pub rank: usize,
-    /// Number of ranks (`WORLD_SIZE`).
-    pub world_size: usize,
-    /// The GPU of this process on its node (`LOCAL_RANK`, else `rank`).
-    pub local_rank: usize,
-}
-
-/// Reads [`LaunchEnv`] through `get` (the process environment in [`LaunchEnv::from_env`]); such
-/// a launcher passes the id ([`ID_ENV`]) or rank 0's address (`NCCL_COMM_ID`).
-pub fn launch_env(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv, IdError> {
-    let number = |var: &str| -> Result<Option<usize>, IdError> {
-        get(var)
-            .map(|v| {
-                v.trim().parse::<usize>().map_err(|_| IdError::BadNumber {
-                    var: var.into(),
-                    value: v.clone(),
-                })
-            })
-            .transpose()
-    };
-    let required = |var: &str| number(var)?.ok_or(IdError::Missing { var: var.into() });
-    let rank = required("RANK")?;
-    let world_size = required("WORLD_SIZE")?;
-    if rank >= world_size {
-        return Err(IdError::RankOutOfRange { rank, world_size });
+/// A fixed id with every byte different, for tests.
+#[cfg(test)]
+pub(crate) fn sample_id() -> UniqueIdBytes {
+    let mut b = [0u8; ID_BYTES];
+    for (i, x) in b.iter_mut().enumerate() {
+        *x = (i * 37 + 11) as u8;
     }
-    let local_rank = number("LOCAL_RANK")?.unwrap_or(rank);
-    let source = super::rendezvous::id_source(&get, false)?;
-    Ok(LaunchEnv {
-        source,
-        rank,
-        world_size,
-        local_rank,
-    })
-}
-
-impl LaunchEnv {
-    /// Reads the launch from this process's environment.
-    pub fn from_env() -> Result<Self, IdError> {
-        launch_env(|var| std::env::var(var).ok())
-    }
+    UniqueIdBytes(b)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
-
     use super::*;
 
     fn sample() -> UniqueIdBytes {
-        let mut b = [0u8; ID_BYTES];
-        for (i, x) in b.iter_mut().enumerate() {
-            *x = (i * 37 + 11) as u8;
-        }
-        UniqueIdBytes(b)
+        sample_id()
     }
 
     #[test]
@@ -207,52 +163,6 @@ mod tests {
                 var: ID_ENV.into(),
                 position: 10,
                 found: 'z'
-            }
-        );
-    }
-
-    #[test]
-    fn launch_environment_is_read_and_checked() {
-        let hex = encode(&sample());
-        let env = |pairs: &[(&str, &str)]| {
-            let map: HashMap<String, String> = pairs
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect();
-            launch_env(move |k| map.get(k).cloned())
-        };
-        let ok = env(&[("RANK", "3"), ("WORLD_SIZE", "8"), (ID_ENV, &hex)]).unwrap();
-        assert_eq!((ok.rank, ok.world_size, ok.local_rank), (3, 8, 3));
-        assert_eq!(
-            ok.source,
-            super::super::rendezvous::IdSource::Given(sample())
-        );
-        let local = env(&[
-            ("RANK", "9"),
-            ("WORLD_SIZE", "16"),
-            ("LOCAL_RANK", "1"),
-            (ID_ENV, &hex),
-        ])
-        .unwrap();
-        assert_eq!(local.local_rank, 1);
-        let missing = env(&[("RANK", "0"), ("WORLD_SIZE", "2")]).unwrap_err();
-        assert!(
-            missing
-                .to_string()
-                .starts_with("NCCL_COMM_ID (or BURN_PARALLEL_NCCL_ID) is not set")
-        );
-        assert_eq!(
-            env(&[("RANK", "2"), ("WORLD_SIZE", "2"), (ID_ENV, &hex)]).unwrap_err(),
-            IdError::RankOutOfRange {
-                rank: 2,
-                world_size: 2
-            }
-        );
-        assert_eq!(
-            env(&[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err(),
-            IdError::BadNumber {
-                var: "RANK".into(),
-                value: "x".into()
             }
         );
     }
