@@ -13,6 +13,7 @@ mod data_sft;
 mod differentiable;
 mod failures;
 mod frozen;
+mod frozen_reshard;
 mod fsdp_basic;
 mod fsdp_load;
 mod fsdp_memory;

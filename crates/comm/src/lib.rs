@@ -29,8 +29,8 @@ pub mod collectives {
     pub use crate::autodiff::*;
     pub use crate::device::pairs::MixedDtypes;
     pub use crate::device::{
-        Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, Observer, Sizes,
-        describe, device_mismatch, is_cuda_device, route, same_device,
+        Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, FrozenRebuild,
+        Observer, Sizes, describe, device_mismatch, is_cuda_device, route, same_device,
     };
 }
 

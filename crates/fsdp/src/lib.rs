@@ -30,6 +30,9 @@
 //! and gathered but never reduced: a gather of frozen parameters only has no backward, and a
 //! unit that mixes both kinds reduce-scatters its trainable rows only. [`trainability`] counts
 //! a module's trainable and frozen parameters; [`FsdpConfig::ignore_params`] leaves some whole.
+//! [`weight_rebuild`] lets a frozen weight's consumer (`Lora<Linear>`'s base, through
+//! `comm::collectives::frozen_linear`) keep the shard rather than the gathered weight for
+//! backward, which gathers it again: a resharded frozen base is not resident through backward.
 //!
 //! Memory accounting ([`memory`]): per-rank live and peak bytes of parameters, gathered
 //! weights, gradients and optimizer state in the config's [`MemoryTracker`]; FSDP records what
@@ -59,6 +62,7 @@
 mod clip;
 mod config;
 mod error;
+mod frozen;
 mod gather;
 mod load;
 pub mod memory;
@@ -75,6 +79,7 @@ mod unit;
 pub use clip::{SquareSums, clip_grad_norm, clip_to_norm, grad_square_sums, scale_grads};
 pub use config::{FsdpConfig, GradientReduction, ShardLayout};
 pub use error::FsdpError;
+pub use frozen::weight_rebuild;
 pub use load::{
     StateDictRanks, for_each_full_param, full_state_dict, fully_shard_from, gather_full,
 };

@@ -33,6 +33,11 @@ impl ShardGather {
             state: StateHandle::new(Arc::new(state), device),
         }
     }
+
+    /// The sharded parameter's state.
+    pub(crate) fn param_state(&self) -> &Arc<ParamState> {
+        &self.state.state
+    }
 }
 
 impl Reparameterization for ShardGather {

@@ -311,6 +311,21 @@ impl ParamState {
             .map(|flat| flat.clone().reshape(self.shape::<D>()))
     }
 
+    /// The elements each rank stores, in group order: what a gather of the flattened
+    /// parameter concatenates.
+    pub(crate) fn gather_elements(&self) -> Vec<usize> {
+        match &self.split {
+            Split::Rows(_) => {
+                let row_len = self.row_len();
+                self.gather_sizes()
+                    .into_iter()
+                    .map(|rows| rows * row_len)
+                    .collect()
+            }
+            Split::Flat { pieces, .. } => pieces.iter().map(|p| p.len()).collect(),
+        }
+    }
+
     /// Whether an enclosing unit's scope is serving the parameter now.
     pub(crate) fn is_served(&self) -> bool {
         self.served

@@ -217,20 +217,38 @@ impl<M: LoraBase> Lora<M> {
 impl Lora<Linear> {
     /// `base(x) + adapter(x)` on `[.., d_in]` features.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let base = match burn_parallel_fsdp::weight_rebuild(&self.base.weight) {
+            Some(rebuild) => {
+                let y = coll::frozen_linear(x.clone(), self.base.weight.val(), Some(rebuild));
+                match &self.base.bias {
+                    Some(bias) => y + bias.val().unsqueeze(),
+                    None => y,
+                }
+            }
+            None => self.base.forward(x.clone()),
+        };
         match &self.adapter {
-            Some(adapter) => self.base.forward(x.clone()) + adapter.forward(x),
-            None => self.base.forward(x),
+            Some(adapter) => base + adapter.forward(x),
+            None => base,
         }
     }
 
     /// `x @ W + adapter(x)`, without the bias: a rowwise layer adds its bias once, after the
     /// reduction that the adapter's partial output shares.
     pub(crate) fn forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let y = linear(x.clone(), self.base.weight.val(), None);
+        let y = self.base_product(x.clone());
         match &self.adapter {
             Some(adapter) => y + adapter.forward(x),
             None => y,
         }
+    }
+
+    /// `x @ W`. A frozen base sharded by FSDP and resharded after forward is not kept by the
+    /// graph: backward gathers it again for the input gradient (see
+    /// `fsdp::weight_rebuild`), so a LoRA base under FSDP is not resident through backward.
+    fn base_product<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let rebuild = burn_parallel_fsdp::weight_rebuild(&self.base.weight);
+        coll::frozen_linear(x, self.base.weight.val(), rebuild)
     }
 }
 

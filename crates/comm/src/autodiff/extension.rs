@@ -23,7 +23,9 @@ use burn::tensor::Slice;
 
 use super::hub::SplitHub;
 use super::placement::Placement;
-use crate::device::{DeviceCollective, DeviceStep, NcclCall, Phase, no_nccl, run_steps};
+use crate::device::{
+    DeviceCollective, DeviceStep, FrozenRebuild, NcclCall, Phase, no_nccl, run_steps,
+};
 
 /// A backend that runs [`DeviceCollective`]s on its tensors and, on CUDA backends, NCCL steps
 /// on its own buffers.
@@ -61,6 +63,19 @@ pub trait CollectiveBackend: Backend {
         segments: Vec<Range<usize>>,
     ) -> FloatTensor<Self> {
         segments_of::<Self>(x, &segments)
+    }
+
+    /// `linear(x, w)` without bias, for a weight `w` that takes no gradient. On the autodiff
+    /// backend, with `rebuild`, the node keeps `source` and the steps that rebuild `w` from it
+    /// rather than `w` itself, and backward rebuilds `w` for the input gradient (see
+    /// [`frozen_linear`](crate::autodiff::frozen_linear)). Elsewhere `source` is not read.
+    fn frozen_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        _source: FloatTensor<Self>,
+        _rebuild: Option<FrozenRebuild>,
+    ) -> FloatTensor<Self> {
+        Self::linear(x, w, None)
     }
 
     /// `acc` (1-D) with `piece` written at `place.offset`, one step of `place::place_flat`
@@ -140,6 +155,71 @@ impl<B: CollectiveBackend> RetroForward for Recompute<B> {
         let input = states.get_state::<FloatTensor<B>>(&self.input);
         let output = run_steps::<B>(input, &self.steps, Phase::Recompute, B::nccl_step);
         states.save(out_node, output);
+    }
+}
+
+/// What a frozen linear's backward multiplies the gradient by: the weight itself, or how to
+/// gather it again.
+#[derive(Debug, Clone)]
+enum FrozenWeight<B: Backend> {
+    Kept(FloatTensor<B>),
+    Rebuilt {
+        source: FloatTensor<B>,
+        shape: burn::tensor::Shape,
+        rebuild: FrozenRebuild,
+    },
+}
+
+impl<B: CollectiveBackend> FrozenWeight<B> {
+    /// The weight: kept, or rebuilt now from the source (a collective: every rank's backward
+    /// reaches it in the same order, as every rank built the same graph).
+    fn weight(&self) -> FloatTensor<B> {
+        match self {
+            Self::Kept(w) => w.clone(),
+            Self::Rebuilt {
+                source,
+                shape,
+                rebuild,
+            } => {
+                let flat = run_steps::<B>(
+                    source.clone(),
+                    &rebuild.steps,
+                    Phase::Recompute,
+                    B::nccl_step,
+                );
+                B::float_reshape(flat, shape.clone())
+            }
+        }
+    }
+
+    /// Called once the weight [`weight`](Self::weight) returned has been dropped.
+    fn released(&self) {
+        if let Self::Rebuilt { rebuild, .. } = self {
+            rebuild.released();
+        }
+    }
+}
+
+/// A frozen linear's backward: the input gradient only, `B::linear_x_backward` as Burn's own
+/// linear computes it.
+#[derive(Debug)]
+struct FrozenLinearBackward;
+
+impl<B: CollectiveBackend> Backward<B, 1> for FrozenLinearBackward {
+    type State = FrozenWeight<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let weight = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            let mut w = weight.weight();
+            // A shard offloaded to the host is gathered there, then moved.
+            if w.device() != grad.device() {
+                w = B::float_to_device(w, &grad.device());
+            }
+            let grad = B::linear_x_backward(w, grad);
+            weight.released();
+            grad
+        });
     }
 }
 
@@ -340,6 +420,33 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
                 piece.into_primitive(),
                 place,
             )),
+        }
+    }
+
+    fn frozen_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        source: FloatTensor<Self>,
+        rebuild: Option<FrozenRebuild>,
+    ) -> FloatTensor<Self> {
+        let (w, _) = w.into_parts();
+        let weight = match rebuild {
+            Some(rebuild) => FrozenWeight::Rebuilt {
+                source: source.into_primitive(),
+                shape: w.shape(),
+                rebuild,
+            },
+            None => FrozenWeight::Kept(w.clone()),
+        };
+        let (x, guard) = x.into_parts();
+        let output = B::linear(x, w, None);
+        match FrozenLinearBackward
+            .prepare::<C>([guard])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(weight, output),
+            OpsKind::UnTracked(prep) => prep.finish(output),
         }
     }
 

@@ -26,7 +26,7 @@ use burn::backend::Dispatch;
 use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::device::pairs::{self, MixedDtypes};
-use crate::device::{DeviceCollective, DeviceOp, InFlight, Sizes, route};
+use crate::device::{DeviceCollective, DeviceOp, FrozenRebuild, InFlight, Sizes, route};
 use crate::transport::collective::OpKind;
 use crate::transport::data::ReduceOp;
 use crate::transport::error::CollectiveError;
@@ -192,6 +192,48 @@ pub fn start_all_gather<const D: usize>(
 ) -> Result<Started<D>> {
     let op = gather_op(&x, group, dim, options)?;
     Ok(Started::new(x, op))
+}
+
+/// How backward gets a frozen weight again for [`frozen_linear`]: this rank's source (its
+/// shard, flattened) and the steps that gather the weight from it.
+#[derive(Debug, Clone)]
+pub struct WeightRebuild {
+    /// This rank's part of the weight, flattened, on the compute device.
+    pub source: Tensor<1>,
+    /// The steps from `source` to the flattened weight.
+    pub rebuild: FrozenRebuild,
+}
+
+/// `linear(x, weight)` without bias, for a weight that takes no gradient (a LoRA base, a
+/// frozen layer). With `rebuild`, autodiff keeps the weight's shard and gathers the weight
+/// again when backward needs it for the input gradient, rather than keeping the gathered
+/// weight alive from forward until then (PyTorch FSDP2 reshards frozen units after forward
+/// too). Without, Burn's `linear`. The values and gradients are Burn's `linear`'s bit for bit.
+pub fn frozen_linear<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    rebuild: Option<WeightRebuild>,
+) -> Tensor<D> {
+    let Some(WeightRebuild { source, rebuild }) = rebuild else {
+        return burn::tensor::module::linear(x, weight, None);
+    };
+    if D == 1 {
+        // Burn's linear adds a batch dimension to 1-d input; so does this.
+        let d_in = x.dims()[0];
+        let y: Tensor<2> = frozen_linear(
+            x.reshape([1, d_in]),
+            weight,
+            Some(WeightRebuild { source, rebuild }),
+        );
+        let d_out = y.dims()[1];
+        return Tensor::from_dispatch(y.reshape([d_out]).into_dispatch());
+    }
+    Tensor::from_dispatch(<Dispatch as CollectiveBackend>::frozen_linear(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        source.into_dispatch(),
+        Some(rebuild),
+    ))
 }
 
 /// Rank `i` gets the sum over ranks of chunk `i` along `dim` (pad-to-ceil chunks, FSDP2's).

@@ -17,6 +17,6 @@ pub(crate) mod torch;
 
 pub use route::{describe, device_mismatch, is_cuda_device, route, same_device};
 pub use steps::{
-    Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, InFlight, NcclCall,
-    Observer, Phase, Sizes, no_nccl, run_steps,
+    Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, FrozenRebuild,
+    InFlight, NcclCall, Observer, Phase, Sizes, no_nccl, run_steps,
 };

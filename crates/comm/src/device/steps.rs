@@ -204,6 +204,25 @@ impl fmt::Debug for Observer {
     }
 }
 
+/// How backward gets a frozen weight again rather than keeping it from forward: `steps` run
+/// on the weight's source (this rank's shard: a cast and an all-gather) give the weight,
+/// flattened; `on_release` is told when backward has dropped it again.
+#[derive(Debug, Clone)]
+pub struct FrozenRebuild {
+    /// The steps from the source to the flattened weight.
+    pub steps: Vec<DeviceStep>,
+    /// Told (with 0) once the rebuilt weight is dropped.
+    pub on_release: Option<Observer>,
+}
+
+impl FrozenRebuild {
+    pub(crate) fn released(&self) {
+        if let Some(observer) = &self.on_release {
+            (observer.0)(0);
+        }
+    }
+}
+
 /// A gradient summed over micro-steps on the device, of whatever backend produced it.
 #[derive(Clone, Default)]
 pub struct DevicePending(Arc<Mutex<Option<Box<dyn Any + Send>>>>);

@@ -1,0 +1,130 @@
+//! Frozen weights resharded through backward: a LoRA base sharded by FSDP is not kept gathered
+//! by the autodiff graph from forward until backward (PyTorch FSDP2 reshards frozen units
+//! after forward too); backward gathers each base weight again for the input gradient. Checked
+//! on the storage of the gathered buffers themselves, not on FSDP's own accounting.
+
+use std::sync::{Arc, Weak};
+
+use burn::backend::{BackendTensor, DispatchTensorKind};
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::{Bytes, Device, Tensor};
+use burn_parallel::comm::{OpKind, launch};
+use burn_parallel::fsdp::{FsdpConfig, ShardLayout, forward_units, fully_shard};
+use burn_parallel::peft::{Lora, LoraConfig};
+
+use crate::common::{flex_ad, tensor, vec_of};
+use crate::tp_common::linear_on;
+
+type Failure = Box<dyn std::error::Error + Send + Sync>;
+
+const WIDTH: usize = 10;
+const LAYERS: usize = 3;
+const ROWS: usize = 4;
+
+/// The bytes a flex tensor's values live in, held weakly: alive while any tensor, or an
+/// autodiff graph, still holds them (a slice is a view of its source's bytes).
+fn flex_storage<const D: usize>(t: Tensor<D>) -> Weak<Bytes> {
+    fn of(kind: DispatchTensorKind) -> Weak<Bytes> {
+        match kind {
+            DispatchTensorKind::Flex(BackendTensor::Float(t)) => Arc::downgrade(&t.data_arc()),
+            DispatchTensorKind::Flex(BackendTensor::Autodiff(t)) => {
+                Arc::downgrade(&t.primitive().data_arc())
+            }
+            DispatchTensorKind::Autodiff(inner) => of(*inner),
+            other => panic!("not a flex float tensor: {other:?}"),
+        }
+    }
+    of(t.into_dispatch().kind)
+}
+
+#[derive(Module, Debug)]
+struct LoraStack {
+    layers: Vec<Lora<Linear>>,
+}
+
+/// Seeded layers, identical on every rank, each with an adapter (its base frozen).
+fn lora_stack(device: &Device) -> LoraStack {
+    let config = LoraConfig::new(2, 4.0, &["layers"]);
+    let layers = (0..LAYERS as u64)
+        .map(|i| {
+            Lora::new(linear_on(device, 40 + i, WIDTH, WIDTH))
+                .attach(&format!("layers.{i}"), &config)
+                .expect("an adapter fits")
+        })
+        .collect();
+    LoraStack { layers }
+}
+
+/// What one rank saw: whether any unit's gathered buffer was alive once forward had run,
+/// all-gathers in forward and in backward, and the adapters' gradients.
+struct Seen {
+    buffers_alive_after_forward: usize,
+    forward_gathers: u64,
+    backward_gathers: u64,
+    adapter_grads: Vec<Vec<f32>>,
+}
+
+/// The stack sharded per layer over 2 ranks in the flat layout (each unit's parameters are
+/// views of its one gathered buffer), on a gradient-checkpointing device, one forward and
+/// backward.
+fn run(reshard_after_forward: bool) -> Vec<Seen> {
+    launch(2, move |ctx| {
+        let device = flex_ad().gradient_checkpointing();
+        let group = ctx.world()?;
+        let config = FsdpConfig::new(group.clone())
+            .reshard_after_forward(reshard_after_forward)
+            .layout(ShardLayout::FlatBuffer)
+            .forward_prefetch_depth(0);
+        let stack = lora_stack(&device);
+        let layers = stack
+            .layers
+            .into_iter()
+            .map(|layer| fully_shard(layer, &config))
+            .collect::<Result<Vec<_>, _>>()?;
+        let x = tensor(7 + group.index() as u64, [ROWS, WIDTH], &device).require_grad();
+        let mut buffers = Vec::new();
+        let out = forward_units(&layers, x.clone(), |layer, x| {
+            buffers.push(flex_storage(layer.base.weight.val()));
+            layer.forward(x).tanh()
+        });
+        let loss = out.powi_scalar(2).sum();
+        let alive = buffers.iter().filter(|b| b.upgrade().is_some()).count();
+        let forward_gathers = group.stats().calls(OpKind::AllGather);
+        let grads = loss.backward();
+        let backward_gathers = group.stats().calls(OpKind::AllGather) - forward_gathers;
+        let adapter_grads = layers
+            .iter()
+            .flat_map(|l| {
+                let adapter = l.adapter.as_ref().expect("attached");
+                [adapter.a.grad(&grads), adapter.b.grad(&grads)]
+            })
+            .map(|g| vec_of(&g.expect("adapters train")))
+            .collect();
+        Ok::<_, Failure>(Seen {
+            buffers_alive_after_forward: alive,
+            forward_gathers,
+            backward_gathers,
+            adapter_grads,
+        })
+    })
+    .unwrap()
+}
+
+/// Resharded after forward, no unit's gathered buffer outlives its forward, though the frozen
+/// bases' matmuls need the weights again in backward: backward gathers each unit again (for
+/// the adapters) and each base weight (for the input gradient). Kept (no resharding), every
+/// buffer is alive until backward. The adapters' gradients are the same bits either way.
+#[test]
+fn frozen_bases_are_not_kept_gathered_from_forward_to_backward() {
+    let resharded = run(true);
+    let kept = run(false);
+    for (rank, (r, k)) in resharded.iter().zip(&kept).enumerate() {
+        assert_eq!(r.buffers_alive_after_forward, 0, "rank {rank}, resharded");
+        assert_eq!(k.buffers_alive_after_forward, LAYERS, "rank {rank}, kept");
+        assert_eq!(r.forward_gathers, LAYERS as u64, "rank {rank}");
+        assert_eq!(r.backward_gathers, 2 * LAYERS as u64, "rank {rank}");
+        assert_eq!(k.backward_gathers, 0, "rank {rank}");
+        assert_eq!(r.adapter_grads, k.adapter_grads, "rank {rank}");
+    }
+}
