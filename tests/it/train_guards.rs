@@ -253,3 +253,86 @@ fn frozen_experts_under_expert_parallelism_match_one_device() {
         "{msg}"
     );
 }
+
+/// A second job on a save directory another job holds is refused by name before its first
+/// step, and the first job's checkpoints stay as they were; once the first job has released
+/// the directory, a job saves there. An unwritable `--save` (a path that is a file) fails
+/// before any step, not after the training.
+#[test]
+fn a_held_save_dir_and_an_unwritable_save_are_refused_before_training() {
+    use burn_parallel::checkpoint::{LOCK_FILE, SaveDirLock, latest};
+
+    let root = temp_dir("guards-save-dir-lock");
+    let save_dir = root.join("checkpoints");
+    let cfg = TrainConfig {
+        save_every: Some(2),
+        save_dir: Some(save_dir.clone()),
+        ..tiny_run(Strategy::Fsdp2, 2, &[])
+    };
+    let first = run(&cfg);
+    assert_eq!(first.checkpoints.len(), 2, "steps 2 and 3 saved");
+    assert!(
+        !save_dir.join(LOCK_FILE).exists(),
+        "released when the run ended"
+    );
+    let files = |dir: &std::path::Path| {
+        let mut all: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_file())
+            .map(|p| (p.clone(), std::fs::read(&p).unwrap()))
+            .collect();
+        all.sort();
+        all
+    };
+    let newest = latest(&save_dir).unwrap().expect("a checkpoint");
+    let before = files(&newest);
+
+    // The other job, still running, holds the directory.
+    let other = SaveDirLock::acquire(&save_dir).unwrap();
+    let started = Instant::now();
+    let e = error_of(&TrainConfig {
+        steps: 6,
+        ..cfg.clone()
+    });
+    assert!(
+        e.contains("in use by another job")
+            && e.contains(&save_dir.display().to_string())
+            && e.contains(LOCK_FILE),
+        "{e}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "refused at once"
+    );
+    assert_eq!(latest(&save_dir).unwrap(), Some(newest.clone()));
+    assert_eq!(
+        files(&newest),
+        before,
+        "the first job's checkpoint is intact"
+    );
+    drop(other);
+    assert_eq!(
+        run(&cfg).checkpoints.len(),
+        2,
+        "a released directory is usable"
+    );
+
+    let file = root.join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let started = Instant::now();
+    let e = error_of(&TrainConfig {
+        save: Some(file.clone()),
+        steps: 1000,
+        ..tiny_run(Strategy::Single, 1, &[])
+    });
+    assert!(
+        e.contains("--save") && e.contains(&file.display().to_string()),
+        "{e}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "refused before step 0"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -69,6 +69,35 @@ fn sibling(dir: &Path, suffix: &str) -> PathBuf {
     dir.with_file_name(format!(".{name}.{suffix}"))
 }
 
+/// Removes what killed saves left beside the step directory `dir` (`.step-N.tmp`,
+/// `.step-N.old`): a save in progress there is this job's own, since a save directory holds
+/// one job at a time (see `SaveDirLock`). Nothing is removed beside a directory that is not a
+/// step directory.
+pub(crate) fn remove_stale_saves(dir: &Path) -> Result<(), CheckpointError> {
+    let is_step = dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| step_of(n).is_some());
+    let Some(parent) = dir.parent().filter(|p| is_step && p.is_dir()) else {
+        return Ok(());
+    };
+    let entries = std::fs::read_dir(parent).map_err(CheckpointError::io(parent))?;
+    for entry in entries {
+        let entry = entry.map_err(CheckpointError::io(parent))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let stale = name
+            .strip_prefix('.')
+            .and_then(|n| n.strip_suffix(".tmp").or_else(|| n.strip_suffix(".old")))
+            .is_some_and(|n| step_of(n).is_some());
+        if stale {
+            let path = entry.path();
+            std::fs::remove_dir_all(&path).map_err(CheckpointError::io(&path))?;
+        }
+    }
+    Ok(())
+}
+
 /// A fresh, empty `temp` (a leftover of a failed save is removed first).
 pub(crate) fn fresh_dir(temp: &Path) -> Result<(), CheckpointError> {
     if temp.exists() {
@@ -102,6 +131,31 @@ pub(crate) fn publish(temp: &Path, dir: &Path) -> Result<(), CheckpointError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stale_saves_beside_a_step_dir_are_removed_and_nothing_else() {
+        let root = std::env::temp_dir().join(format!("bp-ckpt-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let keep = [
+            step_dir(&root, 4),
+            root.join(".other.tmp"),
+            root.join("notes.old"),
+        ];
+        let stale = [
+            temp_dir(&step_dir(&root, 6)),
+            sibling(&step_dir(&root, 2), "old"),
+        ];
+        for d in keep.iter().chain(&stale) {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        // Beside a directory that is not a step directory: nothing is touched.
+        remove_stale_saves(&root.join("export")).unwrap();
+        assert!(stale.iter().all(|d| d.exists()));
+        remove_stale_saves(&step_dir(&root, 8)).unwrap();
+        assert!(stale.iter().all(|d| !d.exists()), "{stale:?}");
+        assert!(keep.iter().all(|d| d.exists()), "{keep:?}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn latest_picks_the_highest_complete_step_and_nothing_else() {

@@ -71,6 +71,23 @@ pub enum CheckpointError {
     #[error("checkpoint collective failed: {0}")]
     Collective(#[from] CollectiveError),
 
+    /// Another job holds the save directory (its lock file names it).
+    #[error(
+        "save directory {} is in use by another job ({holder}): two jobs saving into one \
+         directory overwrite each other's checkpoints. Give this run another --save-dir, or, \
+         if that job has ended, remove {}",
+        dir.display(),
+        lock.display()
+    )]
+    SaveDirInUse {
+        /// The save directory.
+        dir: PathBuf,
+        /// Who holds it.
+        holder: String,
+        /// The lock file.
+        lock: PathBuf,
+    },
+
     /// Another rank failed; every rank returns an error so none goes on alone.
     #[error("rank {rank} failed: {message}")]
     OtherRank {

@@ -83,6 +83,7 @@ mod files;
 #[cfg(test)]
 mod flat_tests;
 mod load;
+mod lock;
 mod meta;
 mod optim;
 mod placement;
@@ -94,6 +95,7 @@ pub use burn_optim::BurnOptimizer;
 pub use dirs::{latest, resolve, step_dir};
 pub use error::CheckpointError;
 pub use load::{Checkpoint, LoadOptions, LoadReport};
+pub use lock::{LOCK_FILE, SaveDirLock, lock_save_dir};
 pub use meta::{
     FORMAT_NAME, FORMAT_VERSION, FileMeta, METADATA_FILE, Metadata, OptimizerMeta, SavedLayout,
     StoredRegion, TensorMeta, TrainingProgress, model_key, optim_key,

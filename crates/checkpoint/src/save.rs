@@ -26,7 +26,7 @@ use burn_parallel_parallelizer::{MeshContext, Parallelize};
 use burn_parallel_pp::StageParamPaths;
 use serde::{Deserialize, Serialize};
 
-use crate::dirs::{fresh_dir, publish, temp_dir};
+use crate::dirs::{fresh_dir, publish, remove_stale_saves, temp_dir};
 use crate::error::CheckpointError;
 use crate::exchange::{agree, all_gather_json};
 use crate::files::{ShardTensor, WrittenFile, write_shard_file};
@@ -466,7 +466,7 @@ fn start<M: Parallelize>(
     let temp = temp_dir(dir);
     let mut error = None;
     if rank == 0
-        && let Err(e) = fresh_dir(&temp)
+        && let Err(e) = remove_stale_saves(dir).and_then(|_| fresh_dir(&temp))
     {
         error = Some(e.to_string());
     }

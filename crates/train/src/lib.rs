@@ -45,6 +45,7 @@ mod lora;
 mod malloc;
 mod mesh;
 mod optim;
+mod outputs;
 mod pipeline;
 mod resume;
 mod schedule;

@@ -232,6 +232,7 @@ pub fn train(
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
     }
     let resume = open_resume(cfg)?;
+    crate::outputs::check_writable(cfg)?;
     let world = cfg.world_size()?;
     let results = run_ranks_with(world, cfg.engine, cfg.threads_per_rank, |ctx| {
         run_rank(
@@ -336,6 +337,8 @@ fn run_rank(
         false => device,
     };
     let mesh = MeshContext::new(&ctx, cfg.distributed.clone(), device)?;
+    // One job per save directory, held until this rank's run returns.
+    let _save_dir = crate::outputs::hold_save_dir(cfg, &mesh)?;
     if mesh.pp_group().is_some() {
         return crate::pipeline::run_rank(
             cfg,
