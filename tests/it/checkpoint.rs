@@ -351,6 +351,21 @@ fn corrupted_missing_and_foreign_files_are_errors_naming_them_before_any_step() 
         "{e}"
     );
 
+    // An edited step in the metadata: its checksum no longer holds.
+    let edited = root.join("edited");
+    copy_dir(&good, &edited);
+    let meta = edited.join(METADATA_FILE);
+    let text = std::fs::read_to_string(&meta).unwrap();
+    assert!(text.contains("\"checksum\": \"crc32:"), "{text}");
+    let changed = text.replacen("\"step\": 1,", "\"step\": 0,", 1);
+    assert_ne!(changed, text, "the step is in the metadata");
+    std::fs::write(&meta, changed).unwrap();
+    let e = resume_error(&resume, &edited);
+    assert!(
+        e.contains(METADATA_FILE) && e.contains("checksum") && e.contains("edited"),
+        "{e}"
+    );
+
     // A missing optimizer file.
     let missing = root.join("missing");
     copy_dir(&good, &missing);

@@ -142,6 +142,11 @@ pub struct Metadata {
     pub frozen: Vec<String>,
     /// Files by name (relative to the checkpoint directory).
     pub files: BTreeMap<String, FileMeta>,
+    /// `crc32:` and the CRC-32 (hex) of this metadata's compact JSON without this field:
+    /// an edited or bit-flipped step, data position or region is refused rather than resumed.
+    /// Set when the file is written; absent in files written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
 }
 
 /// The checkpoint name of parameter `path`.
@@ -205,8 +210,31 @@ impl Metadata {
         }
         let meta: Metadata =
             serde_json::from_value(head).map_err(|e| bad(format!("malformed: {e}")))?;
+        if let Some(recorded) = &meta.checksum {
+            let computed = meta.content_checksum();
+            if *recorded != computed {
+                return Err(CheckpointError::corrupted(
+                    &path,
+                    format!(
+                        "its checksum is {recorded} but its content sums to {computed}: the \
+                         file was edited or damaged after it was written; resume from another \
+                         checkpoint"
+                    ),
+                ));
+            }
+        }
         meta.check().map_err(bad)?;
         Ok(meta)
+    }
+
+    /// The checksum of everything but the checksum field (see [`Self::checksum`]).
+    fn content_checksum(&self) -> String {
+        let content = Metadata {
+            checksum: None,
+            ..self.clone()
+        };
+        let bytes = serde_json::to_vec(&content).expect("metadata serializes");
+        format!("crc32:{:08x}", crc32fast::hash(&bytes))
     }
 
     fn check(&self) -> Result<(), String> {
@@ -247,7 +275,11 @@ impl Metadata {
     /// Writes the metadata to `dir/checkpoint.json`, flushes it to disk and returns its size.
     pub(crate) fn write(&self, dir: &Path) -> Result<u64, CheckpointError> {
         let path = dir.join(METADATA_FILE);
-        let text = serde_json::to_string_pretty(self).expect("metadata serializes");
+        let summed = Metadata {
+            checksum: Some(self.content_checksum()),
+            ..self.clone()
+        };
+        let text = serde_json::to_string_pretty(&summed).expect("metadata serializes");
         crate::durable::write_durably(&path, text.as_bytes())?;
         Ok(text.len() as u64)
     }

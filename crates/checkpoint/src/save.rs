@@ -713,6 +713,7 @@ impl PendingSave {
             order: self.order.clone(),
             frozen: self.frozen.clone(),
             files: file_meta,
+            checksum: None,
         }
     }
 }
