@@ -655,3 +655,52 @@ fn a_users_own_loop_resumes_burns_adamw_in_any_layout() {
     assert_eq!(saved.state_names.len(), 2, "{:?}", saved.state_names);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A resume whose `--seq-len`, `--global-batch` or `--data` differ from what the checkpoint's
+/// run used is refused before any step, naming each difference; the same values resume, and
+/// `--allow-data-change` resumes anyway.
+#[test]
+fn a_resume_reading_another_data_stream_is_refused_unless_allowed() {
+    let root = temp_dir("ckpt-data-change");
+    let cfg = TrainConfig {
+        steps: 2,
+        save_every: Some(1),
+        save_dir: Some(root.clone()),
+        ..small_run(Strategy::Single, 1, OptimizerKind::AdamW)
+    };
+    run(&cfg);
+    let resume = TrainConfig {
+        steps: 3,
+        save_every: None,
+        save_dir: None,
+        ..cfg.clone()
+    };
+    let other = TrainConfig {
+        seq_len: cfg.seq_len + 1,
+        global_batch: cfg.global_batch + 1,
+        ..resume.clone()
+    };
+    let e = resume_error(&other, &step_dir(&root, 1));
+    assert!(
+        e.contains(&format!("--seq-len {}", cfg.seq_len + 1))
+            && e.contains(&format!("used {}", cfg.seq_len))
+            && e.contains(&format!("--global-batch {}", cfg.global_batch + 1))
+            && e.contains("--allow-data-change"),
+        "{e}"
+    );
+    let from = |cfg: &TrainConfig| TrainConfig {
+        resume: Some(step_dir(&root, 1)),
+        ..cfg.clone()
+    };
+    assert_eq!(
+        run(&from(&resume)).steps.len(),
+        2,
+        "the same stream resumes"
+    );
+    let allowed = TrainConfig {
+        allow_data_change: true,
+        ..other
+    };
+    assert_eq!(run(&from(&allowed)).steps.len(), 2, "allowed to change");
+    std::fs::remove_dir_all(&root).unwrap();
+}

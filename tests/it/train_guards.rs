@@ -336,3 +336,37 @@ fn a_held_save_dir_and_an_unwritable_save_are_refused_before_training() {
     );
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A config.json with fewer layers than the weights beside it is refused before training,
+/// naming the first weight the model would leave out; the config that came with the weights
+/// trains.
+#[test]
+fn a_config_with_fewer_layers_than_the_weights_is_refused() {
+    let root = temp_dir("guards-fewer-layers");
+    let saved = root.join("model");
+    run(&TrainConfig {
+        steps: 1,
+        save: Some(saved.clone()),
+        ..tiny_run(Strategy::Single, 1, &[])
+    });
+    let from_checkpoint = TrainConfig {
+        checkpoint: Some(saved.clone()),
+        ..tiny_run(Strategy::Fsdp2, 2, &[])
+    };
+    run(&from_checkpoint);
+    let layers = LlamaConfig::tiny().num_hidden_layers;
+    let config = saved.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    assert_eq!(json["num_hidden_layers"], layers);
+    json["num_hidden_layers"] = (layers - 1).into();
+    std::fs::write(&config, json.to_string()).unwrap();
+    let e = error_of(&from_checkpoint);
+    assert!(
+        e.contains("config.json")
+            && e.contains(&format!("`model.layers.{}.", layers - 1))
+            && e.contains("num_hidden_layers"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}

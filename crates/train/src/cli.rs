@@ -178,6 +178,10 @@ pub struct TrainArgs {
     /// total: resumed at step 5, --steps 10 trains steps 5 to 9.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Resume although --data, --seq-len or --global-batch differ from the checkpoint's (the
+    /// data stream then continues at the same sample position of the other data).
+    #[arg(long)]
+    pub allow_data_change: bool,
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     pub json: bool,
@@ -249,6 +253,7 @@ impl TrainArgs {
             save_every: self.save_every,
             save_dir: self.save_dir.clone(),
             resume: self.resume.clone(),
+            allow_data_change: self.allow_data_change,
             seed: self.seed,
             engine,
             threads_per_rank: self.threads_per_rank,

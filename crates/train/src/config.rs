@@ -155,6 +155,9 @@ pub struct TrainConfig {
     /// state, step and data position, in any layout. `steps` stays the total step count
     /// (default None: a fresh run).
     pub resume: Option<PathBuf>,
+    /// Resume although `data`, `seq_len` or `global_batch` differ from what the checkpoint
+    /// recorded (default false: such a resume is an error naming each difference).
+    pub allow_data_change: bool,
     /// Ranks as threads of this process, or as the processes of an MPI job (default threads).
     pub engine: EngineKind,
     /// Compute threads of each CPU rank (default None: `BURN_PARALLEL_THREADS_PER_RANK`, else
@@ -202,6 +205,7 @@ impl Default for TrainConfig {
             save_every: None,
             save_dir: None,
             resume: None,
+            allow_data_change: false,
             engine: EngineKind::Threads,
             threads_per_rank: None,
             freeze: Vec::new(),

@@ -122,6 +122,11 @@ pub(crate) fn open_resume(cfg: &TrainConfig) -> Result<Option<Resume>, TrainErro
             cfg.steps
         )));
     }
+    if !cfg.allow_data_change {
+        check_same_data(cfg, &progress.extra).map_err(|e| {
+            TrainError::Config(format!("--resume {}: {e}", checkpoint.dir().display()))
+        })?;
+    }
     let schedule_position = schedule_position(&progress.extra, step)
         .map_err(|e| TrainError::Config(format!("--resume {}: {e}", checkpoint.dir().display())))?;
     Ok(Some(Resume {
@@ -130,6 +135,55 @@ pub(crate) fn open_resume(cfg: &TrainConfig) -> Result<Option<Resume>, TrainErro
         schedule_position,
         checkpoint,
     }))
+}
+
+/// That the run reads the data stream the checkpoint's run read: the same `--data` (the same
+/// file, however named), `--seq-len` and `--global-batch`. Otherwise the data position would
+/// silently point into another stream. A checkpoint that recorded none of them (written by an
+/// earlier build or another program) is not checked.
+fn check_same_data(cfg: &TrainConfig, extra: &serde_json::Value) -> Result<(), String> {
+    let same_file = |recorded: &str, given: &Path| {
+        let canonical = |p: &Path| std::fs::canonicalize(p).ok();
+        recorded == given.display().to_string()
+            || canonical(Path::new(recorded)).is_some_and(|r| Some(r) == canonical(given))
+    };
+    let mut differences = Vec::new();
+    if let Some(recorded) = extra.get("data") {
+        let recorded = recorded.as_str();
+        let same = match (recorded, cfg.data.as_deref()) {
+            (None, None) => true,
+            (Some(r), Some(given)) => same_file(r, given),
+            _ => false,
+        };
+        if !same {
+            let given = cfg.data.as_ref().map(|d| d.display().to_string());
+            differences.push(format!(
+                "--data {} (the checkpoint's run read {})",
+                given.as_deref().unwrap_or("(none: the built-in tokens)"),
+                recorded.unwrap_or("the built-in tokens")
+            ));
+        }
+    }
+    for (flag, key, given) in [
+        ("--seq-len", "seq_len", cfg.seq_len),
+        ("--global-batch", "global_batch", cfg.global_batch),
+    ] {
+        if let Some(recorded) = extra.get(key).and_then(|v| v.as_u64())
+            && recorded != given as u64
+        {
+            differences.push(format!(
+                "{flag} {given} (the checkpoint's run used {recorded})"
+            ));
+        }
+    }
+    match differences.is_empty() {
+        true => Ok(()),
+        false => Err(format!(
+            "the data stream differs from the checkpoint's: {}. Give the checkpoint's values, \
+             or --allow-data-change to continue at the same sample position anyway",
+            differences.join("; ")
+        )),
+    }
 }
 
 /// The schedule position a checkpoint records (`extra.lr_schedule.position`), or `step` for a

@@ -210,6 +210,23 @@ fn eval_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Option<Dataset>, 
     Ok(Some(eval))
 }
 
+/// Every tensor of the `--checkpoint` is one the config's model takes: a config.json with
+/// fewer layers (or another architecture) than the weights would otherwise train, and save,
+/// a truncated model without a word.
+fn check_all_weights_taken(dir: &std::path::Path) -> Result<(), TrainError> {
+    let untaken = burn_parallel_models::checkpoint::untaken_tensors(dir)?;
+    let Some(first) = untaken.first() else {
+        return Ok(());
+    };
+    Err(TrainError::Config(format!(
+        "--checkpoint {}: {} of its tensors are not part of the model its config.json \
+         describes (the first: `{first}`): the config and the weights disagree, for example in \
+         num_hidden_layers; give the config.json that came with these weights",
+        dir.display(),
+        untaken.len()
+    )))
+}
+
 /// Trains as `cfg` says on `cfg.engine`'s ranks; `on_step` sees every step (on rank 0's
 /// thread, so under MPI in process 0 only) as it finishes. Bad input (files, configs, sizes a
 /// strategy cannot use) is an error before any rank starts.
@@ -230,6 +247,7 @@ pub fn train(
     if let Some(dir) = &cfg.checkpoint {
         // Opens every file now, so that a broken checkpoint fails before training.
         burn_parallel_models::checkpoint::HfCheckpoint::open(dir)?;
+        check_all_weights_taken(dir)?;
     }
     let resume = open_resume(cfg)?;
     crate::outputs::check_writable(cfg)?;

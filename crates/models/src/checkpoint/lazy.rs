@@ -69,6 +69,39 @@ impl TensorSource for Deferred {
     }
 }
 
+/// The tensors of `dir`'s checkpoint that the Llama its `config.json` describes takes none of,
+/// sorted: the weights of layers a config with fewer layers leaves out, or of another
+/// architecture. Buffers transformers saved beside the weights (`rotary_emb.inv_freq`) are not
+/// counted. Reads no tensor data of a dense model; a MoE model is not checked (its experts
+/// would be read) and gives none.
+pub fn untaken_tensors(dir: impl AsRef<Path>) -> Result<Vec<String>, ModelError> {
+    let dir = dir.as_ref();
+    let config = LlamaConfig::load(dir)?;
+    if config.moe.is_some() {
+        return Ok(Vec::new());
+    }
+    let mut source = Deferred {
+        checkpoint: Arc::new(HfCheckpoint::open(dir)?),
+        names: HashMap::new(),
+    };
+    // Lazy parameters on the host: nothing is read, nothing of the model's size allocated.
+    drop(Llama::from_source_ep(
+        &config,
+        &mut source,
+        &Device::flex(),
+        None,
+    )?);
+    let taken: std::collections::HashSet<&str> =
+        source.names.values().map(|(n, _)| n.as_str()).collect();
+    Ok(source
+        .checkpoint
+        .names()
+        .into_iter()
+        .filter(|n| !taken.contains(n) && !n.ends_with("rotary_emb.inv_freq"))
+        .map(str::to_string)
+        .collect())
+}
+
 /// `dir`'s Llama with every parameter lazy (shapes checked, nothing read), and where each one
 /// lives, for `parallelize_model_from`.
 pub fn lazy_llama(

@@ -10,7 +10,7 @@ mod reader;
 mod writer;
 
 pub use hf_names::{HfParam, hf_params, hf_stage_params};
-pub use lazy::{CheckpointRows, lazy_llama, lazy_llama_ep, lazy_llama_stage};
+pub use lazy::{CheckpointRows, lazy_llama, lazy_llama_ep, lazy_llama_stage, untaken_tensors};
 pub use reader::{CheckpointSource, HfCheckpoint, load_llama, load_llama_ep};
 pub use writer::{
     SaveDtype, hf_stage_tensors, hf_tensors, part_file_name, save_llama, save_llama_index,
