@@ -38,6 +38,7 @@ mod error;
 mod file;
 mod init;
 mod lora;
+mod nf4;
 mod tp;
 
 pub use apply::{Attached, LoraFn, LoraModule, adapted_paths, apply_lora, attach_lora, merge_lora};
@@ -48,3 +49,4 @@ pub use file::{
     load_adapter, load_adapter_part, save_adapter,
 };
 pub use lora::{A_NAME, Adapter, B_NAME, Lora, LoraBase};
+pub use nf4::{NF4_BLOCK, NF4_CODE, Nf4, quantize_nf4};

@@ -12,10 +12,9 @@ use crate::data::DataOptions;
 use crate::error::TrainError;
 use crate::flags::{DistributedFlags, one_of};
 use crate::freeze::split_patterns;
-use crate::guard::OnNonFinite;
 use crate::lora::LoraFlags;
 use crate::malloc::Malloc;
-use crate::schedule::LrScheduleKind;
+use crate::options::{LrScheduleKind, OnNonFinite};
 
 named_enum! {
     /// The built-in models `--model` names.

@@ -11,9 +11,7 @@ use burn_parallel_parallelizer::{DistributedConfig, Strategy, ZeroDpStrategy, na
 use crate::data::DataOptions;
 use crate::error::TrainError;
 use crate::flags::trainer_defaults;
-use crate::guard::OnNonFinite;
-use crate::lora::LoraOptions;
-use crate::schedule::LrScheduleKind;
+use crate::options::{LoraOptions, LrScheduleKind, OnNonFinite, PipelineOptions};
 
 named_enum! {
     /// The backend each rank computes on: a CPU backend, one GPU per rank (`cuda`: Burn's
@@ -173,7 +171,7 @@ pub struct TrainConfig {
     pub lora: LoraOptions,
     /// The schedule of a pipeline-parallel run (`distributed.pp_size > 1`): `--pp-schedule`,
     /// `--microbatches`, `--stages-per-rank` (default: none given, 1F1B over pp microbatches).
-    pub pipeline: crate::pipeline::PipelineOptions,
+    pub pipeline: PipelineOptions,
 }
 
 impl Default for TrainConfig {
@@ -235,70 +233,6 @@ impl TrainConfig {
     /// explicitly uses it.
     pub(crate) fn checkpointing_device(&self) -> bool {
         self.distributed.reshard_after_forward != Some(false)
-    }
-
-    pub(crate) fn check(&self) -> Result<(), TrainError> {
-        let bad = |m: String| Err(TrainError::Config(m));
-        self.world_size()?;
-        if self.steps == 0 {
-            return bad("--steps must be at least 1".into());
-        }
-        if self.global_batch == 0 || self.seq_len == 0 {
-            return bad("--global-batch and --seq-len must be at least 1".into());
-        }
-        if self.grad_accum == 0 {
-            return bad("--grad-accum must be at least 1".into());
-        }
-        let opts = &self.data_options;
-        if opts.eval_data.is_some() != (opts.eval_every > 0) {
-            return bad("--eval-data and --eval-every go together: give both".into());
-        }
-        if opts.eval_data.is_some() && opts.eval_batches == 0 {
-            return bad("--eval-batches must be at least 1".into());
-        }
-        if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return bad(format!("--lr {} must be a non-negative number", self.lr));
-        }
-        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
-            return bad(format!(
-                "--min-lr {} must be a number from 0 to --lr ({})",
-                self.min_lr, self.lr
-            ));
-        }
-        if self.min_lr > 0.0 && self.lr_schedule == LrScheduleKind::Constant {
-            return bad(format!(
-                "--min-lr {} needs a decaying schedule: give --lr-schedule linear or cosine",
-                self.min_lr
-            ));
-        }
-        match (self.save_every, &self.save_dir) {
-            (Some(0), _) => return bad("--save-every must be at least 1".into()),
-            (Some(_), None) => return bad("--save-every needs --save-dir".into()),
-            (None, Some(_)) => return bad("--save-dir needs --save-every".into()),
-            _ => {}
-        }
-        if self.distributed.mp_policy.casts() && self.backend == Backend::Ndarray {
-            return bad(
-                "--param-dtype/--reduce-dtype bf16 or f16 needs --backend flex (ndarray has only \
-                 f32)"
-                    .into(),
-            );
-        }
-        if !self.backend.available() {
-            self.backend.device(0)?;
-        }
-        #[cfg(feature = "wgpu")]
-        if self.backend == Backend::Wgpu {
-            crate::wgpu_device::check_dtypes(&self.distributed.mp_policy)?;
-        }
-        crate::lora::check(self)?;
-        if !self.engine.available() {
-            return bad(format!(
-                "--engine {} is not in this build: build with `--features {}`",
-                self.engine, self.engine
-            ));
-        }
-        Ok(())
     }
 }
 

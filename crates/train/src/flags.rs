@@ -11,7 +11,7 @@ use burn_parallel_parallelizer::{
 };
 
 use crate::error::TrainError;
-use crate::pipeline::PipelineOptions;
+use crate::options::PipelineOptions;
 
 named_enum! {
     /// The Llama's tensor-parallel plans, as `--tp-plan` names them.

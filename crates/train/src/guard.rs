@@ -4,23 +4,11 @@
 //! `--on-nonfinite skip`, the step's update dropped instead).
 
 use burn_parallel_models::LlamaConfig;
-use burn_parallel_parallelizer::{StepReport, named_enum};
+use burn_parallel_parallelizer::StepReport;
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
-
-named_enum! {
-    /// What a step whose loss or gradient norm is not finite does (`--on-nonfinite`).
-    #[derive(Default)]
-    pub enum OnNonFinite as "non-finite action" {
-        /// End the run with an error naming the step and the value.
-        #[default]
-        Stop = "stop",
-        /// Drop the step's update (weights and optimizer state stay as they were) on every
-        /// rank alike; the step still counts and its data is consumed.
-        Skip = "skip",
-    }
-}
+use crate::options::OnNonFinite;
 
 /// Whether both values every rank agrees on (the data-parallel loss, the global norm) are
 /// finite.

@@ -45,13 +45,16 @@ mod lora;
 mod malloc;
 mod mesh;
 mod optim;
+mod options;
 mod outputs;
 mod pipeline;
 mod resume;
 mod schedule;
 mod state;
+mod step_log;
 mod trainer;
 mod usage;
+mod validate;
 #[cfg(feature = "wgpu")]
 mod wgpu_device;
 
@@ -65,15 +68,14 @@ pub use data::DataOptions;
 pub use error::TrainError;
 pub use flags::{DistributedFlags, TpPlanName, trainer_defaults};
 pub use flops::step_flops;
-pub use guard::OnNonFinite;
-pub use lora::{DEFAULT_TARGETS, LoraFlags, LoraOptions};
+pub use lora::LoraFlags;
 pub use malloc::Malloc;
 pub use mesh::mesh_sizes;
 pub use optim::{AdamW, Optimizer, Sgd};
-pub use pipeline::PipelineOptions;
-pub use schedule::LrScheduleKind;
+pub use options::{DEFAULT_TARGETS, LoraOptions, LrScheduleKind, OnNonFinite, PipelineOptions};
 pub use state::model_state_bytes;
-pub use trainer::{StepCalls, StepLog, StepTimes, TrainSummary, train};
+pub use step_log::{StepCalls, StepLog, StepTimes};
+pub use trainer::{TrainSummary, train};
 pub use usage::ProcessUsage;
 #[cfg(feature = "wgpu")]
 pub use wgpu_device::{WgpuAdapter, wgpu_adapter};

@@ -16,37 +16,7 @@ use burn_parallel_peft::{
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
-
-/// The Llama's seven projections, `--lora-targets`' default.
-pub const DEFAULT_TARGETS: [&str; 7] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
-
-/// A run's LoRA settings ([`TrainConfig::lora`](crate::TrainConfig::lora)); the default (no
-/// rank, no initial adapter) trains every parameter.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LoraOptions {
-    /// `--lora-rank`: adapters of this rank on `targets`, the base frozen.
-    pub rank: Option<usize>,
-    /// `--lora-alpha`: the scale numerator (default: the rank, a scale of 1).
-    pub alpha: Option<f64>,
-    /// `--lora-targets`: Hugging Face module names or dotted path suffixes (default
-    /// [`DEFAULT_TARGETS`]).
-    pub targets: Option<Vec<String>>,
-    /// `--lora-rslora`: scale by `alpha / sqrt(r)`.
-    pub rslora: bool,
-    /// `--lora-init`: a peft adapter directory to start from; its `adapter_config.json` gives
-    /// the rank, alpha, targets and scaling.
-    pub init: Option<PathBuf>,
-    /// `--save-adapter`: where rank 0 writes the trained adapter in peft's format.
-    pub save_adapter: Option<PathBuf>,
-}
+use crate::options::{DEFAULT_TARGETS, LoraOptions};
 
 /// The LoRA flags of the trainer's command line; [`options`](Self::options) gives the run's
 /// [`LoraOptions`].

@@ -17,25 +17,11 @@
 //! the step a checkpoint already records; Burn's linear one also rounds differently
 //! (`final - step_size * remaining`).
 
-use burn_parallel_parallelizer::named_enum;
 use serde_json::json;
 
 use crate::config::TrainConfig;
 use crate::optim::decimal;
-
-named_enum! {
-    /// The learning-rate schedule after warmup (`--lr-schedule`).
-    #[derive(Default)]
-    pub enum LrScheduleKind as "learning-rate schedule" {
-        /// The peak learning rate throughout.
-        #[default]
-        Constant = "constant",
-        /// Linear decay from the peak to `--min-lr` at `--steps`.
-        Linear = "linear",
-        /// Half-cosine decay from the peak to `--min-lr` at `--steps`.
-        Cosine = "cosine",
-    }
-}
+use crate::options::LrScheduleKind;
 
 /// A run's schedule: the learning rate of every step (see the module's formulas).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::tensor::{Gradients, TensorData};
+use burn::tensor::Gradients;
 use burn_parallel_checkpoint::LoadOptions;
 use burn_parallel_comm::{LaunchError, OpKind, run_ranks_with};
 use burn_parallel_fsdp::{RowRequest, gather_full};
@@ -16,7 +16,6 @@ use burn_parallel_parallelizer::{
     MeshContext, MeshSizes, StepReport, parallelize_model, parallelize_model_from,
     train_step_accumulated,
 };
-use serde::Serialize;
 
 use crate::batches::{eval_loss, evaluates_after, forward_step};
 use crate::config::TrainConfig;
@@ -28,106 +27,9 @@ use crate::mesh::mesh_sizes;
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
+use crate::step_log::{RankResult, StepCalls, StepLog, StepTimes, max_over_world};
 use crate::usage::ProcessUsage;
 use burn_parallel_comm::memory::reset_peak_rss;
-
-/// One step as rank 0 saw it; what `--json` prints (one flat object per step).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct StepLog {
-    /// The step's index (0-based; a resumed run continues the count).
-    pub step: usize,
-    /// The loss (mean token cross-entropy over the global batch) and the global gradient L2
-    /// norm before clipping.
-    #[serde(flatten)]
-    pub report: StepReport,
-    /// The learning rate the step trained with (the schedule's, `--lr-schedule`).
-    pub lr: f32,
-    /// Whether the step's update was dropped on every rank (`--on-nonfinite skip` and a loss
-    /// or gradient norm that is not finite): weights and optimizer state stay as they were.
-    pub skipped: bool,
-    /// Wall time of the step, in seconds.
-    pub step_time_s: f64,
-    /// Global-batch tokens per second of this step.
-    pub tokens_per_s: f64,
-    /// The largest model-state size (parameters, gradients, optimizer state) of any rank.
-    pub peak_model_state_bytes_per_rank: u64,
-    /// Elements of the parameters that train, over the whole model, each counted once (the
-    /// same under every strategy; fewer with `--freeze`).
-    pub trainable_params: u64,
-    /// The largest optimizer state of any rank, in bytes (AdamW's two moments of each
-    /// trainable parameter shard; SGD keeps none).
-    pub optimizer_state_bytes_per_rank: u64,
-    /// Where rank 0's step time went.
-    #[serde(flatten)]
-    pub times: StepTimes,
-    /// The collectives rank 0 issued during the step.
-    #[serde(flatten)]
-    pub calls: StepCalls,
-    /// Page faults of rank 0's process during the step (every rank of the process on the
-    /// threads engine).
-    pub minor_faults: u64,
-    /// Peak resident memory of rank 0's process since training started (the model's
-    /// construction left out where the platform allows), in bytes.
-    pub peak_rss_bytes: u64,
-    /// The `--eval-data` loss after this step (the counting targets' mean cross-entropy over
-    /// `--eval-batches` batches, forward only), on `--eval-every` steps and the last.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub eval_loss: Option<f32>,
-    /// A MoE model's load-balancing loss over the global batch, unweighted, when the model
-    /// adds it to the loss (`output_router_logits`; the loss above includes
-    /// `router_aux_loss_coef` times it).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub aux_loss: Option<f32>,
-    /// A MoE model's fewest routed token slots any expert of any sparse layer received in the
-    /// global batch (a token routed to k experts fills k slots).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub expert_tokens_min: Option<u64>,
-    /// The most routed token slots any expert received.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub expert_tokens_max: Option<u64>,
-    /// Under `--pp`: the seconds rank 0's schedule waited for a neighbouring stage's
-    /// activation or gradient (its share of the pipeline bubble; compare its ratio to
-    /// `step_time_s` with `(p - 1) / (m + p - 1)`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pp_wait_s: Option<f64>,
-    /// Under `--pp`: the most microbatches rank 0 held activations for at once (`m` under
-    /// gpipe, at most `p` under 1f1b).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pp_peak_microbatches: Option<usize>,
-}
-
-/// Where a step's time went, as rank 0 saw it, in seconds. The collectives' times are inside
-/// forward and backward (FSDP gathers and reduce-scatters run there), not added to them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct StepTimes {
-    /// The batch's tensors, forward and loss.
-    pub forward_s: f64,
-    /// Backward, the gradient sync and the global-norm clipping (`train_step` but the
-    /// optimizer).
-    pub backward_s: f64,
-    /// The optimizer's update.
-    pub optimizer_s: f64,
-    /// All-gathers issued during the step (FSDP's parameter gathers, TP's).
-    pub all_gather_s: f64,
-    /// Reduce-scatters (FSDP's gradient reduction, TP's).
-    pub reduce_scatter_s: f64,
-    /// All-reduces (DDP's buckets, HSDP's replicas, the loss and the gradient norm).
-    pub all_reduce_s: f64,
-}
-
-/// How many collectives of each kind rank 0 issued during a step (FSDP's gathers and
-/// reduce-scatters, DDP's buckets, the loss and the gradient norm's all-reduces).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct StepCalls {
-    /// All-gathers.
-    pub all_gather_calls: u64,
-    /// Reduce-scatters.
-    pub reduce_scatter_calls: u64,
-    /// All-reduces.
-    pub all_reduce_calls: u64,
-    /// All-to-alls (expert parallelism's token and count exchanges).
-    pub all_to_all_calls: u64,
-}
 
 /// A finished run.
 #[derive(Debug, Clone)]
@@ -293,8 +195,6 @@ fn ranks_failed(e: LaunchError) -> TrainError {
         false => TrainError::Ranks(e.to_string()),
     }
 }
-
-pub(crate) type RankResult = (Vec<StepLog>, u64, u64, Vec<PathBuf>);
 
 /// The GPU of `rank` on its node: the launcher's local rank when it sets one (one process per
 /// GPU), else the rank itself (one thread per GPU of this process).
@@ -507,26 +407,4 @@ fn save(
         save_llama(model_cfg, &tensors, dir, dtype)?;
     }
     Ok(())
-}
-
-/// The largest of every rank's value of each of `values`, exactly (each as two f32 halves), in
-/// one all-gather.
-pub(crate) fn max_over_world<const N: usize>(
-    ctx: &burn_parallel_comm::RankContext,
-    values: [u64; N],
-) -> Result<[u64; N], TrainError> {
-    let world = ctx.world()?;
-    let halves = values
-        .iter()
-        .flat_map(|v| [(v >> 24) as f32, (v & 0xFF_FFFF) as f32])
-        .collect::<Vec<_>>();
-    let all = world.all_gather(TensorData::new(halves, [1, 2 * N]), 0)?;
-    let v = all.as_slice::<f32>().expect("f32 values");
-    let mut max = values;
-    for rank in v.chunks(2 * N) {
-        for (i, p) in rank.chunks(2).enumerate() {
-            max[i] = max[i].max(((p[0] as u64) << 24) | p[1] as u64);
-        }
-    }
-    Ok(max)
 }

@@ -559,18 +559,23 @@ pub fn run_steps<B: Backend>(
 }
 
 fn failed(op: &DeviceOp, group: &ProcessGroup, phase: Phase, e: CollectiveError) -> ! {
-    let stuck = matches!(
-        e,
-        CollectiveError::Timeout { .. }
-            | CollectiveError::Stalled { .. }
-            | CollectiveError::Diverged { .. }
-    );
-    let hint = if phase != Phase::Forward && stuck {
-        " (a common cause: two ranks share an autodiff tensor, which joins their graphs under \
-         one lock so one rank's backward blocks the other's; build each rank's tensors on that \
-         rank, or share TensorData)"
-    } else {
-        ""
+    let hint = match &e {
+        // Ranks in one process (the threads engine): a shared autodiff tensor is the usual way
+        // one rank's backward ends up waiting on another's.
+        CollectiveError::Timeout { .. } | CollectiveError::Diverged { .. }
+            if phase != Phase::Forward =>
+        {
+            " (a common cause: two ranks share an autodiff tensor, which joins their graphs \
+             under one lock so one rank's backward blocks the other's; build each rank's \
+             tensors on that rank, or share TensorData)"
+        }
+        // Ranks in separate processes (MPI), which share no tensor: a peer is not running.
+        CollectiveError::Stalled { .. } => {
+            " (another process of the job stopped issuing collectives: it was paused, killed, \
+             is stuck in a long computation, or issued them in another order; the other \
+             processes' output names the one that failed)"
+        }
+        _ => "",
     };
     panic!(
         "{} in {phase} failed on group {}: {e}{hint}",

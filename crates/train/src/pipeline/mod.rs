@@ -25,25 +25,15 @@ use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::error::TrainError;
 use crate::guard::check_finite;
+use crate::options::PipelineOptions;
 use crate::resume::{Resume, RunOptimizer, save_stage_checkpoint, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
-use crate::trainer::{RankResult, StepCalls, StepLog, StepTimes, max_over_world};
+use crate::step_log::{RankResult, StepCalls, StepLog, StepTimes, max_over_world};
 use crate::usage::ProcessUsage;
 use batches::{eval_loss, step_microbatches};
 use build::build_chunks;
 use export::{finish_lora, save};
-
-/// The pipeline schedule of a `--pp` run, each `None` when not given.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct PipelineOptions {
-    /// `--pp-schedule` (default 1f1b).
-    pub schedule: Option<ScheduleKind>,
-    /// `--microbatches` each pipeline rank splits its rows into (default: the pp size).
-    pub microbatches: Option<usize>,
-    /// `--stages-per-rank` (default 2 under interleaved, else 1).
-    pub stages_per_rank: Option<usize>,
-}
 
 impl PipelineOptions {
     /// The schedule: the one given, else 1F1B.

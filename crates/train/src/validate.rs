@@ -1,0 +1,75 @@
+//! Whether a [`TrainConfig`] can run, checked before any rank starts: its own fields, and
+//! what the LoRA settings, the backend and the engine need of this build. It sits above the
+//! config and the modules it asks, so the config imports none of them.
+
+use crate::config::{Backend, TrainConfig};
+use crate::error::TrainError;
+use crate::options::LrScheduleKind;
+
+impl TrainConfig {
+    /// Refuses, before any rank starts, a setting the run cannot use (an error naming the flag
+    /// and what to give instead).
+    pub(crate) fn check(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
+        self.world_size()?;
+        if self.steps == 0 {
+            return bad("--steps must be at least 1".into());
+        }
+        if self.global_batch == 0 || self.seq_len == 0 {
+            return bad("--global-batch and --seq-len must be at least 1".into());
+        }
+        if self.grad_accum == 0 {
+            return bad("--grad-accum must be at least 1".into());
+        }
+        let opts = &self.data_options;
+        if opts.eval_data.is_some() != (opts.eval_every > 0) {
+            return bad("--eval-data and --eval-every go together: give both".into());
+        }
+        if opts.eval_data.is_some() && opts.eval_batches == 0 {
+            return bad("--eval-batches must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return bad(format!("--lr {} must be a non-negative number", self.lr));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad(format!(
+                "--min-lr {} must be a number from 0 to --lr ({})",
+                self.min_lr, self.lr
+            ));
+        }
+        if self.min_lr > 0.0 && self.lr_schedule == LrScheduleKind::Constant {
+            return bad(format!(
+                "--min-lr {} needs a decaying schedule: give --lr-schedule linear or cosine",
+                self.min_lr
+            ));
+        }
+        match (self.save_every, &self.save_dir) {
+            (Some(0), _) => return bad("--save-every must be at least 1".into()),
+            (Some(_), None) => return bad("--save-every needs --save-dir".into()),
+            (None, Some(_)) => return bad("--save-dir needs --save-every".into()),
+            _ => {}
+        }
+        if self.distributed.mp_policy.casts() && self.backend == Backend::Ndarray {
+            return bad(
+                "--param-dtype/--reduce-dtype bf16 or f16 needs --backend flex (ndarray has only \
+                 f32)"
+                    .into(),
+            );
+        }
+        if !self.backend.available() {
+            self.backend.device(0)?;
+        }
+        #[cfg(feature = "wgpu")]
+        if self.backend == Backend::Wgpu {
+            crate::wgpu_device::check_dtypes(&self.distributed.mp_policy)?;
+        }
+        crate::lora::check(self)?;
+        if !self.engine.available() {
+            return bad(format!(
+                "--engine {} is not in this build: build with `--features {}`",
+                self.engine, self.engine
+            ));
+        }
+        Ok(())
+    }
+}
