@@ -205,6 +205,7 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
                 "all_to_all_calls",
                 "backward_s",
                 "forward_s",
+                "gathered_peak_bytes_per_rank",
                 "grad_norm",
                 "loss",
                 "lr",
@@ -213,6 +214,7 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
                 "optimizer_state_bytes_per_rank",
                 "peak_model_state_bytes_per_rank",
                 "peak_rss_bytes",
+                "peak_rss_bytes_per_rank",
                 "reduce_scatter_calls",
                 "reduce_scatter_s",
                 "skipped",
@@ -234,6 +236,17 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
         // their sum is not bounded by the step's wall time (it exceeded it under load).
         assert!(t.all_gather_s > 0.0 && t.reduce_scatter_s > 0.0, "{t:?}");
         assert!(r.peak_rss_bytes > 1 << 20);
+        // Both ranks are threads of this process: its peak is every rank's.
+        assert!(r.peak_rss_bytes_per_rank >= r.peak_rss_bytes);
+        // FSDP gathered some units, never more than the whole model (f32, all trainable) and
+        // the padding of its pad-to-ceil chunks (under a row per rank and parameter: 0.7% here).
+        let whole = 4 * r.trainable_params;
+        assert!(
+            r.gathered_peak_bytes_per_rank > 0
+                && r.gathered_peak_bytes_per_rank <= whole * 101 / 100,
+            "{} of {whole}",
+            r.gathered_peak_bytes_per_rank
+        );
         assert_eq!(v["step"].as_u64(), Some(r.step as u64));
         assert!(v["loss"].as_f64().unwrap() > 0.0 && v["tokens_per_s"].as_f64().unwrap() > 0.0);
         // SGD: params + grads; the rank with the largest shards.

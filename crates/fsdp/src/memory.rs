@@ -190,6 +190,11 @@ impl std::fmt::Debug for MemoryTracker {
 }
 
 impl MemoryTracker {
+    /// Whether `self` and `other` are the same counters (clones of one tracker).
+    pub fn same_counters(&self, other: &MemoryTracker) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Fresh counters, all at zero.
     pub fn new() -> Self {
         Self::default()

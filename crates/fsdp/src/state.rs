@@ -125,6 +125,11 @@ impl UnitState {
         &self.policy
     }
 
+    /// The memory counters of the config the unit was sharded with (shared by its units).
+    pub fn memory(&self) -> &MemoryTracker {
+        &self.memory
+    }
+
     /// Units after this one that `forward_units` keeps gathering while this one computes.
     pub fn prefetch_depth(&self) -> usize {
         self.prefetch_depth

@@ -49,6 +49,13 @@ pub struct StepLog {
     /// Peak resident memory of rank 0's process since training started (the model's
     /// construction left out where the platform allows), in bytes.
     pub peak_rss_bytes: u64,
+    /// The largest peak resident memory of any rank's process since training started, in
+    /// bytes (under MPI one process per rank; on threads every rank shares one process).
+    pub peak_rss_bytes_per_rank: u64,
+    /// The largest high-water mark, over the ranks, of FSDP's gathered (unsharded) weights
+    /// during this step, in bytes: the prefetched and computing units' buffers, and the ones
+    /// backward gathers again (0 without FSDP).
+    pub gathered_peak_bytes_per_rank: u64,
     /// The `--eval-data` loss after this step (the counting targets' mean cross-entropy over
     /// `--eval-batches` batches, forward only), on `--eval-every` steps and the last.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -107,6 +114,36 @@ pub struct StepCalls {
     pub all_reduce_calls: u64,
     /// All-to-alls (expert parallelism's token and count exchanges).
     pub all_to_all_calls: u64,
+}
+
+/// The distinct FSDP memory counters of `models` (none when nothing is sharded): each
+/// `FsdpConfig` a model was sharded with counts its own units.
+pub(crate) fn fsdp_memory<M: burn::module::Module>(
+    models: &[M],
+) -> Vec<burn_parallel_fsdp::MemoryTracker> {
+    let mut trackers: Vec<burn_parallel_fsdp::MemoryTracker> = Vec::new();
+    for state in models.iter().flat_map(burn_parallel_fsdp::param_states) {
+        let tracker = state.unit().memory();
+        if !trackers.iter().any(|t| t.same_counters(tracker)) {
+            tracker.reset_peak();
+            trackers.push(tracker.clone());
+        }
+    }
+    trackers
+}
+
+/// The gathered-weights high-water since the last call (summed over `memory`'s counters: an
+/// upper bound when a rank's units were sharded by several configs) and the process's peak
+/// RSS, each the largest over the ranks; the high-water restarts from the current level.
+/// Collective over the world.
+pub(crate) fn memory_peaks(
+    ctx: &burn_parallel_comm::RankContext,
+    memory: &[burn_parallel_fsdp::MemoryTracker],
+    peak_rss_bytes: u64,
+) -> Result<[u64; 2], TrainError> {
+    let gathered = memory.iter().map(|m| m.report().peak.gathered as u64).sum();
+    memory.iter().for_each(|m| m.reset_peak());
+    max_over_world(ctx, [gathered, peak_rss_bytes])
 }
 
 /// What one rank's run returns: its steps' logs, its model-state bytes, the bytes it sent

@@ -27,7 +27,9 @@ use crate::mesh::mesh_sizes;
 use crate::resume::{Resume, RunOptimizer, open_resume, save_checkpoint, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
-use crate::step_log::{RankResult, StepCalls, StepLog, StepTimes, max_over_world};
+use crate::step_log::{
+    RankResult, StepCalls, StepLog, StepTimes, fsdp_memory, max_over_world, memory_peaks,
+};
 use crate::usage::ProcessUsage;
 use burn_parallel_comm::memory::reset_peak_rss;
 
@@ -291,6 +293,7 @@ fn run_rank(
     // Every rank has built its model by now (the max above waited for all): the peak RSS the
     // steps report is training's, not the full model each rank builds before sharding it.
     reset_peak_rss();
+    let memory = fsdp_memory(std::slice::from_ref(&model));
 
     let rows = mesh.local_rows(cfg.global_batch);
     let global_tokens = (cfg.global_batch * cfg.grad_accum * cfg.seq_len) as f32;
@@ -332,6 +335,7 @@ fn run_rank(
         };
         let step_time_s = start_time.elapsed().as_secs_f64();
         let usage = ProcessUsage::now();
+        let [gathered_peak, rss_peak] = memory_peaks(&ctx, &memory, usage.peak_rss_bytes)?;
         let comm = ctx.stats().since(&comm_before);
         let comm_s = |kind| comm.op(kind).time.as_secs_f64();
         let times = StepTimes {
@@ -362,6 +366,8 @@ fn run_rank(
             calls,
             minor_faults: usage.minor_faults - usage_before.minor_faults,
             peak_rss_bytes: usage.peak_rss_bytes,
+            peak_rss_bytes_per_rank: rss_peak,
+            gathered_peak_bytes_per_rank: gathered_peak,
             eval_loss,
             aux_loss: routing.as_ref().and_then(|r| r.aux_loss),
             expert_tokens_min: routing.as_ref().map(|r| r.expert_tokens.0),

@@ -29,7 +29,9 @@ use crate::options::PipelineOptions;
 use crate::resume::{Resume, RunOptimizer, save_stage_checkpoint, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
-use crate::step_log::{RankResult, StepCalls, StepLog, StepTimes, max_over_world};
+use crate::step_log::{
+    RankResult, StepCalls, StepLog, StepTimes, fsdp_memory, max_over_world, memory_peaks,
+};
 use crate::usage::ProcessUsage;
 use batches::{eval_loss, step_microbatches};
 use build::build_chunks;
@@ -190,6 +192,7 @@ pub(crate) fn run_rank(
     let my_optimizer_state = optimizer_state_bytes(&chunks, states);
     let [peak_state, peak_optimizer_state] = max_over_world(ctx, [my_state, my_optimizer_state])?;
     burn_parallel_comm::memory::reset_peak_rss();
+    let memory = fsdp_memory(&chunks);
     let schedule = LrSchedule::of(cfg);
     let rows = mesh.local_rows(cfg.global_batch);
     let global_tokens = (cfg.global_batch * cfg.seq_len) as f64;
@@ -233,6 +236,7 @@ pub(crate) fn run_rank(
             _ => None,
         };
         let usage = ProcessUsage::now();
+        let [gathered_peak, rss_peak] = memory_peaks(ctx, &memory, usage.peak_rss_bytes)?;
         let comm = ctx.stats().since(&comm_before);
         let comm_s = |kind| comm.op(kind).time.as_secs_f64();
         let report = StepLog {
@@ -263,6 +267,8 @@ pub(crate) fn run_rank(
             },
             minor_faults: usage.minor_faults - usage_before.minor_faults,
             peak_rss_bytes: usage.peak_rss_bytes,
+            peak_rss_bytes_per_rank: rss_peak,
+            gathered_peak_bytes_per_rank: gathered_peak,
             eval_loss,
             aux_loss: None,
             expert_tokens_min: None,
