@@ -27,7 +27,7 @@ use std::process::ExitCode;
 use std::sync::Mutex;
 
 use burn_parallel::comm::memory::peak_rss_bytes;
-use burn_parallel::train::{StepLog, TrainArgs, TrainConfig, TrainSummary, train};
+use burn_parallel::train::{StepLog, StopFlag, TrainArgs, TrainConfig, TrainSummary, train};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -87,6 +87,31 @@ fn print_summary(cfg: &TrainConfig, s: &TrainSummary) {
     }
 }
 
+/// The exit code of a run stopped by a preemption signal after saving: sysexits'
+/// `EX_TEMPFAIL` ("try again later"), for a scheduler's requeue rule.
+const REQUEUE_EXIT_CODE: u8 = 75;
+
+/// SIGTERM and SIGUSR1 (Slurm's `--signal`) and a first SIGINT raise `stop`: the run ends after
+/// the step in progress, saved to `--save-dir`. A second SIGINT ends the process at once.
+#[cfg(unix)]
+fn stop_on_signals(stop: &StopFlag) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+    use signal_hook::flag;
+    let raised = stop.shared();
+    // Checked before the flag is set below: only a SIGINT arriving when it is already raised
+    // exits (130 = 128 + SIGINT, the shell's code for an interrupted process).
+    flag::register_conditional_shutdown(SIGINT, 130, raised.clone())?;
+    for signal in [SIGTERM, SIGUSR1, SIGINT] {
+        flag::register(signal, raised.clone())?;
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn stop_on_signals(_stop: &StopFlag) -> std::io::Result<()> {
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args = TrainArgs::parse();
     // Before any rank thread allocates.
@@ -102,6 +127,15 @@ fn main() -> ExitCode {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
+    };
+    let stop = StopFlag::new();
+    if let Err(e) = stop_on_signals(&stop) {
+        eprintln!("error: cannot install the preemption signal handlers: {e}");
+        return ExitCode::FAILURE;
+    }
+    let cfg = TrainConfig {
+        stop: Some(stop),
+        ..cfg
     };
     let result = if args.json {
         train(&cfg, &|r: &StepLog| {
@@ -140,6 +174,18 @@ fn main() -> ExitCode {
         r
     };
     match result {
+        Ok(summary) if summary.stopped_at.is_some() => {
+            let step = summary.stopped_at.unwrap_or_default();
+            let saved = match summary.checkpoints.last() {
+                Some(dir) => format!("saved to {}", dir.display()),
+                None => "not saved (no --save-dir)".into(),
+            };
+            eprintln!(
+                "stopped on request after step {step}, {saved}; exit code {REQUEUE_EXIT_CODE}: \
+                 run again with --resume to continue"
+            );
+            ExitCode::from(REQUEUE_EXIT_CODE)
+        }
         Ok(summary) => {
             if !args.json && summary.has_rank_zero() {
                 print_summary(&cfg, &summary);

@@ -704,3 +704,69 @@ fn a_resume_reading_another_data_stream_is_refused_unless_allowed() {
     assert_eq!(run(&from(&allowed)).steps.len(), 2, "allowed to change");
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A stop request (a preemption signal's flag) ends the run after the step in progress on
+/// every rank, that step saved though `--save-every` would not have saved it, and without the
+/// final `--save`; resuming from it gives the uninterrupted run's remaining steps bit for bit.
+/// Under fsdp2 x2 and under pp 2 (the pipeline loop).
+#[test]
+fn a_stop_request_saves_the_step_and_a_resume_finishes_the_run_exactly() {
+    use burn_parallel::train::StopFlag;
+
+    let pp = DistributedFlags {
+        pp: Some(2),
+        ..DistributedFlags::on(Strategy::Fsdp2, 2)
+    };
+    let layouts = [
+        ("fsdp2", small_run(Strategy::Fsdp2, 2, OptimizerKind::AdamW)),
+        (
+            "pp",
+            TrainConfig {
+                distributed: resolved(pp.clone()),
+                pipeline: pp.pipeline(),
+                ..small_run(Strategy::Fsdp2, 2, OptimizerKind::AdamW)
+            },
+        ),
+    ];
+    for (name, base) in layouts {
+        let root = temp_dir(&format!("ckpt-stop-{name}"));
+        let whole = run(&TrainConfig {
+            steps: 4,
+            ..base.clone()
+        });
+        let stop = StopFlag::new();
+        stop.request();
+        let stopped = run(&TrainConfig {
+            steps: 4,
+            save_every: Some(3),
+            save_dir: Some(root.join("ckpt")),
+            save: Some(root.join("final")),
+            stop: Some(stop),
+            ..base.clone()
+        });
+        assert_eq!(stopped.stopped_at, Some(1), "{name}");
+        assert_eq!(stopped.steps.len(), 1, "{name}");
+        assert_eq!(
+            stopped.checkpoints,
+            [step_dir(&root.join("ckpt"), 1)],
+            "{name}"
+        );
+        assert!(
+            !root.join("final").join("config.json").exists(),
+            "{name}: no --save"
+        );
+        let resumed = run(&TrainConfig {
+            steps: 4,
+            resume: Some(root.join("ckpt")),
+            ..base.clone()
+        });
+        assert_eq!(resumed.stopped_at, None);
+        let losses = |s: &TrainSummary| s.steps.iter().map(|r| r.report.loss).collect::<Vec<_>>();
+        let both: Vec<f32> = losses(&stopped)
+            .into_iter()
+            .chain(losses(&resumed))
+            .collect();
+        assert_eq!(both, losses(&whole), "{name}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -370,3 +370,77 @@ fn a_config_with_fewer_layers_than_the_weights_is_refused() {
     );
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// The trainer binary under SIGTERM (a scheduler's preemption): it finishes the step in
+/// progress, saves it to `--save-dir`, says so, and exits with the requeue code 75.
+#[test]
+fn the_trainer_binary_saves_and_exits_for_requeue_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    use burn_parallel::checkpoint::latest;
+
+    // Built by `cargo test` beside this test binary (target/debug/examples/).
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/train_llama");
+    assert!(
+        bin.exists(),
+        "{} is missing: run the workspace's `cargo test`, which builds the examples",
+        bin.display()
+    );
+    let root = temp_dir("guards-sigterm");
+    let save_dir = root.join("ckpt");
+    let mut child = Command::new(&bin)
+        .args([
+            "--json",
+            "--steps",
+            "100000",
+            "--world-size",
+            "2",
+            "--strategy",
+            "fsdp2",
+        ])
+        .args([
+            "--global-batch",
+            "4",
+            "--seq-len",
+            "8",
+            "--save-every",
+            "100000",
+        ])
+        .arg("--save-dir")
+        .arg(&save_dir)
+        .env("BURN_DEVICE", "flex")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("a first step line").unwrap();
+    assert!(first.contains("\"step\":0"), "{first}");
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let steps = 1 + lines.map_while(Result::ok).count();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains(&format!("stopped on request after step {steps}"))
+            && stderr.contains("--resume"),
+        "{stderr}"
+    );
+    let saved = latest(&save_dir).unwrap().expect("the stopped step saved");
+    assert_eq!(
+        saved,
+        burn_parallel::checkpoint::step_dir(&save_dir, steps as u64)
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}

@@ -253,6 +253,7 @@ impl TrainArgs {
             save_dir: self.save_dir.clone(),
             resume: self.resume.clone(),
             allow_data_change: self.allow_data_change,
+            stop: None,
             seed: self.seed,
             engine,
             threads_per_rank: self.threads_per_rank,

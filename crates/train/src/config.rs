@@ -156,6 +156,10 @@ pub struct TrainConfig {
     /// Resume although `data`, `seq_len` or `global_batch` differ from what the checkpoint
     /// recorded (default false: such a resume is an error naming each difference).
     pub allow_data_change: bool,
+    /// Stop after the step in progress when this flag is raised (a preemption signal): the
+    /// step is saved to `save_dir` if there is one, and the summary's `stopped_at` says where
+    /// the run ended (default None: runs to `steps`).
+    pub stop: Option<crate::stop::StopFlag>,
     /// Ranks as threads of this process, or as the processes of an MPI job (default threads).
     pub engine: EngineKind,
     /// Compute threads of each CPU rank (default None: `BURN_PARALLEL_THREADS_PER_RANK`, else
@@ -204,6 +208,7 @@ impl Default for TrainConfig {
             save_dir: None,
             resume: None,
             allow_data_change: false,
+            stop: None,
             engine: EngineKind::Threads,
             threads_per_rank: None,
             freeze: Vec::new(),

@@ -52,6 +52,7 @@ mod resume;
 mod schedule;
 mod state;
 mod step_log;
+mod stop;
 mod trainer;
 mod usage;
 mod validate;
@@ -75,6 +76,7 @@ pub use optim::{AdamW, Optimizer, Sgd};
 pub use options::{DEFAULT_TARGETS, LoraOptions, LrScheduleKind, OnNonFinite, PipelineOptions};
 pub use state::model_state_bytes;
 pub use step_log::{StepCalls, StepLog, StepTimes};
+pub use stop::StopFlag;
 pub use trainer::{TrainSummary, train};
 pub use usage::ProcessUsage;
 #[cfg(feature = "wgpu")]

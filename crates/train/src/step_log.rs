@@ -147,8 +147,9 @@ pub(crate) fn memory_peaks(
 }
 
 /// What one rank's run returns: its steps' logs, its model-state bytes, the bytes it sent
-/// and received per step on average, and the checkpoints it saved.
-pub(crate) type RankResult = (Vec<StepLog>, u64, u64, Vec<PathBuf>);
+/// and received per step on average, the checkpoints it saved, and the step count after which
+/// a stop request ended it early.
+pub(crate) type RankResult = (Vec<StepLog>, u64, u64, Vec<PathBuf>, Option<usize>);
 
 /// The largest of every rank's value of each of `values`, exactly (each as two f32 halves), in
 /// one all-gather.

@@ -30,6 +30,7 @@ use crate::state::{model_state_bytes, optimizer_state_bytes};
 use crate::step_log::{
     RankResult, StepCalls, StepLog, StepTimes, fsdp_memory, max_over_world, memory_peaks,
 };
+use crate::stop::stop_agreed;
 use crate::usage::ProcessUsage;
 use burn_parallel_comm::memory::reset_peak_rss;
 
@@ -48,8 +49,11 @@ pub struct TrainSummary {
     pub model_state_bytes: Vec<u64>,
     /// Bytes each of `ranks` sent and received per step on average.
     pub comm_bytes_per_step: Vec<u64>,
-    /// The checkpoints `save_every` wrote, in order.
+    /// The checkpoints `save_every` wrote, in order (and the one a stop request wrote).
     pub checkpoints: Vec<PathBuf>,
+    /// The steps done when a stop request (`TrainConfig::stop`) ended the run early; `None`
+    /// when it ran to `steps`. With a save directory, its last checkpoint is of this step.
+    pub stopped_at: Option<usize>,
 }
 
 impl TrainSummary {
@@ -177,6 +181,7 @@ pub fn train(
         model_state_bytes: results.iter().map(|r| r.1.1).collect(),
         comm_bytes_per_step: results.iter().map(|r| r.1.2).collect(),
         checkpoints: results[0].1.3.clone(),
+        stopped_at: results[0].1.4,
     })
 }
 
@@ -300,6 +305,7 @@ fn run_rank(
     let stats_before = ctx.stats();
     let mut reports = Vec::with_capacity(cfg.steps - start);
     let mut checkpoints = Vec::new();
+    let mut stopped_at = None;
     for step in start..cfg.steps {
         let start_time = Instant::now();
         let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
@@ -335,8 +341,9 @@ fn run_rank(
         };
         let step_time_s = start_time.elapsed().as_secs_f64();
         let usage = ProcessUsage::now();
-        let [gathered_peak, rss_peak] = memory_peaks(&ctx, &memory, usage.peak_rss_bytes)?;
         let comm = ctx.stats().since(&comm_before);
+        // After the step's counters: the bookkeeping exchange is not the step's traffic.
+        let [gathered_peak, rss_peak] = memory_peaks(&ctx, &memory, usage.peak_rss_bytes)?;
         let comm_s = |kind| comm.op(kind).time.as_secs_f64();
         let times = StepTimes {
             forward_s,
@@ -386,16 +393,37 @@ fn run_rank(
                 save_checkpoint(cfg, save_dir, step + 1, position, &model, &optimizer, &mesh)?;
             checkpoints.push(dir);
         }
+        // A stop request (preemption): every rank ends after this step, saved.
+        if stop_agreed(cfg.stop.as_ref(), &ctx)? {
+            if let Some(save_dir) = &cfg.save_dir
+                && !saves_after(cfg, step + 1)
+            {
+                checkpoints.push(save_checkpoint(
+                    cfg,
+                    save_dir,
+                    step + 1,
+                    position,
+                    &model,
+                    &optimizer,
+                    &mesh,
+                )?);
+            }
+            stopped_at = Some(step + 1);
+            break;
+        }
     }
     let comm = ctx.stats().since(&stats_before).total();
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
 
-    // With LoRA: the adapter saved, and the merged model for --save.
-    let model = crate::lora::finish_run(cfg, model, ctx.rank() == 0)?;
-    if let Some(dir) = &cfg.save {
-        save(model, model_cfg, dir, ctx.rank() == 0)?;
+    // With LoRA: the adapter saved, and the merged model for --save (a stopped run is not
+    // finished: its checkpoint resumes it).
+    if stopped_at.is_none() {
+        let model = crate::lora::finish_run(cfg, model, ctx.rank() == 0)?;
+        if let Some(dir) = &cfg.save {
+            save(model, model_cfg, dir, ctx.rank() == 0)?;
+        }
     }
-    Ok((reports, my_state, comm_per_step, checkpoints))
+    Ok((reports, my_state, comm_per_step, checkpoints, stopped_at))
 }
 
 /// Gathers the trained model (FSDP shards, then tp shards: collective) and writes it from

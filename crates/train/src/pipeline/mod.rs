@@ -32,6 +32,7 @@ use crate::state::{model_state_bytes, optimizer_state_bytes};
 use crate::step_log::{
     RankResult, StepCalls, StepLog, StepTimes, fsdp_memory, max_over_world, memory_peaks,
 };
+use crate::stop::stop_agreed;
 use crate::usage::ProcessUsage;
 use batches::{eval_loss, step_microbatches};
 use build::build_chunks;
@@ -199,6 +200,7 @@ pub(crate) fn run_rank(
     let stats_before = ctx.stats();
     let mut reports = Vec::with_capacity(cfg.steps - start);
     let mut checkpoints = Vec::new();
+    let mut stopped_at = None;
     for step in start..cfg.steps {
         let start_time = Instant::now();
         let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
@@ -236,8 +238,9 @@ pub(crate) fn run_rank(
             _ => None,
         };
         let usage = ProcessUsage::now();
-        let [gathered_peak, rss_peak] = memory_peaks(ctx, &memory, usage.peak_rss_bytes)?;
         let comm = ctx.stats().since(&comm_before);
+        // After the step's counters: the bookkeeping exchange is not the step's traffic.
+        let [gathered_peak, rss_peak] = memory_peaks(ctx, &memory, usage.peak_rss_bytes)?;
         let comm_s = |kind| comm.op(kind).time.as_secs_f64();
         let report = StepLog {
             step,
@@ -288,12 +291,32 @@ pub(crate) fn run_rank(
                 save_stage_checkpoint(cfg, save_dir, done, position, &chunks, &optimizer, mesh)?;
             checkpoints.push(dir);
         }
+        // A stop request (preemption): every rank ends after this step, saved.
+        if stop_agreed(cfg.stop.as_ref(), ctx)? {
+            if let Some(save_dir) = &cfg.save_dir
+                && !saves_after(cfg, step + 1)
+            {
+                checkpoints.push(save_stage_checkpoint(
+                    cfg,
+                    save_dir,
+                    step + 1,
+                    position,
+                    &chunks,
+                    &optimizer,
+                    mesh,
+                )?);
+            }
+            stopped_at = Some(step + 1);
+            break;
+        }
     }
     let comm = ctx.stats().since(&stats_before).total();
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
-    let chunks = finish_lora(cfg, chunks, lora.as_ref(), mesh)?;
-    if let Some(dir) = &cfg.save {
-        save(&chunks, model_cfg, dir, mesh)?;
+    if stopped_at.is_none() {
+        let chunks = finish_lora(cfg, chunks, lora.as_ref(), mesh)?;
+        if let Some(dir) = &cfg.save {
+            save(&chunks, model_cfg, dir, mesh)?;
+        }
     }
-    Ok((reports, my_state, comm_per_step, checkpoints))
+    Ok((reports, my_state, comm_per_step, checkpoints, stopped_at))
 }
