@@ -77,3 +77,74 @@ fn chat_templates_may_call_pythons_string_methods() {
     // Python: " two words ".split(" ") has 4 parts; "one".split(" ") 1.
     assert_eq!(text, "[USER]two words|4;one|1;");
 }
+
+/// The chat template as repositories ship it: `chat_template.jinja` beside the tokenizer is
+/// read before tokenizer_config.json, `chat_template.json` next, and a config's list of named
+/// templates gives its `default`; with none, the error names every file looked for. A
+/// template with `{% generation %}` marks is refused with what to do.
+#[test]
+fn chat_templates_are_read_from_the_files_they_ship_in() {
+    let dir = crate::llama_hf::temp_dir("chat-template-files");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("tokenizer_config.json")).unwrap())
+            .unwrap();
+    let chatml = config["chat_template"].as_str().unwrap().to_string();
+    let mut bare = config.clone();
+    bare.as_object_mut().unwrap().remove("chat_template");
+    std::fs::copy(fixture("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let write_config = |value: &serde_json::Value| {
+        std::fs::write(dir.join("tokenizer_config.json"), value.to_string()).unwrap()
+    };
+    let load = || TextTokenizer::load(&dir.join("tokenizer.json")).unwrap();
+
+    write_config(&bare);
+    let e = ChatTemplate::of(&load()).err().unwrap().to_string();
+    assert!(
+        e.contains("chat_template.jinja")
+            && e.contains("chat_template.json")
+            && e.contains("tokenizer_config.json"),
+        "{e}"
+    );
+
+    let mut named = bare.clone();
+    named["chat_template"] = serde_json::json!([
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": chatml},
+    ]);
+    write_config(&named);
+    assert_eq!(load().chat_template.as_deref(), Some(chatml.as_str()));
+
+    std::fs::write(
+        dir.join("chat_template.json"),
+        serde_json::json!({ "chat_template": "from json" }).to_string(),
+    )
+    .unwrap();
+    assert_eq!(load().chat_template.as_deref(), Some("from json"));
+
+    std::fs::write(dir.join("chat_template.jinja"), &chatml).unwrap();
+    write_config(&config);
+    let from_jinja = load();
+    assert_eq!(from_jinja.chat_template.as_deref(), Some(chatml.as_str()));
+    // The same ids as the fixture's template in tokenizer_config.json.
+    let line = std::fs::read_to_string(fixture("chat.jsonl")).unwrap();
+    let record: serde_json::Value = serde_json::from_str(line.lines().next().unwrap()).unwrap();
+    let what = || "chat.jsonl line 1".to_string();
+    let messages = messages_of(&record["messages"], &what).unwrap();
+    let fixture_tok = TextTokenizer::load(&fixture("tokenizer.json")).unwrap();
+    let ids = |tok: &TextTokenizer| {
+        let template = ChatTemplate::of(tok).unwrap();
+        chat_example(tok, &template, &messages, &what).unwrap().ids
+    };
+    assert_eq!(ids(&from_jinja), ids(&fixture_tok));
+
+    let marked = "{% for message in messages %}{% if message['role'] == 'assistant' %}\
+                  {% generation %}{{ message['content'] }}{% endgeneration %}{% endif %}\
+                  {% endfor %}";
+    std::fs::write(dir.join("chat_template.jinja"), marked).unwrap();
+    let e = ChatTemplate::of(&load()).err().unwrap().to_string();
+    assert!(
+        e.contains("{% generation %}") && e.contains("remove the tags"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -41,9 +41,9 @@ impl ChatTemplate {
     pub fn of(tokenizer: &TextTokenizer) -> Result<Self, TrainError> {
         let source = tokenizer.chat_template.clone().ok_or_else(|| {
             TrainError::Data(format!(
-                "chat records need a chat template: the tokenizer_config.json beside {} has no \
-                 \"chat_template\"",
-                tokenizer.path().display()
+                "chat records need a chat template: none beside {} (looked for {})",
+                tokenizer.path().display(),
+                crate::data::tokenizer::CHAT_TEMPLATE_FILES
             ))
         })?;
         let mut env = Environment::new();
@@ -76,7 +76,17 @@ impl ChatTemplate {
     }
 
     fn error(&self, e: &Error, what: &str) -> TrainError {
-        TrainError::Data(format!("chat_template: rendering {what} failed: {e:#}"))
+        // TRL's training templates mark the trained spans with a tag minijinja does not know.
+        let hint = match self.source.contains("generation %}") {
+            true => {
+                "; `{% generation %}` marks are not supported yet: remove the tags (the trained \
+                 tokens are then the assistant content, its end-of-turn token and newline)"
+            }
+            false => "",
+        };
+        TrainError::Data(format!(
+            "chat_template: rendering {what} failed: {e:#}{hint}"
+        ))
     }
 
     /// The text of `messages`, with the assistant header opened at the end when

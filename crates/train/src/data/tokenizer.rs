@@ -39,8 +39,56 @@ pub struct Special {
     pub id: u32,
 }
 
+/// The files a chat template is read from, in the order they are looked for beside the
+/// tokenizer.json.
+pub(crate) const CHAT_TEMPLATE_FILES: &str =
+    "chat_template.jinja, chat_template.json or tokenizer_config.json";
+
+/// The chat template shipped beside `tokenizer` (a tokenizer.json), as transformers reads it:
+/// `chat_template.jinja` (transformers 5 and many hub repositories), else the
+/// `chat_template` of `chat_template.json`, else that of tokenizer_config.json (`config`): a
+/// string, or a list of named templates whose `default` one is taken.
+fn chat_template_beside(
+    tokenizer: &Path,
+    config: Option<&Value>,
+) -> Result<Option<String>, TrainError> {
+    let jinja = tokenizer.with_file_name("chat_template.jinja");
+    if jinja.exists() {
+        let text = std::fs::read_to_string(&jinja)
+            .map_err(|e| TrainError::Data(format!("{}: cannot read it: {e}", jinja.display())))?;
+        return Ok(Some(text));
+    }
+    let json = tokenizer.with_file_name("chat_template.json");
+    if json.exists() {
+        let bad = |what: String| TrainError::Data(format!("{}: {what}", json.display()));
+        let bytes = std::fs::read(&json).map_err(|e| bad(format!("cannot read it: {e}")))?;
+        let value: Value =
+            serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON ({e})")))?;
+        return match template_of(value.get("chat_template")) {
+            Some(t) => Ok(Some(t)),
+            None => Err(bad("no \"chat_template\" string in it".into())),
+        };
+    }
+    Ok(template_of(config.and_then(|c| c.get("chat_template"))))
+}
+
+/// A `chat_template` value: a string, or `[{"name": .., "template": ..}, ..]` (the `default`).
+fn template_of(value: Option<&Value>) -> Option<String> {
+    match value? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
 impl TextTokenizer {
-    /// Loads `path` (a tokenizer.json) and the tokenizer_config.json beside it, if any.
+    /// Loads `path` (a tokenizer.json), the tokenizer_config.json beside it, if any, and the
+    /// chat template shipped beside it (see [`CHAT_TEMPLATE_FILES`]).
     pub fn load(path: &Path) -> Result<Self, TrainError> {
         let bad =
             |what: String| TrainError::Data(format!("--tokenizer {}: {what}", path.display()));
@@ -113,10 +161,11 @@ impl TextTokenizer {
             );
             pad = Some(eos.clone());
         }
-        let chat_template = match config.as_ref().and_then(|c| c.get("chat_template")) {
-            Some(Value::String(s)) => Some(s.clone()),
-            _ => None,
-        };
+        let chat_template = chat_template_beside(path, config.as_ref())?;
+        if let Some(template) = &chat_template {
+            // Tokenized chat data depends on the template wherever it was read from.
+            hash = crate::data::cache::fnv1a(hash, template.as_bytes());
+        }
         Ok(Self {
             inner,
             path: path.into(),
