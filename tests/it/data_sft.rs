@@ -459,3 +459,47 @@ fn shuffled_sft_trains_alike_under_ddp_and_differs_from_file_order() {
     });
     assert_eq!(by_seed.inputs, by_perm);
 }
+
+/// `--save` after a LoRA chat fine-tune writes a directory Hugging Face tools load whole: the
+/// tokenizer files beside `--tokenizer`, the tokenizer's bos/eos/pad ids in config.json, and a
+/// generation_config.json whose eos ids include ChatML's `<|im_end|>` (the template's end of
+/// turn); every file parses, and the saved model trains again from it.
+#[test]
+fn a_saved_chat_fine_tune_is_a_complete_model_directory() {
+    use burn_parallel::train::LoraOptions;
+
+    let dir = crate::llama_hf::temp_dir("complete-model-dir");
+    let saved = dir.join("model");
+    crate::llama_train::run(&TrainConfig {
+        save: Some(saved.clone()),
+        lora: LoraOptions {
+            rank: Some(2),
+            alpha: Some(4.0),
+            ..LoraOptions::default()
+        },
+        ..text_run(Strategy::Fsdp2, 2, "chat.jsonl")
+    });
+    let json = |name: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(saved.join(name)).unwrap())
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let tok = tokenizer();
+    let config = json("config.json");
+    assert_eq!(config["bos_token_id"], tok.bos.as_ref().unwrap().id);
+    assert_eq!(config["eos_token_id"], tok.eos.as_ref().unwrap().id);
+    assert_eq!(config["pad_token_id"], tok.pad.as_ref().unwrap().id);
+    let generation = json("generation_config.json");
+    let im_end = tok.token_id("<|im_end|>").expect("ChatML's end of turn");
+    assert_eq!(
+        generation["eos_token_id"],
+        serde_json::json!([tok.eos.as_ref().unwrap().id, im_end])
+    );
+    json("tokenizer_config.json");
+    let copied = TextTokenizer::load(&saved.join("tokenizer.json")).unwrap();
+    assert_eq!(copied.chat_template, tok.chat_template);
+    crate::llama_train::run(&TrainConfig {
+        checkpoint: Some(saved.clone()),
+        ..text_run(Strategy::Single, 1, "chat.jsonl")
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -44,6 +44,7 @@ mod guard;
 mod lora;
 mod malloc;
 mod mesh;
+mod model_dir;
 mod optim;
 mod options;
 mod outputs;

@@ -421,6 +421,9 @@ fn run_rank(
         let model = crate::lora::finish_run(cfg, model, ctx.rank() == 0)?;
         if let Some(dir) = &cfg.save {
             save(model, model_cfg, dir, ctx.rank() == 0)?;
+            if ctx.rank() == 0 {
+                crate::model_dir::complete(cfg, dir)?;
+            }
         }
     }
     Ok((reports, my_state, comm_per_step, checkpoints, stopped_at))

@@ -182,6 +182,11 @@ impl TextTokenizer {
         &self.path
     }
 
+    /// The id of token `text`, if the vocabulary (or an added token) holds it.
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.inner.token_to_id(text)
+    }
+
     /// Ids in the vocabulary, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

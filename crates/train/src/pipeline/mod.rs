@@ -316,6 +316,9 @@ pub(crate) fn run_rank(
         let chunks = finish_lora(cfg, chunks, lora.as_ref(), mesh)?;
         if let Some(dir) = &cfg.save {
             save(&chunks, model_cfg, dir, mesh)?;
+            if mesh.rank() == 0 {
+                crate::model_dir::complete(cfg, dir)?;
+            }
         }
     }
     Ok((reports, my_state, comm_per_step, checkpoints, stopped_at))
