@@ -713,21 +713,7 @@ fn a_resume_reading_another_data_stream_is_refused_unless_allowed() {
 fn a_stop_request_saves_the_step_and_a_resume_finishes_the_run_exactly() {
     use burn_parallel::train::StopFlag;
 
-    let pp = DistributedFlags {
-        pp: Some(2),
-        ..DistributedFlags::on(Strategy::Fsdp2, 2)
-    };
-    let layouts = [
-        ("fsdp2", small_run(Strategy::Fsdp2, 2, OptimizerKind::AdamW)),
-        (
-            "pp",
-            TrainConfig {
-                distributed: resolved(pp.clone()),
-                pipeline: pp.pipeline(),
-                ..small_run(Strategy::Fsdp2, 2, OptimizerKind::AdamW)
-            },
-        ),
-    ];
+    let layouts = loop_layouts();
     for (name, base) in layouts {
         let root = temp_dir(&format!("ckpt-stop-{name}"));
         let whole = run(&TrainConfig {
@@ -769,4 +755,66 @@ fn a_stop_request_saves_the_step_and_a_resume_finishes_the_run_exactly() {
         assert_eq!(both, losses(&whole), "{name}");
         std::fs::remove_dir_all(&root).unwrap();
     }
+}
+
+/// `--async-save` writes the same checkpoints, byte for byte, as synchronous saves (the files
+/// come from a snapshot while the next steps train), under fsdp2 x2 and under pp 2, and the
+/// run's steps are the same.
+#[test]
+fn async_saves_write_the_bytes_of_synchronous_ones() {
+    let layouts = loop_layouts();
+    let files = |dir: &Path| {
+        let mut all: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .map(|p| {
+                (
+                    p.file_name().unwrap().to_string_lossy().into_owned(),
+                    std::fs::read(&p).unwrap(),
+                )
+            })
+            .collect();
+        all.sort();
+        all
+    };
+    for (name, base) in layouts {
+        let root = temp_dir(&format!("ckpt-async-{name}"));
+        let run_with = |async_save: bool, sub: &str| {
+            run(&TrainConfig {
+                steps: 5,
+                save_every: Some(2),
+                save_dir: Some(root.join(sub)),
+                async_save,
+                ..base.clone()
+            })
+        };
+        let (sync, background) = (run_with(false, "sync"), run_with(true, "async"));
+        assert_eq!(sync.checkpoints.len(), 3, "{name}: steps 2, 4 and 5");
+        assert_eq!(background.checkpoints.len(), 3, "{name}");
+        assert_eq!(sync.losses(), background.losses(), "{name}");
+        for (s, a) in sync.checkpoints.iter().zip(&background.checkpoints) {
+            assert_eq!(s.file_name(), a.file_name(), "{name}");
+            assert_eq!(files(s), files(a), "{name}: {}", s.display());
+        }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}
+
+/// The small run under fsdp2 x2 and under pp 2: the trainer's two training loops.
+fn loop_layouts() -> [(&'static str, TrainConfig); 2] {
+    let pp = DistributedFlags {
+        pp: Some(2),
+        ..DistributedFlags::on(Strategy::Fsdp2, 2)
+    };
+    [
+        ("fsdp2", small_run(Strategy::Fsdp2, 2, OptimizerKind::AdamW)),
+        (
+            "pp",
+            TrainConfig {
+                distributed: resolved(pp.clone()),
+                pipeline: pp.pipeline(),
+                ..small_run(Strategy::Fsdp2, 2, OptimizerKind::AdamW)
+            },
+        ),
+    ]
 }

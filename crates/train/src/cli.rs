@@ -173,6 +173,10 @@ pub struct TrainArgs {
     /// Where --save-every writes its checkpoints.
     #[arg(long, value_name = "DIR")]
     pub save_dir: Option<PathBuf>,
+    /// Write each checkpoint on a background thread while training goes on (at most one in
+    /// flight; it becomes the newest checkpoint once written by every rank).
+    #[arg(long)]
+    pub async_save: bool,
     /// Resume from a checkpoint, or from the newest one in a save directory. --steps stays the
     /// total: resumed at step 5, --steps 10 trains steps 5 to 9.
     #[arg(long, value_name = "DIR")]
@@ -251,6 +255,7 @@ impl TrainArgs {
             save: self.save.clone(),
             save_every: self.save_every,
             save_dir: self.save_dir.clone(),
+            async_save: self.async_save,
             resume: self.resume.clone(),
             allow_data_change: self.allow_data_change,
             stop: None,

@@ -149,6 +149,9 @@ pub struct TrainConfig {
     pub save_every: Option<usize>,
     /// Where `save_every` saves checkpoints (default None).
     pub save_dir: Option<PathBuf>,
+    /// Write checkpoints on a background thread while training goes on, at most one in flight
+    /// (default false: each save finishes before the next step).
+    pub async_save: bool,
     /// Resume from this checkpoint (or a save directory's newest one): weights, optimizer
     /// state, step and data position, in any layout. `steps` stays the total step count
     /// (default None: a fresh run).
@@ -206,6 +209,7 @@ impl Default for TrainConfig {
             save: None,
             save_every: None,
             save_dir: None,
+            async_save: false,
             resume: None,
             allow_data_change: false,
             stop: None,

@@ -7,8 +7,8 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::Gradients;
 use burn_parallel_checkpoint::{
-    Checkpoint, OptimizerState, SaveOptions, StageParamPaths, TrainingProgress, save, save_stages,
-    step_dir,
+    Checkpoint, OptimizerState, PendingSave, SaveOptions, StageParamPaths, TrainingProgress, save,
+    save_async, save_stages, save_stages_async, step_dir,
 };
 use burn_parallel_parallelizer::{MeshContext, Parallelize, StepReport};
 use serde_json::json;
@@ -204,46 +204,102 @@ pub(crate) fn saves_after(cfg: &TrainConfig, done: usize) -> bool {
         .is_some_and(|every| done.is_multiple_of(every) || done == cfg.steps)
 }
 
-/// Saves the run's state after `done` steps into `save_dir/step-N` (collective).
-pub(crate) fn save_checkpoint<M: Parallelize>(
-    cfg: &TrainConfig,
-    save_dir: &Path,
-    done: usize,
-    data_position: usize,
-    model: &M,
-    optimizer: &RunOptimizer,
-    mesh: &MeshContext,
-) -> Result<PathBuf, TrainError> {
-    let dir = step_dir(save_dir, done as u64);
-    let progress = progress(cfg, done, data_position);
-    let state = Some(optimizer.state());
-    let report = save(&dir, model, state, &progress, mesh, &SaveOptions::default())?;
-    Ok(report.dir)
+/// Where and when a checkpoint is saved: `save_dir/step-N` after `done` steps, the data
+/// stream at `data_position`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SavePoint<'a> {
+    pub save_dir: &'a Path,
+    pub done: usize,
+    pub data_position: usize,
 }
 
-/// [`save_checkpoint`] of a pipeline run: this rank's `stages`, each under the whole model's
-/// paths (collective over every stage).
-pub(crate) fn save_stage_checkpoint<M: Parallelize + StageParamPaths>(
-    cfg: &TrainConfig,
-    save_dir: &Path,
-    done: usize,
-    data_position: usize,
-    stages: &[M],
-    optimizer: &RunOptimizer,
-    mesh: &MeshContext,
-) -> Result<PathBuf, TrainError> {
-    let dir = step_dir(save_dir, done as u64);
-    let progress = progress(cfg, done, data_position);
-    let state = Some(optimizer.state());
-    let report = save_stages(
-        &dir,
-        stages,
-        state,
-        &progress,
-        mesh,
-        &SaveOptions::default(),
-    )?;
-    Ok(report.dir)
+/// A run's checkpoint saves into `save_dir/step-N`: written before training goes on, or with
+/// `--async-save` on a background thread from a snapshot of the state while the next steps
+/// train, at most one in flight (the previous one is committed before the next starts, and
+/// at the end). A save in flight becomes a checkpoint only when committed, so a crash while it
+/// is written leaves the previous checkpoint the newest.
+pub(crate) struct Saves {
+    in_flight: Option<PendingSave>,
+    /// The committed checkpoints, in order.
+    pub done: Vec<PathBuf>,
+}
+
+impl Saves {
+    pub fn new() -> Self {
+        Self {
+            in_flight: None,
+            done: Vec::new(),
+        }
+    }
+
+    /// Saves the run's state after `done` steps (collective).
+    pub fn save_model<M: Parallelize>(
+        &mut self,
+        cfg: &TrainConfig,
+        at: SavePoint<'_>,
+        model: &M,
+        optimizer: &RunOptimizer,
+        mesh: &MeshContext,
+    ) -> Result<(), TrainError> {
+        let (dir, progress, options) = self.next(cfg, at, mesh)?;
+        let state = Some(optimizer.state());
+        match cfg.async_save {
+            true => {
+                self.in_flight = Some(save_async(&dir, model, state, &progress, mesh, &options)?)
+            }
+            false => self
+                .done
+                .push(save(&dir, model, state, &progress, mesh, &options)?.dir),
+        }
+        Ok(())
+    }
+
+    /// [`save_model`](Self::save_model) of a pipeline run: this rank's `stages`, each under
+    /// the whole model's paths (collective over every stage).
+    pub fn save_stages<M: Parallelize + StageParamPaths>(
+        &mut self,
+        cfg: &TrainConfig,
+        at: SavePoint<'_>,
+        stages: &[M],
+        optimizer: &RunOptimizer,
+        mesh: &MeshContext,
+    ) -> Result<(), TrainError> {
+        let (dir, progress, options) = self.next(cfg, at, mesh)?;
+        let state = Some(optimizer.state());
+        match cfg.async_save {
+            true => {
+                let pending = save_stages_async(&dir, stages, state, &progress, mesh, &options)?;
+                self.in_flight = Some(pending);
+            }
+            false => {
+                let report = save_stages(&dir, stages, state, &progress, mesh, &options)?;
+                self.done.push(report.dir);
+            }
+        }
+        Ok(())
+    }
+
+    /// Commits the save in flight (one at a time), then where the save after `done` steps
+    /// goes and what it records.
+    fn next(
+        &mut self,
+        cfg: &TrainConfig,
+        at: SavePoint<'_>,
+        mesh: &MeshContext,
+    ) -> Result<(PathBuf, TrainingProgress, SaveOptions), TrainError> {
+        self.commit(mesh)?;
+        let dir = step_dir(at.save_dir, at.done as u64);
+        let progress = progress(cfg, at.done, at.data_position);
+        Ok((dir, progress, SaveOptions::default()))
+    }
+
+    /// Commits the save in flight, if any (collective): waits for every rank's files.
+    pub fn commit(&mut self, mesh: &MeshContext) -> Result<(), TrainError> {
+        if let Some(pending) = self.in_flight.take() {
+            self.done.push(pending.finish(mesh)?.dir);
+        }
+        Ok(())
+    }
 }
 
 /// The progress a checkpoint after `done` steps records.

@@ -49,6 +49,9 @@ impl TrainConfig {
             (None, Some(_)) => return bad("--save-dir needs --save-every".into()),
             _ => {}
         }
+        if self.async_save && self.save_every.is_none() {
+            return bad("--async-save needs --save-every and --save-dir".into());
+        }
         if self.distributed.mp_policy.casts() && self.backend == Backend::Ndarray {
             return bad(
                 "--param-dtype/--reduce-dtype bf16 or f16 needs --backend flex (ndarray has only \

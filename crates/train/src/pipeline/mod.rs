@@ -26,7 +26,7 @@ use crate::data::Dataset;
 use crate::error::TrainError;
 use crate::guard::check_finite;
 use crate::options::PipelineOptions;
-use crate::resume::{Resume, RunOptimizer, save_stage_checkpoint, saves_after};
+use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
 use crate::step_log::{
@@ -199,7 +199,7 @@ pub(crate) fn run_rank(
     let global_tokens = (cfg.global_batch * cfg.seq_len) as f64;
     let stats_before = ctx.stats();
     let mut reports = Vec::with_capacity(cfg.steps - start);
-    let mut checkpoints = Vec::new();
+    let mut saves = Saves::new();
     let mut stopped_at = None;
     for step in start..cfg.steps {
         let start_time = Instant::now();
@@ -283,33 +283,25 @@ pub(crate) fn run_rank(
             on_step(&report);
         }
         reports.push(report);
+        // A stop request (preemption) ends every rank's run after this step, saved.
+        let stop = stop_agreed(cfg.stop.as_ref(), ctx)?;
         if let Some(save_dir) = &cfg.save_dir
-            && saves_after(cfg, step + 1)
+            && (saves_after(cfg, step + 1) || stop)
         {
-            let done = step + 1;
-            let dir =
-                save_stage_checkpoint(cfg, save_dir, done, position, &chunks, &optimizer, mesh)?;
-            checkpoints.push(dir);
+            let at = SavePoint {
+                save_dir,
+                done: step + 1,
+                data_position: position,
+            };
+            saves.save_stages(cfg, at, &chunks, &optimizer, mesh)?;
         }
-        // A stop request (preemption): every rank ends after this step, saved.
-        if stop_agreed(cfg.stop.as_ref(), ctx)? {
-            if let Some(save_dir) = &cfg.save_dir
-                && !saves_after(cfg, step + 1)
-            {
-                checkpoints.push(save_stage_checkpoint(
-                    cfg,
-                    save_dir,
-                    step + 1,
-                    position,
-                    &chunks,
-                    &optimizer,
-                    mesh,
-                )?);
-            }
+        if stop {
             stopped_at = Some(step + 1);
             break;
         }
     }
+    saves.commit(mesh)?;
+    let checkpoints = saves.done;
     let comm = ctx.stats().since(&stats_before).total();
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
     if stopped_at.is_none() {
