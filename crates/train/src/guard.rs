@@ -112,10 +112,75 @@ pub(crate) fn check_batch_memory(
     Ok(())
 }
 
+/// A CPU core's sustained rate on the Llama's matmuls, the order measured in
+/// docs/benchmarks.md (70-100 GFLOP/s per core with AVX-512): enough to tell minutes from days.
+const CPU_FLOPS_PER_RANK: f64 = 1e11;
+
+/// A step that would take longer than this on the CPU is announced before it starts.
+const LONG_STEP_S: f64 = 600.0;
+
+/// The estimated seconds of one step per rank on a CPU backend when it exceeds
+/// [`LONG_STEP_S`] (`None` otherwise, and on GPU backends): the step's FLOPs (`step_flops`)
+/// shared by the ranks, at [`CPU_FLOPS_PER_RANK`].
+pub(crate) fn long_cpu_step_s(cfg: &TrainConfig, model: &LlamaConfig) -> Option<f64> {
+    if !matches!(
+        cfg.backend,
+        crate::config::Backend::Ndarray | crate::config::Backend::Flex
+    ) {
+        return None;
+    }
+    let rows = cfg.global_batch * cfg.grad_accum;
+    let ranks = cfg.world_size().ok()?.max(1) as f64;
+    let seconds = crate::flops::step_flops(model, rows, cfg.seq_len) / ranks / CPU_FLOPS_PER_RANK;
+    (seconds > LONG_STEP_S).then_some(seconds)
+}
+
+/// Says on stderr, before any rank starts, when a step will take very long on the CPU (a
+/// 100000-token sequence, a large model): the run goes on, but nobody waits an hour for a
+/// first step without knowing.
+pub(crate) fn warn_long_step(cfg: &TrainConfig, model: &LlamaConfig) {
+    if let Some(seconds) = long_cpu_step_s(cfg, model) {
+        eprintln!(
+            "warning: one step is about {:.1} TFLOP per rank, roughly {:.0} minutes on a CPU \
+             core at 100 GFLOP/s: lower --seq-len or --global-batch, add ranks, or use a GPU \
+             backend",
+            crate::flops::step_flops(model, cfg.global_batch * cfg.grad_accum, cfg.seq_len)
+                / cfg.world_size().unwrap_or(1).max(1) as f64
+                / 1e12,
+            seconds / 60.0
+        );
+    }
+}
+
 /// The machine's physical memory (`MemTotal` of /proc/meminfo), where the platform says.
 fn machine_memory_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_of_days_is_announced_and_a_normal_one_is_not() {
+        let model = LlamaConfig {
+            max_position_embeddings: 100_000,
+            ..LlamaConfig::tiny()
+        };
+        let cfg = |seq_len| TrainConfig {
+            seq_len,
+            global_batch: 32,
+            model: model.clone(),
+            ..TrainConfig::default()
+        };
+        assert_eq!(long_cpu_step_s(&cfg(128), &model), None);
+        // Causal attention grows with the square of the sequence: 100000 positions.
+        let seconds = long_cpu_step_s(&cfg(100_000), &model).expect("announced");
+        let by_hand = crate::flops::step_flops(&model, 32, 100_000) / 4.0 / 1e11;
+        assert_eq!(seconds, by_hand);
+        assert!(seconds > 600.0);
+    }
 }

@@ -1,6 +1,6 @@
 //! A saved model directory that Hugging Face tools load whole (`--save`): beside config.json
 //! and the weights, the tokenizer files `--tokenizer` came with, the special token ids in
-//! config.json, and a generation_config.json whose end-of-sequence ids include the chat
+//! config.json (the base checkpoint's, else the tokenizer's), and a generation_config.json whose end-of-sequence ids include the chat
 //! template's end-of-turn token (else transformers' `generate()` runs past the end of a turn).
 
 use std::path::Path;
@@ -42,7 +42,7 @@ pub(crate) fn complete(cfg: &TrainConfig, dir: &Path) -> Result<(), TrainError> 
         Some(path) => Some(TextTokenizer::load(path)?),
         None => None,
     };
-    // The tokenizer's special tokens, else the base checkpoint's ids.
+    // The base checkpoint's ids, else the tokenizer's special tokens.
     let mut ids = serde_json::Map::new();
     for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
         let from_tokenizer = tokenizer.as_ref().and_then(|t| {
@@ -57,7 +57,7 @@ pub(crate) fn complete(cfg: &TrainConfig, dir: &Path) -> Result<(), TrainError> 
             .as_ref()
             .and_then(|b| b.get(key))
             .filter(|v| !v.is_null());
-        if let Some(id) = from_tokenizer.or_else(|| from_base.cloned()) {
+        if let Some(id) = from_base.cloned().or(from_tokenizer) {
             ids.insert(key.into(), id);
         }
     }
@@ -88,11 +88,20 @@ pub(crate) fn complete(cfg: &TrainConfig, dir: &Path) -> Result<(), TrainError> 
     let mut generation = base_dir
         .and_then(|d| read_json(&d.join("generation_config.json")))
         .unwrap_or_else(|| json!({}));
-    let mut eos: Vec<u64> = match ids.get("eos_token_id").or(generation.get("eos_token_id")) {
-        Some(Value::Number(n)) => n.as_u64().into_iter().collect(),
-        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).collect(),
-        _ => Vec::new(),
+    // The base's generation eos ids, the model's eos id, then the template's end of turn.
+    let ids_of = |v: Option<&Value>| -> Vec<u64> {
+        match v {
+            Some(Value::Number(n)) => n.as_u64().into_iter().collect(),
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).collect(),
+            _ => Vec::new(),
+        }
     };
+    let mut eos = ids_of(generation.get("eos_token_id"));
+    for id in ids_of(ids.get("eos_token_id")) {
+        if !eos.contains(&id) {
+            eos.push(id);
+        }
+    }
     if let Some(t) = &tokenizer
         && let Some(template) = &t.chat_template
     {

@@ -151,6 +151,7 @@ pub fn train(
     let data = token_data(cfg, &model_cfg)?;
     let eval = eval_data(cfg, &model_cfg)?;
     check_batch_memory(cfg, &model_cfg, &data, mesh)?;
+    crate::guard::warn_long_step(cfg, &model_cfg);
     crate::pipeline::check(cfg, &model_cfg, mesh)?;
     if let Some(dir) = &cfg.checkpoint {
         // Opens every file now, so that a broken checkpoint fails before training.
