@@ -444,3 +444,53 @@ fn the_trainer_binary_saves_and_exits_for_requeue_on_sigterm() {
     );
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// Injected faults (`BURN_PARALLEL_FAULT=rank:step:kind`) under fsdp2 x2: a panic ends the run
+/// at its step with an error naming the rank and the step, after the earlier steps; a NaN loss
+/// stops every rank at its step; a failed checkpoint write is an error naming the rank, the
+/// checkpoint before it staying the newest; a slow rank slows its steps and the run finishes.
+#[test]
+fn injected_faults_fail_the_run_where_they_say() {
+    use burn_parallel::checkpoint::{latest, step_dir};
+    use burn_parallel::train::{Fault, SLOW_STEP};
+    use std::sync::Mutex;
+
+    let with = |fault: &str, save_dir: Option<std::path::PathBuf>| {
+        let cfg = TrainConfig {
+            steps: 4,
+            fault: Some(fault.parse::<Fault>().unwrap()),
+            save_every: save_dir.as_ref().map(|_| 1),
+            save_dir,
+            ..tiny_run(Strategy::Fsdp2, 2, &[])
+        };
+        let steps = Mutex::new(Vec::new());
+        let result = train(&cfg, &|r| steps.lock().unwrap().push(r.step_time_s));
+        (result, steps.into_inner().unwrap())
+    };
+
+    let (result, steps) = with("1:2:panic", None);
+    let e = result.expect_err("a panicking rank").to_string();
+    assert!(
+        e.contains("injected fault") && e.contains("rank 1") && e.contains("step 2"),
+        "{e}"
+    );
+    assert_eq!(steps.len(), 2, "steps 0 and 1 ran");
+
+    let (result, _) = with("0:1:nan", None);
+    let e = result.expect_err("a NaN loss").to_string();
+    assert!(e.contains("step 1") && e.contains("loss"), "{e}");
+
+    let root = temp_dir("guards-faults");
+    let (result, _) = with("1:1:save-io", Some(root.clone()));
+    let e = result.expect_err("a failed save").to_string();
+    assert!(e.contains("rank 1"), "{e}");
+    assert_eq!(latest(&root).unwrap(), Some(step_dir(&root, 1)));
+
+    let (result, steps) = with("0:2:slow", None);
+    result.expect("a slow rank still finishes");
+    assert!(
+        steps[2..].iter().all(|&t| t >= SLOW_STEP.as_secs_f64()),
+        "{steps:?}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}

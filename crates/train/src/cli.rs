@@ -259,6 +259,7 @@ impl TrainArgs {
             resume: self.resume.clone(),
             allow_data_change: self.allow_data_change,
             stop: None,
+            fault: crate::fault::Fault::from_env()?,
             seed: self.seed,
             engine,
             threads_per_rank: self.threads_per_rank,

@@ -163,6 +163,9 @@ pub struct TrainConfig {
     /// step is saved to `save_dir` if there is one, and the summary's `stopped_at` says where
     /// the run ended (default None: runs to `steps`).
     pub stop: Option<crate::stop::StopFlag>,
+    /// An injected fault (`BURN_PARALLEL_FAULT=rank:step:kind`, for tests and recovery drills;
+    /// default None).
+    pub fault: Option<crate::fault::Fault>,
     /// Ranks as threads of this process, or as the processes of an MPI job (default threads).
     pub engine: EngineKind,
     /// Compute threads of each CPU rank (default None: `BURN_PARALLEL_THREADS_PER_RANK`, else
@@ -213,6 +216,7 @@ impl Default for TrainConfig {
             resume: None,
             allow_data_change: false,
             stop: None,
+            fault: None,
             engine: EngineKind::Threads,
             threads_per_rank: None,
             freeze: Vec::new(),

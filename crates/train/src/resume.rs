@@ -290,7 +290,10 @@ impl Saves {
         self.commit(mesh)?;
         let dir = step_dir(at.save_dir, at.done as u64);
         let progress = progress(cfg, at.done, at.data_position);
-        Ok((dir, progress, SaveOptions::default()))
+        let options = SaveOptions {
+            fault: cfg.fault.and_then(|f| f.save_fault(at.done)),
+        };
+        Ok((dir, progress, options))
     }
 
     /// Commits the save in flight, if any (collective): waits for every rank's files.

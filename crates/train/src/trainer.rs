@@ -310,6 +310,7 @@ fn run_rank(
     for step in start..cfg.steps {
         let start_time = Instant::now();
         let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
+        let nan_fault = cfg.fault.is_some_and(|f| f.at_step_start(ctx.rank(), step));
         // Every micro-batch's forward (the earlier ones' backward too), the loss normalised
         // over the step's global batch (`batches`).
         let forward = forward_step(cfg, &model, data, position, &rows, &mesh)?;
@@ -324,6 +325,10 @@ fn run_rank(
             m
         };
         let (loss, acc) = (forward.loss, forward.accumulated);
+        let loss = match nan_fault {
+            true => loss.mul_scalar(f32::NAN),
+            false => loss,
+        };
         let (next, done) =
             train_step_accumulated(model, loss, acc, &rows, cfg.grad_clip, &mesh, step_fn)?;
         model = next;

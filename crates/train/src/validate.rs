@@ -49,6 +49,16 @@ impl TrainConfig {
             (None, Some(_)) => return bad("--save-dir needs --save-every".into()),
             _ => {}
         }
+        if let Some(fault) = &self.fault
+            && fault.kind == crate::fault::FaultKind::Nan
+            && self.distributed.pp_size > 1
+        {
+            return bad(format!(
+                "{}: a nan fault is not injected under --pp (the pipeline's loss is computed \
+                 inside its schedule); inject it in a run without --pp",
+                crate::fault::FAULT_ENV
+            ));
+        }
         if self.async_save && self.save_every.is_none() {
             return bad("--async-save needs --save-every and --save-dir".into());
         }

@@ -204,6 +204,10 @@ pub(crate) fn run_rank(
     for step in start..cfg.steps {
         let start_time = Instant::now();
         let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
+        // A `nan` fault is refused under --pp when the run is checked.
+        if let Some(fault) = &cfg.fault {
+            fault.at_step_start(ctx.rank(), step);
+        }
         let (mbs, counts) = step_microbatches(cfg, data, position, &rows, mesh)?;
         let lr = schedule.lr_at(schedule_start + (step - start));
         optimizer.set_lr(lr);
