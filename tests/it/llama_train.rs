@@ -215,6 +215,8 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
                 "peak_model_state_bytes_per_rank",
                 "peak_rss_bytes",
                 "peak_rss_bytes_per_rank",
+                "rank_compute_s",
+                "rank_wait_s",
                 "reduce_scatter_calls",
                 "reduce_scatter_s",
                 "skipped",
@@ -236,6 +238,13 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
         // their sum is not bounded by the step's wall time (it exceeded it under load).
         assert!(t.all_gather_s > 0.0 && t.reduce_scatter_s > 0.0, "{t:?}");
         assert!(r.peak_rss_bytes > 1 << 20);
+        // Every rank's compute and collective seconds, by rank, within the step.
+        assert_eq!((r.rank_compute_s.len(), r.rank_wait_s.len()), (2, 2));
+        // (Each collective's time is its own wait: prefetched gathers overlap, so a rank's
+        // sum may exceed its wall time, and its compute, the rest, is then 0.)
+        for (c, w) in r.rank_compute_s.iter().zip(&r.rank_wait_s) {
+            assert!(*c >= 0.0 && *w > 0.0, "{r:?}");
+        }
         // Both ranks are threads of this process: its peak is every rank's.
         assert!(r.peak_rss_bytes_per_rank >= r.peak_rss_bytes);
         // FSDP gathered some units, never more than the whole model (f32, all trainable) and

@@ -464,7 +464,9 @@ fn injected_faults_fail_the_run_where_they_say() {
             ..tiny_run(Strategy::Fsdp2, 2, &[])
         };
         let steps = Mutex::new(Vec::new());
-        let result = train(&cfg, &|r| steps.lock().unwrap().push(r.step_time_s));
+        let result = train(&cfg, &|r| {
+            steps.lock().unwrap().push(r.rank_compute_s.clone())
+        });
         (result, steps.into_inner().unwrap())
     };
 
@@ -486,10 +488,12 @@ fn injected_faults_fail_the_run_where_they_say() {
     assert!(e.contains("rank 1"), "{e}");
     assert_eq!(latest(&root).unwrap(), Some(step_dir(&root, 1)));
 
+    // The slow rank's compute time carries its sleep; the other rank's does not (it waits).
     let (result, steps) = with("0:2:slow", None);
     result.expect("a slow rank still finishes");
+    let slow = SLOW_STEP.as_secs_f64();
     assert!(
-        steps[2..].iter().all(|&t| t >= SLOW_STEP.as_secs_f64()),
+        steps[2..].iter().all(|t| t[0] >= slow && t[1] < slow),
         "{steps:?}"
     );
     std::fs::remove_dir_all(&root).unwrap();

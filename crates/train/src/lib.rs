@@ -55,6 +55,7 @@ mod schedule;
 mod state;
 mod step_log;
 mod stop;
+mod stragglers;
 mod trainer;
 mod usage;
 mod validate;

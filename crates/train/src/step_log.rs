@@ -56,6 +56,12 @@ pub struct StepLog {
     /// during this step, in bytes: the prefetched and computing units' buffers, and the ones
     /// backward gathers again (0 without FSDP).
     pub gathered_peak_bytes_per_rank: u64,
+    /// Each rank's compute seconds in the step (its step time less its time in collectives),
+    /// by rank: a straggler shows here before it slows everyone's step time.
+    pub rank_compute_s: Vec<f64>,
+    /// Each rank's seconds in collectives during the step, by rank (waiting for the others
+    /// included).
+    pub rank_wait_s: Vec<f64>,
     /// The `--eval-data` loss after this step (the counting targets' mean cross-entropy over
     /// `--eval-batches` batches, forward only), on `--eval-every` steps and the last.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -132,18 +138,48 @@ pub(crate) fn fsdp_memory<M: burn::module::Module>(
     trackers
 }
 
-/// The gathered-weights high-water since the last call (summed over `memory`'s counters: an
-/// upper bound when a rank's units were sharded by several configs) and the process's peak
-/// RSS, each the largest over the ranks; the high-water restarts from the current level.
-/// Collective over the world.
-pub(crate) fn memory_peaks(
+/// What every rank measured in a step, exchanged once after it.
+pub(crate) struct StepExchange {
+    /// The largest gathered-weights high-water of any rank (bytes).
+    pub gathered_peak: u64,
+    /// The largest peak RSS of any rank's process (bytes).
+    pub rss_peak: u64,
+    /// Each rank's compute seconds, by rank.
+    pub compute_s: Vec<f64>,
+    /// Each rank's seconds in collectives, by rank.
+    pub wait_s: Vec<f64>,
+}
+
+/// Exchanges this rank's step figures with every rank's, in one all-gather: the
+/// gathered-weights high-water since the last call (summed over `memory`'s counters: an upper
+/// bound when a rank's units were sharded by several configs; it restarts from the current
+/// level), the process's peak RSS, and the compute and collective seconds. Collective over
+/// the world.
+pub(crate) fn exchange_step(
     ctx: &burn_parallel_comm::RankContext,
     memory: &[burn_parallel_fsdp::MemoryTracker],
     peak_rss_bytes: u64,
-) -> Result<[u64; 2], TrainError> {
-    let gathered = memory.iter().map(|m| m.report().peak.gathered as u64).sum();
+    step_time_s: f64,
+    wait_s: f64,
+) -> Result<StepExchange, TrainError> {
+    let gathered: u64 = memory.iter().map(|m| m.report().peak.gathered as u64).sum();
     memory.iter().for_each(|m| m.reset_peak());
-    max_over_world(ctx, [gathered, peak_rss_bytes])
+    // Byte counts exactly, as two f32 halves of 24 bits.
+    let halves = |v: u64| [(v >> 24) as f32, (v & 0xFF_FFFF) as f32];
+    let [g0, g1] = halves(gathered);
+    let [r0, r1] = halves(peak_rss_bytes);
+    let compute = (step_time_s - wait_s).max(0.0);
+    let mine = vec![g0, g1, r0, r1, compute as f32, wait_s as f32];
+    let all = ctx.world()?.all_gather(TensorData::new(mine, [1, 6]), 0)?;
+    let all = all.as_slice::<f32>().expect("f32 figures");
+    let whole = |hi: f32, lo: f32| ((hi as u64) << 24) | lo as u64;
+    let ranks: Vec<&[f32]> = all.chunks(6).collect();
+    Ok(StepExchange {
+        gathered_peak: ranks.iter().map(|r| whole(r[0], r[1])).max().unwrap_or(0),
+        rss_peak: ranks.iter().map(|r| whole(r[2], r[3])).max().unwrap_or(0),
+        compute_s: ranks.iter().map(|r| r[4] as f64).collect(),
+        wait_s: ranks.iter().map(|r| r[5] as f64).collect(),
+    })
 }
 
 /// What one rank's run returns: its steps' logs, its model-state bytes, the bytes it sent

@@ -28,9 +28,10 @@ use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, open_resume, saves_a
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
 use crate::step_log::{
-    RankResult, StepCalls, StepLog, StepTimes, fsdp_memory, max_over_world, memory_peaks,
+    RankResult, StepCalls, StepLog, StepTimes, exchange_step, fsdp_memory, max_over_world,
 };
 use crate::stop::stop_agreed;
+use crate::stragglers::Stragglers;
 use crate::usage::ProcessUsage;
 use burn_parallel_comm::memory::reset_peak_rss;
 
@@ -307,6 +308,7 @@ fn run_rank(
     let mut reports = Vec::with_capacity(cfg.steps - start);
     let mut saves = Saves::new();
     let mut stopped_at = None;
+    let mut stragglers = Stragglers::default();
     for step in start..cfg.steps {
         let start_time = Instant::now();
         let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
@@ -348,8 +350,6 @@ fn run_rank(
         let step_time_s = start_time.elapsed().as_secs_f64();
         let usage = ProcessUsage::now();
         let comm = ctx.stats().since(&comm_before);
-        // After the step's counters: the bookkeeping exchange is not the step's traffic.
-        let [gathered_peak, rss_peak] = memory_peaks(&ctx, &memory, usage.peak_rss_bytes)?;
         let comm_s = |kind| comm.op(kind).time.as_secs_f64();
         let times = StepTimes {
             forward_s,
@@ -365,6 +365,15 @@ fn run_rank(
             all_reduce_calls: comm.op(OpKind::AllReduce).calls,
             all_to_all_calls: comm.op(OpKind::AllToAll).calls,
         };
+        // After the step's counters: the bookkeeping exchange is not the step's traffic.
+        let figures = exchange_step(
+            &ctx,
+            &memory,
+            usage.peak_rss_bytes,
+            step_time_s,
+            comm.total().time.as_secs_f64(),
+        )?;
+        stragglers.warn(&figures.compute_s, step, step_time_s, ctx.rank() == 0);
         let report = StepLog {
             step,
             report: done,
@@ -379,8 +388,10 @@ fn run_rank(
             calls,
             minor_faults: usage.minor_faults - usage_before.minor_faults,
             peak_rss_bytes: usage.peak_rss_bytes,
-            peak_rss_bytes_per_rank: rss_peak,
-            gathered_peak_bytes_per_rank: gathered_peak,
+            peak_rss_bytes_per_rank: figures.rss_peak,
+            gathered_peak_bytes_per_rank: figures.gathered_peak,
+            rank_compute_s: figures.compute_s,
+            rank_wait_s: figures.wait_s,
             eval_loss,
             aux_loss: routing.as_ref().and_then(|r| r.aux_loss),
             expert_tokens_min: routing.as_ref().map(|r| r.expert_tokens.0),
