@@ -182,6 +182,22 @@ pub(crate) fn exchange_step(
     })
 }
 
+/// [`exchange_step`] after a step whose counters were `comm`, and the straggler warning from
+/// its compute times (on rank 0). Collective over the world.
+pub(crate) fn step_figures(
+    ctx: &burn_parallel_comm::RankContext,
+    memory: &[burn_parallel_fsdp::MemoryTracker],
+    stragglers: &mut crate::stragglers::Stragglers,
+    (step, step_time_s): (usize, f64),
+    comm: &burn_parallel_comm::CommStats,
+    peak_rss_bytes: u64,
+) -> Result<StepExchange, TrainError> {
+    let wait_s = comm.total().time.as_secs_f64();
+    let figures = exchange_step(ctx, memory, peak_rss_bytes, step_time_s, wait_s)?;
+    stragglers.warn(&figures.compute_s, step, step_time_s, ctx.rank() == 0);
+    Ok(figures)
+}
+
 /// What one rank's run returns: its steps' logs, its model-state bytes, the bytes it sent
 /// and received per step on average, the checkpoints it saved, and the step count after which
 /// a stop request ended it early.

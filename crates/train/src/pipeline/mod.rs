@@ -30,7 +30,7 @@ use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
 use crate::step_log::{
-    RankResult, StepCalls, StepLog, StepTimes, exchange_step, fsdp_memory, max_over_world,
+    RankResult, StepCalls, StepLog, StepTimes, fsdp_memory, max_over_world, step_figures,
 };
 use crate::stop::stop_agreed;
 use crate::stragglers::Stragglers;
@@ -247,14 +247,14 @@ pub(crate) fn run_rank(
         let comm = ctx.stats().since(&comm_before);
         let comm_s = |kind| comm.op(kind).time.as_secs_f64();
         // After the step's counters: the bookkeeping exchange is not the step's traffic.
-        let figures = exchange_step(
+        let figures = step_figures(
             ctx,
             &memory,
+            &mut stragglers,
+            (step, step_time_s),
+            &comm,
             usage.peak_rss_bytes,
-            step_time_s,
-            comm.total().time.as_secs_f64(),
         )?;
-        stragglers.warn(&figures.compute_s, step, step_time_s, ctx.rank() == 0);
         let report = StepLog {
             step,
             report: done.step,
