@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use burn_parallel::comm::launch;
 use burn_parallel::parallelizer::{
-    ConfigError, DistributedConfig, Dtype, MeshContext, MeshSizes, MixedPrecisionConfig,
-    ModelDescription, ParallelError, Parallelize, Strategy, TpShardPlan,
+    ConfigError, DataParallel, DistributedConfig, Dtype, MeshContext, MeshSizes,
+    MixedPrecisionConfig, ModelDescription, ParallelError, Parallelize, Strategy, TpShardPlan,
 };
 
 use crate::common::ndarray_ad;
@@ -332,6 +332,88 @@ fn mesh_sizes_are_inferred_from_the_world() {
             pp: 1,
             ep: 1,
         }
+    );
+}
+
+/// The strategy's name is read once, where the plan is made: the spellings of one layout give
+/// one plan, and everything downstream reads the plan.
+#[test]
+fn spellings_of_one_layout_resolve_to_one_plan() {
+    let plan = |c: DistributedConfig| c.plan(4).unwrap();
+    let fsdp2_with_tp = plan(DistributedConfig {
+        tp_size: 2,
+        ..DistributedConfig::default()
+    });
+    let fsdp2_tp = plan(DistributedConfig {
+        strategy: Strategy::Fsdp2Tp,
+        tp_size: 2,
+        ..DistributedConfig::default()
+    });
+    assert_eq!(fsdp2_with_tp, fsdp2_tp);
+    assert_eq!(fsdp2_tp.data_parallel(), DataParallel::Shard);
+    let replicated = |strategy| {
+        plan(DistributedConfig {
+            strategy,
+            dp_replicate_size: 2,
+            ..DistributedConfig::default()
+        })
+    };
+    assert_eq!(replicated(Strategy::Fsdp2), replicated(Strategy::Hsdp));
+    // A different layout is a different plan.
+    assert_ne!(fsdp2_tp, replicated(Strategy::Hsdp));
+    let ddp = plan(DistributedConfig {
+        strategy: Strategy::Ddp,
+        ddp_bucket_cap_mb: 1.0,
+        ..DistributedConfig::default()
+    });
+    assert_eq!(
+        ddp.data_parallel(),
+        DataParallel::Replicate {
+            bucket_bytes: 1 << 20
+        }
+    );
+    // Megatron-FSDP's ZeRO-1 keeps its gathered weights whatever reshard_after_forward says.
+    let zero1 = plan(DistributedConfig {
+        strategy: Strategy::MegatronFsdp,
+        megatron_fsdp: burn_parallel::parallelizer::MegatronFsdpConfig {
+            zero_dp_strategy: burn_parallel::parallelizer::ZeroDpStrategy::Optim,
+            ..Default::default()
+        },
+        ..DistributedConfig::default()
+    });
+    assert_eq!(zero1.resharding(), Some(false));
+    // One rank in f32 applies nothing; a casting policy needs FSDP even there.
+    let single = |mp_policy| {
+        DistributedConfig {
+            strategy: Strategy::Single,
+            mp_policy,
+            ..DistributedConfig::default()
+        }
+        .plan(1)
+        .unwrap()
+        .data_parallel()
+    };
+    assert_eq!(single(MixedPrecisionConfig::default()), DataParallel::None);
+    assert_eq!(single(MixedPrecisionConfig::bf16()), DataParallel::Shard);
+}
+
+/// A context is built from a plan made for its own world, or refused.
+#[test]
+fn a_plan_for_another_world_is_refused() {
+    let plan = DistributedConfig::default().plan(4).unwrap();
+    let out = launch(2, |rank| {
+        Ok::<_, String>(
+            match MeshContext::from_plan(&rank, plan.clone(), ndarray_ad()) {
+                Ok(_) => "built".to_string(),
+                Err(e) => e.to_string(),
+            },
+        )
+    })
+    .unwrap();
+    assert!(
+        out[0].contains("4") && out[0].contains("2 ranks"),
+        "{}",
+        out[0]
     );
 }
 

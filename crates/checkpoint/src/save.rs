@@ -351,7 +351,7 @@ fn layout(mesh: &MeshContext) -> SavedLayout {
         dp_replicate: sizes.dp_replicate,
         dp_shard: sizes.dp_shard,
         tp: sizes.tp,
-        strategy: mesh.strategy().to_string(),
+        strategy: mesh.config().strategy.to_string(),
         config: serde_json::to_value(mesh.config()).unwrap_or(serde_json::Value::Null),
     }
 }

@@ -2,7 +2,6 @@
 //! Field names and defaults follow NeMo AutoModel's `parallelize_model` / `_apply`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use burn::tensor::FloatDType;
 use burn_parallel_describe::{ModelDescription, SEQUENCE_PARALLEL_SUFFIX, plan_name};
@@ -13,11 +12,14 @@ use serde::{Deserialize, Serialize};
 use crate::error::ParallelError;
 
 pub(crate) mod error;
+mod file;
 mod names;
 mod placement;
+mod plan;
 
 pub use error::{ConfigError, Unsupported};
 pub use placement::{FrozenModuleSharding, Strategy};
+pub use plan::{DataParallel, Plan};
 
 crate::named_enum! {
     /// A float dtype in a config file or on the command line: `f32`/`float32`/`fp32`,
@@ -164,6 +166,12 @@ impl ZeroDpStrategy {
             Self::OptimGrads => 2,
             Self::OptimGradsParams => 3,
         }
+    }
+
+    /// Whether units keep their gathered weights from forward through backward (ZeRO-1 and
+    /// ZeRO-2); ZeRO-3 frees them after forward and gathers again.
+    pub fn keeps_gathered_weights(self) -> bool {
+        self != Self::OptimGradsParams
     }
 }
 
@@ -384,395 +392,7 @@ fn invalid(error: ConfigError) -> ParallelError {
     ParallelError::Config(error)
 }
 
-/// A `.toml`, `.json`, `.yaml` or `.yml` file's contents, or an error naming the file.
-fn read_file<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ParallelError> {
-    let file_error = |message: String| ParallelError::ConfigFile {
-        path: path.display().to_string(),
-        message,
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
-    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-    match ext {
-        "toml" => toml::from_str(&text).map_err(|e| file_error(e.to_string())),
-        "json" => serde_json::from_str(&text).map_err(|e| file_error(e.to_string())),
-        "yaml" | "yml" => serde_yaml_ng::from_str(&text).map_err(|e| file_error(e.to_string())),
-        other => Err(file_error(format!(
-            "unknown extension {other:?}: use .toml, .json, .yaml or .yml"
-        ))),
-    }
-}
-
-/// `keys` written over `base`: tables merge key by key, anything else replaces.
-fn merge_keys(base: &mut serde_json::Value, keys: serde_json::Value) {
-    match (base, keys) {
-        (serde_json::Value::Object(base), serde_json::Value::Object(keys)) => {
-            for (key, value) in keys {
-                match base.get_mut(&key) {
-                    Some(old) => merge_keys(old, value),
-                    None => {
-                        base.insert(key, value);
-                    }
-                }
-            }
-        }
-        (base, keys) => *base = keys,
-    }
-}
-
 impl DistributedConfig {
-    /// Reads a config from a `.toml`, `.json`, `.yaml` or `.yml` file.
-    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ParallelError> {
-        read_file(path.as_ref())
-    }
-
-    /// Reads a config file over `base`: the keys the file sets replace `base`'s (tables such as
-    /// `[mp_policy]` key by key) and the keys it leaves out keep `base`'s values, where
-    /// [`Self::from_file`] gives them their defaults. How a program layers a file over its
-    /// own defaults (the trainer's `--distributed-config`).
-    pub fn from_file_over(path: impl AsRef<Path>, base: &Self) -> Result<Self, ParallelError> {
-        let path = path.as_ref();
-        // The file on its own first: its errors then name the file's lines.
-        Self::from_file(path)?;
-        let file_error = |e: serde_json::Error| ParallelError::ConfigFile {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        };
-        let mut merged = serde_json::to_value(base).map_err(file_error)?;
-        match read_file::<serde_json::Value>(path)? {
-            serde_json::Value::Null => {} // an empty YAML file
-            keys => merge_keys(&mut merged, keys),
-        }
-        serde_json::from_value(merged).map_err(file_error)
-    }
-
-    /// Writes the config in the format its extension names.
-    pub fn to_file(&self, path: impl AsRef<Path>) -> Result<(), ParallelError> {
-        let path = path.as_ref();
-        let file_error = |message: String| ParallelError::ConfigFile {
-            path: path.display().to_string(),
-            message,
-        };
-        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        let text = match ext {
-            "toml" => toml::to_string(self).map_err(|e| file_error(e.to_string()))?,
-            "json" => serde_json::to_string_pretty(self).map_err(|e| file_error(e.to_string()))?,
-            "yaml" | "yml" => {
-                serde_yaml_ng::to_string(self).map_err(|e| file_error(e.to_string()))?
-            }
-            other => {
-                return Err(file_error(format!(
-                    "unknown extension {other:?}: use .toml, .json, .yaml or .yml"
-                )));
-            }
-        };
-        std::fs::write(path, text).map_err(|e| file_error(e.to_string()))
-    }
-
-    /// Checks the config against a world of `world_size` ranks and returns the mesh sizes.
-    /// Every inconsistency is reported here, before any rank communicates.
-    pub fn validate(&self, world_size: usize) -> Result<MeshSizes, ParallelError> {
-        if let Some(expected) = self.world_size
-            && expected != world_size
-        {
-            return Err(invalid(ConfigError::WorldSize {
-                configured: expected,
-                launched: world_size,
-            }));
-        }
-        self.check_supported()?;
-        self.check_frozen_sharding()?;
-        for (name, size) in [
-            ("tp_size", self.tp_size),
-            ("dp_replicate_size", self.dp_replicate_size),
-            ("cp_size", self.cp_size),
-            ("pp_size", self.pp_size),
-            ("ep_size", self.ep_size),
-        ] {
-            if size == 0 {
-                return Err(invalid(ConfigError::ZeroSize { name }));
-            }
-        }
-        if self.dp_size == Some(0) {
-            return Err(invalid(ConfigError::ZeroSize { name: "dp_size" }));
-        }
-        if self.sequence_parallel && self.tp_size == 1 && self.strategy != Strategy::Tp {
-            return Err(invalid(ConfigError::SequenceParallelWithoutTp(
-                "tp_size > 1",
-            )));
-        }
-        // Written so NaN is rejected too.
-        if self.ddp_bucket_cap_mb.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
-            return Err(invalid(ConfigError::BucketCap));
-        }
-        let sizes = self.strategy_sizes(world_size)?;
-        if sizes.world() != world_size {
-            return Err(invalid(ConfigError::MeshSize {
-                dp_replicate: sizes.dp_replicate,
-                dp_shard: sizes.dp_shard,
-                tp: sizes.tp,
-                world: world_size,
-            }));
-        }
-        if self.sequence_parallel && sizes.tp == 1 {
-            return Err(invalid(ConfigError::SequenceParallelWithoutTp(
-                "more than one tp rank",
-            )));
-        }
-        // Experts split over the flattened dp_shard x cp ranks (TorchTitan's dp_shard_cp):
-        // under context parallelism the cp ranks of a sequence hold different experts too.
-        if !(sizes.dp_shard * sizes.cp).is_multiple_of(self.ep_size) {
-            return Err(invalid(ConfigError::ExpertGroups {
-                ep: self.ep_size,
-                dp_shard: sizes.dp_shard,
-                cp: sizes.cp,
-            }));
-        }
-        Ok(MeshSizes {
-            ep: self.ep_size,
-            ..sizes
-        })
-    }
-
-    /// Options of the reference systems that do not exist here, each an error naming it.
-    fn check_supported(&self) -> Result<(), ParallelError> {
-        let unsupported = |what: Unsupported| Err(ParallelError::NotSupported(what));
-        if self.strategy == Strategy::MegatronFsdp {
-            self.check_megatron_fsdp()?;
-        } else if self.megatron_fsdp != MegatronFsdpConfig::default() {
-            return Err(invalid(ConfigError::MegatronOptions(self.strategy)));
-        }
-        let splits_experts = matches!(
-            self.strategy,
-            Strategy::Ddp
-                | Strategy::Fsdp2
-                | Strategy::Hsdp
-                | Strategy::Fsdp2Tp
-                | Strategy::MegatronFsdp
-        );
-        if self.ep_size > 1 && !splits_experts {
-            return unsupported(Unsupported::ExpertParallel {
-                ep: self.ep_size,
-                strategy: self.strategy,
-            });
-        }
-        if self.cp_size > 1
-            && !matches!(
-                self.strategy,
-                Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp | Strategy::MegatronFsdp
-            )
-        {
-            return Err(invalid(ConfigError::ContextParallelStrategy {
-                cp: self.cp_size,
-                strategy: self.strategy,
-            }));
-        }
-        if self.pp_size > 1 {
-            self.check_pipeline()?;
-        }
-        if self.enable_async_tensor_parallel {
-            return unsupported(Unsupported::AsyncTensorParallel);
-        }
-        if self.enable_compile {
-            return unsupported(Unsupported::Compile);
-        }
-        if let Some(depth) = self.fsdp2_backward_prefetch_depth {
-            return unsupported(Unsupported::BackwardPrefetchDepth(depth));
-        }
-        if self.activation_checkpointing_scope != "all" {
-            return unsupported(Unsupported::CheckpointingScope(
-                self.activation_checkpointing_scope.clone(),
-            ));
-        }
-        Ok(())
-    }
-
-    /// What pipeline parallelism composes with so far: the sharding strategies (fsdp2, hsdp,
-    /// fsdp2_tp; expert parallelism with those that split experts), without context
-    /// parallelism.
-    fn check_pipeline(&self) -> Result<(), ParallelError> {
-        let with = if !matches!(
-            self.strategy,
-            Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp
-        ) {
-            Some(format!(
-                "strategy {} (pp works with fsdp2, hsdp and fsdp2_tp)",
-                self.strategy
-            ))
-        } else if self.cp_size > 1 {
-            Some(format!("context parallelism (cp_size {})", self.cp_size))
-        } else {
-            None
-        };
-        match with {
-            Some(with) => Err(ParallelError::NotSupported(Unsupported::PipelineParallel {
-                pp: self.pp_size,
-                with,
-            })),
-            None => Ok(()),
-        }
-    }
-
-    /// `frozen_multimodal_sharding` places frozen units among FSDP units: under a strategy
-    /// that shards nothing, a mode other than the default would silently do nothing.
-    fn check_frozen_sharding(&self) -> Result<(), ParallelError> {
-        let shards = matches!(
-            self.strategy,
-            Strategy::Fsdp2 | Strategy::Hsdp | Strategy::Fsdp2Tp | Strategy::MegatronFsdp
-        );
-        if shards || self.frozen_multimodal_sharding == FrozenModuleSharding::default() {
-            return Ok(());
-        }
-        Err(invalid(ConfigError::FrozenSharding {
-            mode: self.frozen_multimodal_sharding,
-            strategy: self.strategy,
-        }))
-    }
-
-    /// The combinations megatron_fsdp refuses, each named.
-    fn check_megatron_fsdp(&self) -> Result<(), ParallelError> {
-        let unsupported = |what: &'static str| {
-            Err(ParallelError::NotSupported(Unsupported::MegatronFsdpWith(
-                what,
-            )))
-        };
-        if self.tp_size > 1 || self.sequence_parallel {
-            return unsupported(
-                "tensor or sequence parallelism (tp_size > 1): shard over data-parallel ranks \
-                 only, or use fsdp2_tp",
-            );
-        }
-        if self.offload_policy.is_some_and(|o| o.offload_params) {
-            return unsupported("offload_policy (use fsdp2 to offload)");
-        }
-        if self.megatron_fsdp.bucket_size == Some(0) {
-            return Err(invalid(ConfigError::MegatronFsdp(
-                "bucket_size must be at least 1 element (leave it out for one collective per \
-                 unit)"
-                    .into(),
-            )));
-        }
-        let zero = self.megatron_fsdp.zero_dp_strategy;
-        if zero != ZeroDpStrategy::OptimGradsParams && self.reshard_after_forward == Some(true) {
-            return Err(invalid(ConfigError::MegatronFsdp(format!(
-                "zero_dp_strategy {} keeps the gathered weights through backward; \
-                 reshard_after_forward = true is optim_grads_params (3)",
-                zero.name()
-            ))));
-        }
-        if self.megatron_fsdp.grad_reduce_in_fp32
-            && self.mp_policy.reduce_dtype.is_some_and(|d| d != Dtype::F32)
-        {
-            return Err(invalid(ConfigError::MegatronFsdp(
-                "grad_reduce_in_fp32 = true contradicts mp_policy.reduce_dtype; set one of them"
-                    .into(),
-            )));
-        }
-        Ok(())
-    }
-
-    /// Whether units drop their gathered weights after forward: `reshard_after_forward`, except
-    /// under megatron_fsdp's ZeRO-1 and ZeRO-2, which keep them (`None`: each unit's default).
-    pub fn resharding(&self) -> Option<bool> {
-        match self.strategy {
-            Strategy::MegatronFsdp
-                if self.megatron_fsdp.zero_dp_strategy != ZeroDpStrategy::OptimGradsParams =>
-            {
-                Some(false)
-            }
-            _ => self.reshard_after_forward,
-        }
-    }
-
-    /// The mixed-precision policy FSDP applies: `mp_policy`, with f32 reduction under
-    /// megatron_fsdp's `grad_reduce_in_fp32`.
-    pub fn fsdp_policy(&self) -> MixedPrecisionPolicy {
-        let mut policy = self.mp_policy.policy();
-        if self.strategy == Strategy::MegatronFsdp && self.megatron_fsdp.grad_reduce_in_fp32 {
-            policy.reduce_dtype = Some(FloatDType::F32);
-        }
-        policy
-    }
-
-    /// What the strategy makes of the sizes: the mesh `dp_replicate x dp_shard x tp`.
-    fn strategy_sizes(&self, world: usize) -> Result<MeshSizes, ParallelError> {
-        let s = self.strategy;
-        let bad = |reason: String| {
-            Err(invalid(ConfigError::StrategySizes {
-                strategy: s,
-                reason,
-            }))
-        };
-        let (replicate, tp) = (self.dp_replicate_size, self.tp_size);
-        if matches!(s, Strategy::Single | Strategy::Ddp | Strategy::Tp) && replicate > 1 {
-            return bad(format!(
-                "dp_replicate_size {replicate} applies to hsdp, fsdp2 and megatron_fsdp only: leave \
-                 it at 1"
-            ));
-        }
-        let sizes = |dp_replicate, dp_shard, tp| MeshSizes {
-            dp_replicate,
-            dp_shard,
-            tp,
-            cp: 1,
-            pp: 1,
-            ep: 1,
-        };
-        match s {
-            Strategy::Single if world != 1 => bad(format!("runs on 1 rank, not {world}")),
-            Strategy::Single if tp > 1 => bad(format!("cannot use tp_size {tp} (use tp)")),
-            Strategy::Single => Ok(sizes(1, 1, 1)),
-            Strategy::Ddp if tp > 1 => bad(format!(
-                "cannot use tp_size {tp} (use fsdp2_tp or fsdp2 with tp_size)"
-            )),
-            // A casting policy runs DDP as FSDP2 replicated over every rank (see `Strategy`).
-            Strategy::Ddp if self.mp_policy.casts() => Ok(sizes(world, 1, 1)),
-            Strategy::Ddp => Ok(sizes(1, self.dp_size.unwrap_or(world), 1)),
-            Strategy::Tp => {
-                let t = if tp == 1 { world } else { tp };
-                if t != world {
-                    return bad(format!(
-                        "tp_size {t} must equal the world size {world} (use fsdp2_tp to combine \
-                         with data parallelism)"
-                    ));
-                }
-                Ok(sizes(1, 1, t))
-            }
-            Strategy::Fsdp2Tp if tp == 1 => bad("needs tp_size > 1".into()),
-            Strategy::Fsdp2 | Strategy::Fsdp2Tp | Strategy::Hsdp | Strategy::MegatronFsdp => {
-                // Pipeline stages are the outermost dimension: every other group lives within
-                // one stage.
-                let pp = self.pp_size;
-                let model_parallel = tp * self.cp_size * replicate * pp;
-                if pp > 1 && !world.is_multiple_of(model_parallel) {
-                    return Err(invalid(ConfigError::StagesNotDivisible {
-                        world,
-                        pp,
-                        dp_replicate: replicate,
-                        tp,
-                        cp: self.cp_size,
-                    }));
-                }
-                if !world.is_multiple_of(model_parallel) {
-                    return Err(invalid(ConfigError::NotDivisible {
-                        world,
-                        dp_replicate: replicate,
-                        tp,
-                        cp: self.cp_size,
-                    }));
-                }
-                if s == Strategy::Hsdp && replicate < 2 {
-                    return bad("needs dp_replicate_size >= 2 (with 1 it is fsdp2)".into());
-                }
-                let dp_shard = self.dp_size.unwrap_or(world / model_parallel);
-                Ok(MeshSizes {
-                    cp: self.cp_size,
-                    pp,
-                    ..sizes(replicate, dp_shard, tp)
-                })
-            }
-        }
-    }
-
     /// The TP plan the config names, if any: a plan the model provides by name (`llama`, or
     /// `llama-sp` for its sequence-parallel variant; `sequence_parallel` selects the variant
     /// too), or a map of module paths to style names (`colwise`, `rowwise`, `colwise_sp`, ...;
@@ -834,13 +454,14 @@ mod tests {
     #[test]
     fn grad_reduce_in_fp32_reduces_in_f32_whatever_the_param_dtype() {
         let plain = megatron(MegatronFsdpConfig::default());
-        assert_eq!(plain.fsdp_policy().reduce_dtype, None);
+        let policy = |c: &DistributedConfig| c.plan(2).unwrap().mixed_precision();
+        assert_eq!(policy(&plain).reduce_dtype, None);
         let fp32 = megatron(MegatronFsdpConfig {
             grad_reduce_in_fp32: true,
             ..MegatronFsdpConfig::default()
         });
-        assert_eq!(fp32.fsdp_policy().reduce_dtype, Some(FloatDType::F32));
-        assert_eq!(fp32.fsdp_policy().param_dtype, Some(FloatDType::BF16));
+        assert_eq!(policy(&fp32).reduce_dtype, Some(FloatDType::F32));
+        assert_eq!(policy(&fp32).param_dtype, Some(FloatDType::BF16));
         let mut contradicting = fp32.clone();
         contradicting.mp_policy.reduce_dtype = Some(Dtype::Bf16);
         let err = contradicting.validate(2).unwrap_err().to_string();
@@ -928,7 +549,7 @@ mod tests {
                 zero_dp_strategy: zero,
                 ..MegatronFsdpConfig::default()
             });
-            assert_eq!(config.resharding(), reshards, "{zero}");
+            assert_eq!(config.plan(2).unwrap().resharding(), reshards, "{zero}");
             assert_eq!(
                 zero.stage().to_string().parse::<ZeroDpStrategy>().unwrap(),
                 zero

@@ -8,7 +8,9 @@ use burn_parallel_fsdp::{
     FsdpConfig, GradientReduction, MemoryTracker, OffloadPolicy, ShardLayout,
 };
 
-use crate::config::{ConfigError, DistributedConfig, MeshSizes, Strategy, ZeroDpStrategy};
+use crate::config::{
+    ConfigError, DataParallel, DistributedConfig, MeshNames, MeshSizes, Plan, ZeroDpStrategy,
+};
 use crate::error::ParallelError;
 
 /// The name of the flattened data-parallel dimension (dp_replicate x dp_shard): the group over
@@ -47,8 +49,7 @@ pub const CP: &str = "cp";
 /// validated against the world before any communication.
 #[derive(Debug, Clone)]
 pub struct MeshContext {
-    config: DistributedConfig,
-    sizes: MeshSizes,
+    plan: Plan,
     mesh: DeviceMesh,
     device: Device,
     checkpointing: bool,
@@ -57,8 +58,6 @@ pub struct MeshContext {
     fsdp: FsdpConfig,
     /// The expert-parallel groups (`None` without expert parallelism).
     experts: Option<ExpertGroups>,
-    /// Whether FSDP shards the parameters (see [`MeshContext::shards_parameters`]).
-    shards: bool,
 }
 
 /// The groups of expert parallelism. dp_shard (flattened with cp under context parallelism,
@@ -124,11 +123,29 @@ impl MeshContext {
         config: DistributedConfig,
         device: Device,
     ) -> Result<Self, ParallelError> {
-        let sizes = config.validate(rank.world_size())?;
+        Self::from_plan(rank, config.plan(rank.world_size())?, device)
+    }
+
+    /// [`MeshContext::new`] from a plan already made ([`DistributedConfig::plan`]), which is
+    /// then not checked again: how a program that validated its config before starting the
+    /// ranks builds each rank's context. A plan made for another world size is an error.
+    pub fn from_plan(
+        rank: &RankContext,
+        plan: Plan,
+        device: Device,
+    ) -> Result<Self, ParallelError> {
+        let sizes = plan.sizes();
+        if sizes.world() != rank.world_size() {
+            return Err(ConfigError::WorldSize {
+                configured: sizes.world(),
+                launched: rank.world_size(),
+            }
+            .into());
+        }
         let checkpointing = device.gradient_checkpointing_strategy()
             == Some(GradientCheckpointingStrategy::Balanced);
-        check_device(&config, sizes, &device, checkpointing)?;
-        let names = &config.mesh_names;
+        check_device(&plan, &device, checkpointing)?;
+        let names = plan.mesh_names();
         let mesh = match sizes.cp {
             1 => {
                 // Pipeline stages outermost (NeMo's `pp x dp_replicate x dp_shard x cp x tp`).
@@ -154,65 +171,36 @@ impl MeshContext {
                 }
                 mesh
             }
-            _ => context_parallel_mesh(rank, &config, sizes)?,
+            _ => context_parallel_mesh(rank, names, sizes)?,
         };
-        let shard = mesh.group(&names.dp_shard)?.clone();
-        let mut fsdp = if sizes.dp_replicate > 1 {
-            FsdpConfig::hybrid(shard, mesh.group(&names.dp_replicate)?.clone())
-        } else {
-            FsdpConfig::new(shard)
-        }
-        .mixed_precision(config.fsdp_policy())
-        .forward_prefetch_depth(if prefetches(&config) {
-            config.fsdp2_forward_prefetch_depth
-        } else {
-            0
-        });
-        if config.strategy == Strategy::MegatronFsdp {
-            fsdp = fsdp
-                .layout(ShardLayout::FlatBuffer)
-                .bucket_elements(config.megatron_fsdp.bucket_size);
-            if config.megatron_fsdp.zero_dp_strategy == ZeroDpStrategy::Optim {
-                fsdp = fsdp.gradient_reduction(GradientReduction::AllReduce);
-            }
-        }
-        if config.offload_policy.is_some_and(|o| o.offload_params) {
-            fsdp = fsdp.offload(OffloadPolicy::new(offload_host(&device)));
-        }
+        let fsdp = fsdp_config(&plan, &mesh, &device)?;
         let experts = match sizes.ep > 1 {
             true => Some(ExpertGroups::new(rank, sizes)?),
             false => None,
         };
-        let offload = config.offload_policy.is_some_and(|o| o.offload_params);
-        let shards = sizes.dp_shard * sizes.cp * sizes.dp_replicate > 1
-            || config.mp_policy.casts()
-            || offload
-            || config.strategy == Strategy::MegatronFsdp;
         Ok(Self {
-            config,
-            sizes,
+            plan,
             mesh,
             device,
             checkpointing,
             fsdp,
             experts,
-            shards,
         })
+    }
+
+    /// The plan the context was built from: what the config means on this world.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
     }
 
     /// The validated config the context was built from.
     pub fn config(&self) -> &DistributedConfig {
-        &self.config
+        self.plan.config()
     }
 
     /// The mesh sizes the config resolved to.
     pub fn sizes(&self) -> MeshSizes {
-        self.sizes
-    }
-
-    /// The config's strategy.
-    pub fn strategy(&self) -> Strategy {
-        self.config.strategy
+        self.plan.sizes()
     }
 
     /// The device mesh, with the flattened `dp` and `world` dimensions.
@@ -264,7 +252,7 @@ impl MeshContext {
     /// config's `defer_fsdp_grad_sync` is false.
     pub fn set_requires_gradient_sync(&self, sync: bool) {
         self.fsdp
-            .set_requires_gradient_sync(sync || !self.config.defer_fsdp_grad_sync);
+            .set_requires_gradient_sync(sync || !self.plan.defers_grad_sync());
     }
 
     /// This rank's model-state counters (what FSDP gathers and reduces; see `fsdp::memory`).
@@ -275,7 +263,7 @@ impl MeshContext {
     /// Whether data parallelism runs as DDP (replicated parameters, bucketed gradient
     /// all-reduce) rather than through FSDP.
     pub fn uses_ddp(&self) -> bool {
-        uses_ddp(&self.config)
+        self.plan.uses_ddp()
     }
 
     /// Whether the dense flow's FSDP step shards the parameters at all: sharded or replicated
@@ -284,7 +272,7 @@ impl MeshContext {
     /// parallelism (or one rank) in f32 leaves the parameters as they are. DDP never reaches
     /// that step unless its policy casts.
     pub fn shards_parameters(&self) -> bool {
-        self.shards
+        self.plan.shards_parameters()
     }
 
     /// Whether [`device`](Self::device) is Burn's gradient-checkpointing variant (what FSDP
@@ -312,12 +300,12 @@ impl MeshContext {
     /// The group parameters are sharded over (FSDP2's shard dimension): the dp_shard ranks,
     /// flattened with the cp ranks under context parallelism (`dp_shard_cp`).
     pub fn dp_shard_group(&self) -> &ProcessGroup {
-        self.group(&self.config.mesh_names.dp_shard)
+        self.group(&self.plan.mesh_names().dp_shard)
     }
 
     /// The group of replicas (HSDP), size 1 otherwise.
     pub fn dp_replicate_group(&self) -> &ProcessGroup {
-        self.group(&self.config.mesh_names.dp_replicate)
+        self.group(&self.plan.mesh_names().dp_replicate)
     }
 
     /// Every data-parallel rank: replicas x shards. DDP all-reduces over it.
@@ -334,7 +322,7 @@ impl MeshContext {
     /// [`rank`](Self::rank)): the whole mesh. The [`world_group`](Self::world_group) when
     /// `pp_size` is 1. Sharded checkpoints exchange their plans and agree over it.
     pub fn all_stages_group(&self) -> &ProcessGroup {
-        match self.sizes.pp {
+        match self.sizes().pp {
             1 => self.world_group(),
             _ => self.group(ALL_STAGES),
         }
@@ -343,13 +331,13 @@ impl MeshContext {
     /// The pipeline group: one rank per stage, in stage order, all holding the same place
     /// within their stages (`None` when `pp_size` is 1). This rank's stage is its index.
     pub fn pp_group(&self) -> Option<&ProcessGroup> {
-        (self.sizes.pp > 1).then(|| self.group(PP))
+        (self.sizes().pp > 1).then(|| self.group(PP))
     }
 
     /// The second group of the [`pp_group`](Self::pp_group)'s ranks, for the gradients that
     /// travel back between stages (`None` when `pp_size` is 1).
     pub fn pp_backward_group(&self) -> Option<&ProcessGroup> {
-        (self.sizes.pp > 1).then(|| self.group(PP_BACKWARD))
+        (self.sizes().pp > 1).then(|| self.group(PP_BACKWARD))
     }
 
     /// The rows of a `global_batch`-row batch this rank trains on: data-parallel rank `d` of
@@ -368,20 +356,20 @@ impl MeshContext {
 
     /// The tensor-parallel group (size 1 without tensor parallelism).
     pub fn tp_group(&self) -> &ProcessGroup {
-        self.group(&self.config.mesh_names.tp)
+        self.group(&self.plan.mesh_names().tp)
     }
 
     /// The context-parallel group: the ranks of one data-parallel group that split each
     /// sequence (`None` when `cp_size` is 1).
     pub fn cp_group(&self) -> Option<&ProcessGroup> {
-        (self.sizes.cp > 1).then(|| self.group(CP))
+        (self.sizes().cp > 1).then(|| self.group(CP))
     }
 
     /// Every rank holding a different part of the global batch: `dp_replicate x dp_shard x
     /// cp` (the dp group when `cp` is 1). Losses and token counts are summed or averaged over
     /// it.
     pub fn dp_cp_group(&self) -> &ProcessGroup {
-        match self.sizes.cp {
+        match self.sizes().cp {
             1 => self.group(DP),
             _ => self.group(DP_CP),
         }
@@ -389,7 +377,7 @@ impl MeshContext {
 
     /// The number of ranks of [`dp_cp_group`](Self::dp_cp_group).
     pub fn dp_cp_size(&self) -> usize {
-        self.dp_size() * self.sizes.cp
+        self.dp_size() * self.sizes().cp
     }
 
     /// This rank's index among the data-parallel ranks (which rows of the batch it takes).
@@ -399,7 +387,7 @@ impl MeshContext {
 
     /// The number of data-parallel ranks: replicas x shards.
     pub fn dp_size(&self) -> usize {
-        self.sizes.dp_replicate * self.sizes.dp_shard
+        self.sizes().dp_replicate * self.sizes().dp_shard
     }
 }
 
@@ -433,22 +421,18 @@ impl LocalRows {
     }
 }
 
-/// What the device cannot do for the config: resharding or activation checkpointing asked for
+/// What the device cannot do for the plan: resharding or activation checkpointing asked for
 /// explicitly on a device without gradient checkpointing.
-fn check_device(
-    config: &DistributedConfig,
-    sizes: MeshSizes,
-    device: &Device,
-    checkpointing: bool,
-) -> Result<(), ParallelError> {
+fn check_device(plan: &Plan, device: &Device, checkpointing: bool) -> Result<(), ParallelError> {
     if checkpointing {
         return Ok(());
     }
-    let needs = if config.activation_checkpointing {
+    let sizes = plan.sizes();
+    let needs = if plan.activation_checkpointing() {
         Some("activation_checkpointing recomputes activations")
-    } else if config.resharding() == Some(true)
+    } else if plan.resharding() == Some(true)
         && sizes.dp_shard * sizes.cp > 1
-        && !uses_ddp(config)
+        && plan.shards_parameters()
     {
         Some("reshard_after_forward = true frees gathered weights after forward")
     } else {
@@ -464,16 +448,50 @@ fn check_device(
     }
 }
 
+/// The FSDP config every unit of a model parallelized with the plan clones: FSDP2 over
+/// dp_shard (HSDP with the replicas), in the plan's precision, prefetch and offload, with
+/// Megatron-FSDP's flat buffers under that layout.
+fn fsdp_config(
+    plan: &Plan,
+    mesh: &DeviceMesh,
+    device: &Device,
+) -> Result<FsdpConfig, ParallelError> {
+    let names = plan.mesh_names();
+    let shard = mesh.group(&names.dp_shard)?.clone();
+    let mut fsdp = if plan.sizes().dp_replicate > 1 {
+        FsdpConfig::hybrid(shard, mesh.group(&names.dp_replicate)?.clone())
+    } else {
+        FsdpConfig::new(shard)
+    }
+    .mixed_precision(plan.mixed_precision())
+    .forward_prefetch_depth(plan.forward_prefetch_depth());
+    if let DataParallel::Flat {
+        zero,
+        bucket_elements,
+    } = plan.data_parallel()
+    {
+        fsdp = fsdp
+            .layout(ShardLayout::FlatBuffer)
+            .bucket_elements(bucket_elements);
+        if zero == ZeroDpStrategy::Optim {
+            fsdp = fsdp.gradient_reduction(GradientReduction::AllReduce);
+        }
+    }
+    if plan.offloads() {
+        fsdp = fsdp.offload(OffloadPolicy::new(offload_host(device)));
+    }
+    Ok(fsdp)
+}
+
 /// The mesh of a context-parallel config, `dp_replicate x dp_shard x cp x tp` (tp innermost):
 /// the configured `dp_shard` name (`dp_shard_cp`) is the flattened `dp_shard x cp`, FSDP's
 /// shard group; `dp` is `dp_replicate x dp_shard` (the ranks reading different rows), `dp_cp`
 /// adds cp, `world` is every rank.
 fn context_parallel_mesh(
     rank: &RankContext,
-    config: &DistributedConfig,
+    names: &MeshNames,
     sizes: MeshSizes,
 ) -> Result<DeviceMesh, ParallelError> {
-    let names = &config.mesh_names;
     for name in [&names.dp_replicate, &names.dp_shard, &names.tp] {
         if name == DP_SHARD_ONLY || name == CP {
             return Err(ConfigError::ContextParallelMeshName(name.clone()).into());
@@ -491,21 +509,6 @@ fn context_parallel_mesh(
     mesh.flatten(&[&names.dp_replicate, DP_SHARD_ONLY, CP], DP_CP)?;
     mesh.flatten(&[&names.dp_replicate, DP_SHARD_ONLY, CP, &names.tp], WORLD)?;
     Ok(mesh)
-}
-
-/// Whether units gather ahead: `enable_fsdp2_prefetch`, or megatron_fsdp's
-/// `overlap_param_gather`.
-fn prefetches(config: &DistributedConfig) -> bool {
-    match config.strategy {
-        Strategy::MegatronFsdp => config.megatron_fsdp.overlap_param_gather,
-        _ => config.enable_fsdp2_prefetch,
-    }
-}
-
-/// DDP proper: the ddp strategy without a casting mixed-precision policy (with one, DDP runs as
-/// FSDP2 replicated over every rank).
-fn uses_ddp(config: &DistributedConfig) -> bool {
-    config.strategy == Strategy::Ddp && !config.mp_policy.casts()
 }
 
 /// Where offloaded shards live: a CPU device with autodiff (flex) for a GPU compute device, the

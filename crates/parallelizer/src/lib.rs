@@ -35,9 +35,9 @@ pub use burn_parallel_fsdp::RowSource;
 /// The pipeline schedules and layer splits, for callers without a burn-parallel-pp dependency.
 pub use burn_parallel_pp::{ScheduleKind, StageSplit};
 pub use config::{
-    ConfigError, DistributedConfig, Dtype, FrozenModuleSharding, MegatronFsdpConfig, MeshNames,
-    MeshSizes, MixedPrecisionConfig, OffloadConfig, Strategy, TpShardPlan, Unsupported,
-    ZeroDpStrategy, style_by_name,
+    ConfigError, DataParallel, DistributedConfig, Dtype, FrozenModuleSharding, MegatronFsdpConfig,
+    MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig, Plan, Strategy, TpShardPlan,
+    Unsupported, ZeroDpStrategy, style_by_name,
 };
 pub use context::{DP, ExpertGroups, LocalRows, MeshContext, PP, PP_BACKWARD, WORLD};
 pub use error::ParallelError;

@@ -14,9 +14,9 @@ use burn_parallel_describe::{
 use burn_parallel_ep::ExpertModule;
 use burn_parallel_fsdp::{FsdpConfig, fully_shard, param_ids, trainability};
 use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
-use burn_parallel_tp::{TpApplier, TpModule, TpPlan, local_heads};
+use burn_parallel_tp::{TpApplier, TpModule, local_heads};
 
-use crate::config::{ConfigError, FrozenModuleSharding, Strategy};
+use crate::config::{ConfigError, DataParallel, FrozenModuleSharding};
 use crate::context::MeshContext;
 use crate::ddp;
 use crate::error::ParallelError;
@@ -37,14 +37,14 @@ pub trait ModelParallelizer {
         if ctx.expert_groups().is_some() {
             return self.parallelize_moe(model, ctx);
         }
-        match ctx.strategy() {
-            Strategy::Ddp if ctx.uses_ddp() => {
+        match ctx.plan().data_parallel() {
+            DataParallel::Replicate { .. } => {
                 let model = move_to_context_device(self, model, ctx)?;
                 let model = self.reapply_trainability(model, ctx)?;
                 ddp::replicate(model, ctx)
             }
-            Strategy::MegatronFsdp => self.parallelize_megatron_fsdp(model, ctx),
-            _ => self.apply(model, ctx),
+            DataParallel::Flat { .. } => self.parallelize_megatron_fsdp(model, ctx),
+            DataParallel::Shard | DataParallel::None => self.apply(model, ctx),
         }
     }
 
@@ -143,7 +143,7 @@ pub trait ModelParallelizer {
         if description.heads.is_empty() {
             return Ok(());
         }
-        let plan = tp_plan(description, ctx)?;
+        let plan = ctx.plan().tp_plan(description)?;
         check_fused_colwise(&description.heads, &plan, &linear_weights(model))
             .map_err(|e| ConfigError::FusedProjection(e).into())
     }
@@ -156,13 +156,13 @@ pub trait ModelParallelizer {
         description: &ModelDescription,
         ctx: &MeshContext,
     ) -> Result<M, ParallelError> {
-        let plan = tp_plan(description, ctx)?;
+        let plan = ctx.plan().tp_plan(description)?;
         if plan.entries().is_empty() {
             return Err(ConfigError::NoTpPlan { tp: ctx.sizes().tp }.into());
         }
         let mut applier = TpApplier::new(&plan, ctx.tp_group());
-        if let Some(dtype) = ctx.config().mp_policy.reduce_dtype {
-            applier = applier.with_reduce_dtype(burn::tensor::FloatDType::from(dtype).into());
+        if let Some(dtype) = ctx.plan().mixed_precision().reduce_dtype {
+            applier = applier.with_reduce_dtype(dtype.into());
         }
         let model = model.apply_tp("", &mut applier)?;
         applier.finish().check_entries()?;
@@ -221,15 +221,6 @@ pub trait ModelParallelizer {
 /// The default sidecar runs every hook as defined above.
 impl ModelParallelizer for DefaultParallelizer {}
 
-/// The TP plan a model runs under: the config's `tp_shard_plan` when given, else the one the
-/// model declares.
-fn tp_plan(description: &ModelDescription, ctx: &MeshContext) -> Result<TpPlan, ParallelError> {
-    Ok(match ctx.config().tp_plan_override(description)? {
-        Some(plan) => plan,
-        None => description.tp_plan(ctx.config().sequence_parallel),
-    })
-}
-
 /// The `[d_in, d_out]` weight of every Linear-like layer of `model` by its module path: each
 /// 2-D parameter named `weight` (Burn's Linear stores `[d_in, d_out]`).
 fn linear_weights<M: Module>(model: &M) -> BTreeMap<String, [usize; 2]> {
@@ -260,7 +251,7 @@ fn move_to_context_device<S: ModelParallelizer, M: Module>(
     model: M,
     ctx: &MeshContext,
 ) -> Result<M, ParallelError> {
-    if ctx.config().activation_checkpointing {
+    if ctx.plan().activation_checkpointing() {
         sidecar.use_full_layer_activation_checkpointing(model, ctx)
     } else {
         Ok(model.map(&mut ToDevice(ctx.device())))
@@ -281,14 +272,14 @@ fn shard_units<S: ModelParallelizer, M: Parallelize>(
         return Ok(model);
     }
     let base = fsdp_config(ctx);
-    let explicit = ctx.config().resharding();
+    let explicit = ctx.plan().resharding();
     let last = description.units.last().cloned();
     let mut sharder = UnitSharder {
         sidecar,
         base: base.clone(),
         experts: ctx.expert_fsdp_config(),
         reshard: |path: &str| explicit.unwrap_or(Some(path) != last.as_deref()),
-        frozen: ctx.config().frozen_multimodal_sharding,
+        frozen: ctx.plan().frozen_sharding(),
     };
     let model = model.map_units("", &mut sharder)?;
     let model = sidecar.fully_shard_untied_input_output_embeddings(model, description, ctx)?;

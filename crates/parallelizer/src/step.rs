@@ -11,7 +11,7 @@ use burn_parallel_describe::{ModelDescription, Parallelize};
 use burn_parallel_fsdp::{clip_to_norm, grad_square_sums, scale_grads};
 use burn_parallel_tp::TpModule;
 
-use crate::config::Unsupported;
+use crate::config::{DataParallel, Unsupported};
 use crate::context::{LocalRows, MeshContext};
 use crate::ddp;
 use crate::error::ParallelError;
@@ -221,8 +221,10 @@ pub(crate) fn sync_stage_gradients<M: Parallelize>(
         scale_grads(model, grads, 1.0 / ctx.dp_cp_size() as f32);
     }
     let experts = expert_params(model, ctx);
-    if ctx.uses_ddp() {
-        let bucket = (ctx.config().ddp_bucket_cap_mb * 1024.0 * 1024.0) as usize;
+    if let DataParallel::Replicate {
+        bucket_bytes: bucket,
+    } = ctx.plan().data_parallel()
+    {
         match experts.is_empty() {
             true => ddp::all_reduce_gradients(model, grads, ctx.dp_group(), bucket)?,
             false => ddp::all_reduce_gradients_with_experts(model, grads, &experts, ctx, bucket)?,

@@ -240,13 +240,6 @@ impl TrainConfig {
             )),
         }
     }
-
-    /// Whether ranks compute on Burn's gradient-checkpointing device: FSDP frees gathered
-    /// weights after forward only there, so every run but one that turns resharding off
-    /// explicitly uses it.
-    pub(crate) fn checkpointing_device(&self) -> bool {
-        self.distributed.reshard_after_forward != Some(false)
-    }
 }
 
 #[cfg(all(test, not(feature = "wgpu")))]

@@ -155,8 +155,7 @@ pub(crate) fn one_of(what: &str, names: &[&str]) -> String {
 ///   forward), except under megatron_fsdp's ZeRO-1 and ZeRO-2, which keep them (unset);
 /// - `mp_policy.cast_forward_inputs` true (inputs follow `--param-dtype`).
 pub fn trainer_defaults(strategy: Strategy, zero: ZeroDpStrategy) -> DistributedConfig {
-    let keeps_gathered =
-        strategy == Strategy::MegatronFsdp && zero != ZeroDpStrategy::OptimGradsParams;
+    let keeps_gathered = strategy == Strategy::MegatronFsdp && zero.keeps_gathered_weights();
     DistributedConfig {
         strategy,
         world_size: Some(4),

@@ -4,14 +4,15 @@
 
 use burn_parallel_describe::plan_name;
 use burn_parallel_models::{LLAMA_PLAN, LlamaConfig};
-use burn_parallel_parallelizer::{MeshSizes, TpShardPlan};
+use burn_parallel_parallelizer::{Plan, TpShardPlan};
 use burn_parallel_tp::local_heads;
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 
-/// The mesh `cfg` runs on, or an error naming the setting or size it cannot use.
-pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, TrainError> {
+/// What `cfg`'s distributed config means on its ranks (the plan each rank's `MeshContext` is
+/// built from), or an error naming the setting or size it cannot use.
+pub fn mesh_plan(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Plan, TrainError> {
     let d = &cfg.distributed;
     let s = d.strategy;
     let bad = |m: String| Err(TrainError::Config(format!("--strategy {s}: {m}")));
@@ -38,9 +39,10 @@ pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, T
             ));
         }
     }
-    let sizes = d
-        .validate(world)
+    let plan = d
+        .plan(world)
         .map_err(|e| TrainError::Config(format!("--strategy {s}: {e}")))?;
+    let sizes = plan.sizes();
     if sizes.tp > 1 {
         local_heads(
             model.num_attention_heads,
@@ -73,5 +75,5 @@ pub fn mesh_sizes(cfg: &TrainConfig, model: &LlamaConfig) -> Result<MeshSizes, T
             sizes.dp()
         ));
     }
-    Ok(sizes)
+    Ok(plan)
 }

@@ -1,39 +1,32 @@
-//! The training loop: rank threads, each builds the same model, parallelizes it with
-//! `parallelize_model`, and trains on its rows of every global batch with `train_step`; rank 0
-//! reports each step.
+//! The trainer: checks the run before any rank starts, then on every rank builds the same
+//! model, parallelizes it with `parallelize_model` and trains it through the one loop
+//! ([`crate::run_loop`]) with [`WholeModel`] as its step, or the pipeline's stages under `--pp`;
+//! rank 0 reports each step.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::tensor::Gradients;
 use burn_parallel_checkpoint::LoadOptions;
-use burn_parallel_comm::{LaunchError, OpKind, run_ranks_with};
-use burn_parallel_fsdp::{RowRequest, gather_full};
+use burn_parallel_comm::{LaunchError, run_ranks_with};
+use burn_parallel_fsdp::{MemoryTracker, RowRequest, gather_full};
 use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama_ep, save_llama};
 use burn_parallel_models::data::TokenData;
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
-    MeshContext, MeshSizes, StepReport, parallelize_model, parallelize_model_from,
+    LocalRows, MeshContext, MeshSizes, Plan, parallelize_model, parallelize_model_from,
     train_step_accumulated,
 };
 
-use crate::batches::{eval_loss, evaluates_after, forward_step};
+use crate::batches::{eval_loss, forward_step};
 use crate::config::TrainConfig;
 use crate::data::{self, Dataset};
 use crate::error::TrainError;
 use crate::freeze;
-use crate::guard::{check_batch_memory, check_finite, check_positions};
-use crate::mesh::mesh_sizes;
-use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, open_resume, saves_after};
-use crate::schedule::LrSchedule;
-use crate::state::{model_state_bytes, optimizer_state_bytes};
-use crate::step_log::{
-    RankResult, StepCalls, StepLog, StepTimes, fsdp_memory, max_over_world, step_figures,
-};
-use crate::stop::stop_agreed;
-use crate::stragglers::Stragglers;
-use crate::usage::ProcessUsage;
-use burn_parallel_comm::memory::reset_peak_rss;
+use crate::guard::{check_batch_memory, check_positions};
+use crate::mesh::mesh_plan;
+use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, open_resume};
+use crate::run_loop::{RankRun, StepDone, StepInput, StepRunner, Update, train_loop};
+use crate::step_log::{RankResult, StepLog, fsdp_memory};
 
 /// A finished run.
 #[derive(Debug, Clone)]
@@ -148,7 +141,8 @@ pub fn train(
     // Before the data, the ranks and the model allocate anything sized by the sequence.
     check_positions(cfg, &model_cfg)?;
     crate::pipeline::check_flags(cfg, &model_cfg)?;
-    let mesh = mesh_sizes(cfg, &model_cfg)?;
+    let plan = mesh_plan(cfg, &model_cfg)?;
+    let mesh = plan.sizes();
     let data = token_data(cfg, &model_cfg)?;
     let eval = eval_data(cfg, &model_cfg)?;
     check_batch_memory(cfg, &model_cfg, &data, mesh)?;
@@ -165,6 +159,7 @@ pub fn train(
     let results = run_ranks_with(world, cfg.engine, cfg.threads_per_rank, |ctx| {
         run_rank(
             cfg,
+            &plan,
             &model_cfg,
             (&data, eval.as_ref()),
             resume.as_ref(),
@@ -251,6 +246,7 @@ fn build_model(
 
 fn run_rank(
     cfg: &TrainConfig,
+    plan: &Plan,
     model_cfg: &LlamaConfig,
     (data, eval): (&Dataset, Option<&Dataset>),
     resume: Option<&Resume>,
@@ -258,185 +254,130 @@ fn run_rank(
     on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
     let device = cfg.backend.device(gpu_of(ctx.rank()))?;
-    // FSDP frees gathered weights after forward only on Burn's checkpointing device.
-    let device = match cfg.checkpointing_device() {
+    // FSDP frees gathered weights after forward, and activations are recomputed, only on
+    // Burn's checkpointing device.
+    let device = match plan.resharding() != Some(false) || plan.activation_checkpointing() {
         true => device.gradient_checkpointing(),
         false => device,
     };
-    let mesh = MeshContext::new(&ctx, cfg.distributed.clone(), device)?;
+    let mesh = MeshContext::from_plan(&ctx, plan.clone(), device)?;
     // One job per save directory, held until this rank's run returns.
     let _save_dir = crate::outputs::hold_save_dir(cfg, &mesh)?;
-    if mesh.pp_group().is_some() {
-        return crate::pipeline::run_rank(
-            cfg,
-            model_cfg,
-            (data, eval),
-            resume,
-            &mesh,
-            &ctx,
-            on_step,
-        );
-    }
-    let (mut model, trainable_params) = build_model(cfg, model_cfg, &mesh)?;
-    let mut optimizer = RunOptimizer::new(cfg);
-    // Where the data stream stands, in samples: batches follow it rather than the step, so a
-    // resumed run continues the stream exactly (also with another --global-batch).
-    // The schedule continues from its saved position, so a run resumed mid-warmup goes on
-    // without a jump.
-    let (start, mut position, schedule_start) = match resume {
-        Some(r) => {
-            let options = LoadOptions::default();
-            let state = Some(optimizer.state_mut());
-            model = r.checkpoint.load(model, state, &mesh, &options)?.0;
-            (r.step, r.data_position, r.schedule_position)
-        }
-        None => (0, 0, 0),
+    let run = RankRun {
+        cfg,
+        data,
+        eval,
+        resume,
+        mesh: &mesh,
+        ctx: &ctx,
+        on_step,
     };
-    let schedule = LrSchedule::of(cfg);
-    let states = optimizer.states_per_param();
-    let my_state = model_state_bytes(&model, states);
-    let my_optimizer_state = optimizer_state_bytes(&model, states);
-    let [peak_state, peak_optimizer_state] = max_over_world(&ctx, [my_state, my_optimizer_state])?;
-    // Every rank has built its model by now (the max above waited for all): the peak RSS the
-    // steps report is training's, not the full model each rank builds before sharding it.
-    reset_peak_rss();
-    let memory = fsdp_memory(std::slice::from_ref(&model));
+    if mesh.pp_group().is_some() {
+        return crate::pipeline::run_rank(&run, model_cfg);
+    }
+    let model = build_model(cfg, model_cfg, &mesh)?;
+    let runner = WholeModel { cfg, model_cfg };
+    train_loop(&run, &runner, model)
+}
 
-    let rows = mesh.local_rows(cfg.global_batch);
-    let global_tokens = (cfg.global_batch * cfg.grad_accum * cfg.seq_len) as f32;
-    let stats_before = ctx.stats();
-    let mut reports = Vec::with_capacity(cfg.steps - start);
-    let mut saves = Saves::new();
-    let mut stopped_at = None;
-    let mut stragglers = Stragglers::default();
-    for step in start..cfg.steps {
-        let start_time = Instant::now();
-        let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
-        let nan_fault = cfg.fault.is_some_and(|f| f.at_step_start(ctx.rank(), step));
+/// The whole model on every rank (every layout but pipeline parallelism): each step runs
+/// every micro-batch's forward and backward, then [`train_step_accumulated`].
+struct WholeModel<'a> {
+    cfg: &'a TrainConfig,
+    model_cfg: &'a LlamaConfig,
+}
+
+impl StepRunner for WholeModel<'_> {
+    type Model = Llama;
+
+    fn samples_per_step(&self, cfg: &TrainConfig) -> usize {
+        cfg.global_batch * cfg.grad_accum
+    }
+
+    fn resume(
+        &self,
+        model: Llama,
+        resume: &Resume,
+        optimizer: &mut RunOptimizer,
+        mesh: &MeshContext,
+    ) -> Result<Llama, TrainError> {
+        let state = Some(optimizer.state_mut());
+        let options = LoadOptions::default();
+        Ok(resume.checkpoint.load(model, state, mesh, &options)?.0)
+    }
+
+    fn memory(&self, model: &Llama) -> Vec<MemoryTracker> {
+        fsdp_memory(std::slice::from_ref(model))
+    }
+
+    fn step(
+        &self,
+        model: Llama,
+        input: StepInput<'_>,
+        update: Update<'_, Llama>,
+        mesh: &MeshContext,
+    ) -> Result<(Llama, StepDone), TrainError> {
+        let cfg = self.cfg;
+        let start = Instant::now();
         // Every micro-batch's forward (the earlier ones' backward too), the loss normalised
         // over the step's global batch (`batches`).
-        let forward = forward_step(cfg, &model, data, position, &rows, &mesh)?;
-        let routing = forward.routing;
-        let forward_s = start_time.elapsed().as_secs_f64();
-        let lr = schedule.lr_at(schedule_start + (step - start));
-        optimizer.set_lr(lr);
-        let mut update_s = None;
-        let step_fn = |m: Llama, g: Gradients, report: &StepReport| {
-            let (m, seconds) = optimizer.step_unless_skipped(cfg, m, &g, report);
-            update_s = seconds;
-            m
+        let forward = forward_step(cfg, &model, input.data, input.position, input.rows, mesh)?;
+        let forward_s = start.elapsed().as_secs_f64();
+        let loss = match input.nan_fault {
+            true => forward.loss.mul_scalar(f32::NAN),
+            false => forward.loss,
         };
-        let (loss, acc) = (forward.loss, forward.accumulated);
-        let loss = match nan_fault {
-            true => loss.mul_scalar(f32::NAN),
-            false => loss,
-        };
-        let (next, done) =
-            train_step_accumulated(model, loss, acc, &rows, cfg.grad_clip, &mesh, step_fn)?;
-        model = next;
-        // Under `stop`, ends the run on every rank alike (the values all ranks agree on).
-        let (skipped, optimizer_s) = (update_s.is_none(), update_s.unwrap_or(0.0));
-        if !skipped {
-            check_finite(cfg, step, &done)?;
-        }
-        // A skipped step still counts and consumes its batch.
-        position += cfg.global_batch * cfg.grad_accum;
-        let eval_loss = match eval {
-            Some(eval) if evaluates_after(cfg, step + 1) => {
-                Some(eval_loss(cfg, &model, eval, &rows, &mesh)?)
-            }
-            _ => None,
-        };
-        let step_time_s = start_time.elapsed().as_secs_f64();
-        let usage = ProcessUsage::now();
-        let comm = ctx.stats().since(&comm_before);
-        let comm_s = |kind| comm.op(kind).time.as_secs_f64();
-        let times = StepTimes {
-            forward_s,
-            backward_s: step_time_s - forward_s - optimizer_s,
-            optimizer_s,
-            all_gather_s: comm_s(OpKind::AllGather),
-            reduce_scatter_s: comm_s(OpKind::ReduceScatter),
-            all_reduce_s: comm_s(OpKind::AllReduce),
-        };
-        let calls = StepCalls {
-            all_gather_calls: comm.op(OpKind::AllGather).calls,
-            reduce_scatter_calls: comm.op(OpKind::ReduceScatter).calls,
-            all_reduce_calls: comm.op(OpKind::AllReduce).calls,
-            all_to_all_calls: comm.op(OpKind::AllToAll).calls,
-        };
-        // After the step's counters: the bookkeeping exchange is not the step's traffic.
-        let figures = step_figures(
-            &ctx,
-            &memory,
-            &mut stragglers,
-            (step, step_time_s),
-            &comm,
-            usage.peak_rss_bytes,
+        let (model, report) = train_step_accumulated(
+            model,
+            loss,
+            forward.accumulated,
+            input.rows,
+            cfg.grad_clip,
+            mesh,
+            update,
         )?;
-        let report = StepLog {
-            step,
-            report: done,
-            lr,
-            skipped,
-            step_time_s,
-            tokens_per_s: global_tokens as f64 / step_time_s.max(1e-12),
-            peak_model_state_bytes_per_rank: peak_state,
-            trainable_params,
-            optimizer_state_bytes_per_rank: peak_optimizer_state,
-            times,
-            calls,
-            minor_faults: usage.minor_faults - usage_before.minor_faults,
-            peak_rss_bytes: usage.peak_rss_bytes,
-            peak_rss_bytes_per_rank: figures.rss_peak,
-            gathered_peak_bytes_per_rank: figures.gathered_peak,
-            rank_compute_s: figures.compute_s,
-            rank_wait_s: figures.wait_s,
-            eval_loss,
-            aux_loss: routing.as_ref().and_then(|r| r.aux_loss),
-            expert_tokens_min: routing.as_ref().map(|r| r.expert_tokens.0),
-            expert_tokens_max: routing.as_ref().map(|r| r.expert_tokens.1),
-            pp_wait_s: None,
-            pp_peak_microbatches: None,
+        let done = StepDone {
+            report,
+            forward_s: Some(forward_s),
+            routing: forward.routing,
+            schedule: None,
         };
-        if ctx.rank() == 0 {
-            on_step(&report);
-        }
-        reports.push(report);
-        // A stop request (preemption) ends every rank's run after this step, saved.
-        let stop = stop_agreed(cfg.stop.as_ref(), &ctx)?;
-        if let Some(save_dir) = &cfg.save_dir
-            && (saves_after(cfg, step + 1) || stop)
-        {
-            let at = SavePoint {
-                save_dir,
-                done: step + 1,
-                data_position: position,
-            };
-            saves.save_model(cfg, at, &model, &optimizer, &mesh)?;
-        }
-        if stop {
-            stopped_at = Some(step + 1);
-            break;
-        }
+        Ok((model, done))
     }
-    saves.commit(&mesh)?;
-    let checkpoints = saves.done;
-    let comm = ctx.stats().since(&stats_before).total();
-    let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
 
-    // With LoRA: the adapter saved, and the merged model for --save (a stopped run is not
-    // finished: its checkpoint resumes it).
-    if stopped_at.is_none() {
-        let model = crate::lora::finish_run(cfg, model, ctx.rank() == 0)?;
-        if let Some(dir) = &cfg.save {
-            save(model, model_cfg, dir, ctx.rank() == 0)?;
-            if ctx.rank() == 0 {
-                crate::model_dir::complete(cfg, dir)?;
+    fn eval(
+        &self,
+        model: &Llama,
+        eval: &Dataset,
+        rows: &LocalRows,
+        mesh: &MeshContext,
+    ) -> Result<f32, TrainError> {
+        eval_loss(self.cfg, model, eval, rows, mesh)
+    }
+
+    fn save_checkpoint(
+        &self,
+        saves: &mut Saves,
+        at: SavePoint<'_>,
+        model: &Llama,
+        optimizer: &RunOptimizer,
+        mesh: &MeshContext,
+    ) -> Result<(), TrainError> {
+        saves.save_model(self.cfg, at, model, optimizer, mesh)
+    }
+
+    /// With LoRA, the adapter saved and the base merged; then `--save`.
+    fn finish(&self, model: Llama, mesh: &MeshContext) -> Result<(), TrainError> {
+        let is_root = mesh.rank() == 0;
+        let model = crate::lora::finish_run(self.cfg, model, is_root)?;
+        if let Some(dir) = &self.cfg.save {
+            save(model, self.model_cfg, dir, is_root)?;
+            if is_root {
+                crate::model_dir::complete(self.cfg, dir)?;
             }
         }
+        Ok(())
     }
-    Ok((reports, my_state, comm_per_step, checkpoints, stopped_at))
 }
 
 /// Gathers the trained model (FSDP shards, then tp shards: collective) and writes it from

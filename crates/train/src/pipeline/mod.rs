@@ -10,31 +10,21 @@ mod batches;
 mod build;
 mod export;
 
-use std::time::Instant;
-
-use burn::tensor::Gradients;
 use burn_parallel_checkpoint::LoadOptions;
-use burn_parallel_comm::{OpKind, RankContext};
+use burn_parallel_fsdp::MemoryTracker;
 use burn_parallel_models::{LlamaConfig, LlamaStage};
 use burn_parallel_parallelizer::{
-    MeshContext, MeshSizes, ScheduleKind, StepReport, pipeline_train_step_reported,
+    LocalRows, MeshContext, MeshSizes, ScheduleKind, pipeline_train_step_reported,
 };
+use burn_parallel_peft::LoraConfig;
 
-use crate::batches::evaluates_after;
 use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::error::TrainError;
-use crate::guard::check_finite;
 use crate::options::PipelineOptions;
-use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, saves_after};
-use crate::schedule::LrSchedule;
-use crate::state::{model_state_bytes, optimizer_state_bytes};
-use crate::step_log::{
-    RankResult, StepCalls, StepLog, StepTimes, fsdp_memory, max_over_world, step_figures,
-};
-use crate::stop::stop_agreed;
-use crate::stragglers::Stragglers;
-use crate::usage::ProcessUsage;
+use crate::resume::{Resume, RunOptimizer, SavePoint, Saves};
+use crate::run_loop::{RankRun, StepDone, StepInput, StepRunner, Update, train_loop};
+use crate::step_log::{RankResult, fsdp_memory};
 use batches::{eval_loss, step_microbatches};
 use build::build_chunks;
 use export::{finish_lora, save};
@@ -165,168 +155,116 @@ fn bad(message: impl Into<String>) -> Result<(), TrainError> {
     Err(TrainError::Config(message.into()))
 }
 
-/// The pipeline run of one rank: [`crate::trainer`]'s loop with
-/// [`pipeline_train_step_reported`] as its step.
+/// The pipeline run of one rank: the one loop ([`crate::run_loop`]) over this rank's stages.
 pub(crate) fn run_rank(
-    cfg: &TrainConfig,
+    run: &RankRun<'_>,
     model_cfg: &LlamaConfig,
-    (data, eval): (&Dataset, Option<&Dataset>),
-    resume: Option<&Resume>,
-    mesh: &MeshContext,
-    ctx: &RankContext,
-    on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
-    let (mut chunks, trainable_params, lora) = build_chunks(cfg, model_cfg, mesh)?;
-    let mut optimizer = RunOptimizer::new(cfg);
-    // As the whole-model loop: the stages' parameters and optimizer state from the checkpoint
-    // (saved under any layout), the data stream and the schedule from its progress.
-    let (start, mut position, schedule_start) = match resume {
-        Some(r) => {
-            let options = LoadOptions::default();
-            let state = Some(optimizer.state_mut());
-            chunks = r.checkpoint.load_stages(chunks, state, mesh, &options)?.0;
-            (r.step, r.data_position, r.schedule_position)
-        }
-        None => (0, 0, 0),
+    let (cfg, mesh) = (run.cfg, run.mesh);
+    let (chunks, trainable_params, lora) = build_chunks(cfg, model_cfg, mesh)?;
+    let runner = Stages {
+        cfg,
+        model_cfg,
+        lora,
     };
-    let states = optimizer.states_per_param();
-    let my_state = model_state_bytes(&chunks, states);
-    let my_optimizer_state = optimizer_state_bytes(&chunks, states);
-    let [peak_state, peak_optimizer_state] = max_over_world(ctx, [my_state, my_optimizer_state])?;
-    burn_parallel_comm::memory::reset_peak_rss();
-    let memory = fsdp_memory(&chunks);
-    let schedule = LrSchedule::of(cfg);
-    let rows = mesh.local_rows(cfg.global_batch);
-    let global_tokens = (cfg.global_batch * cfg.seq_len) as f64;
-    let stats_before = ctx.stats();
-    let mut reports = Vec::with_capacity(cfg.steps - start);
-    let mut saves = Saves::new();
-    let mut stopped_at = None;
-    let mut stragglers = Stragglers::default();
-    for step in start..cfg.steps {
-        let start_time = Instant::now();
-        let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
-        // A `nan` fault is refused under --pp when the run is checked.
-        if let Some(fault) = &cfg.fault {
-            fault.at_step_start(ctx.rank(), step);
-        }
-        let (mbs, counts) = step_microbatches(cfg, data, position, &rows, mesh)?;
-        let lr = schedule.lr_at(schedule_start + (step - start));
-        optimizer.set_lr(lr);
-        let mut update_s = None;
-        let step_fn = |m: Vec<LlamaStage>, g: Gradients, report: &StepReport| {
-            let (m, seconds) = optimizer.step_unless_skipped(cfg, m, &g, report);
-            update_s = seconds;
-            m
-        };
-        let kind = cfg.pipeline.schedule();
-        let (next, done) = pipeline_train_step_reported(
+    train_loop(run, &runner, (chunks, trainable_params))
+}
+
+/// This rank's stages: each step splits the rows into microbatches and runs
+/// [`pipeline_train_step_reported`] on the configured schedule.
+struct Stages<'a> {
+    cfg: &'a TrainConfig,
+    model_cfg: &'a LlamaConfig,
+    /// The run's LoRA config (fresh or loaded), if any.
+    lora: Option<LoraConfig>,
+}
+
+impl StepRunner for Stages<'_> {
+    type Model = Vec<LlamaStage>;
+
+    fn samples_per_step(&self, cfg: &TrainConfig) -> usize {
+        cfg.global_batch
+    }
+
+    /// The stages' parameters and optimizer state from the checkpoint, saved under any layout.
+    fn resume(
+        &self,
+        chunks: Vec<LlamaStage>,
+        resume: &Resume,
+        optimizer: &mut RunOptimizer,
+        mesh: &MeshContext,
+    ) -> Result<Vec<LlamaStage>, TrainError> {
+        let state = Some(optimizer.state_mut());
+        let options = LoadOptions::default();
+        Ok(resume
+            .checkpoint
+            .load_stages(chunks, state, mesh, &options)?
+            .0)
+    }
+
+    fn memory(&self, chunks: &Vec<LlamaStage>) -> Vec<MemoryTracker> {
+        fsdp_memory(chunks)
+    }
+
+    /// A `nan` fault drill is refused under --pp before the run starts.
+    fn step(
+        &self,
+        chunks: Vec<LlamaStage>,
+        input: StepInput<'_>,
+        update: Update<'_, Vec<LlamaStage>>,
+        mesh: &MeshContext,
+    ) -> Result<(Vec<LlamaStage>, StepDone), TrainError> {
+        let cfg = self.cfg;
+        let (mbs, counts) = step_microbatches(cfg, input.data, input.position, input.rows, mesh)?;
+        let (chunks, done) = pipeline_train_step_reported(
             chunks,
             &mbs,
             &counts,
-            &rows,
-            kind,
+            input.rows,
+            cfg.pipeline.schedule(),
             cfg.grad_clip,
             mesh,
-            step_fn,
+            update,
         )?;
-        chunks = next;
-        let (skipped, optimizer_s) = (update_s.is_none(), update_s.unwrap_or(0.0));
-        if !skipped {
-            check_finite(cfg, step, &done.step)?;
-        }
-        position += cfg.global_batch;
-        let step_time_s = start_time.elapsed().as_secs_f64();
-        let eval_loss = match eval {
-            Some(eval) if evaluates_after(cfg, step + 1) => {
-                Some(eval_loss(cfg, &chunks, eval, &rows, mesh)?)
-            }
-            _ => None,
-        };
-        let usage = ProcessUsage::now();
-        let comm = ctx.stats().since(&comm_before);
-        let comm_s = |kind| comm.op(kind).time.as_secs_f64();
-        // After the step's counters: the bookkeeping exchange is not the step's traffic.
-        let figures = step_figures(
-            ctx,
-            &memory,
-            &mut stragglers,
-            (step, step_time_s),
-            &comm,
-            usage.peak_rss_bytes,
-        )?;
-        let report = StepLog {
-            step,
+        let schedule = &done.schedule;
+        let done = StepDone {
             report: done.step,
-            lr,
-            skipped,
-            step_time_s,
-            tokens_per_s: global_tokens / step_time_s.max(1e-12),
-            peak_model_state_bytes_per_rank: peak_state,
-            trainable_params,
-            optimizer_state_bytes_per_rank: peak_optimizer_state,
-            // The schedule interleaves forward and backward: its whole time is reported as
-            // backward.
-            times: StepTimes {
-                forward_s: 0.0,
-                backward_s: step_time_s - optimizer_s,
-                optimizer_s,
-                all_gather_s: comm_s(OpKind::AllGather),
-                reduce_scatter_s: comm_s(OpKind::ReduceScatter),
-                all_reduce_s: comm_s(OpKind::AllReduce),
-            },
-            calls: StepCalls {
-                all_gather_calls: comm.op(OpKind::AllGather).calls,
-                reduce_scatter_calls: comm.op(OpKind::ReduceScatter).calls,
-                all_reduce_calls: comm.op(OpKind::AllReduce).calls,
-                all_to_all_calls: comm.op(OpKind::AllToAll).calls,
-            },
-            minor_faults: usage.minor_faults - usage_before.minor_faults,
-            peak_rss_bytes: usage.peak_rss_bytes,
-            peak_rss_bytes_per_rank: figures.rss_peak,
-            gathered_peak_bytes_per_rank: figures.gathered_peak,
-            rank_compute_s: figures.compute_s,
-            rank_wait_s: figures.wait_s,
-            eval_loss,
-            aux_loss: None,
-            expert_tokens_min: None,
-            expert_tokens_max: None,
-            pp_wait_s: Some(done.schedule.waiting.as_secs_f64()),
-            pp_peak_microbatches: Some(done.schedule.peak_microbatches),
+            forward_s: None,
+            routing: None,
+            schedule: Some((schedule.waiting.as_secs_f64(), schedule.peak_microbatches)),
         };
-        if ctx.rank() == 0 {
-            on_step(&report);
-        }
-        reports.push(report);
-        // A stop request (preemption) ends every rank's run after this step, saved.
-        let stop = stop_agreed(cfg.stop.as_ref(), ctx)?;
-        if let Some(save_dir) = &cfg.save_dir
-            && (saves_after(cfg, step + 1) || stop)
-        {
-            let at = SavePoint {
-                save_dir,
-                done: step + 1,
-                data_position: position,
-            };
-            saves.save_stages(cfg, at, &chunks, &optimizer, mesh)?;
-        }
-        if stop {
-            stopped_at = Some(step + 1);
-            break;
-        }
+        Ok((chunks, done))
     }
-    saves.commit(mesh)?;
-    let checkpoints = saves.done;
-    let comm = ctx.stats().since(&stats_before).total();
-    let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
-    if stopped_at.is_none() {
-        let chunks = finish_lora(cfg, chunks, lora.as_ref(), mesh)?;
-        if let Some(dir) = &cfg.save {
-            save(&chunks, model_cfg, dir, mesh)?;
+
+    fn eval(
+        &self,
+        chunks: &Vec<LlamaStage>,
+        eval: &Dataset,
+        rows: &LocalRows,
+        mesh: &MeshContext,
+    ) -> Result<f32, TrainError> {
+        eval_loss(self.cfg, chunks, eval, rows, mesh)
+    }
+
+    fn save_checkpoint(
+        &self,
+        saves: &mut Saves,
+        at: SavePoint<'_>,
+        chunks: &Vec<LlamaStage>,
+        optimizer: &RunOptimizer,
+        mesh: &MeshContext,
+    ) -> Result<(), TrainError> {
+        saves.save_stages(self.cfg, at, chunks, optimizer, mesh)
+    }
+
+    fn finish(&self, chunks: Vec<LlamaStage>, mesh: &MeshContext) -> Result<(), TrainError> {
+        let chunks = finish_lora(self.cfg, chunks, self.lora.as_ref(), mesh)?;
+        if let Some(dir) = &self.cfg.save {
+            save(&chunks, self.model_cfg, dir, mesh)?;
             if mesh.rank() == 0 {
-                crate::model_dir::complete(cfg, dir)?;
+                crate::model_dir::complete(self.cfg, dir)?;
             }
         }
+        Ok(())
     }
-    Ok((reports, my_state, comm_per_step, checkpoints, stopped_at))
 }

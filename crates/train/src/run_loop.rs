@@ -1,0 +1,291 @@
+//! The one training loop: resume, every step with its report, evaluation, checkpoints, the
+//! stop request and the end of the run, over a [`StepRunner`] that holds the model: the whole
+//! of it ([`crate::trainer`]) or this rank's pipeline stages ([`crate::pipeline`]). What a step
+//! does differs between them; everything around it is written here once.
+
+use std::time::Instant;
+
+use crate::aux::RouterReport;
+use burn::module::Module;
+use burn::tensor::Gradients;
+use burn_parallel_comm::memory::reset_peak_rss;
+use burn_parallel_comm::{OpKind, RankContext};
+use burn_parallel_fsdp::MemoryTracker;
+use burn_parallel_parallelizer::{LocalRows, MeshContext, StepReport};
+
+use crate::batches::evaluates_after;
+use crate::config::TrainConfig;
+use crate::data::Dataset;
+use crate::error::TrainError;
+use crate::guard::check_finite;
+use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, saves_after};
+use crate::schedule::LrSchedule;
+use crate::state::{model_state_bytes, optimizer_state_bytes};
+use crate::step_log::{RankResult, StepCalls, StepLog, StepTimes, max_over_world, step_figures};
+use crate::stop::stop_agreed;
+use crate::stragglers::Stragglers;
+use crate::usage::ProcessUsage;
+
+/// The step's batch, as the loop hands it to the runner.
+pub(crate) struct StepInput<'a> {
+    /// The training data.
+    pub data: &'a Dataset,
+    /// Where the data stream stands, in samples.
+    pub position: usize,
+    /// This rank's rows of every global batch.
+    pub rows: &'a LocalRows,
+    /// Whether a `nan` fault drill poisons this step's loss on this rank.
+    pub nan_fault: bool,
+}
+
+/// What a runner's step produced.
+pub(crate) struct StepDone {
+    /// The global batch's loss and gradient norm.
+    pub report: StepReport,
+    /// Seconds of forward before backward began (`None`: a schedule interleaving them, whose
+    /// whole time is reported as backward).
+    pub forward_s: Option<f64>,
+    /// The MoE routing of the step's last micro-batch.
+    pub routing: Option<RouterReport>,
+    /// A pipeline schedule's wait for its neighbours (seconds) and the most microbatches it
+    /// held activations for.
+    pub schedule: Option<(f64, usize)>,
+}
+
+/// The optimizer update a runner's step calls once its gradients are synced.
+pub(crate) type Update<'a, M> = &'a mut dyn FnMut(M, Gradients, &StepReport) -> M;
+
+/// The model a rank trains, as the loop sees it.
+pub(crate) trait StepRunner {
+    /// The whole model, or this rank's stages.
+    type Model: Module;
+
+    /// Samples of the data stream one step consumes.
+    fn samples_per_step(&self, cfg: &TrainConfig) -> usize;
+
+    /// The model and optimizer state restored from `resume`'s checkpoint.
+    fn resume(
+        &self,
+        model: Self::Model,
+        resume: &Resume,
+        optimizer: &mut RunOptimizer,
+        mesh: &MeshContext,
+    ) -> Result<Self::Model, TrainError>;
+
+    /// The FSDP memory counters of the model's units.
+    fn memory(&self, model: &Self::Model) -> Vec<MemoryTracker>;
+
+    /// One step: forward, backward, gradient sync and `update`. Collective.
+    fn step(
+        &self,
+        model: Self::Model,
+        input: StepInput<'_>,
+        update: Update<'_, Self::Model>,
+        mesh: &MeshContext,
+    ) -> Result<(Self::Model, StepDone), TrainError>;
+
+    /// The eval set's mean loss. Collective.
+    fn eval(
+        &self,
+        model: &Self::Model,
+        eval: &Dataset,
+        rows: &LocalRows,
+        mesh: &MeshContext,
+    ) -> Result<f32, TrainError>;
+
+    /// Writes a resumable checkpoint (collective; `saves` writes it in the background under
+    /// `--async-save`).
+    fn save_checkpoint(
+        &self,
+        saves: &mut Saves,
+        at: SavePoint<'_>,
+        model: &Self::Model,
+        optimizer: &RunOptimizer,
+        mesh: &MeshContext,
+    ) -> Result<(), TrainError>;
+
+    /// The end of a finished run: LoRA's adapter and merge, and `--save`. Collective.
+    fn finish(&self, model: Self::Model, mesh: &MeshContext) -> Result<(), TrainError>;
+}
+
+/// What a rank's run works with, whatever its runner.
+pub(crate) struct RankRun<'a> {
+    /// The run's settings.
+    pub cfg: &'a TrainConfig,
+    /// The training data.
+    pub data: &'a Dataset,
+    /// The `--eval-data` set, if any.
+    pub eval: Option<&'a Dataset>,
+    /// The checkpoint to resume from, if any.
+    pub resume: Option<&'a Resume>,
+    /// This rank's mesh.
+    pub mesh: &'a MeshContext,
+    /// This rank's place in the launch (its collectives' statistics).
+    pub ctx: &'a RankContext,
+    /// Sees every step on rank 0.
+    pub on_step: &'a (dyn Fn(&StepLog) + Sync),
+}
+
+/// Trains `model` (`trainable_params` of it) as `run.cfg` says through `runner`: resumes,
+/// runs the steps, reports each to `on_step` on rank 0, evaluates, saves and stops as asked,
+/// and finishes the run.
+pub(crate) fn train_loop<R: StepRunner>(
+    run: &RankRun<'_>,
+    runner: &R,
+    (mut model, trainable_params): (R::Model, u64),
+) -> Result<RankResult, TrainError> {
+    let RankRun {
+        cfg,
+        data,
+        eval,
+        resume,
+        mesh,
+        ctx,
+        on_step,
+    } = *run;
+    let mut optimizer = RunOptimizer::new(cfg);
+    // Where the data stream stands, in samples: batches follow it rather than the step, so a
+    // resumed run continues the stream exactly (also with another --global-batch). The
+    // schedule continues from its saved position, so a run resumed mid-warmup goes on without
+    // a jump.
+    let (start, mut position, schedule_start) = match resume {
+        Some(r) => {
+            model = runner.resume(model, r, &mut optimizer, mesh)?;
+            (r.step, r.data_position, r.schedule_position)
+        }
+        None => (0, 0, 0),
+    };
+    let schedule = LrSchedule::of(cfg);
+    let states = optimizer.states_per_param();
+    let my_state = model_state_bytes(&model, states);
+    let my_optimizer_state = optimizer_state_bytes(&model, states);
+    let [peak_state, peak_optimizer_state] = max_over_world(ctx, [my_state, my_optimizer_state])?;
+    // Every rank has built its model by now (the max above waited for all): the peak RSS the
+    // steps report is training's, not the full model each rank builds before sharding it.
+    reset_peak_rss();
+    let memory = runner.memory(&model);
+    let rows = mesh.local_rows(cfg.global_batch);
+    let samples = runner.samples_per_step(cfg);
+    let global_tokens = (samples * cfg.seq_len) as f64;
+    let stats_before = ctx.stats();
+    let mut reports = Vec::with_capacity(cfg.steps - start);
+    let mut saves = Saves::new();
+    let mut stopped_at = None;
+    let mut stragglers = Stragglers::default();
+    for step in start..cfg.steps {
+        let start_time = Instant::now();
+        let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
+        let nan_fault = cfg.fault.is_some_and(|f| f.at_step_start(ctx.rank(), step));
+        let lr = schedule.lr_at(schedule_start + (step - start));
+        optimizer.set_lr(lr);
+        let mut update_s = None;
+        let mut update = |m: R::Model, g: Gradients, report: &StepReport| {
+            let (m, seconds) = optimizer.step_unless_skipped(cfg, m, &g, report);
+            update_s = seconds;
+            m
+        };
+        let input = StepInput {
+            data,
+            position,
+            rows: &rows,
+            nan_fault,
+        };
+        let (next, done) = runner.step(model, input, &mut update, mesh)?;
+        model = next;
+        let (skipped, optimizer_s) = (update_s.is_none(), update_s.unwrap_or(0.0));
+        if !skipped {
+            check_finite(cfg, step, &done.report)?;
+        }
+        // A skipped step still counts and consumes its batch.
+        position += samples;
+        let step_time_s = start_time.elapsed().as_secs_f64();
+        let eval_loss = match eval {
+            Some(eval) if evaluates_after(cfg, step + 1) => {
+                Some(runner.eval(&model, eval, &rows, mesh)?)
+            }
+            _ => None,
+        };
+        let usage = ProcessUsage::now();
+        let comm = ctx.stats().since(&comm_before);
+        let comm_s = |kind| comm.op(kind).time.as_secs_f64();
+        let forward_s = done.forward_s.unwrap_or(0.0);
+        let times = StepTimes {
+            forward_s,
+            backward_s: step_time_s - forward_s - optimizer_s,
+            optimizer_s,
+            all_gather_s: comm_s(OpKind::AllGather),
+            reduce_scatter_s: comm_s(OpKind::ReduceScatter),
+            all_reduce_s: comm_s(OpKind::AllReduce),
+        };
+        let calls = StepCalls {
+            all_gather_calls: comm.op(OpKind::AllGather).calls,
+            reduce_scatter_calls: comm.op(OpKind::ReduceScatter).calls,
+            all_reduce_calls: comm.op(OpKind::AllReduce).calls,
+            all_to_all_calls: comm.op(OpKind::AllToAll).calls,
+        };
+        // After the step's counters: the bookkeeping exchange is not the step's traffic.
+        let figures = step_figures(
+            ctx,
+            &memory,
+            &mut stragglers,
+            (step, step_time_s),
+            &comm,
+            usage.peak_rss_bytes,
+        )?;
+        let routing = done.routing.as_ref();
+        let report = StepLog {
+            step,
+            report: done.report,
+            lr,
+            skipped,
+            step_time_s,
+            tokens_per_s: global_tokens / step_time_s.max(1e-12),
+            peak_model_state_bytes_per_rank: peak_state,
+            trainable_params,
+            optimizer_state_bytes_per_rank: peak_optimizer_state,
+            times,
+            calls,
+            minor_faults: usage.minor_faults - usage_before.minor_faults,
+            peak_rss_bytes: usage.peak_rss_bytes,
+            peak_rss_bytes_per_rank: figures.rss_peak,
+            gathered_peak_bytes_per_rank: figures.gathered_peak,
+            rank_compute_s: figures.compute_s,
+            rank_wait_s: figures.wait_s,
+            eval_loss,
+            aux_loss: routing.and_then(|r| r.aux_loss),
+            expert_tokens_min: routing.map(|r| r.expert_tokens.0),
+            expert_tokens_max: routing.map(|r| r.expert_tokens.1),
+            pp_wait_s: done.schedule.map(|s| s.0),
+            pp_peak_microbatches: done.schedule.map(|s| s.1),
+        };
+        if ctx.rank() == 0 {
+            on_step(&report);
+        }
+        reports.push(report);
+        // A stop request (preemption) ends every rank's run after this step, saved.
+        let stop = stop_agreed(cfg.stop.as_ref(), ctx)?;
+        if let Some(save_dir) = &cfg.save_dir
+            && (saves_after(cfg, step + 1) || stop)
+        {
+            let at = SavePoint {
+                save_dir,
+                done: step + 1,
+                data_position: position,
+            };
+            runner.save_checkpoint(&mut saves, at, &model, &optimizer, mesh)?;
+        }
+        if stop {
+            stopped_at = Some(step + 1);
+            break;
+        }
+    }
+    saves.commit(mesh)?;
+    let checkpoints = saves.done;
+    let comm = ctx.stats().since(&stats_before).total();
+    let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
+    // A stopped run is not finished: its checkpoint resumes it.
+    if stopped_at.is_none() {
+        runner.finish(model, mesh)?;
+    }
+    Ok((reports, my_state, comm_per_step, checkpoints, stopped_at))
+}
