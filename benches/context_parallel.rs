@@ -27,7 +27,8 @@ use burn_parallel::models::attention::{AttentionMask, flash_attention};
 use burn_parallel::models::context_parallel::split_rows;
 use burn_parallel::models::{Llama, LlamaConfig, fused};
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, MixedPrecisionConfig, Strategy, parallelize_model, train_step,
+    DistributedConfig, MeshContext, MixedPrecisionConfig, OptimizerStep, Step, Strategy,
+    parallelize_model,
 };
 use burn_parallel::tp::loss_parallel;
 
@@ -184,7 +185,9 @@ fn llama_step(seq: usize, cp: usize) -> (Duration, usize) {
             let targets =
                 Tensor::<1, Int>::from_data(TensorData::new(targets.clone(), [local]), &device);
             let loss = loss_parallel(logits, targets, ctx.tp_group(), config.vocab_size)?;
-            model = train_step(model, loss, &rows, &mut optim, 1e-4, None, &ctx)?.0;
+            model = Step::new(&ctx, &rows)
+                .run(model, loss, OptimizerStep::new(&mut optim, 1e-4))?
+                .0;
             times.push(started.elapsed());
             world.barrier()?;
             if rank.rank() == 0 {

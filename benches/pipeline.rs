@@ -32,8 +32,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::comm::Launcher;
 use burn_parallel::models::{Llama, LlamaConfig, LlamaStage, TokenMicrobatch};
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, MixedPrecisionConfig, Strategy, parallelize_model,
-    pipeline_train_step, train_step,
+    DistributedConfig, MeshContext, MixedPrecisionConfig, OptimizerStep, Step, Strategy,
+    parallelize_model,
 };
 use burn_parallel::pp::{ScheduleKind, StageSplit, bubble_fraction};
 use burn_parallel::tp::loss_parallel;
@@ -293,22 +293,21 @@ fn measure(run: &Run, cfg: &LlamaConfig, args: Args) -> Measured {
                     let targets = TensorData::new(targets.clone(), [n * seq]);
                     let targets = Tensor::<1, Int>::from_data(targets, &device);
                     let loss_t = loss_parallel(logits, targets, ctx.tp_group(), cfg.vocab_size)?;
-                    let (model, report) =
-                        train_step(*model, loss_t, &rows, &mut optim, LR, Some(MAX_NORM), &ctx)?;
+                    let (model, report) = Step::new(&ctx, &rows).clip(MAX_NORM).run(
+                        *model,
+                        loss_t,
+                        OptimizerStep::new(&mut optim, LR),
+                    )?;
                     loss = report.loss;
                     Model::Whole(Box::new(model))
                 }
                 Model::Stages(chunks) => {
-                    let (chunks, report) = pipeline_train_step(
+                    let (chunks, report) = Step::new(&ctx, &rows).clip(MAX_NORM).run_pipeline(
                         chunks,
                         &micro,
                         &counts,
-                        &rows,
                         run.schedule,
-                        &mut optim,
-                        LR,
-                        Some(MAX_NORM),
-                        &ctx,
+                        OptimizerStep::new(&mut optim, LR),
                     )?;
                     loss = report.step.loss;
                     if step > 0 {

@@ -254,7 +254,11 @@ fn train(
                 ctx.tp_group(),
                 model.vocab,
             )?;
-            let (next, report) = train_step(gpt2, loss, &rows, &mut optim, LR, Some(1.0), &ctx)?;
+            let (next, report) = Step::new(&ctx, &rows).clip(1.0).run(
+                gpt2,
+                loss,
+                OptimizerStep::new(&mut optim, LR),
+            )?;
             gpt2 = next;
             losses.push(report.loss);
         }

@@ -10,7 +10,6 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::optim::AdamWConfig;
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_parallel::parallelizer::LocalRows;
 use burn_parallel::prelude::*;
 
 const VOCAB: usize = 64;
@@ -91,8 +90,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         for step in 0..20 {
             let (inputs, targets) = batch(step, &rows, &device);
             let loss = loss_parallel(model.forward(inputs), targets, ctx.tp_group(), VOCAB)?;
-            let (next, report) =
-                train_step(model, loss, &rows, &mut optimizer, 1e-2, Some(1.0), &ctx)?;
+            let update = OptimizerStep::new(&mut optimizer, 1e-2);
+            let (next, report) = Step::new(&ctx, &rows).clip(1.0).run(model, loss, update)?;
             model = next;
             if rank.rank() == 0 && step % 5 == 4 {
                 println!("step {step:2}: loss {:.4}", report.loss);

@@ -31,8 +31,8 @@ pub mod prelude {
     pub use burn_parallel_fsdp::{forward_units, with_module_unit};
     pub use burn_parallel_macros::parallelize;
     pub use burn_parallel_parallelizer::{
-        DistributedConfig, MeshContext, Parallelize, Strategy, full_model, parallelize_model,
-        train_step,
+        DistributedConfig, LocalRows, MeshContext, OptimizerStep, Parallelize, Step, Strategy,
+        full_model, parallelize_model,
     };
     pub use burn_parallel_tp::{Tp, forward_shared, loss_parallel};
 }

@@ -16,7 +16,7 @@ use burn_parallel::checkpoint::{
 use burn_parallel::comm::launch;
 use burn_parallel::models::Llama;
 use burn_parallel::models::data::TokenData;
-use burn_parallel::parallelizer::{MeshContext, parallelize_model, train_step};
+use burn_parallel::parallelizer::{MeshContext, OptimizerStep, Step, parallelize_model};
 use burn_parallel::tp::loss_parallel;
 use burn_parallel::train::{
     DistributedFlags, OptimizerKind, StepLog, Strategy, TrainConfig, TrainSummary, train,
@@ -587,8 +587,9 @@ fn user_loop(
             let local_vocab = logits.dims()[2];
             let logits = logits.reshape([b * t, local_vocab]);
             let loss = loss_parallel(logits, targets, mesh.tp_group(), vocab).unwrap();
-            let (next, report) =
-                train_step(model, loss, &rows, &mut optim, 1e-2, None, mesh).unwrap();
+            let (next, report) = Step::new(mesh, &rows)
+                .run(model, loss, OptimizerStep::new(&mut optim, 1e-2))
+                .unwrap();
             model = next;
             losses.push(report.loss);
         }

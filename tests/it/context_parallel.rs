@@ -12,8 +12,8 @@ use burn_parallel::comm::launch;
 use burn_parallel::models::Llama;
 use burn_parallel::models::context_parallel::split_rows;
 use burn_parallel::parallelizer::{
-    ConfigError, DistributedConfig, MeshContext, MixedPrecisionConfig, ParallelError, Strategy,
-    full_model, parallelize_model, train_step,
+    ConfigError, DistributedConfig, MeshContext, MixedPrecisionConfig, OptimizerStep,
+    ParallelError, Step, Strategy, full_model, parallelize_model,
 };
 use burn_parallel::tp::loss_parallel;
 use burn_parallel::train::{
@@ -121,7 +121,8 @@ fn train_llama(world: usize, cfg: DistributedConfig, packed: bool, shape: Shape)
             let local_vocab = logits.dims()[2];
             let logits = logits.reshape([n * seq, local_vocab]);
             let loss = loss_parallel(logits, targets, ctx.tp_group(), vocab)?;
-            let (next, report) = train_step(model, loss, &rows, &mut optim, LR, None, &ctx)?;
+            let (next, report) =
+                Step::new(&ctx, &rows).run(model, loss, OptimizerStep::new(&mut optim, LR))?;
             model = next;
             losses.push(report.loss);
             norms.push(report.grad_norm);

@@ -16,8 +16,8 @@ use burn_parallel::comm::{OpKind, launch};
 use burn_parallel::fsdp::{PathVisitor, param_states, visit_with_paths};
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
-    DistributedConfig, FrozenModuleSharding, MeshContext, ModelParallelizer, ParallelError,
-    Strategy, full_model, parallelize_model, train_step, train_step_with,
+    DistributedConfig, FrozenModuleSharding, MeshContext, ModelParallelizer, OptimizerStep,
+    ParallelError, Step, StepReport, Strategy, full_model, parallelize_model,
 };
 use burn_parallel::tp::loss_parallel;
 use burn_parallel::train::{AdamW, Optimizer};
@@ -148,7 +148,8 @@ fn train(world: usize, cfg: DistributedConfig, frozen: &'static [&'static str]) 
         for step in 0..STEPS {
             let (ids, targets) = batch(&d, step, rows.rows.clone());
             let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
-            let (next, report) = train_step(model, local, &rows, &mut optim, LR, None, &ctx)?;
+            let (next, report) =
+                Step::new(&ctx, &rows).run(model, local, OptimizerStep::new(&mut optim, LR))?;
             model = next;
             losses.push(report.loss);
         }
@@ -281,7 +282,8 @@ fn counted(world: usize, cfg: DistributedConfig, freeze: bool) -> Vec<CountedRun
             let (ids, targets) = batch(&d, step, rows.rows.clone());
             let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
             let (next, report) =
-                train_step_with(model, local, &rows, None, &ctx, |m, g| optim.step(m, &g))?;
+                Step::new(&ctx, &rows)
+                    .run(model, local, |m, g, _: &StepReport| optim.step(m, &g))?;
             model = next;
             losses.push(report.loss);
         }
@@ -427,7 +429,7 @@ fn ddp_all_reduces_no_frozen_gradient() {
             let before = ctx.dp_group().stats();
             let (ids, targets) = batch(&d, 0, rows.rows.clone());
             let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
-            train_step(model, local, &rows, &mut optim, LR, None, &ctx)?;
+            Step::new(&ctx, &rows).run(model, local, OptimizerStep::new(&mut optim, LR))?;
             let sent = ctx.dp_group().stats().since(&before);
             Ok::<_, Failure>(sent.op(OpKind::AllReduce).bytes_sent)
         })
@@ -493,7 +495,8 @@ fn reapply_trainability_freezes_after_tensor_parallelism() {
             let (ids, targets) = batch(&d, step, rows.rows.clone());
             let logits = model.inner.forward(ids);
             let local = loss_parallel(logits, targets, ctx.tp_group(), VOCAB)?;
-            let (next, report) = train_step(model, local, &rows, &mut optim, LR, None, &ctx)?;
+            let (next, report) =
+                Step::new(&ctx, &rows).run(model, local, OptimizerStep::new(&mut optim, LR))?;
             model = next;
             losses.push(report.loss);
         }

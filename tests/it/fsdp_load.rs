@@ -11,8 +11,8 @@ use burn::tensor::{Device, Shape, Tensor, TensorData};
 use burn_parallel::comm::chunk::chunk_range;
 use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{
-    FsdpConfig, FsdpError, PathVisitor, RowRequest, ShardLayout, StateDictRanks, full_state_dict,
-    fully_shard, fully_shard_from, param_states, visit_with_paths,
+    FsdpConfig, FsdpError, PathVisitor, RowRequest, ShardLayout, StateDictRanks, fully_shard,
+    fully_shard_from, gather_state_dict, param_states, visit_with_paths,
 };
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
@@ -125,8 +125,8 @@ fn a_sharded_load_reads_only_this_ranks_rows_and_round_trips() {
             let reference = fully_shard(full_stack(&state, &device), &config)?;
             let same = shards(&model) == shards(&reference);
             let trainable = model.layers[0].weight.base().is_require_grad();
-            let all = full_state_dict(&model, StateDictRanks::All)?;
-            let first = full_state_dict(&model, StateDictRanks::First)?;
+            let all = gather_state_dict(&model, StateDictRanks::All)?;
+            let first = gather_state_dict(&model, StateDictRanks::First)?;
             Ok::<_, Box<dyn std::error::Error>>((requests, same, trainable, all, first))
         })
         .unwrap();
@@ -245,7 +245,7 @@ fn a_sidecars_fully_shard_module_serves_the_sharded_load_too() {
         let flat = param_states(&model)
             .iter()
             .all(|s| s.unit().flat_buffer().is_some());
-        let all = full_state_dict(&model, StateDictRanks::All)?;
+        let all = gather_state_dict(&model, StateDictRanks::All)?;
         Ok::<_, Box<dyn std::error::Error>>((flat, all))
     })
     .unwrap();

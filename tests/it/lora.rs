@@ -14,7 +14,7 @@ use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{PathVisitor, forward_units, visit_with_paths, with_module_unit};
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, Strategy, full_model, parallelize_model, train_step,
+    DistributedConfig, MeshContext, OptimizerStep, Step, Strategy, full_model, parallelize_model,
 };
 use burn_parallel::peft::{
     Lora, LoraConfig, LoraError, LoraFn, LoraModule, adapted_paths, apply_lora, merge_lora,
@@ -319,7 +319,8 @@ fn train(world: usize, cfg: DistributedConfig) -> Vec<(Vec<f32>, Named)> {
         for step in 0..STEPS {
             let (ids, targets) = batch(&d, step, rows.rows.clone());
             let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
-            let (next, report) = train_step(model, local, &rows, &mut optim, LR, None, &ctx)?;
+            let (next, report) =
+                Step::new(&ctx, &rows).run(model, local, OptimizerStep::new(&mut optim, LR))?;
             model = next;
             losses.push(report.loss);
         }

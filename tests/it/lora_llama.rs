@@ -18,7 +18,7 @@ use burn_parallel::comm::launch;
 use burn_parallel::models::Llama;
 use burn_parallel::models::checkpoint::{SaveDtype, hf_tensors, lazy_llama, save_llama};
 use burn_parallel::parallelizer::{
-    MeshContext, Strategy, full_model, parallelize_model, train_step,
+    MeshContext, OptimizerStep, Step, Strategy, full_model, parallelize_model,
 };
 use burn_parallel::peft::{
     Lora, LoraConfig, LoraModule, adapted_paths, apply_lora, load_adapter, merge_lora, save_adapter,
@@ -248,7 +248,8 @@ fn train_adapted(strategy: Strategy, world: usize, tp: Option<usize>) -> Vec<(Ve
             let [b, s, v] = logits.dims();
             let vocab = small_model().vocab_size;
             let local = loss_parallel(logits.reshape([b * s, v]), targets, ctx.tp_group(), vocab)?;
-            let (next, report) = train_step(model, local, &rows, &mut optim, 0.5, None, &ctx)?;
+            let (next, report) =
+                Step::new(&ctx, &rows).run(model, local, OptimizerStep::new(&mut optim, 0.5))?;
             model = next;
             losses.push(report.loss);
         }

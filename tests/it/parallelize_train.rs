@@ -15,8 +15,8 @@ use burn_parallel::fsdp::{forward_units, gather_full, with_module_unit};
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
     DistributedConfig, LocalRows, MegatronFsdpConfig, MeshContext, MixedPrecisionConfig,
-    ModelDescription, ModelParallelizer, ParallelError, ParallelizableModel, Parallelize, Strategy,
-    ZeroDpStrategy, fsdp_config, full_model, parallelize_model, train_step,
+    ModelDescription, ModelParallelizer, OptimizerStep, ParallelError, ParallelizableModel,
+    Parallelize, Step, Strategy, ZeroDpStrategy, fsdp_config, full_model, parallelize_model,
 };
 use burn_parallel::tp::{Tp, loss_parallel};
 
@@ -286,7 +286,11 @@ fn run(
             let (ids, targets) = batch(&d, step, rows.rows.clone());
             let logits = model.forward(ids);
             let local = loss_parallel(logits, targets, ctx.tp_group(), VOCAB)?;
-            let (next, report) = train_step(model, local, &rows, &mut optim, LR, clip, &ctx)?;
+            let (next, report) = Step::new(&ctx, &rows).max_grad_norm(clip).run(
+                model,
+                local,
+                OptimizerStep::new(&mut optim, LR),
+            )?;
             model = next;
             losses.push(report.loss);
             norms.push(report.grad_norm);
@@ -457,7 +461,8 @@ fn gathers_and_losses<M: ParallelizableModel>(
         for step in 0..2 {
             let (ids, targets) = batch(&d, step, rows.rows.clone());
             let local = loss_parallel(forward(&model, ids), targets, ctx.tp_group(), VOCAB)?;
-            let (next, report) = train_step(model, local, &rows, &mut optim, LR, None, &ctx)?;
+            let (next, report) =
+                Step::new(&ctx, &rows).run(model, local, OptimizerStep::new(&mut optim, LR))?;
             model = next;
             losses.push(report.loss);
         }
@@ -539,8 +544,11 @@ fn deferred_gradient_sync_accumulates_like_one_big_batch() {
                 ctx.set_requires_gradient_sync(true);
                 let (ids, targets) = batch(&d, step, micro[1].rows.clone());
                 let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
-                let (next, report) =
-                    train_step(model, local, &micro[1], &mut optim, LR, None, &ctx)?;
+                let (next, report) = Step::new(&ctx, &micro[1]).run(
+                    model,
+                    local,
+                    OptimizerStep::new(&mut optim, LR),
+                )?;
                 model = next;
                 norms.push(report.grad_norm);
             }

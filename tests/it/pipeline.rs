@@ -14,8 +14,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel::comm::{Launcher, launch};
 use burn_parallel::models::{Llama, LlamaConfig, LlamaStage, TokenMicrobatch};
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, MixedPrecisionConfig, ParallelError, Strategy, Unsupported,
-    full_model, parallelize_model, pipeline_train_step, train_step,
+    DistributedConfig, MeshContext, MixedPrecisionConfig, OptimizerStep, ParallelError, Step,
+    Strategy, Unsupported, full_model, parallelize_model,
 };
 use burn_parallel::pp::{ScheduleKind, StageSplit};
 use burn_parallel::tp::loss_parallel;
@@ -102,7 +102,11 @@ fn single_of(cfg: &LlamaConfig) -> Run {
             let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [n * SEQ]), &device);
             let logits = model.try_forward(ids)?.reshape([n * SEQ, cfg.vocab_size]);
             let loss = loss_parallel(logits, targets, ctx.tp_group(), cfg.vocab_size)?;
-            let step = train_step(model, loss, &rows, &mut optim, LR, Some(MAX_NORM), &ctx);
+            let step = Step::new(&ctx, &rows).clip(MAX_NORM).run(
+                model,
+                loss,
+                OptimizerStep::new(&mut optim, LR),
+            );
             let (next, report) = step?;
             model = next;
             losses.push(report.loss);
@@ -190,16 +194,12 @@ fn pipelined(layout: &Layout) -> Result<Vec<RankRun>, burn_parallel::comm::Launc
             let (ids, targets) = tokens(step, rows.rows.clone(), cfg.vocab_size);
             let (microbatches, counts) =
                 TokenMicrobatch::split(&ids, &targets, rows.len(), SEQ, layout.microbatches)?;
-            let (next, report) = pipeline_train_step(
+            let (next, report) = Step::new(&ctx, &rows).clip(MAX_NORM).run_pipeline(
                 stage,
                 &microbatches,
                 &counts,
-                &rows,
                 layout.schedule,
-                &mut optim,
-                LR,
-                Some(MAX_NORM),
-                &ctx,
+                OptimizerStep::new(&mut optim, LR),
             )?;
             stage = next;
             losses.push(report.step.loss);
@@ -407,16 +407,12 @@ fn a_shape_disagreement_is_named_on_both_ranks() {
         let (ids, targets) = tokens(0, rows.rows.clone(), cfg.vocab_size);
         let (microbatches, counts) = TokenMicrobatch::split(&ids, &targets, 4, SEQ, 2)?;
         let mut optim = AdamWConfig::new().init();
-        let step = pipeline_train_step(
+        let step = Step::new(&ctx, &rows).run_pipeline(
             stage,
             &microbatches,
             &counts,
-            &rows,
             ScheduleKind::OneFOneB,
-            &mut optim,
-            LR,
-            None,
-            &ctx,
+            OptimizerStep::new(&mut optim, LR),
         );
         match step {
             Err(e) => Ok::<_, BoxError>(e.to_string()),
@@ -455,16 +451,12 @@ fn a_failing_stage_ends_the_others_fast() {
             let (ids, targets) = tokens(0, rows.rows.clone(), cfg.vocab_size);
             let (microbatches, counts) = TokenMicrobatch::split(&ids, &targets, 4, SEQ, 2)?;
             let mut optim = AdamWConfig::new().init();
-            pipeline_train_step(
+            Step::new(&ctx, &rows).run_pipeline(
                 stage,
                 &microbatches,
                 &counts,
-                &rows,
                 ScheduleKind::GPipe,
-                &mut optim,
-                LR,
-                None,
-                &ctx,
+                OptimizerStep::new(&mut optim, LR),
             )?;
             Ok::<_, BoxError>(())
         })
@@ -573,14 +565,14 @@ fn a_whole_model_step_under_pp_is_refused() {
         let logits = llama.forward(ids).reshape([BATCH * SEQ, cfg.vocab_size]);
         let loss = loss_parallel(logits, targets, ctx.tp_group(), cfg.vocab_size)?;
         let mut optim = AdamWConfig::new().init();
-        match train_step(llama, loss, &rows, &mut optim, LR, None, &ctx) {
+        match Step::new(&ctx, &rows).run(llama, loss, OptimizerStep::new(&mut optim, LR)) {
             Err(e) => Ok::<_, BoxError>(e.to_string()),
             Ok(_) => Err("stepped".into()),
         }
     })
     .unwrap();
     for message in messages {
-        assert!(message.contains("pipeline_train_step"), "{message}");
+        assert!(message.contains("Step::run_pipeline"), "{message}");
     }
 }
 

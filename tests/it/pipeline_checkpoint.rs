@@ -18,8 +18,8 @@ use burn_parallel::checkpoint::{
 use burn_parallel::comm::launch;
 use burn_parallel::models::{Llama, LlamaConfig, LlamaStage, TokenMicrobatch};
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, MixedPrecisionConfig, Strategy, full_model, parallelize_model,
-    pipeline_train_step, train_step,
+    DistributedConfig, MeshContext, MixedPrecisionConfig, OptimizerStep, Step, Strategy,
+    full_model, parallelize_model,
 };
 use burn_parallel::pp::{ScheduleKind, StageSplit};
 use burn_parallel::tp::loss_parallel;
@@ -154,8 +154,11 @@ fn train(
                     Tensor::<1, Int>::from_data(TensorData::new(targets, [n * SEQ]), &device);
                 let logits = model.try_forward(ids)?.reshape([n * SEQ, cfg.vocab_size]);
                 let loss = loss_parallel(logits, targets, ctx.tp_group(), cfg.vocab_size)?;
-                let (next, report) =
-                    train_step(model, loss, &rows, &mut optim, LR, Some(MAX_NORM), &ctx)?;
+                let (next, report) = Step::new(&ctx, &rows).clip(MAX_NORM).run(
+                    model,
+                    loss,
+                    OptimizerStep::new(&mut optim, LR),
+                )?;
                 model = next;
                 losses.push(report.loss);
             }
@@ -191,16 +194,12 @@ fn train(
             let (ids, targets) = tokens(step, rows.rows.clone(), cfg.vocab_size);
             let (mbs, mb_rows) =
                 TokenMicrobatch::split(&ids, &targets, rows.len(), SEQ, *microbatches)?;
-            let (next, report) = pipeline_train_step(
+            let (next, report) = Step::new(&ctx, &rows).clip(MAX_NORM).run_pipeline(
                 stages,
                 &mbs,
                 &mb_rows,
-                &rows,
                 *schedule,
-                &mut optim,
-                LR,
-                Some(MAX_NORM),
-                &ctx,
+                OptimizerStep::new(&mut optim, LR),
             )?;
             stages = next;
             losses.push(report.step.loss);

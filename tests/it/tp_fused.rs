@@ -19,8 +19,8 @@ use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{forward_units, with_module_unit};
 use burn_parallel::parallelize;
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, Strategy, TpShardPlan, full_model, parallelize_model,
-    train_step,
+    DistributedConfig, MeshContext, OptimizerStep, Step, Strategy, TpShardPlan, full_model,
+    parallelize_model,
 };
 use burn_parallel::tp::{Tp, loss_parallel};
 
@@ -260,7 +260,8 @@ fn train(
         for step in steps.clone() {
             let (ids, targets) = batch(&d, step, rows.rows.clone());
             let local = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
-            let (next, report) = train_step(model, local, &rows, &mut optim, LR, None, &ctx)?;
+            let (next, report) =
+                Step::new(&ctx, &rows).run(model, local, OptimizerStep::new(&mut optim, LR))?;
             model = next;
             losses.push(report.loss);
             norms.push(report.grad_norm);

@@ -10,8 +10,8 @@ use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{FsdpConfig, forward_units, fully_shard};
 use burn_parallel::models::checkpoint::{SaveDtype, save_safetensors};
 use burn_parallel::parallelizer::{
-    DistributedConfig, MeshContext, ParallelError, Strategy, full_model, full_state_dict,
-    parallelize_model, train_step,
+    DistributedConfig, MeshContext, OptimizerStep, ParallelError, Step, Strategy, full_model,
+    full_state_dict, parallelize_model,
 };
 use burn_parallel::tp::{ParallelStyle, Tp, TpError, loss_parallel, try_forward_shared};
 
@@ -56,7 +56,11 @@ fn a_model_and_inputs_on_the_users_device_train_under_every_strategy() {
                 // The same batch twice: the second step's loss is lower.
                 let (ids, targets) = batch(&device, 0, rows.rows.clone());
                 let loss = loss_parallel(model.forward(ids), targets, ctx.tp_group(), VOCAB)?;
-                let (next, report) = train_step(model, loss, &rows, &mut optim, 0.05, None, &ctx)?;
+                let (next, report) = Step::new(&ctx, &rows).run(
+                    model,
+                    loss,
+                    OptimizerStep::new(&mut optim, 0.05),
+                )?;
                 model = next;
                 losses.push(report.loss);
             }

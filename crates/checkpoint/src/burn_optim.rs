@@ -41,7 +41,7 @@ struct Stored {
 ///
 /// Costs one host copy of this rank's optimizer state while it lives (Burn's record), and
 /// supports optimizers whose parameters all keep the same state fields (one optimizer for the
-/// whole model, as `train_step` uses it).
+/// whole model, as `OptimizerStep` uses it).
 pub struct BurnOptimizer<'a> {
     optimizer: &'a mut ModuleOptimizer,
     params: HashMap<ParamId, ParamInfo>,

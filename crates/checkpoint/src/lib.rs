@@ -36,7 +36,7 @@
 //!     start = checkpoint.progress().step;
 //! }
 //! for step in start..steps {
-//!     // ... forward, train_step ...
+//!     // ... forward, Step::new(&mesh, &rows).run(..) ...
 //!     if (step + 1) % save_every == 0 {
 //!         let progress = TrainingProgress { step: step + 1, data_position: (step + 1) * batch, ..Default::default() };
 //!         save(&step_dir(&save_dir, step + 1), &model, Some(&optimizer), &progress, &mesh, &SaveOptions::default())?;
@@ -45,7 +45,7 @@
 //! ```
 //!
 //! The optimizer implements [`OptimizerState`] (the trainer's SGD and AdamW do); Burn's own
-//! optimizers (`ModuleOptimizer`, as `train_step` takes) go through [`BurnOptimizer`]
+//! optimizers (`ModuleOptimizer`, as `OptimizerStep` takes) go through [`BurnOptimizer`]
 //! (`BurnOptimizer::new(&mut optim, &model)?`). Pass `None` to save or load the model alone. [`save_async`] writes from a snapshot on a background
 //! thread while training continues.
 //!

@@ -197,52 +197,12 @@ pub fn placements<M: Parallelize>(model: &M) -> Result<Vec<Placement>, Checkpoin
             None => (p.shape.clone(), vec![Region::full(&p.shape)]),
         };
         let flat = fsdp.get(&p.id).is_some_and(|s| s.rows().is_none());
-        let mut concat_dim = None;
-        if let Some(TpSplit {
-            dim,
-            spec,
-            parts,
-            layer,
-        }) = splits.get(&p.id)
-        {
-            let dim = *dim;
-            if shape.get(dim) != Some(&(parts * spec.range.len())) {
-                return Err(bad(format!(
-                    "layer `{layer}` split dim {dim} into {:?} of {} ({parts} part(s)), but the \
-                     parameter's shard has shape {shape:?}",
-                    spec.range, spec.full
-                )));
-            }
-            shape[dim] = parts * spec.full;
-            if *parts == 1 {
-                for region in &mut regions {
-                    region.start[dim] += spec.range.start;
-                }
-            } else if flat {
-                // A flat piece's boxes are row-major runs; under a fused split each would be
-                // cut again along `dim`, a layout neither save nor load describes.
-                return Err(bad(format!(
-                    "layer `{layer}` is fused colwise (colwise_fused({parts})) and FSDP keeps it \
-                     in a flat buffer; checkpoints place fused splits under row-sharded FSDP: \
-                     use fsdp2 (not megatron_fsdp) with tensor parallelism of fused layers"
-                )));
-            } else {
-                let ranges = spec.part_ranges(*parts);
-                regions = fused_boxes(&regions, dim, &ranges, spec.range.len());
-                concat_dim = Some(dim);
-            }
-        }
+        let concat_dim = match splits.get(&p.id) {
+            Some(split) => place_tp_split(split, &mut shape, &mut regions, flat).map_err(bad)?,
+            None => None,
+        };
         if let Some((local, total)) = experts.get(&p.id) {
-            if shape.first() != Some(&local.len()) {
-                return Err(bad(format!(
-                    "expert parallelism keeps experts {local:?} of {total} on this rank, but the \
-                     parameter's shard has shape {shape:?}"
-                )));
-            }
-            shape[0] = *total;
-            for region in &mut regions {
-                region.start[0] += local.start;
-            }
+            place_expert_split(local, *total, &mut shape, &mut regions).map_err(bad)?;
         }
         check_stored(&regions, &p.shape, &shape, flat, concat_dim).map_err(bad)?;
         out.push(Placement {
@@ -257,6 +217,71 @@ pub fn placements<M: Parallelize>(model: &M) -> Result<Vec<Placement>, Checkpoin
         });
     }
     Ok(out)
+}
+
+/// Moves `shape` and `regions` (the tensor before FSDP and this rank's boxes of it) from the
+/// tp shard to the full tensor `split` cut; `flat` when FSDP keeps the parameter in a flat
+/// buffer. Returns the dim the boxes concatenate along under a fused split.
+fn place_tp_split(
+    split: &TpSplit,
+    shape: &mut [usize],
+    regions: &mut Vec<Region>,
+    flat: bool,
+) -> Result<Option<usize>, String> {
+    let TpSplit {
+        dim,
+        spec,
+        parts,
+        layer,
+    } = split;
+    let dim = *dim;
+    if shape.get(dim) != Some(&(parts * spec.range.len())) {
+        return Err(format!(
+            "layer `{layer}` split dim {dim} into {:?} of {} ({parts} part(s)), but the \
+             parameter's shard has shape {shape:?}",
+            spec.range, spec.full
+        ));
+    }
+    shape[dim] = parts * spec.full;
+    if *parts == 1 {
+        for region in regions.iter_mut() {
+            region.start[dim] += spec.range.start;
+        }
+        Ok(None)
+    } else if flat {
+        // A flat piece's boxes are row-major runs; under a fused split each would be
+        // cut again along `dim`, a layout neither save nor load describes.
+        Err(format!(
+            "layer `{layer}` is fused colwise (colwise_fused({parts})) and FSDP keeps it \
+             in a flat buffer; checkpoints place fused splits under row-sharded FSDP: \
+             use fsdp2 (not megatron_fsdp) with tensor parallelism of fused layers"
+        ))
+    } else {
+        let ranges = spec.part_ranges(*parts);
+        *regions = fused_boxes(regions, dim, &ranges, spec.range.len());
+        Ok(Some(dim))
+    }
+}
+
+/// Moves `shape` and `regions` from this rank's experts `local` to the full stack of `total`
+/// experts along dim 0 (expert parallelism).
+fn place_expert_split(
+    local: &Range<usize>,
+    total: usize,
+    shape: &mut [usize],
+    regions: &mut [Region],
+) -> Result<(), String> {
+    if shape.first() != Some(&local.len()) {
+        return Err(format!(
+            "expert parallelism keeps experts {local:?} of {total} on this rank, but the \
+             parameter's shard has shape {shape:?}"
+        ));
+    }
+    shape[0] = total;
+    for region in regions {
+        region.start[0] += local.start;
+    }
+    Ok(())
 }
 
 /// The boxes of the full tensor that `regions` (boxes of this rank's fused tp shard: its chunk

@@ -21,6 +21,7 @@ use std::thread::JoinHandle;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Tensor};
+use burn_parallel_comm::ProcessGroup;
 use burn_parallel_fsdp::frozen_param_ids;
 use burn_parallel_parallelizer::{MeshContext, Parallelize};
 use burn_parallel_pp::StageParamPaths;
@@ -451,6 +452,8 @@ pub fn save_async<M: Parallelize>(
     start(dir, &chunks, optimizer, progress, mesh, options, true)
 }
 
+/// Steps 1 and 2 of a save (see the module doc): plan and exchange, then write this rank's
+/// files now or (`background`) on a thread; [`PendingSave::finish`] commits.
 fn start<M: Parallelize>(
     dir: &Path,
     chunks: &[Chunk<'_, M>],
@@ -464,9 +467,39 @@ fn start<M: Parallelize>(
     let world = mesh.all_stages_group();
     let rank = mesh.rank();
     let temp = temp_dir(dir);
+    let (plan, params, states) = rank_plan(dir, &temp, rank, chunks, optimizer);
+    let plans = exchange_plans(world, &plan, rank, &temp)?;
+    let (tensors, order, frozen) = agreed_plan(&plans, rank, &temp)?;
+    let files = owned_files(rank, world.index(), &tensors, params, states);
+    let fault = options.fault.filter(|f| f.rank() == rank);
+    let writing = start_writing(temp.clone(), files, fault, background);
+    Ok(PendingSave {
+        dir: dir.to_path_buf(),
+        temp,
+        rank,
+        tensors,
+        order,
+        frozen,
+        optimizer: merge_optimizer(plans.iter().filter_map(|p| p.optimizer.as_ref())),
+        progress: progress.clone(),
+        layout: layout(mesh),
+        writing,
+    })
+}
+
+/// This rank's plan and its parameters' and states' locals. Rank 0 first clears stale saves
+/// and makes the temporary directory `temp`; a failure here goes into the plan's `error`
+/// rather than returning, so that every rank learns of it in the exchange.
+fn rank_plan<M: Parallelize>(
+    dir: &Path,
+    temp: &Path,
+    rank: usize,
+    chunks: &[Chunk<'_, M>],
+    optimizer: Option<&dyn OptimizerState>,
+) -> (RankPlan, Vec<Local>, Vec<Local>) {
     let mut error = None;
     if rank == 0
-        && let Err(e) = remove_stale_saves(dir).and_then(|_| fresh_dir(&temp))
+        && let Err(e) = remove_stale_saves(dir).and_then(|_| fresh_dir(temp))
     {
         error = Some(e.to_string());
     }
@@ -494,31 +527,67 @@ fn start<M: Parallelize>(
         }),
         error,
     };
-    let plans = all_gather_json(world, &plan)?;
+    (plan, params, states)
+}
+
+/// Every rank's plan, in `world`'s order (collective). A rank's error stops the save on every
+/// rank with that rank named, rank 0 removing `temp`.
+fn exchange_plans(
+    world: &ProcessGroup,
+    plan: &RankPlan,
+    rank: usize,
+    temp: &Path,
+) -> Result<Vec<RankPlan>, CheckpointError> {
+    let plans = all_gather_json(world, plan)?;
     if let Some((r, e)) = plans
         .iter()
         .enumerate()
         .find_map(|(r, p)| p.error.as_ref().map(|e| (r, e)))
     {
         if rank == 0 {
-            let _ = std::fs::remove_dir_all(&temp);
+            let _ = std::fs::remove_dir_all(temp);
         }
         return Err(CheckpointError::OtherRank {
             rank: world.ranks()[r],
             message: e.clone(),
         });
     }
+    Ok(plans)
+}
+
+/// What the ranks' plans agree on: every tensor's plan, the saved parameter paths in module
+/// order and the frozen ones left out.
+type AgreedPlan = (BTreeMap<String, TensorPlan>, Vec<String>, Vec<String>);
+
+/// Merges every rank's plan into the [`AgreedPlan`]; on an error (the same on every rank)
+/// rank 0 removes `temp`.
+fn agreed_plan(
+    plans: &[RankPlan],
+    rank: usize,
+    temp: &Path,
+) -> Result<AgreedPlan, CheckpointError> {
     // The same outcome on every rank: each computes it from the same plans.
-    let planned = plan_tensors(&plans).and_then(|tensors| {
+    let planned = plan_tensors(plans).and_then(|tensors| {
         let order = merge_stage_paths(plans.iter().flat_map(|p| &p.order))?;
         let frozen = merge_stage_paths(plans.iter().flat_map(|p| &p.frozen))?;
         Ok((tensors, order, frozen))
     });
-    let (tensors, order, frozen) = planned.inspect_err(|_| {
+    planned.inspect_err(|_| {
         if rank == 0 {
-            let _ = std::fs::remove_dir_all(&temp);
+            let _ = std::fs::remove_dir_all(temp);
         }
-    })?;
+    })
+}
+
+/// This rank's two files (model, then optimizer), named by `rank`, each with the locals whose
+/// region this rank (`world_index` in the save's group) is the owner of.
+fn owned_files(
+    rank: usize,
+    world_index: usize,
+    tensors: &BTreeMap<String, TensorPlan>,
+    params: Vec<Local>,
+    states: Vec<Local>,
+) -> Vec<(String, Vec<ShardTensor>)> {
     let mine = |locals: Vec<Local>| -> Vec<ShardTensor> {
         locals
             .into_iter()
@@ -526,35 +595,30 @@ fn start<M: Parallelize>(
                 let owners = &tensors[&l.held.key].owners;
                 owners
                     .iter()
-                    .any(|(r, owner)| *owner == world.index() && *r == l.held.region)
+                    .any(|(r, owner)| *owner == world_index && *r == l.held.region)
             })
             .map(|l| l.tensor)
             .collect()
     };
-    let files = vec![
+    vec![
         (format!("model-{rank:05}.safetensors"), mine(params)),
         (format!("optim-{rank:05}.safetensors"), mine(states)),
-    ];
-    let fault = options.fault.filter(|f| f.rank() == rank);
-    let write_dir = temp.clone();
-    let write = move || write_files(&write_dir, files, fault);
-    let writing = if background {
+    ]
+}
+
+/// Writes `files` into `dir` now, or on a background thread when `background`.
+fn start_writing(
+    dir: PathBuf,
+    files: Vec<(String, Vec<ShardTensor>)>,
+    fault: Option<SaveFault>,
+    background: bool,
+) -> Writing {
+    let write = move || write_files(&dir, files, fault);
+    if background {
         Writing::Background(std::thread::spawn(write))
     } else {
         Writing::Done(write())
-    };
-    Ok(PendingSave {
-        dir: dir.to_path_buf(),
-        temp,
-        rank,
-        tensors,
-        order,
-        frozen,
-        optimizer: merge_optimizer(plans.iter().filter_map(|p| p.optimizer.as_ref())),
-        progress: progress.clone(),
-        layout: layout(mesh),
-        writing,
-    })
+    }
 }
 
 /// Writes this rank's non-empty files; `fault` stops after the first one (the test hook).

@@ -26,7 +26,15 @@ pub use transport::{buffer, chunk, memory};
 /// Differentiable collectives on Burn tensors, and the step lists strategies build their own
 /// from (FSDP's parameter gather).
 pub mod collectives {
-    pub use crate::autodiff::*;
+    // Every public name of the autodiff layer, listed so that the surface is explicit (a new
+    // op there is public only once named here). The submodules stay reachable as before.
+    pub use crate::autodiff::{
+        CollectiveBackend, GatherOptions, SplitHub, Started, WeightRebuild, all_gather,
+        all_gather_recompute, all_gather_with, all_reduce, all_to_all, attach, attach_checked,
+        check_gather_dim, copy_to_group, extension, frozen_linear, gather_from_group, ops, place,
+        place_flat, reduce_from_group, reduce_scatter, scatter_to_group, split, split_segments,
+        split_views, start_all_gather,
+    };
     pub use crate::device::pairs::MixedDtypes;
     pub use crate::device::{
         Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, FrozenRebuild,

@@ -41,8 +41,8 @@
 //!
 //! State: [`fully_shard_from`] shards a lazily initialized module by asking a source for each
 //! rank's rows of one parameter at a time (no rank materializes a full parameter);
-//! [`full_state_dict`] / [`for_each_full_param`] gather the full state one parameter at a time,
-//! keyed by module path, on every rank or on the first rank of the shard group.
+//! [`gather_state_dict`] / [`for_each_full_param`] gather the full state one parameter at a
+//! time, keyed by module path, on every rank or on the first rank of the shard group.
 //!
 //! Offload ([`OffloadPolicy`]): shards, their gradients and the optimizer step live on a host
 //! device; each gather copies the shard to the compute device first and backward copies the
@@ -81,7 +81,7 @@ pub use config::{FsdpConfig, GradientReduction, ShardLayout};
 pub use error::FsdpError;
 pub use frozen::weight_rebuild;
 pub use load::{
-    StateDictRanks, for_each_full_param, full_state_dict, fully_shard_from, gather_full,
+    StateDictRanks, for_each_full_param, fully_shard_from, gather_full, gather_state_dict,
 };
 pub use memory::{MemoryKind, MemoryReport, MemoryTracker, ModelStateBytes};
 pub use offload::OffloadPolicy;

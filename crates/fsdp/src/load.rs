@@ -7,7 +7,7 @@
 //!
 //! Export: [`for_each_full_param`] gathers one parameter at a time (on every rank of the shard
 //! group, or on its first rank only) and hands it over with its module path;
-//! [`full_state_dict`] collects them.
+//! [`gather_state_dict`] collects them.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -153,9 +153,11 @@ pub fn for_each_full_param<M: Module>(
     Ok(())
 }
 
-/// The full (gathered) state of a sharded module, keyed by module path, in the shards' dtype.
-/// Empty on the ranks that [`StateDictRanks::First`] leaves out.
-pub fn full_state_dict<M: Module>(
+/// The full (gathered) state of a sharded module, keyed by module path, in the shards' dtype:
+/// FSDP's shards only (tensor-parallel and expert splits stay split; the whole model's state
+/// is `parallelizer::full_state_dict`). Empty on the ranks that [`StateDictRanks::First`]
+/// leaves out.
+pub fn gather_state_dict<M: Module>(
     module: &M,
     ranks: StateDictRanks,
 ) -> Result<BTreeMap<String, TensorData>, FsdpError> {

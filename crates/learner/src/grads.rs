@@ -1,5 +1,5 @@
 //! The gradient sync of one optimizer step, for gradients burn-train's `TrainStep` already
-//! took: `parallelizer::sync_gradients`, what `train_step` runs after its backward, on the
+//! took: `parallelizer::sync_gradients`, what the `Step` runs after its backward, on the
 //! gradients moved into the container it takes.
 
 use burn::module::{Module, ModuleVisitor, Param};

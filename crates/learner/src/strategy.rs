@@ -47,7 +47,7 @@ type DeviceOf = Arc<dyn Fn(usize) -> Device + Send + Sync>;
 ///
 /// Each rank parallelizes a copy of the Learner's model, takes its rows of every batch (the
 /// input implements [`SplitBatch`]), runs the model's `TrainStep`, averages and clips the
-/// gradients as `train_step` does and steps the optimizer on its shards with the Learner's
+/// gradients as the `Step` does and steps the optimizer on its shards with the Learner's
 /// learning-rate scheduler; the outputs of the data-parallel ranks are joined
 /// ([`GatherOutput`]) so that rank 0 renders the metrics of the whole batch. Interruption, early
 /// stopping and failures are agreed by every rank at each step. The returned model is whole

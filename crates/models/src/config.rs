@@ -144,113 +144,18 @@ impl LlamaConfig {
     /// Parses the text of a `config.json`. Rejects other architectures and settings this
     /// implementation does not compute (an activation other than SiLU, unknown rope types).
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
-        let bad = |reason: String| ModelError::BadConfig {
-            path: "config.json".into(),
-            reason,
-        };
-        let v: Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let v: Value = serde_json::from_str(text).map_err(|e| bad_config(e.to_string()))?;
         let o = v
             .as_object()
-            .ok_or_else(|| bad("not a JSON object".into()))?;
-        let flavor = match o.get("model_type").and_then(Value::as_str) {
-            Some("llama") => None,
-            Some("qwen3_moe") => Some(MoeFlavor::Qwen3Moe),
-            Some("mixtral") => Some(MoeFlavor::Mixtral),
-            Some(other) => {
-                return Err(ModelError::NotLlama {
-                    what: "model_type",
-                    found: other.to_string(),
-                });
-            }
-            None => return Err(bad("no `model_type`".into())),
-        };
-        let family = match flavor {
-            None => "Llama",
-            Some(MoeFlavor::Qwen3Moe) => "Qwen3Moe",
-            Some(MoeFlavor::Mixtral) => "Mixtral",
-        };
-        if let Some(archs) = o.get("architectures").and_then(Value::as_array) {
-            let names: Vec<&str> = archs.iter().filter_map(Value::as_str).collect();
-            if names.iter().any(|a| !a.starts_with(family)) {
-                return Err(ModelError::NotLlama {
-                    what: "architectures",
-                    found: names.join(", "),
-                });
-            }
-        }
+            .ok_or_else(|| bad_config("not a JSON object".into()))?;
+        let flavor = model_flavor(o)?;
         let usize_of = |k: &str| count_key(o, k);
-        let need = |k: &str| usize_of(k)?.ok_or_else(|| bad(format!("missing `{k}`")));
-        let f64_of = |k: &str, obj: &serde_json::Map<String, Value>| -> Option<f64> {
-            obj.get(k).and_then(Value::as_f64)
-        };
+        let need = |k: &str| required_count(o, k);
         let bool_of = |k: &str, default: bool| o.get(k).and_then(Value::as_bool).unwrap_or(default);
 
-        if let Some(act) = o.get("hidden_act").and_then(Value::as_str)
-            && act != "silu"
-        {
-            return Err(ModelError::Unsupported(format!(
-                "hidden_act `{act}` (only silu)"
-            )));
-        }
-        let hidden_size = need("hidden_size")?;
-        let heads = need("num_attention_heads")?;
-        if heads == 0 {
-            return Err(bad("num_attention_heads is 0".into()));
-        }
-        let kv_heads = usize_of("num_key_value_heads")?.unwrap_or(heads);
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(bad(format!(
-                "num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}"
-            )));
-        }
-        let head_dim = usize_of("head_dim")?.unwrap_or(hidden_size / heads);
-        if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(bad(format!(
-                "head_dim = {head_dim} must be even and positive"
-            )));
-        }
-
-        // transformers 5.x moves rope_theta and the scaling into `rope_parameters`.
-        let rope_params = o
-            .get("rope_parameters")
-            .or_else(|| o.get("rope_scaling"))
-            .and_then(Value::as_object);
-        let rope_theta = f64_of("rope_theta", o)
-            .or_else(|| rope_params.and_then(|p| f64_of("rope_theta", p)))
-            .unwrap_or(10_000.0);
-        let rope_scaling = match rope_params {
-            None => None,
-            Some(p) => {
-                let kind = p
-                    .get("rope_type")
-                    .or_else(|| p.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
-                let factor = || {
-                    f64_of("factor", p)
-                        .ok_or_else(|| bad(format!("rope type {kind} needs `factor`")))
-                };
-                match kind {
-                    "default" => None,
-                    "linear" => Some(RopeScaling::Linear { factor: factor()? }),
-                    "llama3" => Some(RopeScaling::Llama3 {
-                        factor: factor()?,
-                        low_freq_factor: f64_of("low_freq_factor", p).unwrap_or(1.0),
-                        high_freq_factor: f64_of("high_freq_factor", p).unwrap_or(4.0),
-                        original_max_position_embeddings: f64_of(
-                            "original_max_position_embeddings",
-                            p,
-                        )
-                        .unwrap_or(8192.0),
-                    }),
-                    other => {
-                        return Err(ModelError::Unsupported(format!(
-                            "rope type `{other}` (default, linear and llama3 are supported)"
-                        )));
-                    }
-                }
-            }
-        };
+        check_activation(o)?;
+        let (hidden_size, heads, kv_heads, head_dim) = attention_shape(o)?;
+        let (rope_theta, rope_scaling) = rope_from_json(o)?;
         let dtype = o
             .get("torch_dtype")
             .or_else(|| o.get("dtype"))
@@ -363,6 +268,147 @@ impl LlamaConfig {
         let head = if self.tie_word_embeddings { 0 } else { h * v };
         v * h + layers + h + head
     }
+}
+
+/// A `config.json` that cannot be read as a Llama's, for `reason`; [`LlamaConfig::load`]
+/// replaces the path with the file's.
+fn bad_config(reason: String) -> ModelError {
+    ModelError::BadConfig {
+        path: "config.json".into(),
+        reason,
+    }
+}
+
+/// `obj[k]` as a float, `None` when absent or not a number.
+fn f64_of(k: &str, obj: &serde_json::Map<String, Value>) -> Option<f64> {
+    obj.get(k).and_then(Value::as_f64)
+}
+
+/// `o[k]` as a count that must be there: an error naming the key when it is missing.
+fn required_count(o: &serde_json::Map<String, Value>, k: &str) -> Result<usize, ModelError> {
+    count_key(o, k)?.ok_or_else(|| bad_config(format!("missing `{k}`")))
+}
+
+/// The model family of `model_type` (`None`: a Llama; else the MoE flavour), checked against
+/// `architectures` when given: another family is an error naming what was found.
+fn model_flavor(o: &serde_json::Map<String, Value>) -> Result<Option<MoeFlavor>, ModelError> {
+    let flavor = match o.get("model_type").and_then(Value::as_str) {
+        Some("llama") => None,
+        Some("qwen3_moe") => Some(MoeFlavor::Qwen3Moe),
+        Some("mixtral") => Some(MoeFlavor::Mixtral),
+        Some(other) => {
+            return Err(ModelError::NotLlama {
+                what: "model_type",
+                found: other.to_string(),
+            });
+        }
+        None => return Err(bad_config("no `model_type`".into())),
+    };
+    let family = match flavor {
+        None => "Llama",
+        Some(MoeFlavor::Qwen3Moe) => "Qwen3Moe",
+        Some(MoeFlavor::Mixtral) => "Mixtral",
+    };
+    if let Some(archs) = o.get("architectures").and_then(Value::as_array) {
+        let names: Vec<&str> = archs.iter().filter_map(Value::as_str).collect();
+        if names.iter().any(|a| !a.starts_with(family)) {
+            return Err(ModelError::NotLlama {
+                what: "architectures",
+                found: names.join(", "),
+            });
+        }
+    }
+    Ok(flavor)
+}
+
+/// Rejects a `hidden_act` other than SiLU (absent means SiLU).
+fn check_activation(o: &serde_json::Map<String, Value>) -> Result<(), ModelError> {
+    if let Some(act) = o.get("hidden_act").and_then(Value::as_str)
+        && act != "silu"
+    {
+        return Err(ModelError::Unsupported(format!(
+            "hidden_act `{act}` (only silu)"
+        )));
+    }
+    Ok(())
+}
+
+/// `(hidden_size, num_attention_heads, num_key_value_heads, head_dim)`, with the defaults
+/// filled in; heads that do not group or an odd head dim are errors.
+fn attention_shape(
+    o: &serde_json::Map<String, Value>,
+) -> Result<(usize, usize, usize, usize), ModelError> {
+    let usize_of = |k: &str| count_key(o, k);
+    let need = |k: &str| required_count(o, k);
+    let hidden_size = need("hidden_size")?;
+    let heads = need("num_attention_heads")?;
+    if heads == 0 {
+        return Err(bad_config("num_attention_heads is 0".into()));
+    }
+    let kv_heads = usize_of("num_key_value_heads")?.unwrap_or(heads);
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(bad_config(format!(
+            "num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}"
+        )));
+    }
+    let head_dim = usize_of("head_dim")?.unwrap_or(hidden_size / heads);
+    if head_dim == 0 || head_dim % 2 != 0 {
+        return Err(bad_config(format!(
+            "head_dim = {head_dim} must be even and positive"
+        )));
+    }
+    Ok((hidden_size, heads, kv_heads, head_dim))
+}
+
+/// `rope_theta` (default 10000) and the rotary scaling, read at the top level or, for either,
+/// from `rope_parameters` / `rope_scaling`.
+fn rope_from_json(
+    o: &serde_json::Map<String, Value>,
+) -> Result<(f64, Option<RopeScaling>), ModelError> {
+    // transformers 5.x moves rope_theta and the scaling into `rope_parameters`.
+    let rope_params = o
+        .get("rope_parameters")
+        .or_else(|| o.get("rope_scaling"))
+        .and_then(Value::as_object);
+    let rope_theta = f64_of("rope_theta", o)
+        .or_else(|| rope_params.and_then(|p| f64_of("rope_theta", p)))
+        .unwrap_or(10_000.0);
+    let rope_scaling = match rope_params {
+        None => None,
+        Some(p) => scaling_from_params(p)?,
+    };
+    Ok((rope_theta, rope_scaling))
+}
+
+/// The scaling of the rope parameters `p` by their `rope_type` (or `type`): `None` for the
+/// default rope; a type other than linear and llama3 is an error.
+fn scaling_from_params(
+    p: &serde_json::Map<String, Value>,
+) -> Result<Option<RopeScaling>, ModelError> {
+    let kind = p
+        .get("rope_type")
+        .or_else(|| p.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let factor = || {
+        f64_of("factor", p).ok_or_else(|| bad_config(format!("rope type {kind} needs `factor`")))
+    };
+    Ok(match kind {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear { factor: factor()? }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: factor()?,
+            low_freq_factor: f64_of("low_freq_factor", p).unwrap_or(1.0),
+            high_freq_factor: f64_of("high_freq_factor", p).unwrap_or(4.0),
+            original_max_position_embeddings: f64_of("original_max_position_embeddings", p)
+                .unwrap_or(8192.0),
+        }),
+        other => {
+            return Err(ModelError::Unsupported(format!(
+                "rope type `{other}` (default, linear and llama3 are supported)"
+            )));
+        }
+    })
 }
 
 #[cfg(test)]

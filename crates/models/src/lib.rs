@@ -9,7 +9,7 @@
 //!   burn-parallel-peft) reaches them by Hugging Face module path
 //!   (`model.layers.0.self_attn.q_proj`).
 //! - [`LlamaStage`]: one pipeline stage of the Llama (a slice of its layers; the embedding on
-//!   the first stage, the norm, head and loss on the last), for `pipeline_train_step`.
+//!   the first stage, the norm, head and loss on the last), for `Step::run_pipeline`.
 //! - [`checkpoint`]: memory-mapped safetensors loading (whole or one rank's rows) and saving
 //!   in the Hugging Face layout.
 //! - [`data`]: nanoGPT-style u16 token files, the batch convention, a synthetic corpus.

@@ -13,7 +13,6 @@ use crate::error::ParallelError;
 
 pub(crate) mod error;
 mod file;
-mod names;
 mod placement;
 mod plan;
 

@@ -343,8 +343,8 @@ impl MeshContext {
     /// The rows of a `global_batch`-row batch this rank trains on: data-parallel rank `d` of
     /// `dp` takes rows `d * B / dp .. (d + 1) * B / dp` (a contiguous split whose sizes differ
     /// by at most one), and the tp ranks of one data-parallel group take the same rows. Pass
-    /// it to `train_step` with the mean loss over these rows: it weights the loss so that the
-    /// data-parallel average is the mean over the global batch.
+    /// it to the [`Step`](crate::Step) with the mean loss over these rows: it weights the loss
+    /// so that the data-parallel average is the mean over the global batch.
     pub fn local_rows(&self, global_batch: usize) -> LocalRows {
         let (dp, d) = (self.dp_size(), self.dp_rank());
         LocalRows {

@@ -8,8 +8,8 @@
 //!   `#[parallelize(sidecar = MySidecar)]` to override any hook.
 //! - [`DistributedConfig`] (TOML/JSON/YAML) and [`MeshContext`] (one rank's mesh and groups).
 //! - [`parallelize_model`]: DDP, FSDP2, HSDP, TP, FSDP2 + TP, unsharded FSDP2 on one rank.
-//! - [`train_step`]: backward, gradient sync, global-norm clipping and the optimizer step;
-//!   [`pipeline_train_step`] the same for one stage of a pipeline-parallel model.
+//! - [`Step`]: backward, gradient sync, global-norm clipping and the optimizer step, for a
+//!   whole model ([`Step::run`]) or this rank's stages of a pipeline ([`Step::run_pipeline`]).
 //!
 //! A model's forward runs its FSDP units through `fsdp::forward_units` (a stack of layers with
 //! the prefetch depth the config sets) or `fsdp::with_gathered_unit`, so each unit gathers with
@@ -24,6 +24,7 @@ pub mod ddp;
 mod error;
 mod full;
 mod pipeline;
+mod run_step;
 mod sidecar;
 mod step;
 
@@ -34,6 +35,9 @@ pub use burn_parallel_describe::{
 pub use burn_parallel_fsdp::RowSource;
 /// The pipeline schedules and layer splits, for callers without a burn-parallel-pp dependency.
 pub use burn_parallel_pp::{ScheduleKind, StageSplit};
+/// The one name table of a config enum (`Display`, `FromStr`, serde and the error listing the
+/// accepted names), for crates that declare their own.
+pub use burn_parallel_styles::named_enum;
 pub use config::{
     ConfigError, DataParallel, DistributedConfig, Dtype, FrozenModuleSharding, MegatronFsdpConfig,
     MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig, Plan, Strategy, TpShardPlan,
@@ -42,13 +46,11 @@ pub use config::{
 pub use context::{DP, ExpertGroups, LocalRows, MeshContext, PP, PP_BACKWARD, WORLD};
 pub use error::ParallelError;
 pub use full::{full_model, full_state_dict};
-pub use pipeline::{
-    PipelineReport, pipeline_eval_loss, pipeline_train_step, pipeline_train_step_reported,
-};
+pub use pipeline::{PipelineReport, pipeline_eval_loss};
+pub use run_step::Step;
 pub use sidecar::{ModelParallelizer, fsdp_config};
 pub use step::{
-    Accumulated, StepReport, global_grad_norm, sync_gradients, train_step, train_step_accumulated,
-    train_step_reported, train_step_with,
+    Accumulated, OptimizerStep, StepReport, StepUpdate, global_grad_norm, sync_gradients,
 };
 
 /// A model whose sidecar implements the parallelizer's hooks: every `#[parallelize]` model

@@ -3,8 +3,7 @@
 //! step (the data-parallel average within the stage, the global norm over every stage,
 //! clipping) and one optimizer step.
 
-use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::{Gradients, TensorData};
+use burn::tensor::TensorData;
 use burn_parallel_comm::ReduceOp;
 use burn_parallel_describe::Parallelize;
 use burn_parallel_pp::{
@@ -13,7 +12,7 @@ use burn_parallel_pp::{
 
 use crate::context::{LocalRows, MeshContext};
 use crate::error::ParallelError;
-use crate::step::{StepReport, scalar, sync_stage_gradients};
+use crate::step::{StepReport, StepUpdate, scalar, sync_stage_gradients};
 
 /// What one pipeline step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -25,31 +24,40 @@ pub struct PipelineReport {
     pub schedule: ScheduleStats,
 }
 
-/// One step of a pipeline-parallel model on this rank: `chunks` are its stages (one under
-/// `gpipe` and `1f1b`; under `interleaved`, chunk `c` is stage `c * pp + r` of pipeline rank
-/// `r`), each parallelized on its own. The microbatches are this rank's `rows` of the global
-/// batch: `microbatches[m]` holds `microbatch_rows[m]` of them (see
-/// [`burn_parallel_pp::split_rows`]). Each microbatch's mean loss is weighted by its share of
-/// the global batch, so the step trains on the global batch's mean loss whatever the layout
-/// (a stage whose loss is normalised otherwise, such as a sum over counting targets, folds the
-/// inverse of that share into it, as the trainer does for masked data). FSDP defers its gradient reduction to each chunk's last backward. Then
-/// [`sync_gradients`](crate::sync_gradients)'s work (the average over the stage's
-/// data-parallel ranks, the global gradient norm over every stage, clipping by it when
-/// `max_grad_norm` is set) and `optimizer_step` on this rank's parameters, which sees the step's
-/// report first (as [`train_step_reported`](crate::train_step_reported)). The reported loss is
-/// the global batch's mean on every rank, with this rank's schedule measurements. Collective:
-/// every rank calls it, each with the same microbatches as the other ranks of its pipeline.
-#[allow(clippy::too_many_arguments)]
-pub fn pipeline_train_step_reported<const D: usize, S: PipelineStage<D> + Parallelize>(
+/// This rank's part of a pipeline step's batch: `microbatches[m]` holds `microbatch_rows[m]`
+/// of this rank's `rows` (see [`burn_parallel_pp::split_rows`]), run in `schedule`'s order.
+pub(crate) struct PipelineBatch<'a, M> {
+    pub microbatches: &'a [M],
+    pub microbatch_rows: &'a [usize],
+    pub rows: &'a LocalRows,
+    pub schedule: ScheduleKind,
+}
+
+/// One step of a pipeline-parallel model on this rank ([`Step::run_pipeline`](crate::Step::run_pipeline)): `chunks` are
+/// its stages (one under `gpipe` and `1f1b`; under `interleaved`, chunk `c` is stage
+/// `c * pp + r` of pipeline rank `r`), each parallelized on its own. Each microbatch's mean loss
+/// is weighted by its share of the global batch, so the step trains on the global batch's mean
+/// loss whatever the layout (a stage whose loss is normalised otherwise, such as a sum over
+/// counting targets, folds the inverse of that share into it, as the trainer does for masked
+/// data). FSDP defers its gradient reduction to each chunk's last backward. Then
+/// [`sync_gradients`](crate::sync_gradients)'s work (the average over the stage's data-parallel
+/// ranks, the global gradient norm over every stage, clipping by it when `max_grad_norm` is
+/// set) and `update` on this rank's parameters. The reported loss is the global batch's mean on
+/// every rank, with this rank's schedule measurements. Every rank of a pipeline runs it with
+/// the same microbatches.
+pub(crate) fn pipeline_step<const D: usize, S: PipelineStage<D> + Parallelize>(
     chunks: Vec<S>,
-    microbatches: &[S::Microbatch],
-    microbatch_rows: &[usize],
-    rows: &LocalRows,
-    schedule: ScheduleKind,
+    batch: PipelineBatch<'_, S::Microbatch>,
     max_grad_norm: Option<f32>,
     ctx: &MeshContext,
-    optimizer_step: impl FnOnce(Vec<S>, Gradients, &StepReport) -> Vec<S>,
+    update: impl StepUpdate<Vec<S>>,
 ) -> Result<(Vec<S>, PipelineReport), ParallelError> {
+    let PipelineBatch {
+        microbatches,
+        microbatch_rows,
+        rows,
+        schedule,
+    } = batch;
     let (mut link, weights) = link_and_weights(microbatches.len(), microbatch_rows, rows, ctx)?;
     let run = run_schedule(
         &chunks,
@@ -67,41 +75,13 @@ pub fn pipeline_train_step_reported<const D: usize, S: PipelineStage<D> + Parall
     let grad_norm = sync_stage_gradients(&chunks, &mut grads, max_grad_norm, ctx)?;
     let loss = global_mean(run.loss, ctx)?;
     let step = StepReport { loss, grad_norm };
-    let chunks = optimizer_step(chunks, grads, &step);
+    let chunks = update.update(chunks, grads, &step);
     let schedule = run.stats;
     Ok((chunks, PipelineReport { step, schedule }))
 }
 
-/// [`pipeline_train_step_reported`] with a Burn optimizer (AdamW, SGD, ...) stepping at `lr`.
-#[allow(clippy::too_many_arguments)]
-pub fn pipeline_train_step<const D: usize, S: PipelineStage<D> + Parallelize>(
-    chunks: Vec<S>,
-    microbatches: &[S::Microbatch],
-    microbatch_rows: &[usize],
-    rows: &LocalRows,
-    schedule: ScheduleKind,
-    optimizer: &mut ModuleOptimizer,
-    lr: f64,
-    max_grad_norm: Option<f32>,
-    ctx: &MeshContext,
-) -> Result<(Vec<S>, PipelineReport), ParallelError> {
-    pipeline_train_step_reported(
-        chunks,
-        microbatches,
-        microbatch_rows,
-        rows,
-        schedule,
-        max_grad_norm,
-        ctx,
-        |chunks, grads, _| {
-            let grads = GradientsParams::from_grads(grads, &chunks);
-            optimizer.step(lr, chunks, grads)
-        },
-    )
-}
-
 /// The global batch's mean loss, forward only (an evaluation): the microbatches run through
-/// the stages under `schedule`'s order of forwards, weighted as [`pipeline_train_step`]
+/// the stages under `schedule`'s order of forwards, weighted as [`Step::run_pipeline`](crate::Step::run_pipeline)
 /// weights them. The same on every rank. Collective as a step.
 pub fn pipeline_eval_loss<const D: usize, S: PipelineStage<D> + Parallelize>(
     chunks: &[S],
@@ -124,7 +104,7 @@ pub fn pipeline_eval_loss<const D: usize, S: PipelineStage<D> + Parallelize>(
 }
 
 /// The link to the neighbouring stages and each microbatch's loss weight: its mean loss times
-/// `rows_m / rows`, times the rows' weight in the data-parallel average (`train_step`'s
+/// `rows_m / rows`, times the rows' weight in the data-parallel average ([`Step::run`](crate::Step::run)'s
 /// weighting, split over the microbatches).
 fn link_and_weights(
     microbatches: usize,

@@ -20,71 +20,81 @@ use crate::error::ParallelError;
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct StepReport {
     /// The loss over the global batch: the data-parallel average of every rank's mean loss
-    /// over its rows, weighted by its share of the batch (see [`train_step`]).
+    /// over its rows, weighted by its share of the batch (see [`Step`](crate::Step)).
     pub loss: f32,
     /// The global L2 norm of the gradients before clipping, every element counted once.
     pub grad_norm: f32,
 }
 
-/// Backward of `loss`, then: the tp gradient sync of replicated sequence-parallel parameters,
-/// the data-parallel average (DDP's bucketed all-reduce; FSDP reduces inside backward and the
-/// sum is divided here), clipping by the global norm when `max_grad_norm` is set, and the
-/// optimizer step on this rank's parameters (shards under FSDP). Collective: every rank calls
-/// it.
-///
-/// `loss` is the mean over this rank's `rows` (from [`MeshContext::local_rows`]); it is
-/// weighted by the rows' share of the global batch, so that the step trains on the mean over
-/// the global batch however unevenly the rows split.
-pub fn train_step<M: Parallelize>(
-    model: M,
-    loss: Tensor<1>,
-    rows: &LocalRows,
-    optimizer: &mut ModuleOptimizer,
+/// How a [`Step`](crate::Step) updates the model once its gradients are synced: a Burn optimizer
+/// ([`OptimizerStep`]) or any closure `FnOnce(model, grads, &StepReport) -> model`.
+pub trait StepUpdate<M> {
+    /// The updated model.
+    fn update(self, model: M, grads: Gradients, report: &StepReport) -> M;
+}
+
+impl<M, F: FnOnce(M, Gradients, &StepReport) -> M> StepUpdate<M> for F {
+    fn update(self, model: M, grads: Gradients, report: &StepReport) -> M {
+        self(model, grads, report)
+    }
+}
+
+/// A Burn optimizer (AdamW, SGD, ...: Burn's `ModuleOptimizer`) stepping at a learning rate:
+/// the usual [`StepUpdate`].
+pub struct OptimizerStep<'a> {
+    optimizer: &'a mut ModuleOptimizer,
     lr: f64,
-    max_grad_norm: Option<f32>,
-    ctx: &MeshContext,
-) -> Result<(M, StepReport), ParallelError> {
-    train_step_with(model, loss, rows, max_grad_norm, ctx, |model, grads| {
+}
+
+impl<'a> OptimizerStep<'a> {
+    /// `optimizer` stepping at `lr`.
+    pub fn new(optimizer: &'a mut ModuleOptimizer, lr: f64) -> Self {
+        Self { optimizer, lr }
+    }
+}
+
+impl<M: Module> StepUpdate<M> for OptimizerStep<'_> {
+    fn update(self, model: M, grads: Gradients, _report: &StepReport) -> M {
         let grads = GradientsParams::from_grads(grads, &model);
-        optimizer.step(lr, model, grads)
-    })
+        self.optimizer.step(self.lr, model, grads)
+    }
 }
 
-/// [`train_step`] with any optimizer: `optimizer_step` receives the model and its
-/// synchronized, averaged and clipped gradients (of this rank's shards under FSDP) and returns
-/// the updated model.
-pub fn train_step_with<M: Parallelize>(
+/// The step of a whole model ([`Step::run`](crate::Step::run)): backward of `loss` (weighted
+/// by the rows' share), the earlier micro-batches' gradients added, the gradient sync, the
+/// data-parallel loss, then `update`.
+pub(crate) fn whole_model_step<M: Parallelize>(
     model: M,
     loss: Tensor<1>,
+    accumulated: Accumulated,
     rows: &LocalRows,
     max_grad_norm: Option<f32>,
     ctx: &MeshContext,
-    optimizer_step: impl FnOnce(M, Gradients) -> M,
+    update: impl StepUpdate<M>,
 ) -> Result<(M, StepReport), ParallelError> {
-    train_step_reported(model, loss, rows, max_grad_norm, ctx, |model, grads, _| {
-        optimizer_step(model, grads)
-    })
-}
-
-/// [`train_step_with`], whose `optimizer_step` also sees the step's [`StepReport`] before it
-/// runs: the data-parallel loss and the global gradient norm, the same values on every rank.
-/// A caller can thus withhold the update on every rank alike (a trainer skipping a step whose
-/// loss or norm is not finite) by returning the model unchanged. Collective: every rank calls
-/// it.
-pub fn train_step_reported<M: Parallelize>(
-    model: M,
-    loss: Tensor<1>,
-    rows: &LocalRows,
-    max_grad_norm: Option<f32>,
-    ctx: &MeshContext,
-    optimizer_step: impl FnOnce(M, Gradients, &StepReport) -> M,
-) -> Result<(M, StepReport), ParallelError> {
-    let none = Accumulated::default();
-    train_step_accumulated(model, loss, none, rows, max_grad_norm, ctx, optimizer_step)
+    // Before backward, so that no rank communicates.
+    refuse_pipeline(ctx)?;
+    let loss = loss.mul_scalar(rows.loss_weight());
+    let local_loss = scalar(loss.clone().detach().into_data()) + accumulated.loss as f32;
+    let mut grads = loss.backward();
+    if let Some(from) = accumulated.grads {
+        model.visit(&mut AddGrads {
+            into: &mut grads,
+            from,
+        });
+    }
+    let grad_norm = sync_gradients(&model, &mut grads, max_grad_norm, ctx)?;
+    let loss = scalar(
+        ctx.dp_cp_group()
+            .all_reduce(TensorData::new(vec![local_loss], [1]), ReduceOp::Avg)?,
+    );
+    let report = StepReport { loss, grad_norm };
+    let model = update.update(model, grads, &report);
+    Ok((model, report))
 }
 
 /// The gradients and loss of a step's earlier micro-batches (gradient accumulation), which
-/// [`train_step_accumulated`] adds to its last micro-batch's before the gradient sync.
+/// [`Step::accumulated`](crate::Step::accumulated) adds to its last micro-batch's before the gradient sync.
 ///
 /// Each micro-batch's `loss` handed to [`backward`](Self::backward) is already weighted: its
 /// share of the step's global loss times the data-parallel size (the step averages over dp),
@@ -112,6 +122,11 @@ impl Accumulated {
         }
     }
 
+    /// Whether any earlier micro-batch ran its backward.
+    pub(crate) fn has_grads(&self) -> bool {
+        self.grads.is_some()
+    }
+
     /// The weighted loss of the micro-batches so far (this rank's, summed).
     pub fn loss(&self) -> f64 {
         self.loss
@@ -137,51 +152,15 @@ impl ModuleVisitor for AddGrads<'_> {
     }
 }
 
-/// [`train_step_reported`] over an accumulated batch: `loss` is the last micro-batch's (as in
-/// [`train_step`], the mean over this rank's `rows`, weighted here by their share), and
-/// `accumulated` holds the earlier micro-batches' gradients and loss, added after the last
-/// backward and before the tp sync, the data-parallel average and clipping, which then see
-/// the whole batch's gradient. The reported loss is the data-parallel average of the sum.
-/// Collective: every rank calls it.
-pub fn train_step_accumulated<M: Parallelize>(
-    model: M,
-    loss: Tensor<1>,
-    accumulated: Accumulated,
-    rows: &LocalRows,
-    max_grad_norm: Option<f32>,
-    ctx: &MeshContext,
-    optimizer_step: impl FnOnce(M, Gradients, &StepReport) -> M,
-) -> Result<(M, StepReport), ParallelError> {
-    // Before backward, so that no rank communicates.
-    refuse_pipeline(ctx)?;
-    let loss = loss.mul_scalar(rows.loss_weight());
-    let local_loss = scalar(loss.clone().detach().into_data()) + accumulated.loss as f32;
-    let mut grads = loss.backward();
-    if let Some(from) = accumulated.grads {
-        model.visit(&mut AddGrads {
-            into: &mut grads,
-            from,
-        });
-    }
-    let grad_norm = sync_gradients(&model, &mut grads, max_grad_norm, ctx)?;
-    let loss = scalar(
-        ctx.dp_cp_group()
-            .all_reduce(TensorData::new(vec![local_loss], [1]), ReduceOp::Avg)?,
-    );
-    let report = StepReport { loss, grad_norm };
-    let model = optimizer_step(model, grads, &report);
-    Ok((model, report))
-}
-
 /// The gradient sync of one optimizer step, on the gradients of this rank's parameters (shards
 /// under FSDP, already reduced over the shard group by backward): the tp sync of replicated
 /// sequence-parallel parameters, the average over the data-parallel (and cp) ranks, DDP's
 /// all-reduce, and clipping by the global norm when `max_grad_norm` is set. Returns the global
 /// norm before clipping. What every step runs after its backward, whoever ran it (the
-/// trainer's `train_step`, burn-train's Learner). Collective: every rank calls it.
+/// trainer's [`Step`](crate::Step), burn-train's Learner). Collective: every rank calls it.
 ///
 /// Under pipeline parallelism a model is one stage of the whole: its step is
-/// [`pipeline_train_step`](crate::pipeline_train_step), and this refuses.
+/// [`Step::run_pipeline`](crate::Step::run_pipeline), and this refuses.
 pub fn sync_gradients<M: Parallelize>(
     model: &M,
     grads: &mut Gradients,
@@ -192,15 +171,15 @@ pub fn sync_gradients<M: Parallelize>(
     sync_stage_gradients(model, grads, max_grad_norm, ctx)
 }
 
-/// A step for a whole model (train_step, the Learner's) under pipeline parallelism would train
-/// every stage's ranks on a full replica: refused, naming the pipeline step.
+/// A step for a whole model ([`Step::run`](crate::Step::run), the Learner's) under pipeline parallelism would
+/// train every stage's ranks on a full replica: refused, naming the pipeline step.
 fn refuse_pipeline(ctx: &MeshContext) -> Result<(), ParallelError> {
     match ctx.sizes().pp {
         1 => Ok(()),
         pp => Err(ParallelError::NotSupported(Unsupported::PipelineParallel {
             pp,
             with: "a whole-model training step: each rank holds one stage, trained with \
-                   pipeline_train_step"
+                   Step::run_pipeline"
                 .into(),
         })),
     }

@@ -5,7 +5,7 @@
 //! exchanging activations and gradients with the neighbouring ranks ([`StageLink`]) and
 //! summing the parameter gradients over the microbatches. The optimizer step, the
 //! data-parallel average and the global gradient norm are the parallelizer's
-//! (`pipeline_train_step`).
+//! (`parallelizer::Step::run_pipeline`).
 
 #![warn(missing_docs)]
 

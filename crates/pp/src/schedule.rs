@@ -5,65 +5,26 @@
 //! a gradient crossing on the same link at once, which blocking sends on both ends would
 //! deadlock (Megatron batches the pair instead).
 
-use std::fmt;
-use std::str::FromStr;
-
 use crate::error::PipelineError;
 
-/// A pipeline schedule, by its name in configs and on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ScheduleKind {
-    /// GPipe: every microbatch's forward, then every backward. Holds the activations of all
-    /// `m` microbatches at once; bubble `(p - 1) / (m + p - 1)`.
-    GPipe,
-    /// 1F1B (PipeDream-flush, Megatron's non-interleaved schedule): `p - 1 - s` warm-up
-    /// forwards on stage `s`, then one forward and one backward alternately, then the
-    /// remaining backwards. Same bubble as GPipe, at most `p - s` microbatches' activations
-    /// held.
-    #[default]
-    OneFOneB,
-    /// Megatron's interleaved 1F1B: each rank holds `v` chunks (virtual stages `c * p + r`),
-    /// microbatches go round the ranks `v` times; the bubble shrinks by `v`, at the cost of
-    /// `v` times the point-to-point traffic. Needs a microbatch count that `p` divides.
-    Interleaved,
-}
-
-impl ScheduleKind {
-    /// Every schedule, in the order of [`Self::NAMES`].
-    pub const ALL: &'static [ScheduleKind] = &[Self::GPipe, Self::OneFOneB, Self::Interleaved];
-    /// The names the schedules are selected by.
-    pub const NAMES: &'static [&'static str] = &["gpipe", "1f1b", "interleaved"];
-
-    /// The schedule's name (`gpipe`, `1f1b`, `interleaved`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::GPipe => "gpipe",
-            Self::OneFOneB => "1f1b",
-            Self::Interleaved => "interleaved",
-        }
-    }
-}
-
-impl fmt::Display for ScheduleKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for ScheduleKind {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .iter()
-            .copied()
-            .find(|k| k.name() == s.to_ascii_lowercase())
-            .ok_or_else(|| {
-                format!(
-                    "unknown pipeline schedule `{s}` (one of {})",
-                    Self::NAMES.join(", ")
-                )
-            })
+burn_parallel_styles::named_enum! {
+    /// A pipeline schedule, by its name in configs and on the command line.
+    #[derive(Default)]
+    pub enum ScheduleKind as "pipeline schedule" {
+        /// GPipe: every microbatch's forward, then every backward. Holds the activations of
+        /// all `m` microbatches at once; bubble `(p - 1) / (m + p - 1)`.
+        GPipe = "gpipe",
+        /// 1F1B (PipeDream-flush, Megatron's non-interleaved schedule): `p - 1 - s` warm-up
+        /// forwards on stage `s`, then one forward and one backward alternately, then the
+        /// remaining backwards. Same bubble as GPipe, at most `p - s` microbatches'
+        /// activations held.
+        #[default]
+        OneFOneB = "1f1b",
+        /// Megatron's interleaved 1F1B: each rank holds `v` chunks (virtual stages `c * p +
+        /// r`), microbatches go round the ranks `v` times; the bubble shrinks by `v`, at the
+        /// cost of `v` times the point-to-point traffic. Needs a microbatch count that `p`
+        /// divides.
+        Interleaved = "interleaved",
     }
 }
 

@@ -3,8 +3,13 @@
 //! `tp_shard_plan` map (read at run time by burn-parallel-tp) both parse through it, so they
 //! accept the same names, arguments and defaults and fail with the same words. It has no
 //! dependency, so the proc-macro crate can use it without building Burn for the host.
+//!
+//! It also holds [`named_enum!`], the one name table of every enum a config file or the
+//! command line names (strategies, dtypes, ZeRO stages, pipeline schedules, ...).
 
 #![warn(missing_docs)]
+
+mod names;
 
 /// What a style takes in parentheses after its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -45,18 +45,54 @@ pub fn router_report(
         .collect();
     let experts = moe.num_experts;
     let with_aux = moe.output_router_logits;
-    // One exchange: every layer's counts, the rows and (for the loss) the detached
-    // probability sums of every rank.
-    let mut local: Vec<f64> = layers
-        .iter()
-        .flat_map(|s| s.counts.iter().map(|&c| c as f64))
-        .collect();
-    local.push(layers.iter().map(|s| s.rows).sum::<usize>() as f64);
     let prob_sums = layers
         .iter()
         .map(|s| s.prob_sums.clone())
         .reduce(|a, b| a + b)
         .expect("a sparse layer");
+    let local = local_stats(&layers, &prob_sums, with_aux)?;
+    let n = local.len();
+    let total = mesh
+        .dp_cp_group()
+        .all_reduce(TensorData::new(local, [n]), ReduceOp::Sum)?
+        .try_to_vec::<f64>()
+        .map_err(|e| TrainError::Config(format!("summed router stats: {e:?}")))?;
+    let expert_tokens = expert_token_range(&total[..layers.len() * experts]);
+    if !with_aux {
+        return Ok(Some(RouterReport {
+            term: None,
+            aux_loss: None,
+            expert_tokens,
+        }));
+    }
+    // Undo train_step's weighting (rows' share) and averaging (1 / dp_cp) for this term.
+    let scale = mesh.dp_cp_size() as f64 / rows.loss_weight();
+    let (term, aux_loss) = load_balancing(
+        &total,
+        layers.len(),
+        experts,
+        prob_sums,
+        scale * moe.router_aux_loss_coef,
+    );
+    Ok(Some(RouterReport {
+        term: Some(term),
+        aux_loss: Some(aux_loss),
+        expert_tokens,
+    }))
+}
+
+/// This rank's part of the step's one exchange: every layer's counts, the rows and (for the
+/// loss, `with_aux`) the detached probability sums `prob_sums`.
+fn local_stats(
+    layers: &[RouterStats],
+    prob_sums: &Tensor<1>,
+    with_aux: bool,
+) -> Result<Vec<f64>, TrainError> {
+    let mut local: Vec<f64> = layers
+        .iter()
+        .flat_map(|s| s.counts.iter().map(|&c| c as f64))
+        .collect();
+    local.push(layers.iter().map(|s| s.rows).sum::<usize>() as f64);
     if with_aux {
         let probs: Vec<f32> = prob_sums
             .clone()
@@ -66,34 +102,34 @@ pub fn router_report(
             .map_err(|e| TrainError::Config(format!("router probabilities: {e:?}")))?;
         local.extend(probs.iter().map(|&p| p as f64));
     }
-    let n = local.len();
-    let total = mesh
-        .dp_cp_group()
-        .all_reduce(TensorData::new(local, [n]), ReduceOp::Sum)?
-        .try_to_vec::<f64>()
-        .map_err(|e| TrainError::Config(format!("summed router stats: {e:?}")))?;
-    let per_layer = &total[..layers.len() * experts];
-    // A token's k slots each reach an expert: counts are slots.
+    Ok(local)
+}
+
+/// The fewest and most tokens any expert of any layer received, of the summed counts
+/// `per_layer`. A token's k slots each reach an expert: counts are slots.
+fn expert_token_range(per_layer: &[f64]) -> (u64, u64) {
     let min = per_layer.iter().copied().fold(f64::INFINITY, f64::min) as u64;
     let max = per_layer.iter().copied().fold(0.0, f64::max) as u64;
-    let mut report = RouterReport {
-        term: None,
-        aux_loss: None,
-        expert_tokens: (min, max),
-    };
-    if !with_aux {
-        return Ok(Some(report));
-    }
+    (min, max)
+}
+
+/// The load-balancing loss of the summed stats `total` (`layers x experts` counts, the rows,
+/// the probability sums): this rank's term, differentiable through its own `prob_sums` and
+/// scaled by `scale`, and the unweighted loss over the global batch.
+fn load_balancing(
+    total: &[f64],
+    layers: usize,
+    experts: usize,
+    prob_sums: Tensor<1>,
+    scale: f64,
+) -> (Tensor<1>, f32) {
+    let per_layer = &total[..layers * experts];
     // The load-balancing loss stacks every layer's rows: counts summed over layers.
     let counts: Vec<f32> = (0..experts)
-        .map(|e| {
-            (0..layers.len())
-                .map(|l| per_layer[l * experts + e])
-                .sum::<f64>() as f32
-        })
+        .map(|e| (0..layers).map(|l| per_layer[l * experts + e]).sum::<f64>() as f32)
         .collect();
-    let total_rows = total[layers.len() * experts] as usize;
-    let global_probs = &total[layers.len() * experts + 1..];
+    let total_rows = total[layers * experts] as usize;
+    let global_probs = &total[layers * experts + 1..];
     let global = experts as f64
         * counts
             .iter()
@@ -105,13 +141,8 @@ pub fn router_report(
         prob_sums,
         rows: total_rows,
     };
-    // Undo train_step's weighting (rows' share) and averaging (1 / dp_cp) for this term.
-    let scale = mesh.dp_cp_size() as f64 / rows.loss_weight();
-    report.term = Some(
-        stacked
-            .loss(&counts, total_rows)
-            .mul_scalar(scale * moe.router_aux_loss_coef),
-    );
-    report.aux_loss = Some(global as f32);
-    Ok(Some(report))
+    (
+        stacked.loss(&counts, total_rows).mul_scalar(scale),
+        global as f32,
+    )
 }

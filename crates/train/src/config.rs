@@ -9,7 +9,7 @@ use burn_parallel_models::LlamaConfig;
 use burn_parallel_parallelizer::{DistributedConfig, Strategy, ZeroDpStrategy, named_enum};
 
 use crate::data::DataOptions;
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 use crate::flags::trainer_defaults;
 use crate::options::{LoraOptions, LrScheduleKind, OnNonFinite, PipelineOptions};
 
@@ -50,7 +50,7 @@ impl Backend {
         #[cfg(any(feature = "cuda", feature = "tch"))]
         if matches!(self, Backend::Cuda | Backend::Tch) {
             burn_parallel_comm::nccl::check_gpu(gpu)
-                .map_err(|e| TrainError::Config(format!("--backend {self}: {e}")))?;
+                .map_err(|e| flag_error("--backend", format!("{self}: {e}")))?;
         }
         let _ = gpu;
         let base = match self {
@@ -63,14 +63,15 @@ impl Backend {
             #[cfg(feature = "wgpu")]
             // One device every rank shares (rank identity comes from the communicator).
             Backend::Wgpu => crate::wgpu_device::wgpu_adapter()
-                .map_err(|e| TrainError::Config(format!("--backend wgpu: {e}")))?
+                .map_err(|e| flag_error("--backend", format!("wgpu: {e}")))?
                 .device
                 .clone(),
             #[allow(unreachable_patterns)]
             other => {
-                return Err(TrainError::Config(format!(
-                    "--backend {other} is not in this build: build with `--features {other}`"
-                )));
+                return Err(flag_error(
+                    "--backend",
+                    format!("{other} is not in this build: build with `--features {other}`"),
+                ));
             }
         };
         Ok(base.autodiff())
@@ -232,7 +233,7 @@ impl TrainConfig {
     pub fn world_size(&self) -> Result<usize, TrainError> {
         match self.distributed.world_size {
             Some(n) if n > 0 => Ok(n),
-            Some(_) => Err(TrainError::Config("--world-size must be at least 1".into())),
+            Some(_) => Err(flag_error("--world-size", "must be at least 1")),
             None => Err(TrainError::Config(
                 "the run's world size is not set: give --world-size, or world_size in the \
                  distributed config"

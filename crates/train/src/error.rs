@@ -1,10 +1,59 @@
+use std::fmt;
+
 use burn_parallel_models::ModelError;
+
+/// A command-line flag the run cannot use (most are found before any rank starts): which flag,
+/// so that a program can tell which one to change, and why.
+///
+/// It prints as the flag, a space and the reason (`--seq-len 4096 is longer than ...`); a
+/// reason that opens with punctuation (`: ...`, `, --microbatches ...`) follows the flag
+/// directly, so that a message naming a group of flags reads as one sentence.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct FlagError {
+    /// The flag as typed on the command line (`--seq-len`), or the first of several the
+    /// message names together; a slash-joined group (`--param-dtype/--reduce-dtype`) is one.
+    pub flag: &'static str,
+    /// What is wrong with it and what to give instead: the message after the flag.
+    pub reason: String,
+}
+
+impl FlagError {
+    /// The error of `flag` for `reason` (the message after the flag).
+    pub fn new(flag: &'static str, reason: impl Into<String>) -> Self {
+        Self {
+            flag,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for FlagError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Groups of flags are written as one phrase ("--a, --b and --c need ..."), so their
+        // punctuation must not be pushed away from the first flag by a space.
+        let sep = match self.reason.starts_with([':', ',']) {
+            true => "",
+            false => " ",
+        };
+        write!(f, "{}{sep}{}", self.flag, self.reason)
+    }
+}
+
+/// `Err`'s value for a run whose `flag` cannot be used, for `reason` (see [`FlagError`]).
+pub(crate) fn flag_error(flag: &'static str, reason: impl Into<String>) -> TrainError {
+    TrainError::Flag(FlagError::new(flag, reason))
+}
 
 /// Why a training run could not start or failed.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    /// A flag or setting is invalid, or needs a feature this build lacks; raised before any
-    /// rank starts.
+    /// A flag is invalid, or needs another flag or a feature this build lacks;
+    /// [`FlagError::flag`] names it.
+    #[error(transparent)]
+    Flag(#[from] FlagError),
+    /// A setting is invalid where no flag is to blame (an environment variable, the model
+    /// against the layout, a file the run writes), or a library refused it: the message says
+    /// which.
     #[error("{0}")]
     Config(String),
     /// A data or tokenizer file cannot be used (`--data`, `--eval-data`, `--tokenizer`): the

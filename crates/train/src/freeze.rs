@@ -13,7 +13,7 @@ use burn::tensor::Tensor;
 use burn_parallel_models::Llama;
 use burn_parallel_models::checkpoint::{HfParam, hf_params};
 
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 
 /// The parameters a run freezes and how many elements still train.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -95,11 +95,14 @@ fn partial_stack(p: &HfParam, hit: &str) -> TrainError {
     let first = &p.names[0];
     let stack = first.rsplitn(3, '.').nth(2).unwrap_or(first);
     let stack = stack.rsplit_once('.').map_or(stack, |(layer, _)| layer);
-    TrainError::Config(format!(
-        "--freeze selects `{hit}` but not every expert of its layer: a layer's experts are \
-         stored as one stacked parameter per projection, so freeze them all (for example \
-         `{stack}`) or none"
-    ))
+    flag_error(
+        "--freeze",
+        format!(
+            "selects `{hit}` but not every expert of its layer: a layer's experts are stored \
+             as one stacked parameter per projection, so freeze them all (for example \
+             `{stack}`) or none"
+        ),
+    )
 }
 
 fn no_match(pattern: &str, params: &[HfParam]) -> TrainError {
@@ -109,11 +112,14 @@ fn no_match(pattern: &str, params: &[HfParam]) -> TrainError {
         .take(3)
         .map(String::as_str)
         .collect();
-    TrainError::Config(format!(
-        "--freeze `{pattern}` matches no parameter of the model: give Hugging Face parameter \
-         names, prefixes or globs (names look like {})",
-        examples.join(", ")
-    ))
+    flag_error(
+        "--freeze",
+        format!(
+            "`{pattern}` matches no parameter of the model: give Hugging Face parameter names, \
+             prefixes or globs (names look like {})",
+            examples.join(", ")
+        ),
+    )
 }
 
 /// Whether `pattern` matches `name` whole or the part of it before one of its dots.

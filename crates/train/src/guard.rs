@@ -7,7 +7,7 @@ use burn_parallel_models::LlamaConfig;
 use burn_parallel_parallelizer::StepReport;
 
 use crate::config::TrainConfig;
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 use crate::options::OnNonFinite;
 
 /// Whether both values every rank agrees on (the data-parallel loss, the global norm) are
@@ -28,11 +28,14 @@ pub(crate) fn skips(cfg: &TrainConfig, report: &StepReport) -> bool {
 pub(crate) fn check_positions(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError> {
     let max = model.max_position_embeddings;
     match cfg.seq_len > max {
-        true => Err(TrainError::Config(format!(
-            "--seq-len {} is longer than the model's max_position_embeddings {max}: give \
-             --seq-len {max} or less",
-            cfg.seq_len
-        ))),
+        true => Err(flag_error(
+            "--seq-len",
+            format!(
+                "{} is longer than the model's max_position_embeddings {max}: give --seq-len \
+                 {max} or less",
+                cfg.seq_len
+            ),
+        )),
         false => Ok(()),
     }
 }

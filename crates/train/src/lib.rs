@@ -70,6 +70,9 @@ pub use burn_parallel_parallelizer::{
 pub use cli::{BuiltinModel, TrainArgs};
 pub use config::{Backend, OptimizerKind, TrainConfig};
 pub use data::DataOptions;
+/// A flag the run cannot use ([`TrainError::Flag`]): `err.flag` names it, for programs that
+/// react to a particular flag rather than print the message.
+pub use error::FlagError;
 pub use error::TrainError;
 pub use fault::{FAULT_ENV, Fault, FaultKind, SLOW_STEP};
 pub use flags::{DistributedFlags, TpPlanName, trainer_defaults};

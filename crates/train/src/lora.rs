@@ -15,7 +15,7 @@ use burn_parallel_peft::{
 };
 
 use crate::config::TrainConfig;
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 use crate::options::{DEFAULT_TARGETS, LoraOptions};
 
 /// The LoRA flags of the trainer's command line; [`options`](Self::options) gives the run's
@@ -83,10 +83,10 @@ impl LoraFlags {
 /// Checks a run's LoRA settings before any rank starts (reading `--lora-init`'s config).
 pub(crate) fn check(cfg: &TrainConfig) -> Result<(), TrainError> {
     if cfg.lora.plan(cfg.seed)?.is_some() && !cfg.freeze.is_empty() {
-        return Err(TrainError::Config(
-            "--freeze with LoRA: LoRA already freezes every base parameter (only the adapters \
-             train); drop --freeze"
-                .into(),
+        return Err(flag_error(
+            "--freeze",
+            "with LoRA: LoRA already freezes every base parameter (only the adapters train); \
+             drop --freeze",
         ));
     }
     Ok(())
@@ -111,7 +111,6 @@ impl LoraOptions {
     /// LoRA flags given with it must agree with; flags that need a rank without one are
     /// errors saying so.
     pub(crate) fn plan(&self, seed: u64) -> Result<Option<LoraPlan>, TrainError> {
-        let bad = |m: String| Err(TrainError::Config(m));
         if let Some(dir) = &self.init {
             let file = AdapterConfig::read(dir).map_err(lora_error)?;
             self.agrees_with(&file, dir)?;
@@ -125,8 +124,9 @@ impl LoraOptions {
                 (self.save_adapter.is_some(), "--save-adapter"),
             ];
             return match given.iter().find(|(set, _)| *set) {
-                Some((_, flag)) => bad(format!(
-                    "{flag} needs LoRA: give --lora-rank R (or --lora-init DIR)"
+                Some((_, flag)) => Err(flag_error(
+                    flag,
+                    "needs LoRA: give --lora-rank R (or --lora-init DIR)",
                 )),
                 None => Ok(None),
             };
@@ -142,32 +142,45 @@ impl LoraOptions {
             rslora: self.rslora,
             seed,
         };
-        config.validate().map_err(|e| {
-            TrainError::Config(format!("--lora-rank/--lora-alpha/--lora-targets: {e}"))
-        })?;
+        config
+            .validate()
+            .map_err(|e| flag_error("--lora-rank/--lora-alpha/--lora-targets", format!(": {e}")))?;
         Ok(Some(LoraPlan::New(config)))
     }
 
     /// Refuses LoRA flags that contradict `--lora-init`'s `adapter_config.json`.
     fn agrees_with(&self, file: &AdapterConfig, dir: &Path) -> Result<(), TrainError> {
         let where_ = format!("--lora-init {}", dir.display());
-        let contradicts = |flag: String, theirs: String| {
-            Err(TrainError::Config(format!(
-                "{flag} contradicts {where_}, whose adapter_config.json says {theirs}; drop the \
-                 flag (the adapter's config is used) or start without --lora-init"
-            )))
+        // `given`: the value typed after the flag; a switch (`--lora-rslora`) has none.
+        let contradicts = |flag: &'static str, given: Option<String>, theirs: String| {
+            let reason = format!(
+                "contradicts {where_}, whose adapter_config.json says {theirs}; drop the flag \
+                 (the adapter's config is used) or start without --lora-init"
+            );
+            Err(flag_error(
+                flag,
+                match given {
+                    Some(value) => format!("{value} {reason}"),
+                    None => reason,
+                },
+            ))
         };
         if let Some(r) = self.rank.filter(|r| *r != file.r) {
-            return contradicts(format!("--lora-rank {r}"), format!("r = {}", file.r));
+            return contradicts(
+                "--lora-rank",
+                Some(r.to_string()),
+                format!("r = {}", file.r),
+            );
         }
         if let Some(a) = self.alpha.filter(|a| *a != file.lora_alpha) {
             return contradicts(
-                format!("--lora-alpha {a}"),
+                "--lora-alpha",
+                Some(a.to_string()),
                 format!("lora_alpha = {}", file.lora_alpha),
             );
         }
         if self.rslora && !file.use_rslora {
-            return contradicts("--lora-rslora".into(), "use_rslora = false".into());
+            return contradicts("--lora-rslora", None, "use_rslora = false".into());
         }
         if let Some(t) = &self.targets {
             let theirs = match &file.target_modules {
@@ -180,7 +193,8 @@ impl LoraOptions {
             sorted.sort();
             if mine != sorted {
                 return contradicts(
-                    format!("--lora-targets {}", t.join(",")),
+                    "--lora-targets",
+                    Some(t.join(",")),
                     format!("target_modules = {theirs:?}"),
                 );
             }

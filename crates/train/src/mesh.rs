@@ -8,14 +8,15 @@ use burn_parallel_parallelizer::{Plan, TpShardPlan};
 use burn_parallel_tp::local_heads;
 
 use crate::config::TrainConfig;
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 
 /// What `cfg`'s distributed config means on its ranks (the plan each rank's `MeshContext` is
 /// built from), or an error naming the setting or size it cannot use.
 pub fn mesh_plan(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Plan, TrainError> {
     let d = &cfg.distributed;
     let s = d.strategy;
-    let bad = |m: String| Err(TrainError::Config(format!("--strategy {s}: {m}")));
+    // Every refusal names the strategy, since it decides the sizes checked here.
+    let bad = |m: String| Err(flag_error("--strategy", format!("{s}: {m}")));
     let world = cfg.world_size()?;
     if let Some(TpShardPlan::Named(name)) = &d.tp_shard_plan
         && plan_name(name).0 != LLAMA_PLAN.name
@@ -41,7 +42,7 @@ pub fn mesh_plan(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Plan, TrainEr
     }
     let plan = d
         .plan(world)
-        .map_err(|e| TrainError::Config(format!("--strategy {s}: {e}")))?;
+        .map_err(|e| flag_error("--strategy", format!("{s}: {e}")))?;
     let sizes = plan.sizes();
     if sizes.tp > 1 {
         local_heads(

@@ -9,7 +9,7 @@ use burn_parallel_checkpoint::{SaveDirLock, lock_save_dir};
 use burn_parallel_parallelizer::MeshContext;
 
 use crate::config::TrainConfig;
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 
 /// Creates `--save` and `--save-adapter` and writes a probe file into each. Leaves the
 /// directories (empty) in place.
@@ -21,11 +21,14 @@ pub(crate) fn check_writable(cfg: &TrainConfig) -> Result<(), TrainError> {
     for (flag, dir) in outputs {
         if let Some(dir) = dir {
             probe(dir).map_err(|e| {
-                TrainError::Config(format!(
-                    "{flag} {}: cannot write there ({e}): give a directory this job can write \
-                     (checked before training, so that the trained weights are not lost)",
-                    dir.display()
-                ))
+                flag_error(
+                    flag,
+                    format!(
+                        "{}: cannot write there ({e}): give a directory this job can write \
+                         (checked before training, so that the trained weights are not lost)",
+                        dir.display()
+                    ),
+                )
             })?;
         }
     }

@@ -14,7 +14,7 @@ use burn_parallel_parallelizer::{MeshContext, Parallelize, StepReport};
 use serde_json::json;
 
 use crate::config::{OptimizerKind, TrainConfig};
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 use crate::guard::skips;
 use crate::optim::{AdamW, Optimizer, Sgd};
 use crate::schedule::LrSchedule;
@@ -115,20 +115,22 @@ pub(crate) fn open_resume(cfg: &TrainConfig) -> Result<Option<Resume>, TrainErro
     let progress = checkpoint.progress();
     let step = progress.step as usize;
     if step >= cfg.steps {
-        return Err(TrainError::Config(format!(
-            "--resume {}: the checkpoint is at step {step}, so --steps {} (the total) leaves \
-             nothing to train",
-            checkpoint.dir().display(),
-            cfg.steps
-        )));
+        return Err(flag_error(
+            "--resume",
+            format!(
+                "{}: the checkpoint is at step {step}, so --steps {} (the total) leaves nothing \
+                 to train",
+                checkpoint.dir().display(),
+                cfg.steps
+            ),
+        ));
     }
     if !cfg.allow_data_change {
-        check_same_data(cfg, &progress.extra).map_err(|e| {
-            TrainError::Config(format!("--resume {}: {e}", checkpoint.dir().display()))
-        })?;
+        check_same_data(cfg, &progress.extra)
+            .map_err(|e| flag_error("--resume", format!("{}: {e}", checkpoint.dir().display())))?;
     }
     let schedule_position = schedule_position(&progress.extra, step)
-        .map_err(|e| TrainError::Config(format!("--resume {}: {e}", checkpoint.dir().display())))?;
+        .map_err(|e| flag_error("--resume", format!("{}: {e}", checkpoint.dir().display())))?;
     Ok(Some(Resume {
         step,
         data_position: progress.data_position as usize,

@@ -13,8 +13,7 @@ use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama_ep, sav
 use burn_parallel_models::data::TokenData;
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
-    LocalRows, MeshContext, MeshSizes, Plan, parallelize_model, parallelize_model_from,
-    train_step_accumulated,
+    LocalRows, MeshContext, MeshSizes, Plan, Step, parallelize_model, parallelize_model_from,
 };
 
 use crate::batches::{eval_loss, forward_step};
@@ -120,13 +119,16 @@ fn check_all_weights_taken(dir: &std::path::Path) -> Result<(), TrainError> {
     let Some(first) = untaken.first() else {
         return Ok(());
     };
-    Err(TrainError::Config(format!(
-        "--checkpoint {}: {} of its tensors are not part of the model its config.json \
-         describes (the first: `{first}`): the config and the weights disagree, for example in \
-         num_hidden_layers; give the config.json that came with these weights",
-        dir.display(),
-        untaken.len()
-    )))
+    Err(crate::error::flag_error(
+        "--checkpoint",
+        format!(
+            "{}: {} of its tensors are not part of the model its config.json describes (the \
+             first: `{first}`): the config and the weights disagree, for example in \
+             num_hidden_layers; give the config.json that came with these weights",
+            dir.display(),
+            untaken.len()
+        ),
+    ))
 }
 
 /// Trains as `cfg` says on `cfg.engine`'s ranks; `on_step` sees every step (on rank 0's
@@ -281,7 +283,8 @@ fn run_rank(
 }
 
 /// The whole model on every rank (every layout but pipeline parallelism): each step runs
-/// every micro-batch's forward and backward, then [`train_step_accumulated`].
+/// every micro-batch's forward and backward, then the [`Step`] with the earlier ones
+/// accumulated.
 struct WholeModel<'a> {
     cfg: &'a TrainConfig,
     model_cfg: &'a LlamaConfig,
@@ -327,15 +330,10 @@ impl StepRunner for WholeModel<'_> {
             true => forward.loss.mul_scalar(f32::NAN),
             false => forward.loss,
         };
-        let (model, report) = train_step_accumulated(
-            model,
-            loss,
-            forward.accumulated,
-            input.rows,
-            cfg.grad_clip,
-            mesh,
-            update,
-        )?;
+        let (model, report) = Step::new(mesh, input.rows)
+            .max_grad_norm(cfg.grad_clip)
+            .accumulated(forward.accumulated)
+            .run(model, loss, update)?;
         let done = StepDone {
             report,
             forward_s: Some(forward_s),

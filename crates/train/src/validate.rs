@@ -3,70 +3,76 @@
 //! config and the modules it asks, so the config imports none of them.
 
 use crate::config::{Backend, TrainConfig};
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 use crate::options::LrScheduleKind;
 
 impl TrainConfig {
     /// Refuses, before any rank starts, a setting the run cannot use (an error naming the flag
     /// and what to give instead).
     pub(crate) fn check(&self) -> Result<(), TrainError> {
-        let bad = |m: String| Err(TrainError::Config(m));
+        let bad = |flag: &'static str, reason: String| Err(flag_error(flag, reason));
         self.world_size()?;
         if self.steps == 0 {
-            return bad("--steps must be at least 1".into());
+            return bad("--steps", "must be at least 1".into());
         }
         if self.global_batch == 0 || self.seq_len == 0 {
-            return bad("--global-batch and --seq-len must be at least 1".into());
+            return bad("--global-batch", "and --seq-len must be at least 1".into());
         }
         if self.grad_accum == 0 {
-            return bad("--grad-accum must be at least 1".into());
+            return bad("--grad-accum", "must be at least 1".into());
         }
         let opts = &self.data_options;
         if opts.eval_data.is_some() != (opts.eval_every > 0) {
-            return bad("--eval-data and --eval-every go together: give both".into());
+            return bad(
+                "--eval-data",
+                "and --eval-every go together: give both".into(),
+            );
         }
         if opts.eval_data.is_some() && opts.eval_batches == 0 {
-            return bad("--eval-batches must be at least 1".into());
+            return bad("--eval-batches", "must be at least 1".into());
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return bad(format!("--lr {} must be a non-negative number", self.lr));
+            return bad("--lr", format!("{} must be a non-negative number", self.lr));
         }
         if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
-            return bad(format!(
-                "--min-lr {} must be a number from 0 to --lr ({})",
+            let reason = format!(
+                "{} must be a number from 0 to --lr ({})",
                 self.min_lr, self.lr
-            ));
+            );
+            return bad("--min-lr", reason);
         }
         if self.min_lr > 0.0 && self.lr_schedule == LrScheduleKind::Constant {
-            return bad(format!(
-                "--min-lr {} needs a decaying schedule: give --lr-schedule linear or cosine",
-                self.min_lr
-            ));
+            return bad(
+                "--min-lr",
+                format!(
+                    "{} needs a decaying schedule: give --lr-schedule linear or cosine",
+                    self.min_lr
+                ),
+            );
         }
         match (self.save_every, &self.save_dir) {
-            (Some(0), _) => return bad("--save-every must be at least 1".into()),
-            (Some(_), None) => return bad("--save-every needs --save-dir".into()),
-            (None, Some(_)) => return bad("--save-dir needs --save-every".into()),
+            (Some(0), _) => return bad("--save-every", "must be at least 1".into()),
+            (Some(_), None) => return bad("--save-every", "needs --save-dir".into()),
+            (None, Some(_)) => return bad("--save-dir", "needs --save-every".into()),
             _ => {}
         }
         if let Some(fault) = &self.fault
             && fault.kind == crate::fault::FaultKind::Nan
             && self.distributed.pp_size > 1
         {
-            return bad(format!(
+            return Err(TrainError::Config(format!(
                 "{}: a nan fault is not injected under --pp (the pipeline's loss is computed \
                  inside its schedule); inject it in a run without --pp",
                 crate::fault::FAULT_ENV
-            ));
+            )));
         }
         if self.async_save && self.save_every.is_none() {
-            return bad("--async-save needs --save-every and --save-dir".into());
+            return bad("--async-save", "needs --save-every and --save-dir".into());
         }
         if self.distributed.mp_policy.casts() && self.backend == Backend::Ndarray {
             return bad(
-                "--param-dtype/--reduce-dtype bf16 or f16 needs --backend flex (ndarray has only \
-                 f32)"
-                    .into(),
+                "--param-dtype/--reduce-dtype",
+                "bf16 or f16 needs --backend flex (ndarray has only f32)".into(),
             );
         }
         if !self.backend.available() {
@@ -78,10 +84,9 @@ impl TrainConfig {
         }
         crate::lora::check(self)?;
         if !self.engine.available() {
-            return bad(format!(
-                "--engine {} is not in this build: build with `--features {}`",
-                self.engine, self.engine
-            ));
+            let engine = &self.engine;
+            let reason = format!("{engine} is not in this build: build with `--features {engine}`");
+            return bad("--engine", reason);
         }
         Ok(())
     }

@@ -8,7 +8,7 @@ use burn::tensor::wgpu::WgpuInitError;
 use burn::tensor::{Device, DeviceKind, FloatDType};
 use burn_parallel_parallelizer::MixedPrecisionConfig;
 
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 
 /// The wgpu device `--backend wgpu` runs on, and the adapter wgpu picked for it.
 #[derive(Debug, Clone)]
@@ -64,19 +64,21 @@ fn init() -> Result<WgpuAdapter, String> {
 /// Refuses a mixed-precision dtype the wgpu device has no kernels for (WGSL has no bf16; f16
 /// needs the adapter's `shader-f16`), before a rank starts, naming the dtype and the adapter.
 pub(crate) fn check_dtypes(mp: &MixedPrecisionConfig) -> Result<(), TrainError> {
-    let adapter = wgpu_adapter().map_err(|e| TrainError::Config(format!("--backend wgpu: {e}")))?;
+    let adapter = wgpu_adapter().map_err(|e| flag_error("--backend", format!("wgpu: {e}")))?;
     let dtypes = [mp.param_dtype, mp.reduce_dtype, mp.output_dtype];
     match dtypes
         .into_iter()
         .flatten()
         .find(|d| !adapter.device.supports_dtype(FloatDType::from(*d)))
     {
-        Some(d) => Err(TrainError::Config(format!(
-            "--backend wgpu: {} ({}) has no {d} kernels: keep {d} out of the mixed-precision \
-             policy (--param-dtype, --reduce-dtype, mp_policy.output_dtype) or use --backend \
-             flex",
-            adapter.name, adapter.api
-        ))),
+        Some(d) => Err(flag_error(
+            "--backend",
+            format!(
+                "wgpu: {} ({}) has no {d} kernels: keep {d} out of the mixed-precision policy \
+                 (--param-dtype, --reduce-dtype, mp_policy.output_dtype) or use --backend flex",
+                adapter.name, adapter.api
+            ),
+        )),
         None => Ok(()),
     }
 }

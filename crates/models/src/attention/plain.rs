@@ -231,23 +231,9 @@ pub fn backward<B: Backend>(
         B::float_cast(lse, FloatDType::F32),
         Shape::new([g.batch, g.kv_heads, g.rows, 1]),
     );
-    let k = B::float_cast(k, FloatDType::F32);
-    let v = B::float_cast(v, FloatDType::F32);
-    let key_blocks: Vec<_> = blocks(g.keys, KEY_BLOCK).collect();
-    let ks: Vec<_> = key_blocks
-        .iter()
-        .map(|r| rows::<B>(&k, r.clone()))
-        .collect();
-    let vs_t: Vec<_> = key_blocks
-        .iter()
-        .map(|r| transposed::<B>(rows::<B>(&v, r.clone())))
-        .collect();
-    let mut d_k: Vec<Option<FloatTensor<B>>> = vec![None; key_blocks.len()];
-    let mut d_v: Vec<Option<FloatTensor<B>>> = vec![None; key_blocks.len()];
-    let add = |acc: Option<FloatTensor<B>>, x: FloatTensor<B>| match acc {
-        Some(acc) => B::float_add(acc, x),
-        None => x,
-    };
+    let kb = KeyBlocks::<B>::of(&g, k, v);
+    let mut d_k: Vec<Option<FloatTensor<B>>> = vec![None; kb.ranges.len()];
+    let mut d_v: Vec<Option<FloatTensor<B>>> = vec![None; kb.ranges.len()];
     let zeros = |n: usize| {
         B::float_zeros(
             Shape::new([g.batch, g.kv_heads, n, g.dim]),
@@ -262,47 +248,15 @@ pub fn backward<B: Backend>(
             rows::<B>(&grad, row_block.clone()),
             rows::<B>(&lse, row_block.clone()),
         );
-        // P and dP of every key block the rows reach, and rowsum(P dP) over all of them.
-        let mut reached = Vec::new();
-        let mut delta = None;
-        for (block, keys) in key_blocks.iter().enumerate() {
-            if !g.reachable(mask, &row_block, block) {
-                continue;
-            }
-            let k_t = transposed::<B>(ks[block].clone());
-            let s = g.scores::<B>(&qb, &k_t, mask, &row_block, keys, scale);
-            let p = B::float_exp(B::float_sub(s, lb.clone()));
-            let dp = B::float_matmul(gb.clone(), vs_t[block].clone());
-            delta = Some(add(
-                delta,
-                B::float_sum_dim(B::float_mul(p.clone(), dp.clone()), 3),
-            ));
-            reached.push((block, p, dp));
-        }
-        let mut dq = None;
-        if let Some(delta) = delta {
-            for (block, p, dp) in reached {
-                d_v[block] = Some(add(
-                    d_v[block].take(),
-                    B::float_matmul(transposed::<B>(p.clone()), gb.clone()),
-                ));
-                let ds = B::float_mul_scalar(
-                    B::float_mul(p, B::float_sub(dp, delta.clone())),
-                    scale.into(),
-                );
-                dq = Some(add(dq, B::float_matmul(ds.clone(), ks[block].clone())));
-                d_k[block] = Some(add(
-                    d_k[block].take(),
-                    B::float_matmul(transposed::<B>(ds), qb.clone()),
-                ));
-            }
-        }
+        let (reached, delta) = kb.reached(&g, mask, &row_block, [&qb, &gb, &lb], scale);
+        let d_kv = [d_k.as_mut_slice(), d_v.as_mut_slice()];
+        let dq = delta.and_then(|delta| kb.add_grads(reached, &delta, [&qb, &gb], scale, d_kv));
         d_q.push(dq.unwrap_or_else(|| zeros(row_block.len())));
     }
     let whole = |parts: Vec<Option<FloatTensor<B>>>| -> Vec<FloatTensor<B>> {
         parts
             .into_iter()
-            .zip(&key_blocks)
+            .zip(&kb.ranges)
             .map(|(d, r)| d.unwrap_or_else(|| zeros(r.len())))
             .collect()
     };
@@ -314,4 +268,101 @@ pub fn backward<B: Backend>(
         B::float_cast(d_k, k_dtype),
         B::float_cast(d_v, k_dtype),
     )
+}
+
+/// `acc + x`, or `x` when nothing is accumulated yet.
+fn accumulate<B: Backend>(acc: Option<FloatTensor<B>>, x: FloatTensor<B>) -> FloatTensor<B> {
+    match acc {
+        Some(acc) => B::float_add(acc, x),
+        None => x,
+    }
+}
+
+/// `P` and `dP` of one key block a row block reaches: `(block, P, dP)`.
+type Reached<B> = (usize, FloatTensor<B>, FloatTensor<B>);
+
+/// [`backward`]'s keys and values in f32, cut once into key blocks that every row block reads.
+struct KeyBlocks<B: Backend> {
+    /// Each block's key range.
+    ranges: Vec<std::ops::Range<usize>>,
+    /// Each block's keys, `[batch, kv_heads, block keys, dim]`.
+    ks: Vec<FloatTensor<B>>,
+    /// Each block's values transposed, `[batch, kv_heads, dim, block keys]`.
+    vs_t: Vec<FloatTensor<B>>,
+}
+
+impl<B: Backend> KeyBlocks<B> {
+    /// `k` and `v` `[batch, kv_heads, keys, dim]` cut into blocks of `KEY_BLOCK` keys.
+    fn of(g: &Geometry, k: FloatTensor<B>, v: FloatTensor<B>) -> Self {
+        let k = B::float_cast(k, FloatDType::F32);
+        let v = B::float_cast(v, FloatDType::F32);
+        let ranges: Vec<_> = blocks(g.keys, KEY_BLOCK).collect();
+        let ks: Vec<_> = ranges.iter().map(|r| rows::<B>(&k, r.clone())).collect();
+        let vs_t: Vec<_> = ranges
+            .iter()
+            .map(|r| transposed::<B>(rows::<B>(&v, r.clone())))
+            .collect();
+        Self { ranges, ks, vs_t }
+    }
+
+    /// P and dP of every key block the rows `row_block` (their `q`, `dO` and log-sum-exp
+    /// `[qb, gb, lb]`) reach, and rowsum(P dP) over all of them (`None`: they reach none).
+    fn reached(
+        &self,
+        g: &Geometry,
+        mask: &AttentionMask,
+        row_block: &std::ops::Range<usize>,
+        [qb, gb, lb]: [&FloatTensor<B>; 3],
+        scale: f64,
+    ) -> (Vec<Reached<B>>, Option<FloatTensor<B>>) {
+        let mut reached = Vec::new();
+        let mut delta = None;
+        for (block, keys) in self.ranges.iter().enumerate() {
+            if !g.reachable(mask, row_block, block) {
+                continue;
+            }
+            let k_t = transposed::<B>(self.ks[block].clone());
+            let s = g.scores::<B>(qb, &k_t, mask, row_block, keys, scale);
+            let p = B::float_exp(B::float_sub(s, lb.clone()));
+            let dp = B::float_matmul(gb.clone(), self.vs_t[block].clone());
+            delta = Some(accumulate::<B>(
+                delta,
+                B::float_sum_dim(B::float_mul(p.clone(), dp.clone()), 3),
+            ));
+            reached.push((block, p, dp));
+        }
+        (reached, delta)
+    }
+
+    /// Adds one row block's `d k` and `d v` into `[d_k, d_v]` per key block it reached, and
+    /// returns its `d q` (`None` when it reached none). `[qb, gb]` are its `q` and `dO`.
+    fn add_grads(
+        &self,
+        reached: Vec<Reached<B>>,
+        delta: &FloatTensor<B>,
+        [qb, gb]: [&FloatTensor<B>; 2],
+        scale: f64,
+        [d_k, d_v]: [&mut [Option<FloatTensor<B>>]; 2],
+    ) -> Option<FloatTensor<B>> {
+        let mut dq = None;
+        for (block, p, dp) in reached {
+            d_v[block] = Some(accumulate::<B>(
+                d_v[block].take(),
+                B::float_matmul(transposed::<B>(p.clone()), gb.clone()),
+            ));
+            let ds = B::float_mul_scalar(
+                B::float_mul(p, B::float_sub(dp, delta.clone())),
+                scale.into(),
+            );
+            dq = Some(accumulate::<B>(
+                dq,
+                B::float_matmul(ds.clone(), self.ks[block].clone()),
+            ));
+            d_k[block] = Some(accumulate::<B>(
+                d_k[block].take(),
+                B::float_matmul(transposed::<B>(ds), qb.clone()),
+            ));
+        }
+        dq
+    }
 }

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use burn_parallel_models::data::TokenData;
 
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 use formats::Format;
 use sft::Row;
 use tokenizer::TextTokenizer;
@@ -284,71 +284,128 @@ pub fn load(
     opts: &DataOptions,
     seq_len: usize,
     vocab: usize,
-    what: &str,
+    what: &'static str,
 ) -> Result<Dataset, TrainError> {
     let bytes = std::fs::read(path)
         .map_err(|e| TrainError::Data(format!("{what} {}: cannot read it: {e}", path.display())))?;
     let format = formats::detect(path, &bytes)?;
     if format == Format::Bin {
         if opts.pack {
-            return Err(TrainError::Config(format!(
-                "--pack needs SFT or chat records, but {what} {} is u16 ids",
-                path.display()
-            )));
+            return Err(flag_error(
+                "--pack",
+                format!(
+                    "needs SFT or chat records, but {what} {} is u16 ids",
+                    path.display()
+                ),
+            ));
         }
         return Ok(Dataset::Tokens(TokenData::load(path, vocab, seq_len)?));
     }
-    let tok_path = opts.tokenizer.as_deref().ok_or_else(|| {
-        TrainError::Config(format!(
-            "{what} {} is text ({}): give --tokenizer tokenizer.json",
-            path.display(),
-            format.name()
-        ))
-    })?;
-    if opts.pack && !format.has_examples() {
-        return Err(TrainError::Config(format!(
-            "--pack needs SFT or chat records, but {what} {} is {} (a token stream, already \
-             cut into full rows)",
-            path.display(),
-            format.name()
-        )));
-    }
-    let tok = TextTokenizer::load(tok_path)?;
+    let tok = text_tokenizer(path, format, opts, what)?;
     let examples = tokenized(path, &bytes, format, &tok, cache::CACHE_MIN_BYTES)?;
-    if let Some((i, id)) = examples
-        .iter()
-        .flat_map(|e| e.ids.iter())
-        .enumerate()
-        .find(|(_, id)| **id as usize >= vocab)
-    {
-        return Err(TrainError::Data(format!(
-            "{what} {}: token id {id} (token {i} of the data) is outside the model's vocab_size \
-             {vocab}: {} has {} ids; use the model's own tokenizer",
-            path.display(),
-            tok.path().display(),
-            tok.vocab_size()
-        )));
-    }
+    check_vocab(&examples, vocab, &tok, path, what)?;
     if format.has_examples() {
         let pad = tok.need("pad", format.name())?;
-        let (rows, truncated) = match opts.pack {
-            true => pack::pack(&examples, seq_len),
-            false => sft::rows_of(&examples, seq_len),
-        };
-        if truncated > 0 {
-            eprintln!(
-                "{what} {}: {truncated} of {} examples are longer than --seq-len {seq_len} \
-                 positions and were truncated",
-                path.display(),
-                examples.len()
-            );
-        }
+        let rows = example_rows(&examples, opts.pack, seq_len, path, what);
         return Ok(Dataset::Rows {
             rows,
             pad,
             packed: opts.pack,
         });
     }
+    token_stream(examples, seq_len, path, what)
+}
+
+/// The `--tokenizer` that text data `path` (of `format`) needs. `--pack` is refused here too,
+/// before the tokenizer is read, when the format has no examples to pack.
+fn text_tokenizer(
+    path: &Path,
+    format: Format,
+    opts: &DataOptions,
+    what: &'static str,
+) -> Result<TextTokenizer, TrainError> {
+    let tok_path = opts.tokenizer.as_deref().ok_or_else(|| {
+        flag_error(
+            what,
+            format!(
+                "{} is text ({}): give --tokenizer tokenizer.json",
+                path.display(),
+                format.name()
+            ),
+        )
+    })?;
+    if opts.pack && !format.has_examples() {
+        return Err(flag_error(
+            "--pack",
+            format!(
+                "needs SFT or chat records, but {what} {} is {} (a token stream, already cut \
+                 into full rows)",
+                path.display(),
+                format.name()
+            ),
+        ));
+    }
+    TextTokenizer::load(tok_path)
+}
+
+/// Refuses data holding an id past the model's vocabulary, naming the first: the tokenizer is
+/// not the model's, which is better said before training than found mid-run.
+fn check_vocab(
+    examples: &[Example],
+    vocab: usize,
+    tok: &TextTokenizer,
+    path: &Path,
+    what: &str,
+) -> Result<(), TrainError> {
+    let outside = examples
+        .iter()
+        .flat_map(|e| e.ids.iter())
+        .enumerate()
+        .find(|(_, id)| **id as usize >= vocab);
+    match outside {
+        Some((i, id)) => Err(TrainError::Data(format!(
+            "{what} {}: token id {id} (token {i} of the data) is outside the model's vocab_size \
+             {vocab}: {} has {} ids; use the model's own tokenizer",
+            path.display(),
+            tok.path().display(),
+            tok.vocab_size()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// SFT or chat examples as rows of at most `seq_len` positions (several per row when
+/// `packed`); the examples cut to fit are counted on stderr, since they train on less than
+/// their text.
+fn example_rows(
+    examples: &[Example],
+    packed: bool,
+    seq_len: usize,
+    path: &Path,
+    what: &str,
+) -> Vec<Row> {
+    let (rows, truncated) = match packed {
+        true => pack::pack(examples, seq_len),
+        false => sft::rows_of(examples, seq_len),
+    };
+    if truncated > 0 {
+        eprintln!(
+            "{what} {}: {truncated} of {} examples are longer than --seq-len {seq_len} \
+             positions and were truncated",
+            path.display(),
+            examples.len()
+        );
+    }
+    rows
+}
+
+/// A token stream of the examples' ids, which must hold at least one sample of `seq_len + 1`.
+fn token_stream(
+    examples: Vec<Example>,
+    seq_len: usize,
+    path: &Path,
+    what: &str,
+) -> Result<Dataset, TrainError> {
     let ids: Vec<u32> = examples.into_iter().flat_map(|e| e.ids).collect();
     if ids.len() < seq_len + 1 {
         return Err(TrainError::Data(format!(

@@ -86,6 +86,84 @@ fn template_of(value: Option<&Value>) -> Option<String> {
     }
 }
 
+/// The tokenizer_config.json beside a tokenizer.json, if there is one: where the special
+/// tokens are named (and, with its bytes, part of the tokenized data's cache key).
+struct TokenizerConfig {
+    /// Where it is (or would be), for errors.
+    path: PathBuf,
+    /// The parsed file; `None` without one.
+    value: Option<Value>,
+    /// The file's bytes; empty without one.
+    bytes: Vec<u8>,
+}
+
+impl TokenizerConfig {
+    /// The tokenizer_config.json beside `tokenizer`. A missing or unreadable one is no config
+    /// (many tokenizers ship without it); one that is not JSON is an error, since its special
+    /// tokens would silently be replaced by the defaults.
+    fn beside(tokenizer: &Path) -> Result<Self, TrainError> {
+        let path = tokenizer.with_file_name("tokenizer_config.json");
+        let (value, bytes) = match std::fs::read(&path) {
+            Ok(b) => {
+                let v: Value = serde_json::from_slice(&b).map_err(|e| {
+                    TrainError::Data(format!(
+                        "{}: not JSON ({e}); fix it or remove it",
+                        path.display()
+                    ))
+                })?;
+                (Some(v), b)
+            }
+            Err(_) => (None, Vec::new()),
+        };
+        Ok(Self { path, value, bytes })
+    }
+
+    /// The token text the config gives for `key` (`bos_token`, ...): a string or
+    /// `{"content": ...}`; `None` when it gives none.
+    fn token_text(&self, key: &str) -> Result<Option<String>, TrainError> {
+        match self.value.as_ref().and_then(|c| c.get(key)) {
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(Value::Object(o)) => match o.get("content") {
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                _ => Err(TrainError::Data(format!(
+                    "{}: `{key}` is an object without a string \"content\"",
+                    self.path.display()
+                ))),
+            },
+            Some(Value::Null) | None => Ok(None),
+            Some(other) => Err(TrainError::Data(format!(
+                "{}: `{key}` is {other}, not a token string or {{\"content\": ...}}",
+                self.path.display()
+            ))),
+        }
+    }
+
+    /// The special token `key` of `inner` (the tokenizer.json `tokenizer`): the config's, which
+    /// the vocabulary must hold, else `default` when the vocabulary has it.
+    fn special(
+        &self,
+        inner: &Tokenizer,
+        tokenizer: &Path,
+        key: &str,
+        default: &str,
+    ) -> Result<Option<Special>, TrainError> {
+        match self.token_text(key)? {
+            Some(text) => match inner.token_to_id(&text) {
+                Some(id) => Ok(Some(Special { text, id })),
+                None => Err(TrainError::Data(format!(
+                    "{}: `{key}` {text:?} is not in the vocabulary of {}",
+                    self.path.display(),
+                    tokenizer.display()
+                ))),
+            },
+            None => Ok(inner.token_to_id(default).map(|id| Special {
+                text: default.into(),
+                id,
+            })),
+        }
+    }
+}
+
 impl TextTokenizer {
     /// Loads `path` (a tokenizer.json), the tokenizer_config.json beside it, if any, and the
     /// chat template shipped beside it (see [`CHAT_TEMPLATE_FILES`]).
@@ -98,59 +176,12 @@ impl TextTokenizer {
                 "not a Hugging Face tokenizer.json ({e}); give the tokenizer.json of the model"
             ))
         })?;
-        let config_path = path.with_file_name("tokenizer_config.json");
-        let (config, config_bytes) = match std::fs::read(&config_path) {
-            Ok(b) => {
-                let v: Value = serde_json::from_slice(&b).map_err(|e| {
-                    TrainError::Data(format!(
-                        "{}: not JSON ({e}); fix it or remove it",
-                        config_path.display()
-                    ))
-                })?;
-                (Some(v), b)
-            }
-            Err(_) => (None, Vec::new()),
-        };
+        let config = TokenizerConfig::beside(path)?;
         let mut hash = crate::data::cache::fnv1a(crate::data::cache::FNV_OFFSET, &bytes);
-        hash = crate::data::cache::fnv1a(hash, &config_bytes);
-        let named = |key: &str, default: &str| -> Result<Option<Special>, TrainError> {
-            let text = match config.as_ref().and_then(|c| c.get(key)) {
-                Some(Value::String(s)) => Some(s.clone()),
-                Some(Value::Object(o)) => match o.get("content") {
-                    Some(Value::String(s)) => Some(s.clone()),
-                    _ => {
-                        return Err(TrainError::Data(format!(
-                            "{}: `{key}` is an object without a string \"content\"",
-                            config_path.display()
-                        )));
-                    }
-                },
-                Some(Value::Null) | None => None,
-                Some(other) => {
-                    return Err(TrainError::Data(format!(
-                        "{}: `{key}` is {other}, not a token string or {{\"content\": ...}}",
-                        config_path.display()
-                    )));
-                }
-            };
-            match text {
-                Some(text) => match inner.token_to_id(&text) {
-                    Some(id) => Ok(Some(Special { text, id })),
-                    None => Err(TrainError::Data(format!(
-                        "{}: `{key}` {text:?} is not in the vocabulary of {}",
-                        config_path.display(),
-                        path.display()
-                    ))),
-                },
-                None => Ok(inner.token_to_id(default).map(|id| Special {
-                    text: default.into(),
-                    id,
-                })),
-            }
-        };
-        let bos = named("bos_token", "<s>")?;
-        let eos = named("eos_token", "</s>")?;
-        let mut pad = named("pad_token", "<pad>")?;
+        hash = crate::data::cache::fnv1a(hash, &config.bytes);
+        let bos = config.special(&inner, path, "bos_token", "<s>")?;
+        let eos = config.special(&inner, path, "eos_token", "</s>")?;
+        let mut pad = config.special(&inner, path, "pad_token", "<pad>")?;
         if pad.is_none()
             && let Some(eos) = &eos
         {
@@ -161,7 +192,7 @@ impl TextTokenizer {
             );
             pad = Some(eos.clone());
         }
-        let chat_template = chat_template_beside(path, config.as_ref())?;
+        let chat_template = chat_template_beside(path, config.value.as_ref())?;
         if let Some(template) = &chat_template {
             // Tokenized chat data depends on the template wherever it was read from.
             hash = crate::data::cache::fnv1a(hash, template.as_bytes());

@@ -9,7 +9,7 @@ use burn_parallel_parallelizer::{LocalRows, MeshContext, pipeline_eval_loss};
 use crate::batches::{all_reduce_sum, pad_len};
 use crate::config::TrainConfig;
 use crate::data::Dataset;
-use crate::error::TrainError;
+use crate::error::{TrainError, flag_error};
 
 /// This rank's rows of one global batch, split into the run's microbatches.
 struct Split {
@@ -36,7 +36,7 @@ fn split(
     let m = cfg.pipeline.microbatches(cfg.distributed.pp_size);
     let (b, t) = (batch.rows, batch.seq_len);
     let (plain, counts) = TokenMicrobatch::split(&batch.inputs, &batch.targets, b, t, m)
-        .map_err(|e| TrainError::Config(format!("--microbatches {m}: {e}")))?;
+        .map_err(|e| flag_error("--microbatches", format!("{m}: {e}")))?;
     let (mut masks, mut microbatches) = (Vec::with_capacity(m), Vec::with_capacity(m));
     let mut start = 0;
     for (mb, &r) in plain.into_iter().zip(&counts) {

@@ -1,7 +1,7 @@
 //! The trainer under pipeline parallelism (`--pp N`): each rank builds only its stages of the
 //! Llama ([`LlamaStage`]; one chunk, or `--stages-per-rank` under the interleaved schedule),
 //! splits its rows of the step into `--microbatches` and runs
-//! [`pipeline_train_step_reported`] with the run's optimizer, learning-rate schedule and
+//! [`Step::run_pipeline`] with the run's optimizer, learning-rate schedule and
 //! `--grad-clip`. The loss and gradient norm it reports are the global batch's mean and the
 //! global norm, as under every other layout. What the pipeline path does not support yet is
 //! refused by [`check`] before any rank starts.
@@ -13,9 +13,7 @@ mod export;
 use burn_parallel_checkpoint::LoadOptions;
 use burn_parallel_fsdp::MemoryTracker;
 use burn_parallel_models::{LlamaConfig, LlamaStage};
-use burn_parallel_parallelizer::{
-    LocalRows, MeshContext, MeshSizes, ScheduleKind, pipeline_train_step_reported,
-};
+use burn_parallel_parallelizer::{LocalRows, MeshContext, MeshSizes, ScheduleKind, Step};
 use burn_parallel_peft::LoraConfig;
 
 use crate::config::TrainConfig;
@@ -57,9 +55,10 @@ impl PipelineOptions {
 pub(crate) fn check_flags(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError> {
     match cfg.distributed.pp_size > 1 {
         true => unsupported(cfg, model),
-        false if cfg.pipeline.given() => {
-            bad("--pp-schedule, --microbatches and --stages-per-rank need --pp > 1")
-        }
+        false if cfg.pipeline.given() => bad(
+            "--pp-schedule",
+            ", --microbatches and --stages-per-rank need --pp > 1",
+        ),
         false => Ok(()),
     }
 }
@@ -81,37 +80,42 @@ pub(crate) fn check(
         opts.stages_per_rank(),
     );
     if m == 0 || v == 0 {
-        return bad("--microbatches and --stages-per-rank must be at least 1");
+        return bad("--microbatches", "and --stages-per-rank must be at least 1");
     }
     if schedule != ScheduleKind::Interleaved && v != 1 {
-        return bad(format!(
-            "--stages-per-rank {v} needs --pp-schedule interleaved (gpipe and 1f1b hold one \
-             stage per rank)"
-        ));
+        return bad(
+            "--stages-per-rank",
+            format!("{v} needs --pp-schedule interleaved (gpipe and 1f1b hold one stage per rank)"),
+        );
     }
     if schedule == ScheduleKind::Interleaved && !m.is_multiple_of(pp) {
-        return bad(format!(
-            "--pp-schedule interleaved needs --microbatches ({m}) to be a multiple of --pp \
-             ({pp}); use {}",
-            m.next_multiple_of(pp)
-        ));
+        return bad(
+            "--pp-schedule",
+            format!(
+                "interleaved needs --microbatches ({m}) to be a multiple of --pp ({pp}); use {}",
+                m.next_multiple_of(pp)
+            ),
+        );
     }
     let layers = model.num_hidden_layers;
     if layers < pp * v {
-        return bad(format!(
+        return Err(TrainError::Config(format!(
             "the model's {layers} layers cannot fill --pp {pp} x --stages-per-rank {v} stages \
              (each needs a layer); use fewer stages"
-        ));
+        )));
     }
     // The fewest rows any data-parallel rank holds of the global batch.
     let fewest = cfg.global_batch / mesh.dp();
     if fewest < m {
-        return bad(format!(
-            "--microbatches {m}: a data-parallel rank holds only {fewest} of --global-batch {}'s \
-             rows, so a microbatch would have none; use --microbatches <= {fewest} or a larger \
-             --global-batch",
-            cfg.global_batch
-        ));
+        return bad(
+            "--microbatches",
+            format!(
+                "{m}: a data-parallel rank holds only {fewest} of --global-batch {}'s rows, so a \
+                 microbatch would have none; use --microbatches <= {fewest} or a larger \
+                 --global-batch",
+                cfg.global_batch
+            ),
+        );
     }
     Ok(())
 }
@@ -143,16 +147,19 @@ fn unsupported(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError>
         ),
     ];
     match refusals.iter().find(|r| r.0) {
-        Some((_, what, instead)) => bad(format!(
-            "--pp {}: {what} is not supported under pipeline parallelism yet; use {instead}",
-            d.pp_size
-        )),
+        Some((_, what, instead)) => bad(
+            "--pp",
+            format!(
+                "{}: {what} is not supported under pipeline parallelism yet; use {instead}",
+                d.pp_size
+            ),
+        ),
         None => Ok(()),
     }
 }
 
-fn bad(message: impl Into<String>) -> Result<(), TrainError> {
-    Err(TrainError::Config(message.into()))
+fn bad(flag: &'static str, reason: impl Into<String>) -> Result<(), TrainError> {
+    Err(crate::error::flag_error(flag, reason))
 }
 
 /// The pipeline run of one rank: the one loop ([`crate::run_loop`]) over this rank's stages.
@@ -171,7 +178,7 @@ pub(crate) fn run_rank(
 }
 
 /// This rank's stages: each step splits the rows into microbatches and runs
-/// [`pipeline_train_step_reported`] on the configured schedule.
+/// [`Step::run_pipeline`] on the configured schedule.
 struct Stages<'a> {
     cfg: &'a TrainConfig,
     model_cfg: &'a LlamaConfig,
@@ -216,16 +223,9 @@ impl StepRunner for Stages<'_> {
     ) -> Result<(Vec<LlamaStage>, StepDone), TrainError> {
         let cfg = self.cfg;
         let (mbs, counts) = step_microbatches(cfg, input.data, input.position, input.rows, mesh)?;
-        let (chunks, done) = pipeline_train_step_reported(
-            chunks,
-            &mbs,
-            &counts,
-            input.rows,
-            cfg.pipeline.schedule(),
-            cfg.grad_clip,
-            mesh,
-            update,
-        )?;
+        let (chunks, done) = Step::new(mesh, input.rows)
+            .max_grad_norm(cfg.grad_clip)
+            .run_pipeline(chunks, &mbs, &counts, cfg.pipeline.schedule(), update)?;
         let schedule = &done.schedule;
         let done = StepDone {
             report: done.step,

@@ -130,13 +130,6 @@ where
     E: std::fmt::Display,
     F: FnOnce(RankContext) -> Result<T, E> + Send,
 {
-    let launch_error = |rank: usize, message: String| LaunchError {
-        failures: vec![RankFailure {
-            rank,
-            message,
-            panicked: false,
-        }],
-    };
     if mpi::is_initialized() {
         return Err(launch_error(
             0,
@@ -148,6 +141,36 @@ where
         .ok_or_else(|| launch_error(0, "MPI could not be initialized".into()))?;
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
+    check_job(world_size, rank, size, threading)?;
+    let engine = new_engine(rank, size);
+    let threads = compute_threads(threads_per_rank, local_ranks())
+        .unwrap_or_else(|e| abort_job(rank, size, &e));
+    let value = run_rank(&engine, rank, size, threads, f);
+    shut_down(engine);
+    drop(world);
+    drop(universe);
+    Ok(vec![(rank, value)])
+}
+
+/// The launch's failure on `rank` with `message`, before any rank's work ran.
+fn launch_error(rank: usize, message: String) -> LaunchError {
+    LaunchError {
+        failures: vec![RankFailure {
+            rank,
+            message,
+            panicked: false,
+        }],
+    }
+}
+
+/// Checks that the job is one this engine can run as asked: MPI's thread support and the
+/// number of processes.
+fn check_job(
+    world_size: usize,
+    rank: usize,
+    size: usize,
+    threading: Threading,
+) -> Result<(), LaunchError> {
     // Every rank sees the same job, so every rank returns the same error: nobody is left waiting.
     if threading != Threading::Multiple {
         return Err(launch_error(
@@ -165,7 +188,12 @@ where
             ),
         ));
     }
-    let engine = Arc::new(MpiEngine {
+    Ok(())
+}
+
+/// This process's engine, with no group yet.
+fn new_engine(rank: usize, size: usize) -> Arc<MpiEngine> {
+    Arc::new(MpiEngine {
         rank,
         size,
         shared: comm::Shared {
@@ -175,16 +203,24 @@ where
         },
         groups: Mutex::new(HashMap::new()),
         workers: comm::WorkerRegistry::default(),
-    });
-    let threads = compute_threads(threads_per_rank, local_ranks())
-        .unwrap_or_else(|e| abort_job(rank, size, &e));
+    })
+}
+
+/// Runs `f` on this rank's compute threads and returns its value; an error or a panic aborts
+/// the whole job instead, since the other ranks would wait for this one forever.
+fn run_rank<T, E, F>(engine: &Arc<MpiEngine>, rank: usize, size: usize, threads: usize, f: F) -> T
+where
+    T: Send,
+    E: std::fmt::Display,
+    F: FnOnce(RankContext) -> Result<T, E> + Send,
+{
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let engine = engine.clone();
         run_in_pool(rank, threads, RANK_STACK_BYTES, move || {
             f(RankContext::new(engine)).map_err(|e| e.to_string())
         })
     }));
-    let value = match outcome {
+    match outcome {
         Ok(Ok(Ok(value))) => value,
         Ok(Ok(Err(message)) | Err(message)) => abort_job(rank, size, &message),
         Err(payload) => abort_job(
@@ -192,7 +228,12 @@ where
             size,
             &crate::transport::rank_threads::panic_message(payload.as_ref()),
         ),
-    };
+    }
+}
+
+/// Waits, up to [`SHUTDOWN_GRACE`], for the groups' workers to stop when nothing else holds
+/// the engine any more, so that MPI is not finalized under a worker still calling it.
+fn shut_down(engine: Arc<MpiEngine>) {
     // Dropping the groups stops their workers; MPI is finalized once they have stopped.
     if let Ok(engine) = Arc::try_unwrap(engine) {
         let MpiEngine {
@@ -201,9 +242,6 @@ where
         drop(groups);
         workers.join(Instant::now() + SHUTDOWN_GRACE);
     }
-    drop(world);
-    drop(universe);
-    Ok(vec![(rank, value)])
 }
 
 /// The processes of this job on this node, as the MPI launcher says (1 when it does not).

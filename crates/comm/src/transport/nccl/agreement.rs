@@ -277,6 +277,30 @@ pub fn decide(
     group: &GroupInfo,
 ) -> Result<Agreed, CollectiveError> {
     let stated: Vec<Stated> = all.iter().map(|w| decode(w)).collect();
+    check_problems(spec, &stated, group)?;
+    // The reference every rank is compared with: the root for a broadcast, else the first.
+    let reference = match spec.kind {
+        CallKind::Broadcast { root } => root,
+        _ => 0,
+    };
+    check_same_call(spec, &stated, reference, group)?;
+    if let CallKind::AllToAll { split, concat, .. } = spec.kind {
+        check_all_to_all_slices(&stated, split, concat, group)?;
+    }
+    Ok(Agreed {
+        shapes: stated.iter().map(|s| s.shape.clone()).collect(),
+        lists: stated.iter().map(|s| s.list.clone()).collect(),
+        dtype: stated[reference].dtype,
+    })
+}
+
+/// The first problem a rank found with its own call, as every rank's error: checked before any
+/// comparison, so a rank with bad sizes is named for them rather than as a mismatch.
+fn check_problems(
+    spec: &CallSpec,
+    stated: &[Stated],
+    group: &GroupInfo,
+) -> Result<(), CollectiveError> {
     let op = spec.op.name();
     for (j, s) in stated.iter().enumerate() {
         if let Some(p) = s.problem {
@@ -292,11 +316,18 @@ pub fn decide(
             });
         }
     }
-    // The reference every rank is compared with: the root for a broadcast, else the first.
-    let reference = match spec.kind {
-        CallKind::Broadcast { root } => root,
-        _ => 0,
-    };
+    Ok(())
+}
+
+/// Checks that every rank states the call of rank `reference`: the same op and parameters,
+/// dtype and shape (except along the dims the call lets differ) and, for a gather or scatter,
+/// the same sizes.
+fn check_same_call(
+    spec: &CallSpec,
+    stated: &[Stated],
+    reference: usize,
+    group: &GroupInfo,
+) -> Result<(), CollectiveError> {
     let free: Vec<usize> = match &spec.kind {
         CallKind::Gather { dim, .. } => vec![*dim],
         CallKind::AllToAll { split, concat, .. } => vec![*split, *concat],
@@ -323,39 +354,44 @@ pub fn decide(
             return Err(mismatch(group, reference, r, j, s, ""));
         }
     }
-    if let CallKind::AllToAll { split, concat, .. } = spec.kind {
-        // Rank j's slice for rank i: j's shape with `send[i]` rows along `split`; the slices
-        // that reach one rank must agree except along `concat`.
-        let slice = |j: usize, i: usize| {
-            let mut shape = stated[j].shape.clone();
-            shape[split] = stated[j].list[i];
-            shape
-        };
-        for i in 0..stated.len() {
-            let first = slice(0, i);
-            for j in 1..stated.len() {
-                let other = slice(j, i);
-                let fits = other
-                    .iter()
-                    .zip(&first)
-                    .enumerate()
-                    .all(|(d, (a, b))| d == concat || a == b);
-                if !fits {
-                    let why = format!(
-                        ", whose slices for rank {} ({first:?} and {other:?}) cannot be \
-                         concatenated along dim {concat}",
-                        group.ranks[i]
-                    );
-                    return Err(mismatch(group, 0, &stated[0], j, &stated[j], &why));
-                }
+    Ok(())
+}
+
+/// Checks that the all-to-all slices reaching each rank can be concatenated: every rank
+/// agreeing with the reference is not enough, since each rank cuts its own sizes.
+fn check_all_to_all_slices(
+    stated: &[Stated],
+    split: usize,
+    concat: usize,
+    group: &GroupInfo,
+) -> Result<(), CollectiveError> {
+    // Rank j's slice for rank i: j's shape with `send[i]` rows along `split`; the slices
+    // that reach one rank must agree except along `concat`.
+    let slice = |j: usize, i: usize| {
+        let mut shape = stated[j].shape.clone();
+        shape[split] = stated[j].list[i];
+        shape
+    };
+    for i in 0..stated.len() {
+        let first = slice(0, i);
+        for j in 1..stated.len() {
+            let other = slice(j, i);
+            let fits = other
+                .iter()
+                .zip(&first)
+                .enumerate()
+                .all(|(d, (a, b))| d == concat || a == b);
+            if !fits {
+                let why = format!(
+                    ", whose slices for rank {} ({first:?} and {other:?}) cannot be \
+                     concatenated along dim {concat}",
+                    group.ranks[i]
+                );
+                return Err(mismatch(group, 0, &stated[0], j, &stated[j], &why));
             }
         }
     }
-    Ok(Agreed {
-        shapes: stated.iter().map(|s| s.shape.clone()).collect(),
-        lists: stated.iter().map(|s| s.list.clone()).collect(),
-        dtype: r.dtype,
-    })
+    Ok(())
 }
 
 fn mismatch(

@@ -6,6 +6,8 @@
 //! - [`engine`]: the [`Engine`](crate::Engine) for a [`RankContext`](crate::RankContext): one
 //!   process per GPU from the launcher's environment, or one thread per GPU; one communicator
 //!   per group (mesh dimension) by `ncclCommSplit`.
+//! - [`launcher`]: one process with one thread per GPU, every communicator made at once.
+//! - `p2p_header`: the header ahead of each point-to-point message (what the receiver gets).
 //!
 //! The planning around NCCL is pure and compiled without the feature, so it is tested on every
 //! machine: [`split`] (group -> `ncclCommSplit` color/key), [`unique_id`] (rank 0's id through
@@ -39,16 +41,20 @@ pub mod comm;
 #[cfg(feature = "nccl")]
 pub mod engine;
 #[cfg(feature = "nccl")]
+pub mod launcher;
+#[cfg(feature = "nccl")]
+pub(crate) mod p2p_header;
+#[cfg(feature = "nccl")]
 pub(crate) mod scope;
 
 pub use agreement::{AgreementMode, CHECK_ENV};
 #[cfg(feature = "nccl")]
 pub use comm::{DeviceWork, NcclComm, NcclError, check_gpu, nccl_version, new_unique_id};
 #[cfg(feature = "nccl")]
-pub use engine::{
-    NcclCommunicator, NcclEngine, NcclOptions, launch_local, launch_local_with, nccl_comm,
-};
+pub use engine::{NcclCommunicator, NcclEngine, NcclOptions, nccl_comm};
 pub use launch_env::LaunchEnv;
+#[cfg(feature = "nccl")]
+pub use launcher::{launch_local, launch_local_with};
 pub use library::{CudaLibrary, LibraryMissing};
 pub use rendezvous::COMM_ID_ENV;
 pub use unique_id::ID_ENV;

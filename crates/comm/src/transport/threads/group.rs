@@ -13,6 +13,7 @@ use crate::transport::collective::{Collective, GroupInfo, OpKind, mismatch};
 use crate::transport::error::CollectiveError;
 
 use super::state::{GroupShared, GroupState, Slot, lock};
+use super::waits::Blocked;
 use super::world::World;
 
 /// How often a waiting rank re-checks for failed or exited peers and for a deadlock.
@@ -205,54 +206,12 @@ impl Member<'_> {
                 // with it, the others of the set still end with the divergence, not with "rank
                 // N failed".
                 if let Some(waits) = blocked.diverged() {
-                    let error = CollectiveError::Diverged { waits };
                     // This rank leaves its place in the group's sequence: the group is out of
                     // step, as after a mismatch.
-                    state.broken = Some(error.to_string());
-                    self.group.cv.notify_all();
-                    return Err(error);
+                    return Err(self.break_group(&mut state, CollectiveError::Diverged { waits }));
                 }
             }
-            let op = kind.name().to_string();
-            let group = self.info.label.clone();
-            if let Some((rank, reason)) = self.world.failure() {
-                // The rank that found a divergence records it before it fails: a rank of the
-                // set that sees the failure first still ends with the divergence.
-                if let Some(waits) = blocked.as_ref().and_then(|b| b.recorded()) {
-                    let error = CollectiveError::Diverged { waits };
-                    state.broken = Some(error.to_string());
-                    self.group.cv.notify_all();
-                    return Err(error);
-                }
-                return Err(CollectiveError::PeerFailed {
-                    op,
-                    group,
-                    rank,
-                    reason,
-                });
-            }
-            let gone: Vec<usize> = absent
-                .iter()
-                .copied()
-                .filter(|r| self.world.has_exited(*r))
-                .collect();
-            if !gone.is_empty() {
-                return Err(CollectiveError::RankExited {
-                    op,
-                    group,
-                    seq: seq.unwrap_or(0),
-                    ranks: gone,
-                });
-            }
-            if waited >= self.world.timeout {
-                return Err(CollectiveError::Timeout {
-                    op,
-                    group,
-                    seq: seq.unwrap_or(0),
-                    waited,
-                    missing: absent,
-                });
-            }
+            self.keep_waiting(&mut state, kind, seq, waited, absent, blocked.as_ref())?;
             let step = POLL.min(self.world.timeout - waited);
             state = self
                 .group
@@ -261,6 +220,67 @@ impl Member<'_> {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// Whether a wait that is still not ready may go on: an error when another rank failed
+    /// (or, when this wait is part of a divergence that rank recorded, that divergence), a
+    /// member this rank waits for has exited, or the wait has run for the timeout. `absent`:
+    /// the members not yet there, as global ranks.
+    fn keep_waiting(
+        &self,
+        state: &mut GroupState,
+        kind: OpKind,
+        seq: Option<u64>,
+        waited: Duration,
+        absent: Vec<usize>,
+        blocked: Option<&Blocked<'_>>,
+    ) -> Result<(), CollectiveError> {
+        let op = kind.name().to_string();
+        let group = self.info.label.clone();
+        if let Some((rank, reason)) = self.world.failure() {
+            // The rank that found a divergence records it before it fails: a rank of the
+            // set that sees the failure first still ends with the divergence.
+            if let Some(waits) = blocked.and_then(|b| b.recorded()) {
+                return Err(self.break_group(state, CollectiveError::Diverged { waits }));
+            }
+            return Err(CollectiveError::PeerFailed {
+                op,
+                group,
+                rank,
+                reason,
+            });
+        }
+        let gone: Vec<usize> = absent
+            .iter()
+            .copied()
+            .filter(|r| self.world.has_exited(*r))
+            .collect();
+        if !gone.is_empty() {
+            return Err(CollectiveError::RankExited {
+                op,
+                group,
+                seq: seq.unwrap_or(0),
+                ranks: gone,
+            });
+        }
+        if waited >= self.world.timeout {
+            return Err(CollectiveError::Timeout {
+                op,
+                group,
+                seq: seq.unwrap_or(0),
+                waited,
+                missing: absent,
+            });
+        }
+        Ok(())
+    }
+
+    /// Marks the group broken by `error` and wakes its members: after a divergence the group
+    /// is out of step, so every later call on it must fail rather than pair up wrongly.
+    fn break_group(&self, state: &mut GroupState, error: CollectiveError) -> CollectiveError {
+        state.broken = Some(error.to_string());
+        self.group.cv.notify_all();
+        error
     }
 }
 

@@ -1,9 +1,11 @@
 //! `named_enum!`: one name table per enum, read by `Display`, `FromStr` (the command line),
 //! serde (config files) and the error that lists the accepted names, so the three can never
-//! disagree. The parallelizer's config enums and the trainer's use it.
+//! disagree. The parallelizer's config enums, the pipeline schedules and the trainer's enums
+//! use it; it lives in this leaf crate so that each of them can, without a dependency cycle.
 
 /// Declares a fieldless enum and its one name table: each variant has a name (what `Display`,
-/// serde and `name()` write) and optional aliases (also accepted on input). It implements
+/// serde and `name()` write) and optional aliases (also accepted on input, as are both in
+/// any letter case). It implements
 /// `Display`, `FromStr` (error: a `String` listing every accepted spelling), serde's
 /// `Serialize` and `Deserialize` (a string, or an integer read as its decimal text, for names
 /// like ZeRO stages), and `ALL`, `NAMES`, `name`, `from_name` and `unknown_name`.
@@ -57,12 +59,14 @@ macro_rules! named_enum {
                 }
             }
 
-            /// The value a name or one of its aliases stands for.
+            /// The value a name or one of its aliases stands for, in any letter case (`1F1B`
+            /// is `1f1b`; the names are lowercase).
             pub fn from_name(word: &str) -> Option<Self> {
-                match word {
+                let exact = |word: &str| match word {
                     $($text $(| $alias)* => Some($name::$variant),)+
                     _ => None,
-                }
+                };
+                exact(word).or_else(|| exact(&word.to_ascii_lowercase()))
             }
 
             /// The error for a word that names no value: every accepted spelling, aliases

@@ -1,0 +1,212 @@
+//! The decoder layer's building blocks and their forwards: the RMSNorm (in f32), grouped-query
+//! causal self-attention with rotate-half rotary embeddings, the SwiGLU MLP and the pre-norm
+//! decoder layer that chains them. Field names are the Hugging Face module paths.
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::Tensor;
+use burn_parallel_comm::collectives as coll;
+use burn_parallel_macros::parallelize;
+use burn_parallel_peft::Lora;
+use burn_parallel_tp::{Tp, forward_shared};
+
+use crate::attention::AttentionMask;
+use crate::context_parallel::TokenLayout;
+use crate::fused;
+use crate::moe::SparseMoe;
+use crate::rope::Rope;
+
+/// Root-mean-square norm, computed in f32 whatever the activation dtype (as transformers).
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    /// Per-feature scale, `[hidden]`.
+    pub weight: Param<Tensor<1>>,
+    /// Added to the mean square before the square root.
+    #[module(skip)]
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    /// `x / rms(x) * weight` over the last dim, in `x`'s dtype.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward_scaled(x, self.weight.val())
+    }
+
+    /// The norm with `weight` as its scale (the parameter's value, or it after a collective).
+    fn forward_scaled<const D: usize>(&self, x: Tensor<D>, weight: Tensor<1>) -> Tensor<D> {
+        fused::rms_norm(x, weight, self.eps)
+    }
+}
+
+/// Grouped-query causal self-attention. Under tensor parallelism q/k/v are colwise and o
+/// rowwise, and `heads` / `kv_heads` are this rank's counts.
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct Attention {
+    /// Query projection, `hidden -> heads * head_dim`.
+    pub q_proj: Tp<Lora<Linear>>,
+    /// Key projection, `hidden -> kv_heads * head_dim`.
+    pub k_proj: Tp<Lora<Linear>>,
+    /// Value projection, `hidden -> kv_heads * head_dim`.
+    pub v_proj: Tp<Lora<Linear>>,
+    /// Output projection, `heads * head_dim -> hidden`.
+    pub o_proj: Tp<Lora<Linear>>,
+    /// Qwen3's RMSNorm of each query head, over `head_dim`, before the rotary embedding.
+    pub q_norm: Option<RmsNorm>,
+    /// Qwen3's RMSNorm of each key head.
+    pub k_norm: Option<RmsNorm>,
+    /// Query heads.
+    #[module(skip)]
+    #[tp(heads)]
+    pub heads: usize,
+    /// Key/value heads (each shared by `heads / kv_heads` query heads).
+    #[module(skip)]
+    #[tp(kv_heads)]
+    pub kv_heads: usize,
+    /// Dims per head.
+    #[module(skip)]
+    pub head_dim: usize,
+}
+
+impl Attention {
+    /// Attention over `x` `[batch, seq, hidden]`, with the rotary `cos`/`sin` of
+    /// [`Rope::cos_sin`].
+    pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
+        self.forward_masked(x, cos, sin, None)
+    }
+
+    /// As [`forward`](Self::forward), under `layout` when given: its mask (packed rows'
+    /// block-diagonal causal mask, a context-parallel rank's global order) and, under context
+    /// parallelism, K and V gathered over its cp group ([`TokenLayout::attend`]). Per-row `cos`
+    /// / `sin` (`[batch, 1, seq, head_dim]`, [`Rope::cos_sin_at`]) take the plain rotary ops.
+    /// Attention is the memory-efficient [`flash_attention`](crate::attention::flash_attention)
+    /// either way.
+    pub fn forward_masked(
+        &self,
+        x: Tensor<3>,
+        cos: &Tensor<4>,
+        sin: &Tensor<4>,
+        layout: Option<&TokenLayout>,
+    ) -> Tensor<3> {
+        // q, k and v read the same input: one input collective serves the three.
+        let [q, k, v] = forward_shared(x, [&self.q_proj, &self.k_proj, &self.v_proj]);
+        let [b, s, _] = q.dims();
+        let hd = self.head_dim;
+        let split = |t: Tensor<3>, h: usize| t.reshape([b, s, h, hd]).swap_dims(1, 2);
+        // Under tensor parallelism each rank norms its own heads with the shared scale, whose
+        // gradient is then partial: copy_to_group sums it over the tp ranks in backward.
+        let tp_group = self.q_proj.sharding().map(|s| s.group.clone());
+        let head_norm = |n: &Option<RmsNorm>, t: Tensor<4>| match (n, &tp_group) {
+            (Some(n), Some(group)) => {
+                n.forward_scaled(t, coll::copy_to_group(n.weight.val(), group))
+            }
+            (Some(n), None) => n.forward(t),
+            (None, _) => t,
+        };
+        let rope = |t: Tensor<4>| match cos.dims()[0] {
+            1 => Rope::apply(t, cos, sin),
+            _ => Rope::apply_plain(t, cos, sin),
+        };
+        let q = rope(head_norm(&self.q_norm, split(q, self.heads)));
+        let k = rope(head_norm(&self.k_norm, split(k, self.kv_heads)));
+        let v = split(v, self.kv_heads);
+        // Grouped-query heads are read in place by the attention kernel (not repeated).
+        let scale = 1.0 / (hd as f64).sqrt();
+        let out = match layout {
+            None => crate::attention::flash_attention(q, k, v, &AttentionMask::causal(s), scale),
+            Some(layout) => layout.attend(q, k, v, scale),
+        };
+        let out = out.swap_dims(1, 2).reshape([b, s, self.heads * hd]);
+        self.o_proj.forward(out)
+    }
+}
+
+/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct Mlp {
+    /// Gate projection, `hidden -> intermediate`.
+    pub gate_proj: Tp<Lora<Linear>>,
+    /// Up projection, `hidden -> intermediate`.
+    pub up_proj: Tp<Lora<Linear>>,
+    /// Down projection, `intermediate -> hidden`.
+    pub down_proj: Tp<Lora<Linear>>,
+}
+
+impl Mlp {
+    /// The MLP of `x` `[batch, seq, hidden]`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        // gate and up read the same input: one input collective serves both.
+        let [gate, up] = forward_shared(x, [&self.gate_proj, &self.up_proj]);
+        self.down_proj.forward(fused::swiglu(gate, up))
+    }
+}
+
+/// One pre-norm decoder layer: `h = x + attn(norm(x))`, then `h + ffn(norm(h))`, the
+/// feed-forward `ffn` being the dense `mlp` or, in a sparse layer of a MoE model, `moe`.
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct DecoderLayer {
+    /// The norm before attention.
+    pub input_layernorm: Tp<RmsNorm>,
+    /// Self-attention.
+    #[nested]
+    pub self_attn: Attention,
+    /// The norm before the MLP.
+    pub post_attention_layernorm: Tp<RmsNorm>,
+    /// The SwiGLU MLP (`None` in a sparse layer).
+    #[nested]
+    pub mlp: Option<Mlp>,
+    /// The sparse mixture-of-experts block (`None` in a dense layer).
+    #[nested]
+    pub moe: Option<SparseMoe>,
+}
+
+/// The norm `n` of `x`, with its tensor-parallel style's collectives around it (none when
+/// unsharded).
+pub(crate) fn norm<const D: usize>(n: &Tp<RmsNorm>, x: Tensor<D>) -> Tensor<D> {
+    n.forward_with(x, |m, x| m.forward(x))
+}
+
+impl DecoderLayer {
+    /// The layer on `x` `[batch, seq, hidden]`, with the rotary `cos`/`sin`.
+    pub fn forward(&self, x: Tensor<3>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<3> {
+        self.forward_routed(x, cos, sin).0
+    }
+
+    /// As [`forward`](Self::forward), also returning a sparse layer's router logits
+    /// `[batch * seq, experts]`. Collective over the ep group when the experts are sharded.
+    pub fn forward_routed(
+        &self,
+        x: Tensor<3>,
+        cos: &Tensor<4>,
+        sin: &Tensor<4>,
+    ) -> (Tensor<3>, Option<Tensor<2>>) {
+        self.forward_masked(x, cos, sin, None)
+    }
+
+    /// As [`forward_routed`](Self::forward_routed), attention under `layout` when given (see
+    /// [`Attention::forward_masked`]).
+    pub fn forward_masked(
+        &self,
+        x: Tensor<3>,
+        cos: &Tensor<4>,
+        sin: &Tensor<4>,
+        layout: Option<&TokenLayout>,
+    ) -> (Tensor<3>, Option<Tensor<2>>) {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward_masked(norm(&self.input_layernorm, x), cos, sin, layout);
+        let normed = norm(&self.post_attention_layernorm, h.clone());
+        let (ffn, router_logits) = match (&self.mlp, &self.moe) {
+            (Some(mlp), _) => (mlp.forward(normed), None),
+            (None, Some(moe)) => {
+                let (out, logits) = moe.forward(normed).unwrap_or_else(|e| panic!("{e}"));
+                (out, Some(logits))
+            }
+            (None, None) => panic!("a decoder layer needs a dense MLP or a MoE block"),
+        };
+        (h + ffn, router_logits)
+    }
+}
