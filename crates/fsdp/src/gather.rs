@@ -94,10 +94,8 @@ pub(crate) fn start_gather<const D: usize>(
     })
 }
 
-/// The step lists of one gather: forward cast + all-gather; backward cast, deferral, the
-/// reduce-scatter (or, for ZeRO-1, the all-reduce and this rank's piece; releasing
-/// `backward_hold`), the replica all-reduce, the cast back and the
-/// gradient shard's bytes; with resharding, the forward again as the recomputation.
+/// The step lists of one gather: forward cast + all-gather; backward ([`backward_steps`]);
+/// with resharding, the forward again as the recomputation.
 fn gather_steps<const D: usize>(
     shard: &Tensor<D>,
     unit: &UnitState,
@@ -105,27 +103,60 @@ fn gather_steps<const D: usize>(
     rows: Vec<usize>,
     backward_hold: Arc<Hold>,
 ) -> DeviceCollective {
-    let device = shard.device();
-    let shards = route(&device, &unit.group);
-    let replicas = unit.replicate_group.as_ref().map(|r| route(&device, r));
-    let run = |op: DeviceOp, exchange: &Exchange| DeviceStep::Run {
-        op,
-        exchange: exchange.clone(),
-    };
+    let shards = route(&shard.device(), &unit.group);
     let sizes = Sizes::known(rows);
     let mut forward: Vec<DeviceStep> = unit
         .compute_dtype()
         .map(DeviceStep::Cast)
         .into_iter()
         .collect();
-    forward.push(run(
-        DeviceOp::AllGather {
+    forward.push(DeviceStep::Run {
+        op: DeviceOp::AllGather {
             dim: 0,
             sizes: sizes.clone(),
         },
-        &shards,
-    ));
+        exchange: shards.clone(),
+    });
 
+    let backward = backward_steps(
+        shard,
+        unit,
+        accumulator,
+        sizes,
+        &shards,
+        backward_hold.clone(),
+    );
+    let recompute = unit.reshard_after_forward.then(|| {
+        let mut steps = forward.clone();
+        steps.push(DeviceStep::Observe(Observer::new(move |bytes| {
+            backward_hold.add(bytes)
+        })));
+        steps
+    });
+    DeviceCollective {
+        forward,
+        backward,
+        recompute,
+    }
+}
+
+/// The backward steps of one gather: cast to the reduce dtype, the deferral of gradient sync,
+/// the reduce-scatter (or, for ZeRO-1, the all-reduce and this rank's piece; releasing
+/// `backward_hold`), the replica all-reduce, the cast back and the gradient shard's bytes.
+fn backward_steps<const D: usize>(
+    shard: &Tensor<D>,
+    unit: &UnitState,
+    accumulator: &DevicePending,
+    sizes: Sizes,
+    shards: &Exchange,
+    backward_hold: Arc<Hold>,
+) -> Vec<DeviceStep> {
+    let device = shard.device();
+    let replicas = unit.replicate_group.as_ref().map(|r| route(&device, r));
+    let run = |op: DeviceOp, exchange: &Exchange| DeviceStep::Run {
+        op,
+        exchange: exchange.clone(),
+    };
     let counters = unit.memory.clone();
     let pending = counters.clone();
     let mut backward: Vec<DeviceStep> = unit
@@ -149,10 +180,10 @@ fn gather_steps<const D: usize>(
                 sizes,
                 op: ReduceOp::Sum,
             },
-            &shards,
+            shards,
         )),
         GradientReduction::AllReduce => {
-            backward.push(run(DeviceOp::AllReduce { op: ReduceOp::Sum }, &shards));
+            backward.push(run(DeviceOp::AllReduce { op: ReduceOp::Sum }, shards));
             backward.push(DeviceStep::Piece {
                 dim: 0,
                 sizes,
@@ -170,16 +201,5 @@ fn gather_steps<const D: usize>(
         counters.counters().add_grad_shard(bytes)
     })));
 
-    let recompute = unit.reshard_after_forward.then(|| {
-        let mut steps = forward.clone();
-        steps.push(DeviceStep::Observe(Observer::new(move |bytes| {
-            backward_hold.add(bytes)
-        })));
-        steps
-    });
-    DeviceCollective {
-        forward,
-        backward,
-        recompute,
-    }
+    backward
 }

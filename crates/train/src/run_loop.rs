@@ -9,7 +9,7 @@ use crate::aux::RouterReport;
 use burn::module::Module;
 use burn::tensor::Gradients;
 use burn_parallel_comm::memory::reset_peak_rss;
-use burn_parallel_comm::{OpKind, RankContext};
+use burn_parallel_comm::{CommStats, OpKind, RankContext};
 use burn_parallel_fsdp::MemoryTracker;
 use burn_parallel_parallelizer::{LocalRows, MeshContext, StepReport};
 
@@ -132,134 +132,42 @@ pub(crate) struct RankRun<'a> {
 pub(crate) fn train_loop<R: StepRunner>(
     run: &RankRun<'_>,
     runner: &R,
-    (mut model, trainable_params): (R::Model, u64),
+    (model, trainable_params): (R::Model, u64),
 ) -> Result<RankResult, TrainError> {
-    let RankRun {
-        cfg,
-        data,
-        eval,
-        resume,
-        mesh,
-        ctx,
-        on_step,
-    } = *run;
+    let (cfg, mesh, ctx) = (run.cfg, run.mesh, run.ctx);
     let mut optimizer = RunOptimizer::new(cfg);
     // Where the data stream stands, in samples: batches follow it rather than the step, so a
     // resumed run continues the stream exactly (also with another --global-batch). The
     // schedule continues from its saved position, so a run resumed mid-warmup goes on without
     // a jump.
-    let (start, mut position, schedule_start) = match resume {
+    let (mut model, start, position, schedule_start) = match run.resume {
         Some(r) => {
-            model = runner.resume(model, r, &mut optimizer, mesh)?;
-            (r.step, r.data_position, r.schedule_position)
+            let model = runner.resume(model, r, &mut optimizer, mesh)?;
+            (model, r.step, r.data_position, r.schedule_position)
         }
-        None => (0, 0, 0),
+        None => (model, 0, 0, 0),
+    };
+    let (figures, my_state) = run_figures(runner, &model, &optimizer, trainable_params, run)?;
+    let mut steps = Steps {
+        run,
+        runner,
+        optimizer,
+        rows: mesh.local_rows(cfg.global_batch),
+        figures,
+        stragglers: Stragglers::default(),
+        position,
     };
     let schedule = LrSchedule::of(cfg);
-    let states = optimizer.states_per_param();
-    let my_state = model_state_bytes(&model, states);
-    let my_optimizer_state = optimizer_state_bytes(&model, states);
-    let [peak_state, peak_optimizer_state] = max_over_world(ctx, [my_state, my_optimizer_state])?;
-    // Every rank has built its model by now (the max above waited for all): the peak RSS the
-    // steps report is training's, not the full model each rank builds before sharding it.
-    reset_peak_rss();
-    let memory = runner.memory(&model);
-    let rows = mesh.local_rows(cfg.global_batch);
-    let samples = runner.samples_per_step(cfg);
-    let global_tokens = (samples * cfg.seq_len) as f64;
     let stats_before = ctx.stats();
     let mut reports = Vec::with_capacity(cfg.steps - start);
     let mut saves = Saves::new();
     let mut stopped_at = None;
-    let mut stragglers = Stragglers::default();
     for step in start..cfg.steps {
-        let start_time = Instant::now();
-        let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
-        let nan_fault = cfg.fault.is_some_and(|f| f.at_step_start(ctx.rank(), step));
         let lr = schedule.lr_at(schedule_start + (step - start));
-        optimizer.set_lr(lr);
-        let mut update_s = None;
-        let mut update = |m: R::Model, g: Gradients, report: &StepReport| {
-            let (m, seconds) = optimizer.step_unless_skipped(cfg, m, &g, report);
-            update_s = seconds;
-            m
-        };
-        let input = StepInput {
-            data,
-            position,
-            rows: &rows,
-            nan_fault,
-        };
-        let (next, done) = runner.step(model, input, &mut update, mesh)?;
+        let (next, report) = steps.step(model, step, lr)?;
         model = next;
-        let (skipped, optimizer_s) = (update_s.is_none(), update_s.unwrap_or(0.0));
-        if !skipped {
-            check_finite(cfg, step, &done.report)?;
-        }
-        // A skipped step still counts and consumes its batch.
-        position += samples;
-        let step_time_s = start_time.elapsed().as_secs_f64();
-        let eval_loss = match eval {
-            Some(eval) if evaluates_after(cfg, step + 1) => {
-                Some(runner.eval(&model, eval, &rows, mesh)?)
-            }
-            _ => None,
-        };
-        let usage = ProcessUsage::now();
-        let comm = ctx.stats().since(&comm_before);
-        let comm_s = |kind| comm.op(kind).time.as_secs_f64();
-        let forward_s = done.forward_s.unwrap_or(0.0);
-        let times = StepTimes {
-            forward_s,
-            backward_s: step_time_s - forward_s - optimizer_s,
-            optimizer_s,
-            all_gather_s: comm_s(OpKind::AllGather),
-            reduce_scatter_s: comm_s(OpKind::ReduceScatter),
-            all_reduce_s: comm_s(OpKind::AllReduce),
-        };
-        let calls = StepCalls {
-            all_gather_calls: comm.op(OpKind::AllGather).calls,
-            reduce_scatter_calls: comm.op(OpKind::ReduceScatter).calls,
-            all_reduce_calls: comm.op(OpKind::AllReduce).calls,
-            all_to_all_calls: comm.op(OpKind::AllToAll).calls,
-        };
-        // After the step's counters: the bookkeeping exchange is not the step's traffic.
-        let figures = step_figures(
-            ctx,
-            &memory,
-            &mut stragglers,
-            (step, step_time_s),
-            &comm,
-            usage.peak_rss_bytes,
-        )?;
-        let routing = done.routing.as_ref();
-        let report = StepLog {
-            step,
-            report: done.report,
-            lr,
-            skipped,
-            step_time_s,
-            tokens_per_s: global_tokens / step_time_s.max(1e-12),
-            peak_model_state_bytes_per_rank: peak_state,
-            trainable_params,
-            optimizer_state_bytes_per_rank: peak_optimizer_state,
-            times,
-            calls,
-            minor_faults: usage.minor_faults - usage_before.minor_faults,
-            peak_rss_bytes: usage.peak_rss_bytes,
-            peak_rss_bytes_per_rank: figures.rss_peak,
-            gathered_peak_bytes_per_rank: figures.gathered_peak,
-            rank_compute_s: figures.compute_s,
-            rank_wait_s: figures.wait_s,
-            eval_loss,
-            aux_loss: routing.and_then(|r| r.aux_loss),
-            expert_tokens_min: routing.map(|r| r.expert_tokens.0),
-            expert_tokens_max: routing.map(|r| r.expert_tokens.1),
-            pp_wait_s: done.schedule.map(|s| s.0),
-            pp_peak_microbatches: done.schedule.map(|s| s.1),
-        };
         if ctx.rank() == 0 {
-            on_step(&report);
+            (run.on_step)(&report);
         }
         reports.push(report);
         // A stop request (preemption) ends every rank's run after this step, saved.
@@ -270,9 +178,9 @@ pub(crate) fn train_loop<R: StepRunner>(
             let at = SavePoint {
                 save_dir,
                 done: step + 1,
-                data_position: position,
+                data_position: steps.position,
             };
-            runner.save_checkpoint(&mut saves, at, &model, &optimizer, mesh)?;
+            runner.save_checkpoint(&mut saves, at, &model, &steps.optimizer, mesh)?;
         }
         if stop {
             stopped_at = Some(step + 1);
@@ -280,12 +188,207 @@ pub(crate) fn train_loop<R: StepRunner>(
         }
     }
     saves.commit(mesh)?;
-    let checkpoints = saves.done;
     let comm = ctx.stats().since(&stats_before).total();
     let comm_per_step = (comm.bytes_sent + comm.bytes_received) / reports.len().max(1) as u64;
     // A stopped run is not finished: its checkpoint resumes it.
     if stopped_at.is_none() {
         runner.finish(model, mesh)?;
     }
-    Ok((reports, my_state, comm_per_step, checkpoints, stopped_at))
+    Ok((reports, my_state, comm_per_step, saves.done, stopped_at))
+}
+
+/// The figures every step reports unchanged, and this rank's model state in bytes: the
+/// largest rank's state and optimizer state (collective). Every rank has built its model by
+/// then (the max waits for all), so the peak RSS is reset here: the steps report training's
+/// peak, not the full model each rank builds before sharding it.
+fn run_figures<R: StepRunner>(
+    runner: &R,
+    model: &R::Model,
+    optimizer: &RunOptimizer,
+    trainable_params: u64,
+    run: &RankRun<'_>,
+) -> Result<(RunFigures, u64), TrainError> {
+    let states = optimizer.states_per_param();
+    let my_state = model_state_bytes(model, states);
+    let my_optimizer_state = optimizer_state_bytes(model, states);
+    let [peak_state, peak_optimizer_state] =
+        max_over_world(run.ctx, [my_state, my_optimizer_state])?;
+    reset_peak_rss();
+    let figures = RunFigures {
+        peak_state,
+        peak_optimizer_state,
+        trainable_params,
+        global_tokens: (runner.samples_per_step(run.cfg) * run.cfg.seq_len) as f64,
+        memory: runner.memory(model),
+    };
+    Ok((figures, my_state))
+}
+
+/// The loop's state between steps.
+struct Steps<'a, R: StepRunner> {
+    run: &'a RankRun<'a>,
+    runner: &'a R,
+    optimizer: RunOptimizer,
+    /// This rank's rows of every global batch.
+    rows: LocalRows,
+    figures: RunFigures,
+    stragglers: Stragglers,
+    /// Where the data stream stands, in samples.
+    position: usize,
+}
+
+impl<R: StepRunner> Steps<'_, R> {
+    /// Step `step` at learning rate `lr`: the runner's step with the optimizer's update (or its
+    /// skip), the finite check, the evaluation when due, and the step's report. Collective.
+    fn step(
+        &mut self,
+        model: R::Model,
+        step: usize,
+        lr: f32,
+    ) -> Result<(R::Model, StepLog), TrainError> {
+        let RankRun { cfg, mesh, ctx, .. } = *self.run;
+        let start_time = Instant::now();
+        let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
+        let nan_fault = cfg.fault.is_some_and(|f| f.at_step_start(ctx.rank(), step));
+        self.optimizer.set_lr(lr);
+        let mut update_s = None;
+        let optimizer = &mut self.optimizer;
+        let mut update = |m: R::Model, g: Gradients, report: &StepReport| {
+            let (m, seconds) = optimizer.step_unless_skipped(cfg, m, &g, report);
+            update_s = seconds;
+            m
+        };
+        let input = StepInput {
+            data: self.run.data,
+            position: self.position,
+            rows: &self.rows,
+            nan_fault,
+        };
+        let (model, done) = self.runner.step(model, input, &mut update, mesh)?;
+        let (skipped, optimizer_s) = (update_s.is_none(), update_s.unwrap_or(0.0));
+        if !skipped {
+            check_finite(cfg, step, &done.report)?;
+        }
+        // A skipped step still counts and consumes its batch.
+        self.position += self.runner.samples_per_step(cfg);
+        let step_time_s = start_time.elapsed().as_secs_f64();
+        let eval_loss = match self.run.eval {
+            Some(eval) if evaluates_after(cfg, step + 1) => {
+                Some(self.runner.eval(&model, eval, &self.rows, mesh)?)
+            }
+            _ => None,
+        };
+        let measured = Measured {
+            step,
+            lr,
+            skipped,
+            step_time_s,
+            optimizer_s,
+            eval_loss,
+            usage_before,
+            comm_before,
+        };
+        let report = step_log(measured, done, &self.figures, &mut self.stragglers, ctx)?;
+        Ok((model, report))
+    }
+}
+
+/// What every step's report carries unchanged from the start of the run.
+struct RunFigures {
+    /// The largest rank's parameters + gradients + optimizer state.
+    peak_state: u64,
+    /// The largest rank's optimizer state.
+    peak_optimizer_state: u64,
+    /// The elements of the whole model that train.
+    trainable_params: u64,
+    /// Tokens one step trains on, over every rank.
+    global_tokens: f64,
+    /// The FSDP memory counters of the model's units.
+    memory: Vec<MemoryTracker>,
+}
+
+/// What the loop measured around one step.
+struct Measured {
+    step: usize,
+    lr: f32,
+    skipped: bool,
+    step_time_s: f64,
+    optimizer_s: f64,
+    eval_loss: Option<f32>,
+    usage_before: ProcessUsage,
+    comm_before: CommStats,
+}
+
+/// The step's report: its result, times, collective calls and memory, with every rank's
+/// figures exchanged (after the step's counters: the bookkeeping exchange is not the step's
+/// traffic). Collective.
+fn step_log(
+    measured: Measured,
+    done: StepDone,
+    figures: &RunFigures,
+    stragglers: &mut Stragglers,
+    ctx: &RankContext,
+) -> Result<StepLog, TrainError> {
+    let Measured {
+        step,
+        lr,
+        skipped,
+        step_time_s,
+        optimizer_s,
+        eval_loss,
+        usage_before,
+        comm_before,
+    } = measured;
+    let usage = ProcessUsage::now();
+    let comm = ctx.stats().since(&comm_before);
+    let comm_s = |kind| comm.op(kind).time.as_secs_f64();
+    let forward_s = done.forward_s.unwrap_or(0.0);
+    let times = StepTimes {
+        forward_s,
+        backward_s: step_time_s - forward_s - optimizer_s,
+        optimizer_s,
+        all_gather_s: comm_s(OpKind::AllGather),
+        reduce_scatter_s: comm_s(OpKind::ReduceScatter),
+        all_reduce_s: comm_s(OpKind::AllReduce),
+    };
+    let calls = StepCalls {
+        all_gather_calls: comm.op(OpKind::AllGather).calls,
+        reduce_scatter_calls: comm.op(OpKind::ReduceScatter).calls,
+        all_reduce_calls: comm.op(OpKind::AllReduce).calls,
+        all_to_all_calls: comm.op(OpKind::AllToAll).calls,
+    };
+    let exchanged = step_figures(
+        ctx,
+        &figures.memory,
+        stragglers,
+        (step, step_time_s),
+        &comm,
+        usage.peak_rss_bytes,
+    )?;
+    let routing = done.routing.as_ref();
+    Ok(StepLog {
+        step,
+        report: done.report,
+        lr,
+        skipped,
+        step_time_s,
+        tokens_per_s: figures.global_tokens / step_time_s.max(1e-12),
+        peak_model_state_bytes_per_rank: figures.peak_state,
+        trainable_params: figures.trainable_params,
+        optimizer_state_bytes_per_rank: figures.peak_optimizer_state,
+        times,
+        calls,
+        minor_faults: usage.minor_faults - usage_before.minor_faults,
+        peak_rss_bytes: usage.peak_rss_bytes,
+        peak_rss_bytes_per_rank: exchanged.rss_peak,
+        gathered_peak_bytes_per_rank: exchanged.gathered_peak,
+        rank_compute_s: exchanged.compute_s,
+        rank_wait_s: exchanged.wait_s,
+        eval_loss,
+        aux_loss: routing.and_then(|r| r.aux_loss),
+        expert_tokens_min: routing.map(|r| r.expert_tokens.0),
+        expert_tokens_max: routing.map(|r| r.expert_tokens.1),
+        pp_wait_s: done.schedule.map(|s| s.0),
+        pp_peak_microbatches: done.schedule.map(|s| s.1),
+    })
 }
