@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
-use burn_parallel_comm::{EngineKind, ProcessGroup, ReduceOp, launch, run_ranks_on};
+use burn_parallel_comm::{EngineKind, ProcessGroup, Ranks, ReduceOp, launch};
 use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
@@ -85,36 +85,42 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .expect("run under mpirun");
-    let results = run_ranks_on(world, EngineKind::Mpi, |ctx| {
-        let group = ctx.world()?;
-        let mut engine = Vec::new();
-        for op in OPS {
-            let floats = input_floats(op, world);
-            let data = TensorData::new(vec![ctx.rank() as f32; floats], [floats]);
-            engine.push(timed(&group, || data.clone(), |d| run(op, &group, d)));
-        }
-        // MPI's own reduce-scatter and all-reduce on f32, for comparison.
-        let comm = SimpleCommunicator::world();
-        let send = vec![ctx.rank() as f32; BYTES / 4];
-        let native_rs = timed(
-            &group,
-            || vec![0f32; BYTES / 4 / world],
-            |mut recv| {
-                comm.reduce_scatter_block_into(&send[..], &mut recv[..], SystemOperation::sum());
-                std::hint::black_box(recv);
-            },
-        );
-        let native_ar = timed(
-            &group,
-            || vec![0f32; BYTES / 4],
-            |mut recv| {
-                comm.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
-                std::hint::black_box(recv);
-            },
-        );
-        Ok::<_, burn_parallel_comm::CollectiveError>((engine, native_rs, native_ar))
-    })
-    .expect("mpi launch");
+    let results = Ranks::new(world)
+        .engine(EngineKind::Mpi)
+        .run(|ctx| {
+            let group = ctx.world()?;
+            let mut engine = Vec::new();
+            for op in OPS {
+                let floats = input_floats(op, world);
+                let data = TensorData::new(vec![ctx.rank() as f32; floats], [floats]);
+                engine.push(timed(&group, || data.clone(), |d| run(op, &group, d)));
+            }
+            // MPI's own reduce-scatter and all-reduce on f32, for comparison.
+            let comm = SimpleCommunicator::world();
+            let send = vec![ctx.rank() as f32; BYTES / 4];
+            let native_rs = timed(
+                &group,
+                || vec![0f32; BYTES / 4 / world],
+                |mut recv| {
+                    comm.reduce_scatter_block_into(
+                        &send[..],
+                        &mut recv[..],
+                        SystemOperation::sum(),
+                    );
+                    std::hint::black_box(recv);
+                },
+            );
+            let native_ar = timed(
+                &group,
+                || vec![0f32; BYTES / 4],
+                |mut recv| {
+                    comm.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+                    std::hint::black_box(recv);
+                },
+            );
+            Ok::<_, burn_parallel_comm::CollectiveError>((engine, native_rs, native_ar))
+        })
+        .expect("mpi launch");
     let Some((0, (engine, native_rs, native_ar))) = results.into_iter().next() else {
         return;
     };

@@ -26,13 +26,12 @@ pub use transport::{buffer, chunk, memory};
 /// Differentiable collectives on Burn tensors, and the step lists strategies build their own
 /// from (FSDP's parameter gather).
 pub mod collectives {
-    // Every public name of the autodiff layer, listed so that the surface is explicit (a new
-    // op there is public only once named here). The submodules stay reachable as before.
+    // What the other crates and users call, listed so that the surface is explicit (a new op
+    // in the autodiff layer is public only once named here).
     pub use crate::autodiff::{
-        CollectiveBackend, GatherOptions, SplitHub, Started, WeightRebuild, all_gather,
-        all_gather_recompute, all_gather_with, all_reduce, all_to_all, attach, attach_checked,
-        check_gather_dim, copy_to_group, extension, frozen_linear, gather_from_group, ops, place,
-        place_flat, reduce_from_group, reduce_scatter, scatter_to_group, split, split_segments,
+        GatherOptions, Started, WeightRebuild, all_gather, all_gather_recompute, all_gather_with,
+        all_reduce, all_to_all, check_gather_dim, copy_to_group, frozen_linear, gather_from_group,
+        place_flat, reduce_from_group, reduce_scatter, scatter_to_group, split_segments,
         split_views, start_all_gather,
     };
     pub use crate::device::pairs::MixedDtypes;
@@ -55,7 +54,7 @@ pub mod nccl {
     #[cfg(feature = "nccl")]
     pub use crate::transport::nccl::{
         DeviceWork, NcclComm, NcclCommunicator, NcclEngine, NcclError, NcclOptions, check_gpu,
-        launch_local, launch_local_with, nccl_comm, nccl_version, new_unique_id,
+        launch_local, nccl_comm, nccl_version, new_unique_id,
     };
 }
 
@@ -74,8 +73,7 @@ pub use transport::engine::{Engine, RankContext};
 pub use transport::error::{CollectiveError, LaunchError, MeshError, PendingCall, RankFailure};
 pub use transport::group::ProcessGroup;
 pub use transport::launch::{
-    ENGINE_ENV, EngineKind, UnknownEngine, run_ranks, run_ranks_on, run_ranks_with,
-    started_by_mpi_launcher,
+    ENGINE_ENV, EngineKind, Ranks, UnknownEngine, run_ranks, started_by_mpi_launcher,
 };
 pub use transport::mesh::{DeviceMesh, MeshShape};
 pub use transport::stats::{CommStats, OpCounters};

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn_parallel_checkpoint::LoadOptions;
-use burn_parallel_comm::{LaunchError, run_ranks_with};
+use burn_parallel_comm::{LaunchError, Ranks};
 use burn_parallel_fsdp::{MemoryTracker, RowRequest, gather_full};
 use burn_parallel_models::checkpoint::{SaveDtype, hf_tensors, lazy_llama_ep, save_llama};
 use burn_parallel_models::data::TokenData;
@@ -158,18 +158,22 @@ pub fn train(
     let resume = open_resume(cfg)?;
     crate::outputs::check_writable(cfg)?;
     let world = cfg.world_size()?;
-    let results = run_ranks_with(world, cfg.engine, cfg.threads_per_rank, |ctx| {
-        run_rank(
-            cfg,
-            &plan,
-            &model_cfg,
-            (&data, eval.as_ref()),
-            resume.as_ref(),
-            ctx,
-            on_step,
-        )
-    })
-    .map_err(ranks_failed)?;
+    let ranks = Ranks::new(world)
+        .engine(cfg.engine)
+        .threads_per_rank(cfg.threads_per_rank);
+    let results = ranks
+        .run(|ctx| {
+            run_rank(
+                cfg,
+                &plan,
+                &model_cfg,
+                (&data, eval.as_ref()),
+                resume.as_ref(),
+                ctx,
+                on_step,
+            )
+        })
+        .map_err(ranks_failed)?;
     // Every rank holds the same (dp-averaged) reports; under MPI this process has one rank.
     let steps = results[0].1.0.clone();
     Ok(TrainSummary {

@@ -8,10 +8,9 @@ pub mod place;
 mod placement;
 pub mod split;
 
-pub use extension::CollectiveBackend;
 pub use ops::*;
 pub use place::place_flat;
-pub use split::{SplitHub, split_segments, split_views};
+pub use split::{split_segments, split_views};
 
 /// 1-D f32 tensors in and out of the autodiff tests.
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //!
 //! The engine is chosen by [`ENGINE_ENV`] (`threads`, `mpi` or `nccl`) when set, else `mpi`
 //! when the process was started by an MPI launcher (`mpirun`, `mpiexec`, `srun --mpi=pmix`),
-//! else `threads`. Programs with an `--engine` flag pass their choice to [`run_ranks_on`].
+//! else `threads`. Programs with an `--engine` flag pass their choice to [`Ranks::engine`].
 
 use std::fmt;
 use std::str::FromStr;
@@ -101,40 +101,78 @@ pub fn started_by_mpi_launcher() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
-/// Runs `world_size` ranks on the engine [`EngineKind::detect`] picks. See [`run_ranks_on`].
+/// Runs `world_size` ranks on the engine [`EngineKind::detect`] picks: [`Ranks::run`] with
+/// no options.
 pub fn run_ranks<T, E, F>(world_size: usize, f: F) -> Result<Vec<(usize, T)>, LaunchError>
 where
     T: Send,
     E: fmt::Display,
     F: Fn(RankContext) -> Result<T, E> + Sync,
 {
-    run_ranks_on(world_size, EngineKind::detect()?, f)
+    Ranks::new(world_size).run(f)
 }
 
-/// Runs `f` on every rank this process hosts and returns their `(rank, result)` pairs in rank
-/// order: all `world_size` ranks with `Threads`; this process's one rank with `Mpi`, where
-/// `world_size` must equal the job's process count.
+/// A launch of `world_size` ranks with its options: the engine (default: the one
+/// [`EngineKind::detect`] picks) and each CPU rank's compute threads (default: the cores
+/// shared among the process's ranks, see [`threads_per_rank`](crate::threads_per_rank)).
 ///
-/// Failures: with `Threads`, a rank that errors or panics makes the others' collectives fail
-/// and the launch returns every failure (see [`Launcher::run`](crate::Launcher::run)). With
-/// `Mpi`, it prints the rank and the error (which names the collective and its group) and
-/// aborts the whole job (`MPI_Abort`), so no process waits forever.
-pub fn run_ranks_on<T, E, F>(
+/// ```ignore
+/// let results = Ranks::new(4).engine(EngineKind::Mpi).run(|ctx| train(ctx))?;
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a launch does nothing until it is run"]
+pub struct Ranks {
     world_size: usize,
-    engine: EngineKind,
-    f: F,
-) -> Result<Vec<(usize, T)>, LaunchError>
-where
-    T: Send,
-    E: fmt::Display,
-    F: Fn(RankContext) -> Result<T, E> + Sync,
-{
-    run_ranks_with(world_size, engine, None, f)
+    engine: Option<EngineKind>,
+    threads_per_rank: Option<usize>,
 }
 
-/// [`run_ranks_on`] with each CPU rank's compute threads set (`None`: the default of
-/// [`threads_per_rank`](crate::threads_per_rank), the cores shared among the process's ranks).
-pub fn run_ranks_with<T, E, F>(
+impl Ranks {
+    /// `world_size` ranks on the detected engine.
+    pub fn new(world_size: usize) -> Self {
+        Self {
+            world_size,
+            engine: None,
+            threads_per_rank: None,
+        }
+    }
+
+    /// Runs the ranks on `engine` (a program's `--engine` flag).
+    pub fn engine(mut self, engine: EngineKind) -> Self {
+        self.engine = Some(engine);
+        self
+    }
+
+    /// Each CPU rank's compute threads (`None`: the default).
+    pub fn threads_per_rank(mut self, threads: Option<usize>) -> Self {
+        self.threads_per_rank = threads;
+        self
+    }
+
+    /// Runs `f` on every rank this process hosts and returns their `(rank, result)` pairs in
+    /// rank order: all `world_size` ranks with `Threads`; this process's one rank with `Mpi`
+    /// (and NCCL under a launcher), where `world_size` must equal the job's process count.
+    ///
+    /// Failures: with `Threads`, a rank that errors or panics makes the others' collectives
+    /// fail and the launch returns every failure (see [`Launcher::run`](crate::Launcher::run)).
+    /// With `Mpi`, it prints the rank and the error (which names the collective and its group)
+    /// and aborts the whole job (`MPI_Abort`), so no process waits forever.
+    pub fn run<T, E, F>(self, f: F) -> Result<Vec<(usize, T)>, LaunchError>
+    where
+        T: Send,
+        E: fmt::Display,
+        F: Fn(RankContext) -> Result<T, E> + Sync,
+    {
+        let engine = match self.engine {
+            Some(engine) => engine,
+            None => EngineKind::detect()?,
+        };
+        run_on(self.world_size, engine, self.threads_per_rank, f)
+    }
+}
+
+/// [`Ranks::run`] on a chosen engine.
+fn run_on<T, E, F>(
     world_size: usize,
     engine: EngineKind,
     threads_per_rank: Option<usize>,
@@ -300,17 +338,19 @@ mod tests {
 
     #[test]
     fn threads_launch_reports_every_rank_in_order() {
-        let results = run_ranks_on(3, EngineKind::Threads, |ctx| {
-            Ok::<_, String>(ctx.rank() * 10)
-        })
-        .unwrap();
+        let results = Ranks::new(3)
+            .engine(EngineKind::Threads)
+            .run(|ctx| Ok::<_, String>(ctx.rank() * 10))
+            .unwrap();
         assert_eq!(results, vec![(0, 0), (1, 10), (2, 20)]);
     }
 
     #[test]
     fn nccl_without_the_feature_or_a_gpu_is_a_clear_error() {
         assert_eq!("nccl".parse::<EngineKind>(), Ok(EngineKind::Nccl));
-        let err = run_ranks_on(2, EngineKind::Nccl, |_| Ok::<_, String>(()))
+        let err = Ranks::new(2)
+            .engine(EngineKind::Nccl)
+            .run(|_| Ok::<_, String>(()))
             .unwrap_err()
             .to_string();
         if EngineKind::Nccl.available() {
@@ -349,7 +389,10 @@ mod tests {
         if EngineKind::Mpi.available() {
             return;
         }
-        let err = run_ranks_on(2, EngineKind::Mpi, |_| Ok::<_, String>(())).unwrap_err();
+        let err = Ranks::new(2)
+            .engine(EngineKind::Mpi)
+            .run(|_| Ok::<_, String>(()))
+            .unwrap_err();
         assert!(err.to_string().contains("feature `mpi`"), "{err}");
     }
 }

@@ -165,7 +165,7 @@ impl NcclEngine {
             IdSource::CommIdEnv(_) => super::comm::new_unique_id()?,
             IdSource::Broadcast => {
                 return Err(NcclError::InvalidArgument(
-                    "rank 0's id is broadcast over MPI by the launch (run_ranks_on with the \
+                    "rank 0's id is broadcast over MPI by the launch (Ranks::engine with the \
                      nccl engine under mpirun), not read from the environment"
                         .into(),
                 ));

@@ -26,7 +26,7 @@ where
 }
 
 /// [`launch_local`] with explicit options (their signal is shared by the ranks).
-pub fn launch_local_with<T, E, F>(
+fn launch_local_with<T, E, F>(
     ordinals: &[usize],
     options: NcclOptions,
     f: F,

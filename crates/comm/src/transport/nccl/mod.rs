@@ -54,7 +54,7 @@ pub use comm::{DeviceWork, NcclComm, NcclError, check_gpu, nccl_version, new_uni
 pub use engine::{NcclCommunicator, NcclEngine, NcclOptions, nccl_comm};
 pub use launch_env::LaunchEnv;
 #[cfg(feature = "nccl")]
-pub use launcher::{launch_local, launch_local_with};
+pub use launcher::launch_local;
 pub use library::{CudaLibrary, LibraryMissing};
 pub use rendezvous::COMM_ID_ENV;
 pub use unique_id::ID_ENV;
