@@ -106,6 +106,35 @@ fn loss_bits(cfg: &TrainConfig) -> Vec<u32> {
     summary.losses().iter().map(|l| l.to_bits()).collect()
 }
 
+/// An empty command line is `TrainConfig::default()`: the flags that are config fields declare
+/// their defaults once, on the field, and the flags that describe other fields (the distributed
+/// flags, --seq-len, --grad-clip, the data and LoRA flags) resolve to the same defaults.
+#[test]
+fn an_empty_command_line_is_the_default_config() {
+    let parsed = TrainArgs::try_parse_from(["train_llama", "--engine", "threads"])
+        .unwrap()
+        .config()
+        .unwrap();
+    let default = TrainConfig::default();
+    assert_eq!(parsed, default);
+    // The figures the docs and the README quote.
+    assert_eq!(
+        (default.steps, default.global_batch, default.seq_len),
+        (40, 8, 64)
+    );
+    assert_eq!((default.lr, default.grad_clip), (3e-3, Some(1.0)));
+    assert_eq!(
+        (default.beta1, default.beta2, default.eps),
+        (0.9, 0.999, 1e-8)
+    );
+    // 0 turns clipping off.
+    let off = TrainArgs::try_parse_from(["train_llama", "--engine", "threads", "--grad-clip", "0"])
+        .unwrap()
+        .config()
+        .unwrap();
+    assert_eq!(off.grad_clip, None);
+}
+
 #[test]
 fn every_example_config_file_is_the_same_run_as_its_flags() {
     let mut files: Vec<String> = std::fs::read_dir(configs_dir())

@@ -97,7 +97,7 @@ fn wgpu_lane_runs_on_vulkan() {
 fn wgpu_lane_trainer_takes_backend_wgpu() {
     use clap::Parser;
     let args = TrainArgs::try_parse_from(["train_llama", "--backend", "wgpu"]).unwrap();
-    assert_eq!(args.backend, Backend::Wgpu);
+    assert_eq!(args.run.backend, Backend::Wgpu);
     assert!(Backend::Wgpu.available());
     let device = Backend::Wgpu.device(0).unwrap();
     assert!(coll::same_device(&device, &wgpu_ad()), "{device:?}");

@@ -7,14 +7,13 @@ use burn_parallel_comm::EngineKind;
 use burn_parallel_models::LlamaConfig;
 use burn_parallel_parallelizer::named_enum;
 
-use crate::config::{Backend, OptimizerKind, TrainConfig};
+use crate::config::TrainConfig;
 use crate::data::DataOptions;
 use crate::error::TrainError;
 use crate::flags::{DistributedFlags, one_of};
 use crate::freeze::split_patterns;
 use crate::lora::LoraFlags;
 use crate::malloc::Malloc;
-use crate::options::{LrScheduleKind, OnNonFinite};
 
 named_enum! {
     /// The built-in models `--model` names.
@@ -32,18 +31,14 @@ named_enum! {
 #[derive(clap::Parser, Debug, Clone)]
 #[command(about = "Train a Llama with burn-parallel (ranks are threads, or MPI processes)")]
 pub struct TrainArgs {
-    /// Hugging Face checkpoint directory (default: the built-in tiny config, seeded init).
-    #[arg(long)]
-    pub checkpoint: Option<PathBuf>,
+    /// Every setting that is a field of the run's config: steps, batch, optimizer, schedule,
+    /// backend, checkpoints and saves, each with its flag and default declared there.
+    #[command(flatten)]
+    pub run: TrainConfig,
     /// A Hugging Face config.json to train from a seeded init (the same on every rank): a larger
     /// model without a checkpoint.
     #[arg(long, value_name = "FILE", conflicts_with = "checkpoint")]
     pub config: Option<PathBuf>,
-    /// Training data: `.bin` (little-endian u16 ids), `.txt`, or `.jsonl` with {"text"},
-    /// {"prompt", "completion"} (SFT) or {"messages"} (chat) records; text needs --tokenizer
-    /// (default: a built-in synthetic corpus). docs/data.md describes the formats.
-    #[arg(long)]
-    pub data: Option<PathBuf>,
     /// A Hugging Face tokenizer.json for .txt and .jsonl data; bos/eos/pad and the chat
     /// template come from the tokenizer_config.json beside it.
     #[arg(long, value_name = "FILE")]
@@ -62,12 +57,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "N", requires = "eval_data")]
     pub eval_every: Option<usize>,
     /// Batches of --global-batch rows per evaluation, from the start of --eval-data.
-    #[arg(long, value_name = "K", default_value_t = 1)]
+    #[arg(long, value_name = "K", default_value_t = DataOptions::default().eval_batches)]
     pub eval_batches: usize,
-    /// Micro-batches of --global-batch rows per optimizer step, gradients accumulated: equal
-    /// to one step on a K times larger batch.
-    #[arg(long, value_name = "K", default_value_t = 1)]
-    pub grad_accum: usize,
     /// Strategy, sizes, precision and resharding: the run's `DistributedConfig`.
     #[command(flatten)]
     pub distributed: DistributedFlags,
@@ -82,62 +73,11 @@ pub struct TrainArgs {
         )
     )]
     pub model: BuiltinModel,
-    /// Total optimizer steps.
-    #[arg(long, default_value_t = 40)]
-    pub steps: usize,
-    /// Sequences per step over all data-parallel ranks.
-    #[arg(long, default_value_t = 8)]
-    pub global_batch: usize,
-    /// Tokens per sequence (default 64). SFT and chat rows are padded to it when given, else
-    /// to the step's longest row, and examples longer than it are truncated.
+    /// Tokens per sequence (default: `TrainConfig::default().seq_len`, 64). SFT and chat rows
+    /// are padded to it when given, else to the step's longest row, and examples longer than
+    /// it are truncated.
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// The optimizer.
-    #[arg(long, default_value = "adamw", help = one_of("The optimizer", OptimizerKind::NAMES))]
-    pub optimizer: OptimizerKind,
-    /// Learning rate (the schedule's peak).
-    #[arg(long, default_value_t = 3e-3)]
-    pub lr: f32,
-    /// The learning-rate schedule after warmup.
-    #[arg(
-        long,
-        default_value = "constant",
-        help = one_of(
-            "The learning-rate schedule after --warmup-steps (linear: lr decays linearly to \
-             --min-lr at --steps; cosine: as half a cosine)",
-            LrScheduleKind::NAMES
-        )
-    )]
-    pub lr_schedule: LrScheduleKind,
-    /// Steps of linear warmup from 0: step s < N trains at lr * s / N.
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub warmup_steps: usize,
-    /// Where --lr-schedule linear or cosine decays to.
-    #[arg(long, default_value_t = 0.0)]
-    pub min_lr: f32,
-    /// What a step whose loss or gradient norm is not finite does.
-    #[arg(
-        long,
-        default_value = "stop",
-        help = one_of(
-            "A step whose loss or gradient norm is not finite (stop: the run ends with an error \
-             naming it; skip: its update is dropped on every rank, `skipped: true` in its JSON)",
-            OnNonFinite::NAMES
-        )
-    )]
-    pub on_nonfinite: OnNonFinite,
-    /// AdamW's decoupled weight decay.
-    #[arg(long, default_value_t = 0.0)]
-    pub weight_decay: f32,
-    /// AdamW's first-moment decay.
-    #[arg(long, default_value_t = 0.9)]
-    pub beta1: f32,
-    /// AdamW's second-moment decay.
-    #[arg(long, default_value_t = 0.999)]
-    pub beta2: f32,
-    /// AdamW's epsilon.
-    #[arg(long, default_value_t = 1e-8)]
-    pub eps: f32,
     /// Freeze these parameters: comma-separated Hugging Face parameter-name prefixes or globs
     /// (`model.embed_tokens,model.layers.0`, `model.layers.*.self_attn.*`).
     #[arg(long, value_name = "PATTERNS")]
@@ -146,45 +86,6 @@ pub struct TrainArgs {
     /// `--save-adapter`.
     #[command(flatten)]
     pub lora: LoraFlags,
-    /// Clip the global gradient norm (0: off).
-    #[arg(long, default_value_t = 1.0)]
-    pub grad_clip: f32,
-    /// The backend each rank computes on.
-    #[arg(
-        long,
-        default_value = "flex",
-        help = one_of(
-            "The backend each rank computes on (cuda and tch: one GPU per rank, --features \
-             cuda|tch; wgpu: one device all ranks share, --features wgpu)",
-            Backend::NAMES
-        )
-    )]
-    pub backend: Backend,
-    /// Seed of the model's initial weights.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Save the trained model here in the Hugging Face format.
-    #[arg(long)]
-    pub save: Option<PathBuf>,
-    /// Save a sharded training checkpoint every N steps and after the last one
-    /// (`--save-dir/step-N`; resumable under any strategy and world size).
-    #[arg(long, value_name = "N")]
-    pub save_every: Option<usize>,
-    /// Where --save-every writes its checkpoints.
-    #[arg(long, value_name = "DIR")]
-    pub save_dir: Option<PathBuf>,
-    /// Write each checkpoint on a background thread while training goes on (at most one in
-    /// flight; it becomes the newest checkpoint once written by every rank).
-    #[arg(long)]
-    pub async_save: bool,
-    /// Resume from a checkpoint, or from the newest one in a save directory. --steps stays the
-    /// total: resumed at step 5, --steps 10 trains steps 5 to 9.
-    #[arg(long, value_name = "DIR")]
-    pub resume: Option<PathBuf>,
-    /// Resume although --data, --seq-len or --global-batch differ from the checkpoint's (the
-    /// data stream then continues at the same sample position of the other data).
-    #[arg(long)]
-    pub allow_data_change: bool,
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     pub json: bool,
@@ -193,10 +94,6 @@ pub struct TrainArgs {
     /// rank (one thread per GPU, or one process per GPU when the launcher sets RANK).
     #[arg(long)]
     pub engine: Option<EngineKind>,
-    /// Compute threads of each rank (default: $BURN_PARALLEL_THREADS_PER_RANK, else the cores
-    /// divided by the ranks of this process).
-    #[arg(long, value_name = "N")]
-    pub threads_per_rank: Option<usize>,
     /// Whether freed memory stays in the process for the next step.
     #[arg(
         long,
@@ -222,47 +119,25 @@ impl TrainArgs {
             (None, BuiltinModel::TinyMoe) => LlamaConfig::tiny_moe(),
             (None, BuiltinModel::Tiny) => LlamaConfig::tiny(),
         };
+        let data_options = DataOptions {
+            tokenizer: self.tokenizer.clone(),
+            pack: self.pack,
+            shuffle_seed: self.shuffle_seed,
+            pad_to_seq_len: self.seq_len.is_some(),
+            eval_data: self.eval_data.clone(),
+            eval_every: self.eval_every.unwrap_or(0),
+            eval_batches: self.eval_batches,
+        };
+        let run = &self.run;
         Ok(TrainConfig {
             distributed: self.distributed.resolve()?,
             model,
-            steps: self.steps,
-            global_batch: self.global_batch,
-            seq_len: self.seq_len.unwrap_or(64),
-            optimizer: self.optimizer,
-            lr: self.lr,
-            lr_schedule: self.lr_schedule,
-            warmup_steps: self.warmup_steps,
-            min_lr: self.min_lr,
-            on_nonfinite: self.on_nonfinite,
-            weight_decay: self.weight_decay,
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: self.eps,
-            grad_clip: (self.grad_clip > 0.0).then_some(self.grad_clip),
-            backend: self.backend,
-            checkpoint: self.checkpoint.clone(),
-            data: self.data.clone(),
-            data_options: DataOptions {
-                tokenizer: self.tokenizer.clone(),
-                pack: self.pack,
-                shuffle_seed: self.shuffle_seed,
-                pad_to_seq_len: self.seq_len.is_some(),
-                eval_data: self.eval_data.clone(),
-                eval_every: self.eval_every.unwrap_or(0),
-                eval_batches: self.eval_batches,
-            },
-            grad_accum: self.grad_accum,
-            save: self.save.clone(),
-            save_every: self.save_every,
-            save_dir: self.save_dir.clone(),
-            async_save: self.async_save,
-            resume: self.resume.clone(),
-            allow_data_change: self.allow_data_change,
-            stop: None,
+            seq_len: self.seq_len.unwrap_or(run.seq_len),
+            // 0 on the command line turns clipping off.
+            grad_clip: run.grad_clip.filter(|&clip| clip > 0.0),
+            data_options,
             fault: crate::fault::Fault::from_env()?,
-            seed: self.seed,
             engine,
-            threads_per_rank: self.threads_per_rank,
             freeze: self
                 .freeze
                 .as_deref()
@@ -270,6 +145,7 @@ impl TrainArgs {
                 .unwrap_or_default(),
             lora: self.lora.options(),
             pipeline: self.distributed.pipeline(),
+            ..run.clone()
         })
     }
 }
