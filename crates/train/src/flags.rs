@@ -155,12 +155,13 @@ pub(crate) fn one_of(what: &str, names: &[&str]) -> String {
 ///   forward), except under megatron_fsdp's ZeRO-1 and ZeRO-2, which keep them (unset);
 /// - `mp_policy.cast_forward_inputs` true (inputs follow `--param-dtype`).
 pub fn trainer_defaults(strategy: Strategy, zero: ZeroDpStrategy) -> DistributedConfig {
-    let keeps_gathered = strategy == Strategy::MegatronFsdp && zero.keeps_gathered_weights();
+    let keeps_gathered = strategy.keeps_gathered_weights(zero);
+    let (tp_size, dp_replicate_size) = strategy.smallest_sizes();
     DistributedConfig {
         strategy,
         world_size: Some(4),
-        tp_size: if strategy == Strategy::Fsdp2Tp { 2 } else { 1 },
-        dp_replicate_size: if strategy == Strategy::Hsdp { 2 } else { 1 },
+        tp_size,
+        dp_replicate_size,
         reshard_after_forward: (!keeps_gathered).then_some(true),
         mp_policy: MixedPrecisionConfig {
             cast_forward_inputs: true,

@@ -167,6 +167,26 @@ impl Plan {
     }
 }
 
+impl Strategy {
+    /// The `tp_size` and `dp_replicate_size` the strategy needs at least (fsdp2_tp splits
+    /// over 2 tp ranks, hsdp over 2 replicas; 1 and 1 otherwise): what a program that takes
+    /// only a strategy's name fills in.
+    pub fn smallest_sizes(self) -> (usize, usize) {
+        match self {
+            Strategy::Fsdp2Tp => (2, 1),
+            Strategy::Hsdp => (1, 2),
+            _ => (1, 1),
+        }
+    }
+
+    /// Whether the strategy keeps every unit's gathered weights through backward at ZeRO
+    /// stage `zero` (megatron_fsdp's ZeRO-1 and ZeRO-2), so that `reshard_after_forward =
+    /// true` is an error there.
+    pub fn keeps_gathered_weights(self, zero: ZeroDpStrategy) -> bool {
+        self == Strategy::MegatronFsdp && zero.keeps_gathered_weights()
+    }
+}
+
 impl DistributedConfig {
     /// Checks the config against a world of `world_size` ranks and resolves what it means
     /// there. Every inconsistency is reported here, before any rank communicates.
@@ -188,11 +208,11 @@ impl DistributedConfig {
             }
             _ => DataParallel::None,
         };
-        let resharding =
-            match megatron && self.megatron_fsdp.zero_dp_strategy.keeps_gathered_weights() {
-                true => Some(false),
-                false => self.reshard_after_forward,
-            };
+        let zero = self.megatron_fsdp.zero_dp_strategy;
+        let resharding = match self.strategy.keeps_gathered_weights(zero) {
+            true => Some(false),
+            false => self.reshard_after_forward,
+        };
         let prefetches = match megatron {
             true => self.megatron_fsdp.overlap_param_gather,
             false => self.enable_fsdp2_prefetch,
