@@ -25,7 +25,6 @@ use burn::optim::momentum::MomentumConfig;
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use burn_parallel::checkpoint::{self, BurnOptimizer, Checkpoint, TrainingProgress};
-use burn_parallel::parallelizer::full_state_dict;
 use burn_parallel::prelude::*;
 use clap::Parser;
 

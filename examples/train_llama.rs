@@ -23,6 +23,7 @@
 //! run's `DistributedConfig`, `--distributed-config FILE` reads one, and flags given override
 //! the file.
 
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::sync::Mutex;
 
@@ -35,9 +36,11 @@ fn mib(bytes: u64) -> String {
     format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-fn print_summary(cfg: &TrainConfig, s: &TrainSummary) {
+/// The run's summary as plain lines on `out`.
+fn print_summary(out: &mut dyn Write, cfg: &TrainConfig, s: &TrainSummary) -> std::io::Result<()> {
     let l = s.mesh;
-    println!(
+    writeln!(
+        out,
         "{} on {} ranks (dp_replicate {} x dp_shard {} x tp {}), {} params, {} backend",
         cfg.distributed.strategy,
         l.world(),
@@ -46,17 +49,19 @@ fn print_summary(cfg: &TrainConfig, s: &TrainSummary) {
         l.tp,
         s.model.num_params(),
         cfg.backend
-    );
+    )?;
     if let (Some(first), Some(last)) = (s.steps.first(), s.steps.last()) {
-        println!(
+        writeln!(
+            out,
             "loss {:.4} -> {:.4} over steps {} to {}",
             first.report.loss, last.report.loss, first.step, last.step
-        );
+        )?;
     }
-    println!(
+    writeln!(
+        out,
         "throughput {:.0} tokens/s (steps after the first)",
         s.tokens_per_s()
-    );
+    )?;
     let per_rank = |values: &[u64]| {
         let v: Vec<String> = values.iter().map(|b| mib(*b)).collect();
         v.join(", ")
@@ -67,24 +72,28 @@ fn print_summary(cfg: &TrainConfig, s: &TrainSummary) {
     } else {
         format!("of rank {:?}", s.ranks)
     };
-    println!(
+    writeln!(
+        out,
         "model state {whose} (params + grads + optimizer): {}",
         per_rank(&s.model_state_bytes)
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "communication {whose} per step (sent + received): {}",
         per_rank(&s.comm_bytes_per_step)
-    );
+    )?;
     if let Some(dir) = &cfg.save {
-        println!("saved to {}", dir.display());
+        writeln!(out, "saved to {}", dir.display())?;
     }
     if let Some(last) = s.checkpoints.last() {
-        println!(
+        writeln!(
+            out,
             "{} checkpoint(s), the last in {}",
             s.checkpoints.len(),
             last.display()
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// The exit code of a run stopped by a preemption signal after saving: sysexits'
@@ -137,12 +146,22 @@ fn main() -> ExitCode {
         stop: Some(stop),
         ..cfg
     };
+    // Piped or redirected output still gets the eval losses and the summary, as plain lines
+    // on stderr (a progress bar and its lines show only on a terminal).
+    let plain_stderr = !std::io::stdout().is_terminal() || !std::io::stderr().is_terminal();
+    let eval_line = |r: &StepLog| {
+        r.eval_loss
+            .map(|e| format!("step {}: eval loss {e:.4}", r.step))
+    };
     let result = if args.json {
         train(&cfg, &|r: &StepLog| {
             println!(
                 "{}",
                 serde_json::to_string(r).expect("a step report serializes")
             );
+            if let Some(line) = eval_line(r).filter(|_| plain_stderr) {
+                eprintln!("{line}");
+            }
         })
     } else {
         // Made at the first step, so that only the process that reports (rank 0's) shows one.
@@ -163,8 +182,11 @@ fn main() -> ExitCode {
                 "loss {:.4}  grad norm {:.3}  {:.0} tok/s",
                 r.report.loss, r.report.grad_norm, r.tokens_per_s
             ));
-            if let Some(eval) = r.eval_loss {
-                bar.println(format!("step {}: eval loss {eval:.4}", r.step));
+            if let Some(line) = eval_line(r) {
+                match plain_stderr {
+                    true => eprintln!("{line}"),
+                    false => bar.println(line),
+                }
             }
             bar.inc(1);
         });
@@ -187,8 +209,15 @@ fn main() -> ExitCode {
             ExitCode::from(REQUEUE_EXIT_CODE)
         }
         Ok(summary) => {
-            if !args.json && summary.has_rank_zero() {
-                print_summary(&cfg, &summary);
+            if summary.has_rank_zero() {
+                // On stdout for a person at a terminal; else on stderr, beside the JSON.
+                let written = match !args.json && std::io::stdout().is_terminal() {
+                    true => print_summary(&mut std::io::stdout(), &cfg, &summary),
+                    false => print_summary(&mut std::io::stderr(), &cfg, &summary),
+                };
+                if let Err(e) = written {
+                    eprintln!("error: cannot write the summary: {e}");
+                }
             }
             if let Some(rss) = peak_rss_bytes() {
                 eprintln!(

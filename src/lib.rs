@@ -32,7 +32,7 @@ pub mod prelude {
     pub use burn_parallel_macros::parallelize;
     pub use burn_parallel_parallelizer::{
         DistributedConfig, LocalRows, MeshContext, OptimizerStep, Parallelize, Step, Strategy,
-        full_model, parallelize_model,
+        full_model, full_state_dict, parallelize_model,
     };
     pub use burn_parallel_tp::{Tp, forward_shared, loss_parallel};
 }

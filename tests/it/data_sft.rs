@@ -407,6 +407,7 @@ fn the_data_flags_parse_into_the_run() {
             eval_data: Some("e.jsonl".into()),
             eval_every: 5,
             eval_batches: 3,
+            strict_data: false,
         }
     );
     assert_eq!((cfg.grad_accum, cfg.seq_len), (4, 64));
@@ -502,4 +503,87 @@ fn a_saved_chat_fine_tune_is_a_complete_model_directory() {
         ..text_run(Strategy::Single, 1, "chat.jsonl")
     });
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A global batch whose conversations have no assistant turn trains nothing: its step is
+/// reported `"skipped": "no trained tokens"` and updates nothing on any rank (AdamW would still
+/// move the weights), so the weights and optimizer state after the run equal those of the
+/// same run without that batch, bit for bit, on one device and on 2 fsdp2 ranks. Loading such
+/// data counts the untrained conversations; `--strict-data` refuses it.
+#[test]
+fn a_batch_without_trained_tokens_skips_its_update_on_every_rank() {
+    use burn_parallel::checkpoint::step_dir;
+    use burn_parallel::train::Skipped;
+
+    let chats: Vec<String> = std::fs::read_to_string(fixture("chat.jsonl"))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let untrained = r#"{"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Each are shards"}]}"#;
+    let dir = crate::llama_hf::temp_dir("no-trained-tokens");
+    let file = |name: &str, lines: Vec<&str>| {
+        let path = dir.join(name);
+        std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+        path
+    };
+    let c: Vec<&str> = chats.iter().map(String::as_str).collect();
+    let with = file(
+        "with.jsonl",
+        vec![c[0], c[1], untrained, untrained, c[2], c[3]],
+    );
+    let without = file("without.jsonl", vec![c[0], c[1], c[2], c[3]]);
+    for (strategy, world) in [(Strategy::Single, 1), (Strategy::Fsdp2, 2)] {
+        let cfg = |data: &Path, steps: usize, saves: &str| TrainConfig {
+            global_batch: 2,
+            steps,
+            data: Some(data.to_path_buf()),
+            save_every: Some(1),
+            save_dir: Some(dir.join(format!("{saves}-{strategy}"))),
+            ..text_run(strategy, world, "chat.jsonl")
+        };
+        let skipping = run(&cfg(&with, 3, "with"));
+        let reasons: Vec<Option<Skipped>> = skipping.steps.iter().map(|s| s.skipped).collect();
+        assert_eq!(
+            reasons,
+            [None, Some(Skipped::NoTrainedTokens), None],
+            "{strategy}"
+        );
+        let json = serde_json::to_value(&skipping.steps[1]).unwrap();
+        assert_eq!(json["skipped"], "no trained tokens");
+        assert_eq!(
+            serde_json::to_value(&skipping.steps[0]).unwrap()["skipped"],
+            false
+        );
+        let plain = run(&cfg(&without, 2, "without"));
+        let bits = |run: &str, done: u64| {
+            crate::train_schedules::state_bits(&step_dir(
+                &dir.join(format!("{run}-{strategy}")),
+                done,
+            ))
+            .0
+        };
+        assert!(
+            bits("with", 3) == bits("without", 2),
+            "{strategy}: the batch without trained tokens changed the state"
+        );
+        assert_eq!(
+            skipping.steps[2].report.loss.to_bits(),
+            plain.steps[1].report.loss.to_bits(),
+            "{strategy}"
+        );
+    }
+    // Counted at load, refused under --strict-data, naming the count.
+    let opts = DataOptions {
+        tokenizer: Some(fixture("tokenizer.json")),
+        strict_data: true,
+        ..DataOptions::default()
+    };
+    let e = data::load(&with, &opts, 32, 320, "--data")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--data") && e.contains("2 of 6 examples") && e.contains("no trained token"),
+        "{e}"
+    );
 }

@@ -13,7 +13,7 @@ use crate::error::TrainError;
 /// A step's routing over the global batch.
 pub struct RouterReport {
     /// This rank's term of the weighted load-balancing loss, to add to its loss, when the
-    /// model adds it (`output_router_logits`). `train_step` weights a rank's loss by its rows'
+    /// model adds it (`output_router_logits`). The `Step` weights a rank's loss by its rows'
     /// share and averages over the data-parallel ranks; the term is scaled so that the
     /// average is `router_aux_loss_coef` times the global loss.
     pub term: Option<Tensor<1>>,
@@ -65,7 +65,7 @@ pub fn router_report(
             expert_tokens,
         }));
     }
-    // Undo train_step's weighting (rows' share) and averaging (1 / dp_cp) for this term.
+    // Undo the Step's weighting (rows' share) and averaging (1 / dp_cp) for this term.
     let scale = mesh.dp_cp_size() as f64 / rows.loss_weight();
     let (term, aux_loss) = load_balancing(
         &total,

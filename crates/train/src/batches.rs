@@ -94,15 +94,18 @@ fn logits_of(
     Ok((logits.reshape([b * t, local_vocab]), router))
 }
 
-/// What the step's forward passes leave for `train_step_accumulated`.
+/// What the step's forward passes leave for the `Step` (its `accumulated` micro-batches).
 pub(crate) struct StepForward {
-    /// The last micro-batch's loss, in `train_step`'s convention (weighted by the rows'
+    /// The last micro-batch's loss, in the `Step`'s convention (weighted by the rows'
     /// share there).
     pub loss: Tensor<1>,
     /// The earlier micro-batches' gradients and loss.
     pub accumulated: Accumulated,
     /// The last micro-batch's MoE routing report.
     pub routing: Option<RouterReport>,
+    /// The step's trained (counting) targets over every rank, for masked data (`None`: every
+    /// target counts).
+    pub trained_tokens: Option<f64>,
 }
 
 /// Forward (and, for all but the last micro-batch, backward) of the step at data position
@@ -131,16 +134,18 @@ pub(crate) fn forward_step(
     // The plain per-rank mean: a token stream in one micro-batch (today's numerics).
     let plain = !data.masked() && k == 1;
     let w = rows.loss_weight();
-    // E = dp * S / N, handed over as E / w (train_step weights it by w again).
-    let scale = match plain {
-        true => 0.0,
+    // E = dp * S / N, handed over as E / w (the Step weights it by w again).
+    let (scale, trained_tokens) = match plain {
+        true => (0.0, None),
         false => {
             let local: usize = batches.iter().map(|b| b.count()).sum();
             let n = all_reduce_sum(mesh, &[local as f64])?[0];
-            match (n > 0.0, w > 0.0) {
+            let scale = match (n > 0.0, w > 0.0) {
                 (true, true) => mesh.dp_cp_size() as f64 / (n * w),
                 _ => 0.0,
-            }
+            };
+            // Token streams count every target; only masked data can have none.
+            (scale, data.masked().then_some(n))
         }
     };
     let mut accumulated = Accumulated::default();
@@ -181,6 +186,7 @@ pub(crate) fn forward_step(
         loss,
         accumulated,
         routing,
+        trained_tokens,
     })
 }
 

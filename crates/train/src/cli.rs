@@ -56,6 +56,11 @@ pub struct TrainArgs {
     /// Evaluate every N steps and after the last step (`eval_loss` in the step's JSON).
     #[arg(long, value_name = "N", requires = "eval_data")]
     pub eval_every: Option<usize>,
+    /// Refuse SFT or chat data holding an example with no trained token (a conversation
+    /// without an assistant turn, an empty completion); without it they are counted in a
+    /// warning.
+    #[arg(long)]
+    pub strict_data: bool,
     /// Batches of --global-batch rows per evaluation, from the start of --eval-data.
     #[arg(long, value_name = "K", default_value_t = DataOptions::default().eval_batches)]
     pub eval_batches: usize,
@@ -127,6 +132,7 @@ impl TrainArgs {
             eval_data: self.eval_data.clone(),
             eval_every: self.eval_every.unwrap_or(0),
             eval_batches: self.eval_batches,
+            strict_data: self.strict_data,
         };
         let run = &self.run;
         Ok(TrainConfig {

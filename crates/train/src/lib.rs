@@ -5,7 +5,7 @@
 //! Strategies come from `burn_parallel_parallelizer`: a run holds a `DistributedConfig`
 //! ([`TrainConfig::distributed`]), which the command line's flags and `--distributed-config
 //! FILE` set ([`DistributedFlags`]); `parallelize_model` shards the model (lazily loaded from
-//! a checkpoint: each FSDP rank reads its own rows) and `train_step_with` runs backward, the
+//! a checkpoint: each FSDP rank reads its own rows) and the `Step` runs backward, the
 //! gradient reductions, clipping and this crate's PyTorch-exact optimizers.
 //!
 //! Numerics: the loss is the mean token cross-entropy over the GLOBAL batch. Each rank's loss
@@ -83,7 +83,7 @@ pub use mesh::mesh_plan;
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use options::{DEFAULT_TARGETS, LoraOptions, LrScheduleKind, OnNonFinite, PipelineOptions};
 pub use state::model_state_bytes;
-pub use step_log::{StepCalls, StepLog, StepTimes};
+pub use step_log::{Skipped, StepCalls, StepLog, StepTimes};
 pub use stop::StopFlag;
 pub use trainer::{TrainSummary, train};
 pub use usage::ProcessUsage;

@@ -21,7 +21,9 @@ use crate::guard::check_finite;
 use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
-use crate::step_log::{RankResult, StepCalls, StepLog, StepTimes, max_over_world, step_figures};
+use crate::step_log::{
+    RankResult, Skipped, StepCalls, StepLog, StepTimes, max_over_world, step_figures,
+};
 use crate::stop::stop_agreed;
 use crate::stragglers::Stragglers;
 use crate::usage::ProcessUsage;
@@ -50,6 +52,15 @@ pub(crate) struct StepDone {
     /// A pipeline schedule's wait for its neighbours (seconds) and the most microbatches it
     /// held activations for.
     pub schedule: Option<(f64, usize)>,
+    /// Whether the global batch held no trained token: the runner then ran the step without
+    /// its update, on every rank alike (the count is the same everywhere).
+    pub no_trained_tokens: bool,
+}
+
+/// The update of a step whose global batch has no trained token: none. AdamW would still move
+/// the weights (its moments and weight decay), on a step that learned nothing.
+pub(crate) fn no_update<M>(model: M, _grads: Gradients, _report: &StepReport) -> M {
+    model
 }
 
 /// The optimizer update a runner's step calls once its gradients are synced.
@@ -265,8 +276,13 @@ impl<R: StepRunner> Steps<'_, R> {
             nan_fault,
         };
         let (model, done) = self.runner.step(model, input, &mut update, mesh)?;
-        let (skipped, optimizer_s) = (update_s.is_none(), update_s.unwrap_or(0.0));
-        if !skipped {
+        let skipped = match (done.no_trained_tokens, update_s) {
+            (true, _) => Some(Skipped::NoTrainedTokens),
+            (false, None) => Some(Skipped::NotFinite),
+            (false, Some(_)) => None,
+        };
+        let optimizer_s = update_s.unwrap_or(0.0);
+        if skipped.is_none() {
             check_finite(cfg, step, &done.report)?;
         }
         // A skipped step still counts and consumes its batch.
@@ -311,7 +327,7 @@ struct RunFigures {
 struct Measured {
     step: usize,
     lr: f32,
-    skipped: bool,
+    skipped: Option<Skipped>,
     step_time_s: f64,
     optimizer_s: f64,
     eval_loss: Option<f32>,

@@ -11,6 +11,31 @@ use serde::Serialize;
 
 use crate::error::TrainError;
 
+/// Why a step's update was dropped on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Skipped {
+    /// `--on-nonfinite skip`, and the loss or gradient norm is not finite.
+    NotFinite,
+    /// The global batch holds no trained token (SFT or chat rows whose targets all are
+    /// masked): nothing to learn, and AdamW would still move the weights.
+    NoTrainedTokens,
+}
+
+impl Skipped {
+    /// The JSON of `StepLog::skipped`: `false` when the step updated, `true` for a step skipped
+    /// as not finite (as before reasons were reported), else the reason's words.
+    fn serialize_option<S: serde::Serializer>(
+        skipped: &Option<Skipped>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match skipped {
+            None => s.serialize_bool(false),
+            Some(Skipped::NotFinite) => s.serialize_bool(true),
+            Some(Skipped::NoTrainedTokens) => s.serialize_str("no trained tokens"),
+        }
+    }
+}
+
 /// One step as rank 0 saw it; what `--json` prints (one flat object per step).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepLog {
@@ -22,9 +47,11 @@ pub struct StepLog {
     pub report: StepReport,
     /// The learning rate the step trained with (the schedule's, `--lr-schedule`).
     pub lr: f32,
-    /// Whether the step's update was dropped on every rank (`--on-nonfinite skip` and a loss
-    /// or gradient norm that is not finite): weights and optimizer state stay as they were.
-    pub skipped: bool,
+    /// Why the step's update was dropped on every rank, if it was: weights and optimizer state
+    /// stay as they were. In the JSON `false`, `true` (`--on-nonfinite skip` and a loss or
+    /// gradient norm that is not finite) or `"no trained tokens"`.
+    #[serde(serialize_with = "Skipped::serialize_option")]
+    pub skipped: Option<Skipped>,
     /// Wall time of the step, in seconds.
     pub step_time_s: f64,
     /// Global-batch tokens per second of this step.
@@ -95,7 +122,7 @@ pub struct StepLog {
 pub struct StepTimes {
     /// The batch's tensors, forward and loss.
     pub forward_s: f64,
-    /// Backward, the gradient sync and the global-norm clipping (`train_step` but the
+    /// Backward, the gradient sync and the global-norm clipping (the `Step` but the
     /// optimizer).
     pub backward_s: f64,
     /// The optimizer's update.

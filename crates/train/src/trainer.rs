@@ -24,7 +24,7 @@ use crate::freeze;
 use crate::guard::{check_batch_memory, check_positions};
 use crate::mesh::mesh_plan;
 use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, open_resume};
-use crate::run_loop::{RankRun, StepDone, StepInput, StepRunner, Update, train_loop};
+use crate::run_loop::{RankRun, StepDone, StepInput, StepRunner, Update, no_update, train_loop};
 use crate::step_log::{RankResult, StepLog, fsdp_memory};
 
 /// A finished run.
@@ -108,6 +108,24 @@ fn eval_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Option<Dataset>, 
         model.vocab_size,
         "--eval-data",
     )?;
+    // Past the file's end the batches would wrap around and count items twice.
+    let (batches, rows) = (cfg.data_options.eval_batches, cfg.global_batch);
+    if batches * rows > eval.len() {
+        return Err(crate::error::flag_error(
+            "--eval-batches",
+            format!(
+                "{batches} of --global-batch {rows} rows need {} items, but --eval-data {} has \
+                 {}: {}, so that each item counts once",
+                batches * rows,
+                path.display(),
+                eval.len(),
+                match eval.len() / rows {
+                    0 => "give more eval data than one global batch".to_string(),
+                    most => format!("give --eval-batches {most} or less"),
+                }
+            ),
+        ));
+    }
     Ok(Some(eval))
 }
 
@@ -334,15 +352,22 @@ impl StepRunner for WholeModel<'_> {
             true => forward.loss.mul_scalar(f32::NAN),
             false => forward.loss,
         };
-        let (model, report) = Step::new(mesh, input.rows)
+        let step = Step::new(mesh, input.rows)
             .max_grad_norm(cfg.grad_clip)
-            .accumulated(forward.accumulated)
-            .run(model, loss, update)?;
+            .accumulated(forward.accumulated);
+        // The same count on every rank: every rank skips alike, still running the step's
+        // collectives.
+        let no_trained_tokens = forward.trained_tokens == Some(0.0);
+        let (model, report) = match no_trained_tokens {
+            true => step.run(model, loss, no_update)?,
+            false => step.run(model, loss, update)?,
+        };
         let done = StepDone {
             report,
             forward_s: Some(forward_s),
             routing: forward.routing,
             schedule: None,
+            no_trained_tokens,
         };
         Ok((model, done))
     }

@@ -53,6 +53,9 @@ pub struct DataOptions {
     pub eval_every: usize,
     /// Batches of `--global-batch` rows per evaluation (`--eval-batches`; default 1).
     pub eval_batches: usize,
+    /// Refuse SFT and chat data holding an example with no trained token (`--strict-data`;
+    /// default false: such examples are counted in a warning).
+    pub strict_data: bool,
 }
 
 impl Default for DataOptions {
@@ -65,6 +68,7 @@ impl Default for DataOptions {
             eval_data: None,
             eval_every: 0,
             eval_batches: 1,
+            strict_data: false,
         }
     }
 }
@@ -305,6 +309,7 @@ pub fn load(
     let examples = tokenized(path, &bytes, format, &tok, cache::CACHE_MIN_BYTES)?;
     check_vocab(&examples, vocab, &tok, path, what)?;
     if format.has_examples() {
+        check_trained_tokens(&examples, opts.strict_data, path, what)?;
         let pad = tok.need("pad", format.name())?;
         let rows = example_rows(&examples, opts.pack, seq_len, path, what);
         return Ok(Dataset::Rows {
@@ -371,6 +376,42 @@ fn check_vocab(
             tok.vocab_size()
         ))),
         None => Ok(()),
+    }
+}
+
+/// Examples that train nothing (a conversation without an assistant turn, an empty
+/// completion): counted in a warning on stderr, or refused under `--strict-data`. A step
+/// made only of such rows is skipped (`"skipped": "no trained tokens"`).
+fn check_trained_tokens(
+    examples: &[Example],
+    strict: bool,
+    path: &Path,
+    what: &'static str,
+) -> Result<(), TrainError> {
+    // The id at position i is the target of position i - 1: the first never is one.
+    let untrained = examples
+        .iter()
+        .filter(|e| !e.counts.iter().skip(1).any(|&c| c))
+        .count();
+    if untrained == 0 {
+        return Ok(());
+    }
+    let message = format!(
+        "{} of {} examples of {} have no trained token (no assistant turn, or an empty \
+         completion): they add nothing to the loss",
+        untrained,
+        examples.len(),
+        path.display()
+    );
+    match strict {
+        true => Err(flag_error(
+            what,
+            format!("{message}; drop them, or leave out --strict-data"),
+        )),
+        false => {
+            eprintln!("{what}: {message} (--strict-data refuses such data)");
+            Ok(())
+        }
     }
 }
 

@@ -90,24 +90,29 @@ fn weighted(
         .collect()
 }
 
+/// A step's microbatches on this rank, the rows each holds, and for masked data the global
+/// batch's trained (counting) targets.
+pub(super) type StepMicrobatches = (Vec<TokenMicrobatch>, Vec<usize>, Option<f64>);
+
 /// The step at data position `position`: this rank's rows as microbatches, with the rows each
-/// holds. Collective over the data-parallel ranks for masked data (the global count).
+/// holds, and for masked data the global batch's trained (counting) targets. Collective over
+/// the data-parallel ranks for masked data (the global count).
 pub(super) fn step_microbatches(
     cfg: &TrainConfig,
     data: &Dataset,
     position: usize,
     rows: &LocalRows,
     mesh: &MeshContext,
-) -> Result<(Vec<TokenMicrobatch>, Vec<usize>), TrainError> {
+) -> Result<StepMicrobatches, TrainError> {
     let seed = cfg.data_options.shuffle_seed;
     let pad = pad_len(cfg, data, position..position + cfg.global_batch, mesh);
     let split = split(cfg, data, position, seed, pad, rows)?;
     if !data.masked() {
-        return Ok((split.microbatches, split.rows));
+        return Ok((split.microbatches, split.rows, None));
     }
     let n = all_reduce_sum(mesh, &[split.count as f64])?[0];
     let counts = split.rows.clone();
-    Ok((weighted(split, n, rows, mesh)?, counts))
+    Ok((weighted(split, n, rows, mesh)?, counts, Some(n)))
 }
 
 /// The `--eval-data` loss under pp: the counting targets' mean cross-entropy over

@@ -21,7 +21,7 @@ use crate::data::Dataset;
 use crate::error::TrainError;
 use crate::options::PipelineOptions;
 use crate::resume::{Resume, RunOptimizer, SavePoint, Saves};
-use crate::run_loop::{RankRun, StepDone, StepInput, StepRunner, Update, train_loop};
+use crate::run_loop::{RankRun, StepDone, StepInput, StepRunner, Update, no_update, train_loop};
 use crate::step_log::{RankResult, fsdp_memory};
 use batches::{eval_loss, step_microbatches};
 use build::build_chunks;
@@ -222,16 +222,23 @@ impl StepRunner for Stages<'_> {
         mesh: &MeshContext,
     ) -> Result<(Vec<LlamaStage>, StepDone), TrainError> {
         let cfg = self.cfg;
-        let (mbs, counts) = step_microbatches(cfg, input.data, input.position, input.rows, mesh)?;
-        let (chunks, done) = Step::new(mesh, input.rows)
-            .max_grad_norm(cfg.grad_clip)
-            .run_pipeline(chunks, &mbs, &counts, cfg.pipeline.schedule(), update)?;
+        let (mbs, counts, trained_tokens) =
+            step_microbatches(cfg, input.data, input.position, input.rows, mesh)?;
+        let step = Step::new(mesh, input.rows).max_grad_norm(cfg.grad_clip);
+        let schedule = cfg.pipeline.schedule();
+        // The same count on every rank of every stage: all skip alike.
+        let no_trained_tokens = trained_tokens == Some(0.0);
+        let (chunks, done) = match no_trained_tokens {
+            true => step.run_pipeline(chunks, &mbs, &counts, schedule, no_update)?,
+            false => step.run_pipeline(chunks, &mbs, &counts, schedule, update)?,
+        };
         let schedule = &done.schedule;
         let done = StepDone {
             report: done.step,
             forward_s: None,
             routing: None,
             schedule: Some((schedule.waiting.as_secs_f64(), schedule.peak_microbatches)),
+            no_trained_tokens,
         };
         Ok((chunks, done))
     }
