@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::{Int, Tensor, TensorData};
 use burn_parallel::models::{Llama, LlamaConfig};
 use burn_parallel::train::data::tokenizer::TextTokenizer;
-use burn_parallel::train::data::{self, DataOptions};
+use burn_parallel::train::data::{self, DataOptions, EvalBatches};
 use burn_parallel::train::{Strategy, TrainConfig, TrainSummary, train};
 
 use crate::common::{ndarray, to_vec};
@@ -270,7 +270,7 @@ fn the_eval_loss_equals_a_forward_only_computation() {
             tokenizer: Some(fixture("tokenizer.json")),
             eval_data: Some(fixture("sft.jsonl")),
             eval_every: 2,
-            eval_batches: 2,
+            eval_batches: EvalBatches::First(2),
             ..DataOptions::default()
         },
         ..text_run(strategy, world, "text.txt")
@@ -406,7 +406,7 @@ fn the_data_flags_parse_into_the_run() {
             pad_to_seq_len: false,
             eval_data: Some("e.jsonl".into()),
             eval_every: 5,
-            eval_batches: 3,
+            eval_batches: EvalBatches::First(3),
             strict_data: false,
         }
     );
@@ -586,4 +586,55 @@ fn a_batch_without_trained_tokens_skips_its_update_on_every_rank() {
         e.contains("--data") && e.contains("2 of 6 examples") && e.contains("no trained token"),
         "{e}"
     );
+}
+
+/// `--eval-batches all` (the default) reads the whole eval file once: with 12 records in
+/// global batches of 5 the last batch holds 2, and the eval loss is the masked mean over all
+/// 12 records computed here forward-only, on one device and on 3 fsdp2 ranks (uneven rows). A
+/// count of batches past the file's end is refused rather than wrapped around.
+#[test]
+fn the_eval_over_the_whole_file_counts_each_record_once() {
+    let eval = |strategy, world, eval_batches| TrainConfig {
+        lr: 0.0,
+        steps: 1,
+        global_batch: 5,
+        data_options: DataOptions {
+            tokenizer: Some(fixture("tokenizer.json")),
+            eval_data: Some(fixture("sft.jsonl")),
+            eval_every: 1,
+            eval_batches,
+            ..DataOptions::default()
+        },
+        ..text_run(strategy, world, "text.txt")
+    };
+    assert_eq!(DataOptions::default().eval_batches, EvalBatches::All);
+    let tok = tokenizer();
+    let model = Llama::seeded(&text_model(), 0, &ndarray());
+    let records = sft_records().len();
+    assert_eq!(records, 12);
+    let (mut sum, mut count) = (0.0, 0);
+    for i in 0..records {
+        let (ids, first) = sft_ids(&tok, i);
+        let (s, c) = example_ce(&model, &ids, first);
+        sum += s;
+        count += c;
+    }
+    let want = sum / count as f64;
+    for (strategy, world) in [(Strategy::Single, 1), (Strategy::Fsdp2, 3)] {
+        let got = run(&eval(strategy, world, EvalBatches::All)).steps[0]
+            .eval_loss
+            .expect("an eval after the last step") as f64;
+        assert!(
+            (got - want).abs() <= 1e-5 * want,
+            "{strategy}: {got} vs {want}"
+        );
+    }
+    let e = error_of(&eval(Strategy::Single, 1, EvalBatches::First(3)));
+    assert!(
+        e.contains("--eval-batches") && e.contains("15 items") && e.contains("has 12"),
+        "{e}"
+    );
+    assert_eq!("all".parse::<EvalBatches>(), Ok(EvalBatches::All));
+    assert_eq!("2".parse::<EvalBatches>(), Ok(EvalBatches::First(2)));
+    assert!("0".parse::<EvalBatches>().is_err());
 }

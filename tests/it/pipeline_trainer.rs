@@ -11,8 +11,8 @@
 use burn_parallel::models::LlamaConfig;
 use burn_parallel::parallelizer::ScheduleKind;
 use burn_parallel::train::{
-    DataOptions, DistributedFlags, LoraOptions, OptimizerKind, Strategy, TrainArgs, TrainConfig,
-    TrainSummary, train,
+    DataOptions, DistributedFlags, EvalBatches, LoraOptions, OptimizerKind, Strategy, TrainArgs,
+    TrainConfig, TrainSummary, train,
 };
 
 use clap::Parser;
@@ -374,7 +374,7 @@ fn the_trainers_pp_evaluates_like_one_device() {
         data_options: DataOptions {
             eval_data: Some(file.clone()),
             eval_every: 2,
-            eval_batches: 2,
+            eval_batches: EvalBatches::First(2),
             ..DataOptions::default()
         },
         ..pp_run(flags)
@@ -632,7 +632,7 @@ fn the_trainers_pp_trains_and_evaluates_sft_data_padded_or_packed_like_one_devic
             cfg.data_options.pack = pack;
             cfg.data_options.eval_data = Some(crate::data_sft::fixture("sft.jsonl"));
             cfg.data_options.eval_every = 2;
-            cfg.data_options.eval_batches = 2;
+            cfg.data_options.eval_batches = EvalBatches::First(2);
             cfg
         };
         let want = run(&with_eval(DistributedFlags::on(Strategy::Single, 1)));

@@ -201,9 +201,9 @@ pub(crate) fn all_reduce_sum(mesh: &MeshContext, values: &[f64]) -> Result<Vec<f
     Ok(summed.try_into_vec::<f64>().expect("f64 sums"))
 }
 
-/// The evaluation loss: the counting targets' mean cross-entropy over the first
-/// `--eval-batches` global batches of `data` (file order), forward only, under the run's
-/// strategy. Collective: every rank calls it.
+/// The evaluation loss: the counting targets' mean cross-entropy over the whole of `data`, or
+/// its first `--eval-batches` global batches (file order), each item once, forward only, under
+/// the run's strategy. Collective: every rank calls it.
 pub(crate) fn eval_loss(
     cfg: &TrainConfig,
     model: &Llama,
@@ -215,7 +215,10 @@ pub(crate) fn eval_loss(
     let vocab = model.config.vocab_size;
     let b = cfg.global_batch;
     let (mut sum, mut count) = (0.0f64, 0.0f64);
-    for e in 0..cfg.data_options.eval_batches {
+    let eval = cfg.data_options.eval_batches;
+    // Past the end of what the evaluation reads, rows count nothing: each item counts once.
+    let end = eval.items(data.len(), b);
+    for e in 0..eval.batches(data.len(), b) {
         let start = e * b;
         let pad = match cfg.data_options.pad_to_seq_len {
             true => cfg.seq_len,
@@ -225,7 +228,9 @@ pub(crate) fn eval_loss(
             1 => pad,
             cp => pad.next_multiple_of(2 * cp),
         };
-        let batch = data.batch(start + rows.rows.start..start + rows.rows.end, None, pad);
+        let first = start + rows.rows.start;
+        let mut batch = data.batch(first..start + rows.rows.end, None, pad);
+        batch.count_rows_before(end.saturating_sub(first));
         let batch = cp_part(batch, mesh)?;
         let (logits, _) = logits_of(model, &batch, mesh)?;
         let n = batch.rows * batch.seq_len;

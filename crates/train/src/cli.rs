@@ -8,7 +8,7 @@ use burn_parallel_models::LlamaConfig;
 use burn_parallel_parallelizer::named_enum;
 
 use crate::config::TrainConfig;
-use crate::data::DataOptions;
+use crate::data::{DataOptions, EvalBatches};
 use crate::error::TrainError;
 use crate::flags::{DistributedFlags, one_of};
 use crate::freeze::split_patterns;
@@ -61,9 +61,10 @@ pub struct TrainArgs {
     /// warning.
     #[arg(long)]
     pub strict_data: bool,
-    /// Batches of --global-batch rows per evaluation, from the start of --eval-data.
-    #[arg(long, value_name = "K", default_value_t = DataOptions::default().eval_batches)]
-    pub eval_batches: usize,
+    /// Batches of --global-batch rows per evaluation, from the start of --eval-data: all (the
+    /// whole file once, the last batch partial) or a count.
+    #[arg(long, value_name = "K|all", default_value_t = DataOptions::default().eval_batches)]
+    pub eval_batches: EvalBatches,
     /// Strategy, sizes, precision and resharding: the run's `DistributedConfig`.
     #[command(flatten)]
     pub distributed: DistributedFlags,

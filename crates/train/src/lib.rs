@@ -69,7 +69,7 @@ pub use burn_parallel_parallelizer::{
 };
 pub use cli::{BuiltinModel, TrainArgs};
 pub use config::{Backend, OptimizerKind, TrainConfig};
-pub use data::DataOptions;
+pub use data::{DataOptions, EvalBatches};
 /// A flag the run cannot use ([`TrainError::Flag`]): `err.flag` names it, for programs that
 /// react to a particular flag rather than print the message.
 pub use error::FlagError;

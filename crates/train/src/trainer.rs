@@ -18,7 +18,7 @@ use burn_parallel_parallelizer::{
 
 use crate::batches::{eval_loss, forward_step};
 use crate::config::TrainConfig;
-use crate::data::{self, Dataset};
+use crate::data::{self, Dataset, EvalBatches};
 use crate::error::TrainError;
 use crate::freeze;
 use crate::guard::{check_batch_memory, check_positions};
@@ -109,8 +109,10 @@ fn eval_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Option<Dataset>, 
         "--eval-data",
     )?;
     // Past the file's end the batches would wrap around and count items twice.
-    let (batches, rows) = (cfg.data_options.eval_batches, cfg.global_batch);
-    if batches * rows > eval.len() {
+    let rows = cfg.global_batch;
+    if let EvalBatches::First(batches) = cfg.data_options.eval_batches
+        && batches * rows > eval.len()
+    {
         return Err(crate::error::flag_error(
             "--eval-batches",
             format!(
@@ -120,8 +122,8 @@ fn eval_data(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Option<Dataset>, 
                 path.display(),
                 eval.len(),
                 match eval.len() / rows {
-                    0 => "give more eval data than one global batch".to_string(),
-                    most => format!("give --eval-batches {most} or less"),
+                    0 => "give --eval-batches all (the whole file)".to_string(),
+                    most => format!("give --eval-batches {most} or less, or all"),
                 }
             ),
         ));

@@ -3,6 +3,7 @@
 //! config and the modules it asks, so the config imports none of them.
 
 use crate::config::{Backend, TrainConfig};
+use crate::data::EvalBatches;
 use crate::error::{TrainError, flag_error};
 use crate::options::LrScheduleKind;
 
@@ -28,7 +29,7 @@ impl TrainConfig {
                 "and --eval-every go together: give both".into(),
             );
         }
-        if opts.eval_data.is_some() && opts.eval_batches == 0 {
+        if opts.eval_data.is_some() && opts.eval_batches == EvalBatches::First(0) {
             return bad("--eval-batches", "must be at least 1".into());
         }
         if !(self.lr.is_finite() && self.lr >= 0.0) {

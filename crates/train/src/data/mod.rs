@@ -35,6 +35,61 @@ pub struct Example {
     pub counts: Vec<bool>,
 }
 
+/// How much of the eval data an evaluation reads (`--eval-batches K|all`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EvalBatches {
+    /// The whole eval file once (the default, `all`): its last batch of `--global-batch` rows
+    /// may be partial, and the rows past the file's end count nothing.
+    #[default]
+    All,
+    /// The first `K` batches of `--global-batch` rows (`K` >= 1, within the file).
+    First(usize),
+}
+
+impl EvalBatches {
+    /// The global batches of `rows` rows an evaluation of `items` items reads.
+    pub fn batches(self, items: usize, rows: usize) -> usize {
+        match self {
+            EvalBatches::All => items.div_ceil(rows.max(1)),
+            EvalBatches::First(k) => k,
+        }
+    }
+
+    /// The items an evaluation may count: all of them, or the first `K` batches'.
+    pub fn items(self, items: usize, rows: usize) -> usize {
+        match self {
+            EvalBatches::All => items,
+            EvalBatches::First(k) => (k * rows).min(items),
+        }
+    }
+}
+
+impl std::str::FromStr for EvalBatches {
+    type Err = String;
+
+    fn from_str(word: &str) -> Result<Self, String> {
+        match word {
+            "all" => Ok(EvalBatches::All),
+            _ => match word.parse::<usize>() {
+                Ok(k) if k >= 1 => Ok(EvalBatches::First(k)),
+                _ => Err(format!(
+                    "`{word}`: give `all` (the whole eval file, the default) or a count of \
+                     batches, at least 1"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for EvalBatches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EvalBatches::All => f.write_str("all"),
+            EvalBatches::First(k) => write!(f, "{k}"),
+        }
+    }
+}
+
 /// How the trainer reads its data, beyond the file (`TrainConfig::data`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataOptions {
@@ -51,8 +106,8 @@ pub struct DataOptions {
     pub eval_data: Option<PathBuf>,
     /// Evaluate every this many steps, and after the last (`--eval-every`; 0: never).
     pub eval_every: usize,
-    /// Batches of `--global-batch` rows per evaluation (`--eval-batches`; default 1).
-    pub eval_batches: usize,
+    /// How much of the eval data each evaluation reads (`--eval-batches`; default all of it).
+    pub eval_batches: EvalBatches,
     /// Refuse SFT and chat data holding an example with no trained token (`--strict-data`;
     /// default false: such examples are counted in a warning).
     pub strict_data: bool,
@@ -67,7 +122,7 @@ impl Default for DataOptions {
             pad_to_seq_len: false,
             eval_data: None,
             eval_every: 0,
-            eval_batches: 1,
+            eval_batches: EvalBatches::All,
             strict_data: false,
         }
     }
@@ -93,6 +148,12 @@ pub struct LossBatch {
 }
 
 impl LossBatch {
+    /// Counts nothing in the rows from `row` on (an evaluation's rows past the file's end).
+    pub fn count_rows_before(&mut self, row: usize) {
+        let from = row.saturating_mul(self.seq_len).min(self.mask.len());
+        self.mask[from..].iter_mut().for_each(|m| *m = 0.0);
+    }
+
     /// Unpacked rows of a token stream, where every target counts.
     fn every_target(rows: usize, seq_len: usize, inputs: Vec<i64>, targets: Vec<i64>) -> Self {
         Self {

@@ -22,7 +22,8 @@ struct Split {
     count: usize,
 }
 
-/// This rank's `rows` of the global batch starting at sample `position`, padded to `pad`.
+/// This rank's `rows` of the global batch starting at sample `position`, padded to `pad`; the
+/// samples from `end` on count nothing (an evaluation's rows past the end of its data).
 fn split(
     cfg: &TrainConfig,
     data: &Dataset,
@@ -30,9 +31,12 @@ fn split(
     shuffle_seed: Option<u64>,
     pad: usize,
     rows: &LocalRows,
+    end: usize,
 ) -> Result<Split, TrainError> {
     let samples = position + rows.rows.start..position + rows.rows.end;
-    let batch = data.batch(samples, shuffle_seed, pad);
+    let first = samples.start;
+    let mut batch = data.batch(samples, shuffle_seed, pad);
+    batch.count_rows_before(end.saturating_sub(first));
     let m = cfg.pipeline.microbatches(cfg.distributed.pp_size);
     let (b, t) = (batch.rows, batch.seq_len);
     let (plain, counts) = TokenMicrobatch::split(&batch.inputs, &batch.targets, b, t, m)
@@ -106,7 +110,8 @@ pub(super) fn step_microbatches(
 ) -> Result<StepMicrobatches, TrainError> {
     let seed = cfg.data_options.shuffle_seed;
     let pad = pad_len(cfg, data, position..position + cfg.global_batch, mesh);
-    let split = split(cfg, data, position, seed, pad, rows)?;
+    // Training counts every row (the stream wraps around the epochs).
+    let split = split(cfg, data, position, seed, pad, rows, usize::MAX)?;
     if !data.masked() {
         return Ok((split.microbatches, split.rows, None));
     }
@@ -115,9 +120,9 @@ pub(super) fn step_microbatches(
     Ok((weighted(split, n, rows, mesh)?, counts, Some(n)))
 }
 
-/// The `--eval-data` loss under pp: the counting targets' mean cross-entropy over
-/// `--eval-batches` global batches (file order, each padded to its longest row), forward only
-/// through the stages. Collective as a step.
+/// The `--eval-data` loss under pp: the counting targets' mean cross-entropy over the whole
+/// eval data, or its first `--eval-batches` global batches (file order, each padded to its
+/// longest row, each item once), forward only through the stages. Collective as a step.
 pub(super) fn eval_loss(
     cfg: &TrainConfig,
     chunks: &[LlamaStage],
@@ -126,14 +131,17 @@ pub(super) fn eval_loss(
     mesh: &MeshContext,
 ) -> Result<f32, TrainError> {
     let b = cfg.global_batch;
-    let splits = (0..cfg.data_options.eval_batches)
+    let eval = cfg.data_options.eval_batches;
+    // Past the end of what the evaluation reads, rows count nothing: each item counts once.
+    let end = eval.items(data.len(), b);
+    let splits = (0..eval.batches(data.len(), b))
         .map(|e| {
             let start = e * b;
             let pad = match cfg.data_options.pad_to_seq_len {
                 true => cfg.seq_len,
                 false => data.longest(start..start + b, None),
             };
-            split(cfg, data, start, None, pad, rows)
+            split(cfg, data, start, None, pad, rows, end)
         })
         .collect::<Result<Vec<_>, _>>()?;
     let local: usize = splits.iter().map(|s| s.count).sum();
