@@ -445,6 +445,60 @@ fn the_trainer_binary_saves_and_exits_for_requeue_on_sigterm() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// `--max-restarts`: a rank that panics at step 2 of an fsdp2 x2 run saving every step makes
+/// the run start again from its newest checkpoint (after step 2), in this process; it then
+/// finishes with the losses and the saved weights and optimizer state of a run that never
+/// failed, bit for bit. A failure every rank decides alike (a NaN loss) is not restarted, and
+/// restarts are refused where a failed rank ends the process (MPI).
+#[test]
+fn a_failed_rank_restarts_the_run_from_its_newest_checkpoint() {
+    use burn_parallel::checkpoint::step_dir;
+    use burn_parallel::train::Fault;
+
+    let root = temp_dir("guards-restarts");
+    let cfg = |name: &str, fault: Option<&str>, max_restarts| TrainConfig {
+        steps: 4,
+        fault: fault.map(|f| f.parse::<Fault>().unwrap()),
+        max_restarts,
+        save_every: Some(1),
+        save_dir: Some(root.join(name)),
+        ..tiny_run(Strategy::Fsdp2, 2, &[])
+    };
+    let straight = train(&cfg("straight", None, 0), &|_| {}).unwrap();
+    assert_eq!(straight.restarts, 0);
+    let restarted = train(&cfg("restarted", Some("1:2:panic"), 1), &|_| {}).unwrap();
+    assert_eq!(restarted.restarts, 1);
+    // The last attempt ran steps 2 and 3, from the checkpoint of step 2.
+    let loss_bits = |s: &TrainSummary| -> Vec<u32> {
+        s.steps.iter().map(|s| s.report.loss.to_bits()).collect()
+    };
+    assert_eq!(loss_bits(&restarted), loss_bits(&straight)[2..]);
+    let state = |name: &str| crate::train_schedules::state_bits(&step_dir(&root.join(name), 4)).0;
+    assert!(
+        state("restarted") == state("straight"),
+        "the restarted run ended elsewhere"
+    );
+
+    let e = train(&cfg("nan", Some("0:1:nan"), 2), &|_| {})
+        .expect_err("a NaN loss on every rank")
+        .to_string();
+    assert!(e.contains("step 1") && e.contains("loss"), "{e}");
+    let e = train(
+        &TrainConfig {
+            engine: burn_parallel::train::EngineKind::Mpi,
+            ..cfg("mpi", None, 1)
+        },
+        &|_| {},
+    )
+    .expect_err("restarts under MPI")
+    .to_string();
+    assert!(
+        e.contains("--max-restarts") && e.contains("launcher"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// Injected faults (`BURN_PARALLEL_FAULT=rank:step:kind`) under fsdp2 x2: a panic ends the run
 /// at its step with an error naming the rank and the step, after the earlier steps; a NaN loss
 /// stops every rank at its step; a failed checkpoint write is an error naming the rank, the

@@ -219,6 +219,11 @@ pub struct TrainConfig {
     /// resumed at step 5, --steps 10 trains steps 5 to 9.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Restart a run whose ranks fail up to N times, from the newest checkpoint in --save-dir
+    /// (or from the start without one), in this process: rank threads only (TorchElastic's
+    /// --max-restarts).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_restarts: usize,
     /// Resume although --data, --seq-len or --global-batch differ from the checkpoint's (the
     /// data stream then continues at the same sample position of the other data; without it
     /// such a resume is an error naming each difference).

@@ -94,7 +94,12 @@ pub enum TrainError {
         /// What to try.
         hint: String,
     },
-    /// A rank failed or panicked; the launcher's error, as text.
+    /// A rank failed or panicked; the launcher's error, as text. `--max-restarts` restarts
+    /// the run from its newest checkpoint on this error.
     #[error("training failed: {0}")]
     Ranks(String),
+    /// Every rank failed alike (the same error, no panic: a guard all ranks decide on the same
+    /// values, such as a non-finite loss): the run's own failure, which a restart would repeat.
+    #[error("training failed: {0}")]
+    AllRanks(String),
 }

@@ -47,6 +47,8 @@ pub struct TrainSummary {
     /// The steps done when a stop request (`TrainConfig::stop`) ended the run early; `None`
     /// when it ran to `steps`. With a save directory, its last checkpoint is of this step.
     pub stopped_at: Option<usize>,
+    /// How many times the run was restarted after its ranks failed (`--max-restarts`).
+    pub restarts: usize,
 }
 
 impl TrainSummary {
@@ -151,10 +153,9 @@ fn check_all_weights_taken(dir: &std::path::Path) -> Result<(), TrainError> {
     ))
 }
 
-/// Trains as `cfg` says on `cfg.engine`'s ranks; `on_step` sees every step (on rank 0's
-/// thread, so under MPI in process 0 only) as it finishes. Bad input (files, configs, sizes a
-/// strategy cannot use) is an error before any rank starts.
-pub fn train(
+/// One attempt of [`train`](crate::train): the run from its start or its `resume`
+/// checkpoint, without restarts.
+pub(crate) fn train_once(
     cfg: &TrainConfig,
     on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<TrainSummary, TrainError> {
@@ -205,6 +206,7 @@ pub fn train(
         comm_bytes_per_step: results.iter().map(|r| r.1.2).collect(),
         checkpoints: results[0].1.3.clone(),
         stopped_at: results[0].1.4,
+        restarts: 0,
     })
 }
 
@@ -217,7 +219,7 @@ fn ranks_failed(e: LaunchError) -> TrainError {
             .iter()
             .all(|f| !f.panicked && f.message == first.message);
     match alike {
-        true => TrainError::Ranks(format!(
+        true => TrainError::AllRanks(format!(
             "on all {} ranks, {}",
             e.failures.len(),
             first.message
