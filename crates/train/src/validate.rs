@@ -32,6 +32,33 @@ impl TrainConfig {
         if opts.eval_data.is_some() && opts.eval_batches == EvalBatches::First(0) {
             return bad("--eval-batches", "must be at least 1".into());
         }
+        self.check_schedule()?;
+        self.check_saves()?;
+        if self.distributed.mp_policy.casts() && self.backend == Backend::Ndarray {
+            return bad(
+                "--param-dtype/--reduce-dtype",
+                "bf16 or f16 needs --backend flex (ndarray has only f32)".into(),
+            );
+        }
+        if !self.backend.available() {
+            self.backend.device(0)?;
+        }
+        #[cfg(feature = "wgpu")]
+        if self.backend == Backend::Wgpu {
+            crate::wgpu_device::check_dtypes(&self.distributed.mp_policy)?;
+        }
+        crate::lora::check(self)?;
+        if !self.engine.available() {
+            let engine = &self.engine;
+            let reason = format!("{engine} is not in this build: build with `--features {engine}`");
+            return bad("--engine", reason);
+        }
+        Ok(())
+    }
+
+    /// The learning rate, its floor and the schedule they need.
+    fn check_schedule(&self) -> Result<(), TrainError> {
+        let bad = |flag: &'static str, reason: String| Err(flag_error(flag, reason));
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return bad("--lr", format!("{} must be a non-negative number", self.lr));
         }
@@ -51,6 +78,12 @@ impl TrainConfig {
                 ),
             );
         }
+        Ok(())
+    }
+
+    /// Checkpoints, their writing and the fault drills that act on them.
+    fn check_saves(&self) -> Result<(), TrainError> {
+        let bad = |flag: &'static str, reason: String| Err(flag_error(flag, reason));
         match (self.save_every, &self.save_dir) {
             (Some(0), _) => return bad("--save-every", "must be at least 1".into()),
             (Some(_), None) => return bad("--save-every", "needs --save-dir".into()),
@@ -69,25 +102,6 @@ impl TrainConfig {
         }
         if self.async_save && self.save_every.is_none() {
             return bad("--async-save", "needs --save-every and --save-dir".into());
-        }
-        if self.distributed.mp_policy.casts() && self.backend == Backend::Ndarray {
-            return bad(
-                "--param-dtype/--reduce-dtype",
-                "bf16 or f16 needs --backend flex (ndarray has only f32)".into(),
-            );
-        }
-        if !self.backend.available() {
-            self.backend.device(0)?;
-        }
-        #[cfg(feature = "wgpu")]
-        if self.backend == Backend::Wgpu {
-            crate::wgpu_device::check_dtypes(&self.distributed.mp_policy)?;
-        }
-        crate::lora::check(self)?;
-        if !self.engine.available() {
-            let engine = &self.engine;
-            let reason = format!("{engine} is not in this build: build with `--features {engine}`");
-            return bad("--engine", reason);
         }
         Ok(())
     }
