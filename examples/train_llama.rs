@@ -28,7 +28,9 @@ use std::process::ExitCode;
 use std::sync::Mutex;
 
 use burn_parallel::comm::memory::peak_rss_bytes;
-use burn_parallel::train::{StepLog, StopFlag, TrainArgs, TrainConfig, TrainSummary, train};
+use burn_parallel::train::{
+    GenerateOptions, StepLog, StopFlag, TrainArgs, TrainConfig, TrainSummary, train,
+};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -96,6 +98,28 @@ fn print_summary(out: &mut dyn Write, cfg: &TrainConfig, s: &TrainSummary) -> st
     Ok(())
 }
 
+/// `--generate`: the new text after the prompt, from `--checkpoint`, on `--backend`'s device.
+fn generate(args: &TrainArgs, prompt: &str, options: &GenerateOptions) -> ExitCode {
+    let dir = args
+        .run
+        .checkpoint
+        .as_deref()
+        .expect("clap requires --checkpoint");
+    let result = args.run.backend.device(0).and_then(|device| {
+        burn_parallel::train::generate(dir, args.tokenizer.as_deref(), prompt, options, &device)
+    });
+    match result {
+        Ok(generated) => {
+            println!("{}", generated.text);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// The exit code of a run stopped by a preemption signal after saving: sysexits'
 /// `EX_TEMPFAIL` ("try again later"), for a scheduler's requeue rule.
 const REQUEUE_EXIT_CODE: u8 = 75;
@@ -129,6 +153,9 @@ fn main() -> ExitCode {
             "note: --malloc {} has no effect with this C library",
             args.malloc
         );
+    }
+    if let Some((prompt, options)) = args.generation() {
+        return generate(&args, prompt, &options);
     }
     let cfg = match args.config() {
         Ok(cfg) => cfg,

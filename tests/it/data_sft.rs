@@ -638,3 +638,79 @@ fn the_eval_over_the_whole_file_counts_each_record_once() {
     assert_eq!("2".parse::<EvalBatches>(), Ok(EvalBatches::First(2)));
     assert!("0".parse::<EvalBatches>().is_err());
 }
+
+/// `generate` reads back what `--save` wrote (weights, tokenizer, chat template,
+/// generation_config.json): greedy decoding after a chat prompt picks at each step the most
+/// likely next token of the saved weights (recomputed here with a plain forward of the prompt
+/// and the tokens so far), and stops at generation_config's end ids or at `max_new_tokens`; a
+/// seeded sample repeats itself; a bad temperature is refused by name.
+#[test]
+fn generation_reads_the_saved_model_directory() {
+    use burn_parallel::models::checkpoint::load_llama;
+    use burn_parallel::train::{GenerateOptions, generate};
+
+    let dir = crate::llama_hf::temp_dir("generate");
+    let save = dir.join("model");
+    run(&TrainConfig {
+        save: Some(save.clone()),
+        ..text_run(Strategy::Single, 1, "chat.jsonl")
+    });
+    let greedy = GenerateOptions {
+        max_new_tokens: 6,
+        ..GenerateOptions::default()
+    };
+    let device = ndarray();
+    let out = generate(&save, None, "Each are shards", &greedy, &device).unwrap();
+    assert!(!out.ids.is_empty() && out.ids.len() <= 6, "{out:?}");
+    let tok = tokenizer();
+    let prompt = tok.decode(&out.prompt_ids).unwrap();
+    assert!(prompt.contains("Each are shards"), "{prompt}");
+    let model = load_llama(&save, &device).unwrap();
+    let mut ids = out.prompt_ids.clone();
+    for &next in &out.ids {
+        let n = ids.len();
+        let input: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+        let logits = model.forward(Tensor::<2, Int>::from_data(
+            TensorData::new(input, [1, n]),
+            &device,
+        ));
+        let last = to_vec(
+            &logits
+                .slice([0..1, n - 1..n, 0..320])
+                .reshape([320])
+                .into_data(),
+        );
+        let best = (0..320).fold(0, |b, i| if last[i] > last[b] { i } else { b });
+        assert_eq!(next as usize, best, "greedy picks the most likely token");
+        ids.push(next);
+    }
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(save.join("generation_config.json")).unwrap(),
+    )
+    .unwrap();
+    let ends: Vec<u64> = match &config["eos_token_id"] {
+        serde_json::Value::Array(list) => list.iter().filter_map(|v| v.as_u64()).collect(),
+        v => v.as_u64().into_iter().collect(),
+    };
+    let last = *out.ids.last().unwrap() as u64;
+    assert!(
+        out.ids.len() == 6 || ends.contains(&last),
+        "stopped early at {last}, not an end id {ends:?}"
+    );
+    let sampled = GenerateOptions {
+        temperature: Some(1.0),
+        seed: 3,
+        ..greedy.clone()
+    };
+    let a = generate(&save, None, "Each are shards", &sampled, &device).unwrap();
+    let b = generate(&save, None, "Each are shards", &sampled, &device).unwrap();
+    assert_eq!(a, b);
+    let cold = GenerateOptions {
+        temperature: Some(0.0),
+        ..greedy
+    };
+    let e = generate(&save, None, "x", &cold, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--temperature"), "{e}");
+}

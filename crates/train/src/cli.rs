@@ -12,6 +12,7 @@ use crate::data::{DataOptions, EvalBatches};
 use crate::error::TrainError;
 use crate::flags::{DistributedFlags, one_of};
 use crate::freeze::split_patterns;
+use crate::generate::GenerateOptions;
 use crate::lora::LoraFlags;
 use crate::malloc::Malloc;
 
@@ -92,6 +93,17 @@ pub struct TrainArgs {
     /// `--save-adapter`.
     #[command(flatten)]
     pub lora: LoraFlags,
+    /// Instead of training: decode after PROMPT from --checkpoint (a model directory, as --save
+    /// writes it; the tokenizer from --tokenizer or the directory), the prompt rendered as a
+    /// user message through the chat template, greedy unless --temperature; prints the text.
+    #[arg(long, value_name = "PROMPT", requires = "checkpoint")]
+    pub generate: Option<String>,
+    /// New tokens at most for --generate (it stops earlier at an end-of-sequence id).
+    #[arg(long, value_name = "N", default_value_t = GenerateOptions::default().max_new_tokens)]
+    pub max_new_tokens: usize,
+    /// Sample --generate's tokens at this temperature, seeded by --seed (default: greedy).
+    #[arg(long, value_name = "T")]
+    pub temperature: Option<f32>,
     /// One JSON object per step on stdout, nothing else.
     #[arg(long)]
     pub json: bool,
@@ -114,6 +126,18 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// What `--generate` asks for: the prompt and how to decode it (`None` without the flag).
+    pub fn generation(&self) -> Option<(&str, GenerateOptions)> {
+        let prompt = self.generate.as_deref()?;
+        let options = GenerateOptions {
+            max_new_tokens: self.max_new_tokens,
+            temperature: self.temperature,
+            seed: self.run.seed,
+            ..GenerateOptions::default()
+        };
+        Some((prompt, options))
+    }
+
     /// The run the flags describe, or an error naming the flag or file that cannot be used.
     pub fn config(&self) -> Result<TrainConfig, TrainError> {
         let engine = match self.engine {

@@ -223,6 +223,17 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The text of `ids`, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TrainError> {
+        self.inner.decode(ids, true).map_err(|e| {
+            TrainError::Data(format!(
+                "cannot decode {} ids with {}: {e}",
+                ids.len(),
+                self.path.display()
+            ))
+        })
+    }
+
     /// The ids of `text`, without special tokens; `what` names the text in errors.
     pub fn encode(&self, text: &str, what: &dyn Fn() -> String) -> Result<Vec<u32>, TrainError> {
         Ok(self.encode_with_offsets(text, what)?.0)
