@@ -81,7 +81,7 @@ fn chat_templates_may_call_pythons_string_methods() {
 /// The chat template as repositories ship it: `chat_template.jinja` beside the tokenizer is
 /// read before tokenizer_config.json, `chat_template.json` next, and a config's list of named
 /// templates gives its `default`; with none, the error names every file looked for. A
-/// template with `{% generation %}` marks is refused with what to do.
+/// template with `{% generation %}` marks trains the marked spans.
 #[test]
 fn chat_templates_are_read_from_the_files_they_ship_in() {
     let dir = crate::llama_hf::temp_dir("chat-template-files");
@@ -140,11 +140,18 @@ fn chat_templates_are_read_from_the_files_they_ship_in() {
     let marked = "{% for message in messages %}{% if message['role'] == 'assistant' %}\
                   {% generation %}{{ message['content'] }}{% endgeneration %}{% endif %}\
                   {% endfor %}";
+    // `{% generation %}` marks (TRL's training templates) choose the trained spans: here the
+    // template renders only the assistant contents, each one marked.
     std::fs::write(dir.join("chat_template.jinja"), marked).unwrap();
-    let e = ChatTemplate::of(&load()).err().unwrap().to_string();
-    assert!(
-        e.contains("{% generation %}") && e.contains("remove the tags"),
-        "{e}"
-    );
+    let template = ChatTemplate::of(&load()).unwrap();
+    let (text, spans) = template.render_spans(&messages, &what).unwrap();
+    let assistant: Vec<&str> = messages
+        .iter()
+        .filter(|m| m.role == "assistant")
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(text, assistant.concat());
+    let marked_text: Vec<&str> = spans.iter().map(|r| &text[r.clone()]).collect();
+    assert_eq!(marked_text, assistant);
     std::fs::remove_dir_all(&dir).unwrap();
 }

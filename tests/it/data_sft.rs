@@ -714,3 +714,77 @@ fn generation_reads_the_saved_model_directory() {
         .to_string();
     assert!(e.contains("--temperature"), "{e}");
 }
+
+/// A template shipped as `chat_template.jinja` with `{% generation %}` marks trains exactly the
+/// marked spans, as transformers' `return_assistant_tokens_mask` reads them. Here the marks
+/// enclose the assistant content only, not its `<|im_end|>`, a choice only the marks can make.
+/// The mask equals one this test computes from the conversation text it writes itself. The same
+/// template without marks keeps today's rule: the content, `<|im_end|>` and its newline count.
+#[test]
+fn generation_marks_in_a_shipped_template_choose_the_trained_tokens() {
+    use burn_parallel::train::data::formats::detect;
+
+    let dir = crate::llama_hf::temp_dir("generation-marks");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture(file), dir.join(file)).unwrap();
+    }
+    let template = |marks: bool| {
+        let (open, close) = match marks {
+            true => ("{% generation %}", "{% endgeneration %}"),
+            false => ("", ""),
+        };
+        format!(
+            "{{{{ bos_token }}}}{{% for message in messages %}}{{{{ '<|im_start|>' + \
+             message['role'] + '\\n' }}}}{{% if message['role'] == 'assistant' %}}{open}{{{{ \
+             message['content'] }}}}{close}{{% else %}}{{{{ message['content'] }}}}{{% endif \
+             %}}{{{{ '<|im_end|>\\n' }}}}{{% endfor %}}{{% if add_generation_prompt %}}{{{{ \
+             '<|im_start|>assistant\\n' }}}}{{% endif %}}"
+        )
+    };
+    let chats = std::fs::read_to_string(fixture("chat.jsonl")).unwrap();
+    let data = dir.join("chat.jsonl");
+    std::fs::write(&data, &chats).unwrap();
+    let examples = |marks: bool| {
+        std::fs::write(dir.join("chat_template.jinja"), template(marks)).unwrap();
+        let tok = TextTokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        let bytes = std::fs::read(&data).unwrap();
+        let format = detect(&data, &bytes).unwrap();
+        (data::tokenize(&data, &bytes, format, &tok).unwrap(), tok)
+    };
+    // The text and the trained byte ranges, written here from the records.
+    let expected = |line: &str, tok: &TextTokenizer, with_end: bool| {
+        let record: serde_json::Value = serde_json::from_str(line).unwrap();
+        let mut text = String::from("<s>");
+        let mut spans = Vec::new();
+        for m in record["messages"].as_array().unwrap() {
+            let (role, content) = (m["role"].as_str().unwrap(), m["content"].as_str().unwrap());
+            text.push_str(&format!("<|im_start|>{role}\n"));
+            let start = text.len();
+            text.push_str(content);
+            let end = text.len();
+            text.push_str("<|im_end|>\n");
+            if role == "assistant" {
+                spans.push(start..if with_end { text.len() } else { end });
+            }
+        }
+        let (ids, offsets) = tok
+            .encode_with_offsets(&text, &|| "the test".into())
+            .unwrap();
+        let counts: Vec<bool> = offsets
+            .iter()
+            .map(|(s, _)| spans.iter().any(|r| r.contains(s)))
+            .collect();
+        (ids, counts)
+    };
+    for marks in [true, false] {
+        let (got, tok) = examples(marks);
+        let lines: Vec<&str> = chats.lines().collect();
+        assert_eq!(got.len(), lines.len());
+        for (example, line) in got.iter().zip(lines) {
+            let (ids, counts) = expected(line, &tok, !marks);
+            assert_eq!(example.ids, ids, "marks {marks}");
+            assert_eq!(example.counts, counts, "marks {marks}: {line}");
+            assert!(counts.iter().any(|&c| c), "something trains");
+        }
+    }
+}

@@ -4,7 +4,10 @@
 //! `bos_token`, `eos_token`, `add_generation_prompt`). The rendered text is tokenized whole,
 //! without specials (the template writes its own), and only assistant tokens count.
 //!
-//! Assistant spans, found by rendering prefixes: for the assistant message `i`, the span
+//! A template that marks its trained spans with `{% generation %}` ... `{% endgeneration %}`
+//! (TRL's training templates, SmolLM3's) trains exactly those spans, as transformers'
+//! `return_assistant_tokens_mask` does. Without marks, assistant spans are found by rendering
+//! prefixes: for the assistant message `i`, the span
 //! starts where `messages[..i]` rendered with `add_generation_prompt = true` ends (after the
 //! assistant header the template opens) and ends where `messages[..=i]` rendered without it
 //! ends (after the turn's content and end-of-turn text). Both renders must be prefixes of the
@@ -25,6 +28,67 @@ pub struct ChatTemplate {
     source: String,
     bos: String,
     eos: String,
+    /// Whether the template marks its trained spans with `{% generation %}`.
+    marked: bool,
+}
+
+/// What `{% generation %}` and `{% endgeneration %}` render as, to be found and removed after
+/// rendering: private-use characters, which no tokenizer's text holds.
+const SPAN_START: char = '\u{F0000}';
+const SPAN_END: char = '\u{F0001}';
+
+/// The template with `{% generation %}` ... `{% endgeneration %}` (TRL's and SmolLM3's marks of
+/// the trained spans, a Jinja extension transformers adds) as an always-true block around
+/// [`SPAN_START`] and [`SPAN_END`], keeping the tags' whitespace control (`{%-`, `-%}`) and
+/// `trim_blocks`.
+fn with_span_markers(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(close) = tag.find("%}") else {
+            break;
+        };
+        let inner = &tag[2..close];
+        let (trim_left, inner) = match inner.strip_prefix('-') {
+            Some(inner) => ("-", inner),
+            None => ("", inner),
+        };
+        let (trim_right, inner) = match inner.strip_suffix('-') {
+            Some(inner) => ("-", inner),
+            None => ("", inner),
+        };
+        match inner.trim() {
+            "generation" => out.push_str(&format!(
+                "{{%{trim_left} if true {trim_right}%}}{{{{ \"{SPAN_START}\" }}}}"
+            )),
+            "endgeneration" => out.push_str(&format!(
+                "{{{{ \"{SPAN_END}\" }}}}{{%{trim_left} endif {trim_right}%}}"
+            )),
+            _ => out.push_str(&tag[..close + 2]),
+        }
+        rest = &tag[close + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `text` without the span markers, and the byte ranges of the clean text they enclosed.
+fn marked_spans(text: &str) -> (String, Vec<Range<usize>>) {
+    let (mut clean, mut spans, mut open) = (String::with_capacity(text.len()), Vec::new(), None);
+    for c in text.chars() {
+        match c {
+            SPAN_START => open = Some(clean.len()),
+            SPAN_END => {
+                if let Some(start) = open.take() {
+                    spans.push(start..clean.len());
+                }
+            }
+            c => clean.push(c),
+        }
+    }
+    (clean, spans)
 }
 
 /// One message of a record.
@@ -61,11 +125,15 @@ impl ChatTemplate {
         let text = |s: &Option<crate::data::tokenizer::Special>| {
             s.as_ref().map(|s| s.text.clone()).unwrap_or_default()
         };
+        let with_markers = with_span_markers(&source);
+        let marked = with_markers != source;
+        let source = with_markers;
         let template = Self {
             env,
             source,
             bos: text(&tokenizer.bos),
             eos: text(&tokenizer.eos),
+            marked,
         };
         // Compiles once now, so that a broken template fails before any record.
         template
@@ -76,22 +144,25 @@ impl ChatTemplate {
     }
 
     fn error(&self, e: &Error, what: &str) -> TrainError {
-        // TRL's training templates mark the trained spans with a tag minijinja does not know.
-        let hint = match self.source.contains("generation %}") {
-            true => {
-                "; `{% generation %}` marks are not supported yet: remove the tags (the trained \
-                 tokens are then the assistant content, its end-of-turn token and newline)"
-            }
-            false => "",
-        };
-        TrainError::Data(format!(
-            "chat_template: rendering {what} failed: {e:#}{hint}"
-        ))
+        TrainError::Data(format!("chat_template: rendering {what} failed: {e:#}"))
     }
 
     /// The text of `messages`, with the assistant header opened at the end when
     /// `add_generation_prompt`.
     pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, TrainError> {
+        let text = self.render_marked(messages, add_generation_prompt)?;
+        Ok(match self.marked {
+            true => marked_spans(&text).0,
+            false => text,
+        })
+    }
+
+    /// [`Self::render`], the span markers of a marked template left in.
+    fn render_marked(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
@@ -128,6 +199,11 @@ impl ChatTemplate {
         messages: &[Message],
         what: &dyn Fn() -> String,
     ) -> Result<(String, Vec<Range<usize>>), TrainError> {
+        if self.marked {
+            // The template says which spans train, as transformers'
+            // `return_assistant_tokens_mask` reads them.
+            return Ok(marked_spans(&self.render_marked(messages, false)?));
+        }
         let full = self.render(messages, false)?;
         let mut spans = Vec::new();
         for (i, m) in messages.iter().enumerate() {
