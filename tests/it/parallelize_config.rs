@@ -641,3 +641,20 @@ fn a_mesh_context_fails_on_every_rank_before_communicating() {
         "{results:?}"
     );
 }
+
+/// A forward prefetch depth past any use is a named error; one the model cannot fill (more
+/// than its units) is accepted, and depth 0 is no prefetch.
+#[test]
+fn an_absurd_prefetch_depth_is_named() {
+    let with = |depth| DistributedConfig {
+        fsdp2_forward_prefetch_depth: depth,
+        ..DistributedConfig::default()
+    };
+    let err = with(1000).validate(2).unwrap_err().to_string();
+    assert!(
+        err.contains("fsdp2_forward_prefetch_depth 1000") && err.contains("at most 16"),
+        "{err}"
+    );
+    assert_eq!(with(16).plan(2).unwrap().forward_prefetch_depth(), 16);
+    assert_eq!(with(0).plan(2).unwrap().forward_prefetch_depth(), 0);
+}

@@ -299,7 +299,7 @@ pub struct DistributedConfig {
     /// Forward prefetch on (`fsdp2_forward_prefetch_depth` units) or off (default on).
     pub enable_fsdp2_prefetch: bool,
     /// Units whose all-gather is in flight ahead of the one computing (`fsdp::forward_units`;
-    /// default 1).
+    /// default 1; at most 16: each holds its gathered weights).
     pub fsdp2_forward_prefetch_depth: usize,
     /// Not supported: Burn 0.22's backward has no hooks to issue a unit's gather ahead of its
     /// backward (a resharded unit is gathered again when backward first needs it). Setting it

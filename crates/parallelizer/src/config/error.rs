@@ -4,6 +4,10 @@
 
 use super::placement::{FrozenModuleSharding, Strategy};
 
+/// The deepest forward prefetch accepted: a depth the model cannot use (beyond its unit count)
+/// is fine, one past this is a mistake (each unit in flight holds its gathered weights).
+pub(crate) const MAX_PREFETCH_DEPTH: usize = 16;
+
 /// A distributed config that contradicts itself, the world or the model; raised by
 /// `MeshContext::new` or `parallelize_model` before any rank communicates.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -29,6 +33,15 @@ pub enum ConfigError {
     /// `ddp_bucket_cap_mb` is zero, negative or NaN.
     #[error("ddp_bucket_cap_mb must be positive")]
     BucketCap,
+    /// `fsdp2_forward_prefetch_depth` is past any use: each unit in flight holds its gathered
+    /// weights, so a depth in the dozens would gather most of the model at once.
+    #[error(
+        "fsdp2_forward_prefetch_depth {0} would hold that many gathered units at once: give at \
+         most {max} (1 or 2 hides a gather behind a unit's compute; 0 or \
+         enable_fsdp2_prefetch = false turns prefetch off)",
+        max = MAX_PREFETCH_DEPTH
+    )]
+    PrefetchDepth(usize),
     /// The world does not split into `dp_replicate x tp x cp` blocks.
     #[error(
         "world size {world} is not divisible by dp_replicate_size {dp_replicate} x tp_size {tp} \

@@ -277,6 +277,11 @@ impl DistributedConfig {
         if self.ddp_bucket_cap_mb.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(invalid(ConfigError::BucketCap));
         }
+        if self.fsdp2_forward_prefetch_depth > super::error::MAX_PREFETCH_DEPTH {
+            return Err(invalid(ConfigError::PrefetchDepth(
+                self.fsdp2_forward_prefetch_depth,
+            )));
+        }
         let sizes = self.strategy_sizes(world_size)?;
         if sizes.world() != world_size {
             return Err(invalid(ConfigError::MeshSize {
