@@ -345,18 +345,10 @@ fn step_log(
     stragglers: &mut Stragglers,
     ctx: &RankContext,
 ) -> Result<StepLog, TrainError> {
-    let Measured {
-        step,
-        lr,
-        skipped,
-        step_time_s,
-        optimizer_s,
-        eval_loss,
-        usage_before,
-        comm_before,
-    } = measured;
+    let m = measured;
+    let (step, step_time_s, optimizer_s) = (m.step, m.step_time_s, m.optimizer_s);
     let usage = ProcessUsage::now();
-    let comm = ctx.stats().since(&comm_before);
+    let comm = ctx.stats().since(&m.comm_before);
     let comm_s = |kind| comm.op(kind).time.as_secs_f64();
     let forward_s = done.forward_s.unwrap_or(0.0);
     let times = StepTimes {
@@ -385,8 +377,8 @@ fn step_log(
     Ok(StepLog {
         step,
         report: done.report,
-        lr,
-        skipped,
+        lr: m.lr,
+        skipped: m.skipped,
         step_time_s,
         tokens_per_s: figures.global_tokens / step_time_s.max(1e-12),
         peak_model_state_bytes_per_rank: figures.peak_state,
@@ -394,13 +386,13 @@ fn step_log(
         optimizer_state_bytes_per_rank: figures.peak_optimizer_state,
         times,
         calls,
-        minor_faults: usage.minor_faults - usage_before.minor_faults,
+        minor_faults: usage.minor_faults - m.usage_before.minor_faults,
         peak_rss_bytes: usage.peak_rss_bytes,
         peak_rss_bytes_per_rank: exchanged.rss_peak,
         gathered_peak_bytes_per_rank: exchanged.gathered_peak,
         rank_compute_s: exchanged.compute_s,
         rank_wait_s: exchanged.wait_s,
-        eval_loss,
+        eval_loss: m.eval_loss,
         aux_loss: routing.and_then(|r| r.aux_loss),
         expert_tokens_min: routing.map(|r| r.expert_tokens.0),
         expert_tokens_max: routing.map(|r| r.expert_tokens.1),
