@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Per-rank peak memory of fine-tuning the ~100M Llama (examples/models/llama_95m.json) under
-# FSDP2, one MPI process per rank: full fine-tuning and LoRA (r=8 on every projection, the base
-# frozen) on 1, 2 and 4 ranks, 3 AdamW steps of a global batch of 8 x 128 tokens. Prints each
+# FSDP2, one MPI process per rank: full fine-tuning, LoRA (r=8 on every projection, the base
+# frozen) and QLoRA (the same with the base in NF4, --lora-quantize nf4) on 1, 2 and 4 ranks, 3 AdamW steps of a global batch of 8 x 128 tokens. Prints each
 # run's largest peak RSS of a rank (VmHWM while training), its model state (parameters,
 # gradients, optimizer state) and the ratios the FSDP memory goals are stated in.
 #
-# Usage: scripts/bench-memory.sh [--ranks "1 2 4"]
+# Usage: scripts/bench-memory.sh [--ranks "1 2 4"] [--kinds "full lora qlora"]
 # The model is the config's seeded init, saved once as a Hugging Face checkpoint into
 # target/bench-memory/llama_95m and loaded lazily (each rank reads only its shard, as a real
 # fine-tune loads its base). Builds `train_llama` in release with --features mpi first unless
@@ -14,10 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ranks="1 2 4"
+kinds="full lora qlora"
 while [ $# -gt 0 ]; do
   case "$1" in
     --ranks) ranks="$2"; shift 2 ;;
-    *) echo "unknown argument $1 (usage: $0 [--ranks \"1 2 4\"])" >&2; exit 2 ;;
+    --kinds) kinds="$2"; shift 2 ;;
+    *) echo "unknown argument $1 (usage: $0 [--ranks \"1 2 4\"] [--kinds \"full lora qlora\"])" >&2; exit 2 ;;
   esac
 done
 
@@ -37,9 +39,10 @@ fi
 common=(--checkpoint "$model" --steps 3 --global-batch 8 --seq-len 128 --optimizer adamw)
 declare -A peak
 printf '%-6s %-5s %12s %12s\n' kind ranks "peak MiB" "state MiB"
-for kind in full lora; do
+for kind in $kinds; do
   extra=()
   [ "$kind" = lora ] && extra=(--lora-rank 8 --lora-alpha 16)
+  [ "$kind" = qlora ] && extra=(--lora-rank 8 --lora-alpha 16 --lora-quantize nf4)
   for n in $ranks; do
     log="$work/$kind-$n.log"
     if [ "$n" = 1 ]; then
@@ -61,3 +64,4 @@ echo
 echo "LoRA x$last / LoRA x1: $(ratio "${peak[lora-$last]:-0}" "${peak[lora-1]:-0}") (goal <= 0.5)"
 echo "LoRA x$last / full x$last: $(ratio "${peak[lora-$last]:-0}" "${peak[full-$last]:-0}") (goal <= 0.75)"
 echo "full x$last / full x1: $(ratio "${peak[full-$last]:-0}" "${peak[full-1]:-0}") (goal <= 0.4)"
+echo "QLoRA x$last / LoRA x$last: $(ratio "${peak[qlora-$last]:-0}" "${peak[lora-$last]:-0}") (goal <= 0.6)"

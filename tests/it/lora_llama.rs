@@ -73,7 +73,12 @@ pub(crate) fn read_safetensors(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec
 
 /// A trainer run with LoRA (rank 4, alpha 8, the default targets: all seven projections) under
 /// `layout`, writing the adapter and the merged model under `out`.
-fn lora_run(strategy: Strategy, world: usize, tp: Option<usize>, out: &Path) -> TrainConfig {
+pub(crate) fn lora_run(
+    strategy: Strategy,
+    world: usize,
+    tp: Option<usize>,
+    out: &Path,
+) -> TrainConfig {
     TrainConfig {
         distributed: resolved(DistributedFlags {
             tp,
@@ -600,7 +605,7 @@ fn bad_adapter_files_are_refused_by_name() {
 }
 
 /// The run the trainer's command line gives for `args` (tiny sizes), or its error.
-fn trainer_error(args: &[&str]) -> String {
+pub(crate) fn trainer_error(args: &[&str]) -> String {
     let base = [
         "train_llama",
         "--steps",

@@ -38,6 +38,7 @@ mod parallelize_train;
 mod pipeline;
 mod pipeline_checkpoint;
 mod pipeline_trainer;
+mod qlora;
 mod readme;
 mod recompute;
 mod tp_attention;

@@ -14,6 +14,10 @@
 //!   splits `b`'s columns with a colwise base and `a`'s rows with a rowwise one, and runs
 //!   with `Tp<Linear>`'s forward methods (and `forward_shared` with its siblings), through
 //!   [`TpLinear`](burn_parallel_tp::TpLinear).
+//! - QLoRA: [`quantize_bases`] stores every `Lora` base in bitsandbytes' NF4 ([`Nf4`]) as
+//!   packed f32 blocks that FSDP shards like any parameter; forward and backward decode them
+//!   on the device ([`nf4_weight`]), and [`merge_lora`] writes the dequantized base plus the
+//!   adapter.
 //!
 //! ```ignore
 //! #[parallelize]
@@ -39,6 +43,7 @@ mod file;
 mod init;
 mod lora;
 mod nf4;
+mod qlora;
 mod tp;
 
 pub use apply::{Attached, LoraFn, LoraModule, adapted_paths, apply_lora, attach_lora, merge_lora};
@@ -50,3 +55,4 @@ pub use file::{
 };
 pub use lora::{A_NAME, Adapter, B_NAME, Lora, LoraBase};
 pub use nf4::{NF4_BLOCK, NF4_CODE, Nf4, quantize_nf4};
+pub use qlora::{nf4_weight, quantize_bases};

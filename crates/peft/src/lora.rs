@@ -12,6 +12,7 @@ use burn::tensor::module::linear;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives as coll;
+use burn_parallel_comm::collectives::{CodedWeight, DeviceStep, FrozenRebuild, WeightRebuild};
 
 use crate::config::LoraConfig;
 use crate::error::LoraError;
@@ -36,6 +37,14 @@ pub trait LoraBase: Module + Sized {
     /// The module with `delta` (`[d_in, d_out]`) added to its weight, the parameter keeping its
     /// id and require-grad setting.
     fn add_to_weight(self, delta: Tensor<2>) -> Self;
+
+    /// The module with its weight decoded from the 4-bit blocks it holds (`coded`). Only a
+    /// base that [`quantize_bases`](crate::quantize_bases) stores 4-bit (a `Linear`) is ever
+    /// asked; the default, for bases that are never quantized, returns the module unchanged.
+    fn decoded(self, coded: &CodedWeight) -> Self {
+        let _ = coded;
+        self
+    }
 }
 
 impl LoraBase for Linear {
@@ -65,6 +74,13 @@ impl LoraBase for Linear {
                 merged
             }
         });
+        self
+    }
+
+    fn decoded(mut self, coded: &CodedWeight) -> Self {
+        // A new parameter: the decoded weight has another shape than the blocks.
+        let weight = coll::decode_weight(self.weight.val(), coded);
+        self.weight = Param::from_tensor(weight).set_require_grad(false);
         self
     }
 }
@@ -148,6 +164,10 @@ pub struct Lora<M> {
     pub base: M,
     /// The adapter, if this module is a target.
     pub adapter: Option<Adapter>,
+    /// How the base weight decodes when it is stored 4-bit (QLoRA, see
+    /// [`quantize_bases`](crate::quantize_bases)): the base's `weight` then holds the packed
+    /// blocks, not the values.
+    pub(crate) quantized: Option<CodedWeight>,
 }
 
 impl<M> Lora<M> {
@@ -157,7 +177,13 @@ impl<M> Lora<M> {
         Self {
             base,
             adapter: None,
+            quantized: None,
         }
+    }
+
+    /// How the base weight decodes when it is stored 4-bit (QLoRA); `None` for a plain base.
+    pub fn quantized(&self) -> Option<&CodedWeight> {
+        self.quantized.as_ref()
     }
 }
 
@@ -178,7 +204,7 @@ impl<M: LoraBase> Lora<M> {
                 path: path.to_string(),
             });
         }
-        let [d_in, d_out] = self.base.features();
+        let [d_in, d_out] = self.features();
         let r = config.r;
         let like = self.base.zeros_like_weight([d_in, r]);
         let values = TensorData::new(kaiming_uniform(config.seed, path, d_in, r), [d_in, r]);
@@ -192,21 +218,40 @@ impl<M: LoraBase> Lora<M> {
                 scale: config.scale(),
                 replicated: None,
             }),
+            quantized: self.quantized,
         })
     }
 
-    /// The base with the adapter folded in (`W + a @ b * scale`), the adapter removed: for
-    /// export. The decorator's own state is untouched (see [`merged`](Self::merged)).
-    pub fn merge(self) -> Self {
-        match self.adapter {
-            None => self,
-            Some(adapter) => Self::new(self.base.add_to_weight(adapter.delta())),
+    /// `[d_in, d_out]`: the features the adapter maps between (of the decoded weight when
+    /// the base is quantized).
+    pub fn features(&self) -> [usize; 2] {
+        match &self.quantized {
+            Some(coded) => [coded.d_in, coded.d_out],
+            None => self.base.features(),
         }
     }
 
-    /// A copy of the base with the adapter folded in; this module keeps its adapter.
+    /// The base with the adapter folded in (`W + a @ b * scale`), the adapter removed: for
+    /// export. A 4-bit base is decoded first (QLoRA's merge: the dequantized base plus the
+    /// adapter). The decorator's own state is untouched (see [`merged`](Self::merged)).
+    pub fn merge(self) -> Self {
+        let base = match &self.quantized {
+            Some(coded) => self.base.decoded(coded),
+            None => self.base,
+        };
+        match self.adapter {
+            None => Self::new(base),
+            Some(adapter) => Self::new(base.add_to_weight(adapter.delta())),
+        }
+    }
+
+    /// A copy of the base with the adapter folded in (decoded when 4-bit); this module keeps
+    /// its adapter.
     pub fn merged(&self) -> M {
-        let base = self.base.clone();
+        let base = match &self.quantized {
+            Some(coded) => self.base.clone().decoded(coded),
+            None => self.base.clone(),
+        };
         match &self.adapter {
             None => base,
             Some(adapter) => base.add_to_weight(adapter.delta()),
@@ -217,9 +262,9 @@ impl<M: LoraBase> Lora<M> {
 impl Lora<Linear> {
     /// `base(x) + adapter(x)` on `[.., d_in]` features.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let base = match burn_parallel_fsdp::weight_rebuild(&self.base.weight) {
-            Some(rebuild) => {
-                let y = coll::frozen_linear(x.clone(), self.base.weight.val(), Some(rebuild));
+        let base = match self.frozen_weight() {
+            Some((weight, rebuild)) => {
+                let y = coll::frozen_linear(x.clone(), weight, rebuild);
                 match &self.base.bias {
                     Some(bias) => y + bias.val().unsqueeze(),
                     None => y,
@@ -236,19 +281,43 @@ impl Lora<Linear> {
     /// `x @ W + adapter(x)`, without the bias: a rowwise layer adds its bias once, after the
     /// reduction that the adapter's partial output shares.
     pub(crate) fn forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let y = self.base_product(x.clone());
+        let y = match self.frozen_weight() {
+            Some((weight, rebuild)) => coll::frozen_linear(x.clone(), weight, rebuild),
+            None => coll::frozen_linear(x.clone(), self.base.weight.val(), None),
+        };
         match &self.adapter {
             Some(adapter) => y + adapter.forward(x),
             None => y,
         }
     }
 
-    /// `x @ W`. A frozen base sharded by FSDP and resharded after forward is not kept by the
-    /// graph: backward gathers it again for the input gradient (see
-    /// `fsdp::weight_rebuild`), so a LoRA base under FSDP is not resident through backward.
-    fn base_product<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+    /// The base weight and how backward gets it again, when the graph should not keep it: a
+    /// frozen base sharded by FSDP and resharded after forward (backward gathers it again,
+    /// see `fsdp::weight_rebuild`, so a LoRA base under FSDP is not resident through
+    /// backward), or a 4-bit base (backward decodes it again, after that gather if any).
+    /// `None`: the base as Burn's `Linear` runs it.
+    fn frozen_weight(&self) -> Option<(Tensor<2>, Option<WeightRebuild>)> {
         let rebuild = burn_parallel_fsdp::weight_rebuild(&self.base.weight);
-        coll::frozen_linear(x, self.base.weight.val(), rebuild)
+        let Some(coded) = &self.quantized else {
+            return rebuild.map(|r| (self.base.weight.val(), Some(r)));
+        };
+        let blocks = self.base.weight.val();
+        let weight = coll::decode_weight(blocks.clone(), coded);
+        let decode = DeviceStep::Decode(coded.clone());
+        let rebuild = match rebuild {
+            Some(mut gathered) => {
+                gathered.rebuild.steps.push(decode);
+                gathered
+            }
+            None => WeightRebuild {
+                source: blocks.detach().reshape([coded.blocks() * coded.row_len()]),
+                rebuild: FrozenRebuild {
+                    steps: vec![decode],
+                    on_release: None,
+                },
+            },
+        };
+        Some((weight, Some(rebuild)))
     }
 }
 
@@ -267,6 +336,7 @@ impl<M: Module> Module for Lora<M> {
         Self {
             base: self.base.fork(device),
             adapter: self.adapter.map(|ad| ad.map_params(|p| p.fork(device))),
+            quantized: self.quantized,
         }
     }
 
@@ -276,6 +346,7 @@ impl<M: Module> Module for Lora<M> {
             adapter: self
                 .adapter
                 .map(|ad| ad.map_params(|p| p.to_device(device))),
+            quantized: self.quantized,
         }
     }
 
@@ -283,6 +354,7 @@ impl<M: Module> Module for Lora<M> {
         Self {
             base: self.base.train(),
             adapter: self.adapter.map(|ad| ad.map_params(Module::train)),
+            quantized: self.quantized,
         }
     }
 
@@ -290,6 +362,7 @@ impl<M: Module> Module for Lora<M> {
         Self {
             base: self.base.valid(),
             adapter: self.adapter.clone().map(|ad| ad.map_params(|p| p.valid())),
+            quantized: self.quantized.clone(),
         }
     }
 
@@ -297,6 +370,7 @@ impl<M: Module> Module for Lora<M> {
         Self {
             base: self.base.materialize(),
             adapter: self.adapter.map(|ad| ad.map_params(Module::materialize)),
+            quantized: self.quantized,
         }
     }
 
@@ -331,7 +405,11 @@ impl<M: Module> Module for Lora<M> {
             let b = one(B_NAME, ad.b);
             Adapter { a, b, ..ad }
         });
-        Self { base, adapter }
+        Self {
+            base,
+            adapter,
+            quantized: self.quantized,
+        }
     }
 }
 

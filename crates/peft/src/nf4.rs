@@ -86,15 +86,39 @@ impl Nf4 {
     /// The weight's values again, each `code[index] * absmax` of its block, in f32.
     pub fn dequantize(&self) -> Vec<f32> {
         (0..self.len)
-            .map(|i| {
-                let byte = self.packed[i / 2];
-                let index = match i % 2 {
-                    0 => byte >> 4,
-                    _ => byte & 0x0f,
-                };
-                NF4_CODE[index as usize] * self.absmax[i / NF4_BLOCK]
-            })
+            .map(|i| NF4_CODE[self.index(i) as usize] * self.absmax[i / NF4_BLOCK])
             .collect()
+    }
+}
+
+impl Nf4 {
+    /// The code index of element `i` (code zero, 7, past the end).
+    fn index(&self, i: usize) -> u8 {
+        if i >= self.len {
+            return 7;
+        }
+        let byte = self.packed[i / 2];
+        match i % 2 {
+            0 => byte >> 4,
+            _ => byte & 0x0f,
+        }
+    }
+
+    /// The layout a device decodes (`comm::collectives::CodedWeight`): per block of
+    /// [`NF4_BLOCK`] elements, 16 f32 values each holding four indices (the first in the
+    /// highest nibble; a short last block padded with code zero), then the block's absmax.
+    pub fn to_blocks(&self) -> Vec<f32> {
+        let per = NF4_BLOCK / 4;
+        let mut out = Vec::with_capacity(self.absmax.len() * (per + 1));
+        for (b, absmax) in self.absmax.iter().enumerate() {
+            for j in 0..per {
+                let first = b * NF4_BLOCK + 4 * j;
+                let value = (0..4).fold(0u32, |v, k| (v << 4) | self.index(first + k) as u32);
+                out.push(value as f32);
+            }
+            out.push(*absmax);
+        }
+        out
     }
 }
 

@@ -73,12 +73,31 @@ impl TpLayer for Lora<Linear> {
     const KIND: &'static str = "Lora<Linear>";
 
     fn shard(self, style: &ParallelStyle, group: &ProcessGroup, path: &str) -> Sharded<Self> {
+        if self.quantized.is_some() && !matches!(style, ParallelStyle::Sequence { .. }) {
+            // The 4-bit blocks run along the stored rows, not along either split dim.
+            return Err(TpError::UnsupportedStyle {
+                path: path.to_string(),
+                module: "Lora<Linear> (4-bit base)",
+                style: style.to_string(),
+                reason: "a QLoRA base is not split by tensor parallelism; shard it with FSDP \
+                         (fsdp2, hsdp) or replicate it (ddp) instead"
+                    .into(),
+            });
+        }
         let (base, spec) = self.base.shard(style, group, path)?;
         let adapter = match &spec {
             Some(spec) => self.adapter.map(|ad| ad.shard(style, spec, group)),
             None => self.adapter,
         };
-        Ok((Self { base, adapter }, spec))
+        let quantized = self.quantized;
+        Ok((
+            Self {
+                base,
+                adapter,
+                quantized,
+            },
+            spec,
+        ))
     }
 
     fn unshard(
@@ -93,7 +112,11 @@ impl TpLayer for Lora<Linear> {
             (Some(ad), Some(spec)) => Some(ad.unshard(style, spec, group, path)?),
             (adapter, _) => adapter,
         };
-        Ok(Self { base, adapter })
+        Ok(Self {
+            base,
+            adapter,
+            quantized: self.quantized,
+        })
     }
 
     fn visit_partial_grad_params<V: ModuleVisitor>(&self, style: &ParallelStyle, visitor: &mut V) {

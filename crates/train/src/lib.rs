@@ -84,7 +84,9 @@ pub use lora::LoraFlags;
 pub use malloc::Malloc;
 pub use mesh::mesh_plan;
 pub use optim::{AdamW, Optimizer, Sgd};
-pub use options::{DEFAULT_TARGETS, LoraOptions, LrScheduleKind, OnNonFinite, PipelineOptions};
+pub use options::{
+    DEFAULT_TARGETS, LoraOptions, LoraQuantize, LrScheduleKind, OnNonFinite, PipelineOptions,
+};
 pub use restarts::train;
 pub use state::model_state_bytes;
 pub use step_log::{Skipped, StepCalls, StepLog, StepTimes};

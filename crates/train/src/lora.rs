@@ -8,15 +8,16 @@ use std::path::{Path, PathBuf};
 
 use burn::nn::Linear;
 use burn_parallel_models::Llama;
+use burn_parallel_parallelizer::Dtype;
 use burn_parallel_parallelizer::full_model;
 use burn_parallel_peft::{
     AdapterConfig, Lora, LoraConfig, LoraError, LoraModule, TargetModules, adapted_paths,
-    apply_lora, load_adapter, merge_lora, save_adapter,
+    apply_lora, load_adapter, merge_lora, quantize_bases, save_adapter,
 };
 
 use crate::config::TrainConfig;
 use crate::error::{TrainError, flag_error};
-use crate::options::{DEFAULT_TARGETS, LoraOptions};
+use crate::options::{DEFAULT_TARGETS, LoraOptions, LoraQuantize};
 
 /// The LoRA flags of the trainer's command line; [`options`](Self::options) gives the run's
 /// [`LoraOptions`].
@@ -64,6 +65,15 @@ pub struct LoraFlags {
                 merged model)"
     )]
     pub save_adapter: Option<PathBuf>,
+    /// `--lora-quantize nf4`.
+    #[arg(
+        long,
+        value_name = "KIND",
+        help = "QLoRA: store the frozen base of every decoder linear in 4 bits (nf4: \
+                bitsandbytes' NormalFloat, blocks of 64), decoded in f32 for each use; the \
+                embedding, norms and LM head stay as loaded"
+    )]
+    pub lora_quantize: Option<LoraQuantize>,
 }
 
 impl LoraFlags {
@@ -76,6 +86,7 @@ impl LoraFlags {
             rslora: self.lora_rslora,
             init: self.lora_init.clone(),
             save_adapter: self.save_adapter.clone(),
+            quantize: self.lora_quantize,
         }
     }
 }
@@ -87,6 +98,29 @@ pub(crate) fn check(cfg: &TrainConfig) -> Result<(), TrainError> {
             "--freeze",
             "with LoRA: LoRA already freezes every base parameter (only the adapters train); \
              drop --freeze",
+        ));
+    }
+    if cfg.lora.quantize.is_some() {
+        check_quantized(cfg)?;
+    }
+    Ok(())
+}
+
+/// `--lora-quantize` needs adapters to train, and packed blocks that no cast rounds.
+fn check_quantized(cfg: &TrainConfig) -> Result<(), TrainError> {
+    if !cfg.lora.enabled() {
+        return Err(flag_error(
+            "--lora-quantize",
+            "needs LoRA: give --lora-rank R (or --lora-init DIR); a quantized base alone \
+             trains nothing",
+        ));
+    }
+    let param_dtype = cfg.distributed.mp_policy.param_dtype;
+    if param_dtype.is_some_and(|d| d != Dtype::F32) {
+        return Err(flag_error(
+            "--lora-quantize",
+            "computes in f32 (bnb_4bit_compute_dtype = float32): a bf16/f16 --param-dtype \
+             would round the packed 4-bit blocks; drop --param-dtype",
         ));
     }
     Ok(())
@@ -217,14 +251,32 @@ pub(crate) fn lora_error(e: LoraError) -> TrainError {
 }
 
 /// `model` (whole, before `parallelize_model`) with `plan`'s adapters attached and its base
-/// frozen, and the adapters' element count (what trains).
-pub(crate) fn apply(model: Llama, plan: &LoraPlan) -> Result<(Llama, u64), TrainError> {
+/// frozen (and stored in 4 bits under `quantize`), and the adapters' element count (what
+/// trains).
+pub(crate) fn apply(
+    model: Llama,
+    plan: &LoraPlan,
+    quantize: Option<LoraQuantize>,
+) -> Result<(Llama, u64), TrainError> {
+    let model = quantize_base(model, quantize)?;
     let model = match plan {
         LoraPlan::New(config) => apply_lora(model, config).map_err(lora_error)?,
         LoraPlan::Load(dir) => load_adapter(model, dir).map_err(lora_error)?.0,
     };
     let trainable = adapter_elements(&model)?;
     Ok((model, trainable))
+}
+
+/// `model` (a whole model or a pipeline stage) with its `Lora` bases stored as `quantize`
+/// says (unchanged without).
+pub(crate) fn quantize_base<M: LoraModule>(
+    model: M,
+    quantize: Option<LoraQuantize>,
+) -> Result<M, TrainError> {
+    match quantize {
+        Some(LoraQuantize::Nf4) => quantize_bases(model).map_err(lora_error),
+        None => Ok(model),
+    }
 }
 
 /// Elements of every adapter's `a` and `b` (a whole model's, or a pipeline stage's).

@@ -33,6 +33,15 @@ named_enum! {
     }
 }
 
+named_enum! {
+    /// How a LoRA run stores its frozen base (`--lora-quantize`).
+    pub enum LoraQuantize as "LoRA base quantization" {
+        /// QLoRA: bitsandbytes' 4-bit NormalFloat, blocks of 64, an f32 absmax per block,
+        /// computed in f32.
+        Nf4 = "nf4",
+    }
+}
+
 /// The Llama's seven projections, `--lora-targets`' default.
 pub const DEFAULT_TARGETS: [&str; 7] = [
     "q_proj",
@@ -62,6 +71,9 @@ pub struct LoraOptions {
     pub init: Option<PathBuf>,
     /// `--save-adapter`: where rank 0 writes the trained adapter in peft's format.
     pub save_adapter: Option<PathBuf>,
+    /// `--lora-quantize`: store every decoder linear's base in 4 bits (QLoRA); `None` keeps
+    /// the checkpoint's precision.
+    pub quantize: Option<LoraQuantize>,
 }
 
 /// The pipeline schedule of a `--pp` run, each `None` when not given.

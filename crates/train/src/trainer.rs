@@ -251,7 +251,7 @@ fn build_model(
     let frozen = |model: Llama| -> Result<(Llama, u64), TrainError> {
         // LoRA freezes the whole base: only the adapters train.
         if let Some(lora) = &lora {
-            return crate::lora::apply(model, lora);
+            return crate::lora::apply(model, lora, cfg.lora.quantize);
         }
         let plan = freeze::plan(&model, &cfg.freeze)?;
         Ok((freeze::freeze(model, &plan.frozen), plan.trainable_elements))

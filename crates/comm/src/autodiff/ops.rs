@@ -26,7 +26,9 @@ use burn::backend::Dispatch;
 use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::device::pairs::{self, MixedDtypes};
-use crate::device::{DeviceCollective, DeviceOp, FrozenRebuild, InFlight, Sizes, route};
+use crate::device::{
+    CodedWeight, DeviceCollective, DeviceOp, DeviceStep, FrozenRebuild, InFlight, Sizes, route,
+};
 use crate::transport::collective::OpKind;
 use crate::transport::data::ReduceOp;
 use crate::transport::error::CollectiveError;
@@ -234,6 +236,17 @@ pub fn frozen_linear<const D: usize>(
         source.into_dispatch(),
         Some(rebuild),
     ))
+}
+
+/// The weight `[d_in, d_out]` of 4-bit packed blocks (see [`crate::device::decode`]), as a
+/// value outside the autodiff graph: a quantized weight takes no gradient. Pass the same
+/// [`CodedWeight`] as a [`DeviceStep::Decode`] step of [`frozen_linear`]'s rebuild so that
+/// backward decodes it again rather than keeping it. Panics when `packed` is not f32 or not of
+/// `weight.packed_shape()`: both are fixed where the weight is packed.
+pub fn decode_weight(packed: Tensor<2>, weight: &CodedWeight) -> Tensor<2> {
+    let n = packed.shape().num_elements();
+    let op = DeviceCollective::steps(vec![DeviceStep::Decode(weight.clone())]);
+    attach(packed.detach().reshape([n]), op).reshape([weight.d_in, weight.d_out])
 }
 
 /// Rank `i` gets the sum over ranks of chunk `i` along `dim` (pad-to-ceil chunks, FSDP2's).

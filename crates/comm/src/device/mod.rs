@@ -4,6 +4,7 @@
 //! tensors (`cube`, `torch`, planned by `nccl`). It builds on the transport layer and knows
 //! nothing of autodiff.
 
+pub mod decode;
 pub mod pairs;
 pub mod route;
 pub mod steps;
@@ -15,6 +16,7 @@ pub(crate) mod nccl;
 #[cfg(feature = "tch")]
 pub(crate) mod torch;
 
+pub use decode::CodedWeight;
 pub use route::{describe, device_mismatch, is_cuda_device, route, same_device};
 pub use steps::{
     Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, FrozenRebuild,

@@ -13,6 +13,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{DType, Slice, TensorData, try_read_sync};
 
+use super::decode::{CodedWeight, decode};
 use crate::transport::chunk::{chunk_sizes, offsets};
 use crate::transport::collective::{Collective, CollectiveHandle, OpKind};
 use crate::transport::data::ReduceOp;
@@ -370,6 +371,8 @@ pub enum DeviceStep {
     Observe(Observer),
     /// Defers a gradient while sync is off (see [`Deferral`]).
     Defer(Deferral),
+    /// Decodes a 4-bit packed weight into its values ([`crate::device::decode`]).
+    Decode(CodedWeight),
 }
 
 /// A differentiable collective: `forward` runs on the input, `backward` on the gradient.
@@ -523,6 +526,7 @@ pub fn run_steps<B: Backend>(
                     B::float_zeros(shape.clone().into(), &device, (*dtype).into())
                 }
             }
+            DeviceStep::Decode(weight) => decode::<B>(x, weight),
             DeviceStep::Cast(dtype) if x.dtype() == *dtype => x,
             DeviceStep::Cast(dtype) => B::float_cast(x, (*dtype).into()),
             DeviceStep::Piece { dim, sizes, index } => {

@@ -17,7 +17,7 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use crate::apply::LoraModule;
 use crate::config::LoraConfig;
 use crate::error::LoraError;
-use crate::lora::{Adapter, LoraBase};
+use crate::lora::Adapter;
 use tensors::{Matrix, PeftFactors};
 
 pub use json::{AdapterConfig, CONFIG_FILE, TargetModules};
@@ -197,7 +197,7 @@ pub fn load_adapter_part<M: Module + LoraModule>(
         let Some(f) = factors.remove(path) else {
             return Ok(layer);
         };
-        let [d_in, d_out] = layer.base.features();
+        let [d_in, d_out] = layer.features();
         for (is_a, m, want) in [
             (true, &f.a, [config.r, d_in]),
             (false, &f.b, [d_out, config.r]),

@@ -19,7 +19,7 @@ use burn_parallel_peft::{Attached, LoadedAdapter, LoraConfig, attach_lora, load_
 use crate::config::TrainConfig;
 use crate::error::{TrainError, flag_error};
 use crate::freeze;
-use crate::lora::{LoraPlan, adapter_elements, lora_error};
+use crate::lora::{LoraPlan, adapter_elements, lora_error, quantize_base};
 
 /// What trains in a pipeline run, chosen stage by stage and checked over all of them: the
 /// parameters `--freeze` leaves, fresh LoRA adapters (`--lora-rank`) or a peft adapter's
@@ -51,6 +51,7 @@ pub(super) fn build_chunks(
     let mut chunks = Vec::with_capacity(v);
     for c in 0..v {
         let (stage, rows) = read_or_seed_stage(cfg, model, mesh, &split, c * p + r)?;
+        let stage = quantize_base(stage, cfg.lora.quantize)?;
         let stage = selection.apply(stage, &trainable, &cfg.freeze)?;
         chunks.push(parallelize(stage, rows, mesh)?);
     }
