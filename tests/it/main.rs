@@ -12,6 +12,7 @@ mod data_pack;
 mod data_sft;
 mod differentiable;
 mod failures;
+mod families;
 mod frozen;
 mod frozen_reshard;
 mod fsdp_basic;

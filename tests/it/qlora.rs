@@ -13,7 +13,7 @@ use burn::tensor::{Tensor, TensorData};
 use burn_parallel::models::Llama;
 use burn_parallel::models::checkpoint::{SaveDtype, hf_tensors, save_llama};
 use burn_parallel::parallelizer::Strategy;
-use burn_parallel::peft::{Lora, LoraBase};
+use burn_parallel::peft::Lora;
 use burn_parallel::train::{LoraOptions, LoraQuantize, TrainArgs, TrainConfig, TrainSummary};
 use clap::Parser;
 

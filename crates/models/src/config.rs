@@ -1,4 +1,5 @@
-//! `config.json` of a Hugging Face Llama, as transformers 4.x and 5.x write it.
+//! `config.json` of a Hugging Face decoder of a family the table in [`crate::family`] lists
+//! (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral), as transformers 4.x and 5.x write it.
 
 use std::path::Path;
 
@@ -6,10 +7,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::ModelError;
+use crate::family::{Family, SlidingWindow, family_row, sliding_window, window_keys};
 use crate::json_keys::count_key;
 use crate::moe_config::{MoeConfig, MoeFlavor};
 
-/// The architecture of a Llama. Field names are Hugging Face's.
+/// The architecture of a decoder of the Llama kind (every [`Family`]). Field names are Hugging
+/// Face's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
     /// Tokens in the vocabulary.
@@ -36,7 +39,8 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     /// Whether the LM head reuses the embedding table (default `false`).
     pub tie_word_embeddings: bool,
-    /// Whether the attention projections have biases (default `false`).
+    /// Whether the attention projections have biases (default `false`; Qwen2: q/k/v only,
+    /// see [`o_proj_bias`](Self::o_proj_bias)).
     pub attention_bias: bool,
     /// Whether the MLP projections have biases (default `false`).
     pub mlp_bias: bool,
@@ -47,6 +51,14 @@ pub struct LlamaConfig {
     /// Qwen3's RMSNorm of each query and key head before the rotary embedding.
     #[serde(default)]
     pub qk_norm: bool,
+    /// The Hugging Face family (default Llama): the `model_type` written back and what the
+    /// family changes (see [`crate::family::FAMILIES`]).
+    #[serde(default)]
+    pub family: Family,
+    /// Sliding-window attention (Mistral; Qwen2/3 with `use_sliding_window`), `None`: every
+    /// layer attends to all earlier keys.
+    #[serde(default)]
+    pub sliding_window: Option<SlidingWindow>,
     /// The mixture-of-experts settings of a Qwen3-MoE or Mixtral model (`None`: every layer
     /// has a dense MLP, as a Llama).
     #[serde(default)]
@@ -96,6 +108,8 @@ impl LlamaConfig {
             initializer_range: 0.02,
             dtype: None,
             qk_norm: false,
+            family: Family::Llama,
+            sliding_window: None,
             moe: None,
         }
     }
@@ -106,6 +120,7 @@ impl LlamaConfig {
     pub fn tiny_moe() -> Self {
         Self {
             qk_norm: true,
+            family: Family::Qwen3Moe,
             moe: Some(MoeConfig {
                 flavor: MoeFlavor::Qwen3Moe,
                 num_experts: 8,
@@ -119,6 +134,16 @@ impl LlamaConfig {
             }),
             ..Self::tiny()
         }
+    }
+
+    /// Whether o_proj has a bias: `attention_bias`, except in Qwen2 (biases on q/k/v only).
+    pub fn o_proj_bias(&self) -> bool {
+        self.attention_bias && !self.family.row().qkv_bias
+    }
+
+    /// The sliding window of decoder layer `layer`, if it has one.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.as_ref().and_then(|w| w.of_layer(layer))
     }
 
     /// Whether decoder layer `layer` has a sparse MoE block instead of a dense MLP.
@@ -148,7 +173,7 @@ impl LlamaConfig {
         let o = v
             .as_object()
             .ok_or_else(|| bad_config("not a JSON object".into()))?;
-        let flavor = model_flavor(o)?;
+        let row = family_row(o)?;
         let usize_of = |k: &str| count_key(o, k);
         let need = |k: &str| required_count(o, k);
         let bool_of = |k: &str, default: bool| o.get(k).and_then(Value::as_bool).unwrap_or(default);
@@ -162,15 +187,16 @@ impl LlamaConfig {
             .and_then(Value::as_str)
             .map(str::to_string);
         let intermediate_size = need("intermediate_size")?;
-        let moe = match flavor {
+        let moe = match row.moe {
             None => None,
             Some(flavor) => Some(MoeConfig::from_json(flavor, o, intermediate_size)?),
         };
+        let num_hidden_layers = need("num_hidden_layers")?;
         let config = Self {
             vocab_size: need("vocab_size")?,
             hidden_size,
             intermediate_size,
-            num_hidden_layers: need("num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
@@ -180,11 +206,13 @@ impl LlamaConfig {
             max_position_embeddings: usize_of("max_position_embeddings")?.unwrap_or(2048),
             // transformers' LlamaConfig defaults to untied embeddings.
             tie_word_embeddings: bool_of("tie_word_embeddings", false),
-            attention_bias: bool_of("attention_bias", false),
+            attention_bias: row.qkv_bias || bool_of("attention_bias", false),
             mlp_bias: bool_of("mlp_bias", false),
             initializer_range: f64_of("initializer_range", o).unwrap_or(0.02),
             dtype,
-            qk_norm: flavor == Some(MoeFlavor::Qwen3Moe),
+            qk_norm: row.qk_norm,
+            family: row.family,
+            sliding_window: sliding_window(o, row, num_hidden_layers)?,
             moe,
         };
         Ok(config)
@@ -192,9 +220,14 @@ impl LlamaConfig {
 
     /// The `config.json` transformers reads back (4.x keys; 5.x reads them too).
     pub fn to_hf_json(&self) -> Value {
+        // A MoE config's flavour names its family, whatever `family` was left at.
+        let row = match &self.moe {
+            Some(moe) => moe.flavor.family().row(),
+            None => self.family.row(),
+        };
         let mut v = serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [row.architecture],
+            "model_type": row.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -231,11 +264,14 @@ impl LlamaConfig {
             }),
         };
         v["rope_scaling"] = scaling;
-        if let Some(moe) = &self.moe {
-            v["architectures"] = serde_json::json!([moe.flavor.architecture()]);
-            v["model_type"] = moe.flavor.model_type().into();
-            if let (Some(out), Some(keys)) = (v.as_object_mut(), moe.hf_keys().as_object()) {
-                out.extend(keys.clone());
+        if let Some(out) = v.as_object_mut() {
+            out.extend(window_keys(row, self.sliding_window.as_ref()));
+            if let Some(keys) = self
+                .moe
+                .as_ref()
+                .and_then(|m| m.hf_keys().as_object().cloned())
+            {
+                out.extend(keys);
             }
         }
         v
@@ -249,11 +285,8 @@ impl LlamaConfig {
         let attn = h * q
             + 2 * h * kv
             + q * h
-            + if self.attention_bias {
-                q + 2 * kv + h
-            } else {
-                0
-            };
+            + if self.attention_bias { q + 2 * kv } else { 0 }
+            + if self.o_proj_bias() { h } else { 0 };
         let qk_norm = if self.qk_norm { 2 * self.head_dim } else { 0 };
         let mlp = 3 * h * i + if self.mlp_bias { 2 * i + h } else { 0 };
         let layers: usize = (0..self.num_hidden_layers)
@@ -287,38 +320,6 @@ fn f64_of(k: &str, obj: &serde_json::Map<String, Value>) -> Option<f64> {
 /// `o[k]` as a count that must be there: an error naming the key when it is missing.
 fn required_count(o: &serde_json::Map<String, Value>, k: &str) -> Result<usize, ModelError> {
     count_key(o, k)?.ok_or_else(|| bad_config(format!("missing `{k}`")))
-}
-
-/// The model family of `model_type` (`None`: a Llama; else the MoE flavour), checked against
-/// `architectures` when given: another family is an error naming what was found.
-fn model_flavor(o: &serde_json::Map<String, Value>) -> Result<Option<MoeFlavor>, ModelError> {
-    let flavor = match o.get("model_type").and_then(Value::as_str) {
-        Some("llama") => None,
-        Some("qwen3_moe") => Some(MoeFlavor::Qwen3Moe),
-        Some("mixtral") => Some(MoeFlavor::Mixtral),
-        Some(other) => {
-            return Err(ModelError::NotLlama {
-                what: "model_type",
-                found: other.to_string(),
-            });
-        }
-        None => return Err(bad_config("no `model_type`".into())),
-    };
-    let family = match flavor {
-        None => "Llama",
-        Some(MoeFlavor::Qwen3Moe) => "Qwen3Moe",
-        Some(MoeFlavor::Mixtral) => "Mixtral",
-    };
-    if let Some(archs) = o.get("architectures").and_then(Value::as_array) {
-        let names: Vec<&str> = archs.iter().filter_map(Value::as_str).collect();
-        if names.iter().any(|a| !a.starts_with(family)) {
-            return Err(ModelError::NotLlama {
-                what: "architectures",
-                found: names.join(", "),
-            });
-        }
-    }
-    Ok(flavor)
 }
 
 /// Rejects a `hidden_act` other than SiLU (absent means SiLU).
@@ -441,14 +442,21 @@ mod tests {
     #[test]
     fn rejects_other_architectures() {
         let msg = LlamaConfig::from_json(
-            &V4.replace(r#""model_type":"llama""#, r#""model_type":"mistral""#),
+            &V4.replace(r#""model_type":"llama""#, r#""model_type":"gemma2""#),
         )
         .unwrap_err()
         .to_string();
         assert!(
-            msg.contains("mistral") && msg.contains("not a Llama"),
+            msg.contains("gemma2") && msg.contains("llama, mistral, qwen2, qwen3"),
             "{msg}"
         );
+        // A model_type the table knows with another family's class name.
+        let msg = LlamaConfig::from_json(
+            &V4.replace(r#""model_type":"llama""#, r#""model_type":"qwen2""#),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(msg.contains("LlamaForCausalLM"), "{msg}");
         let msg = LlamaConfig::from_json(&V4.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
             .unwrap_err()
             .to_string();

@@ -139,7 +139,14 @@ impl TokenLayout {
     /// reduce-scatters their gradients). Collective over the cp group: every rank of it runs
     /// the same layers. A failed gather panics naming the group, as every collective inside a
     /// forward does.
-    pub fn attend(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f64) -> Tensor<4> {
+    pub fn attend(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        scale: f64,
+        window: Option<usize>,
+    ) -> Tensor<4> {
         let (k, v) = match &self.cp {
             None => (k, v),
             Some(group) => {
@@ -151,7 +158,7 @@ impl TokenLayout {
                 (gather(k, "keys"), gather(v, "values"))
             }
         };
-        flash_attention(q, k, v, &self.mask, scale)
+        flash_attention(q, k, v, &self.mask.clone().with_window(window), scale)
     }
 }
 

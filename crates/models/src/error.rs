@@ -30,15 +30,19 @@ pub enum ModelError {
         /// What is wrong with it.
         reason: String,
     },
-    /// The config's `model_type` or `architectures` names a model other than Llama.
+    /// The config's `model_type` or `architectures` names an architecture the decoder does not
+    /// load.
     #[error(
-        "{what} is not a Llama model ({found}); only LlamaForCausalLM checkpoints are supported"
+        "{what} `{found}` is not an architecture this decoder loads (supported model_type: \
+         {supported}); Gemma, Phi-3 and OLMo 2 are not yet"
     )]
-    NotLlama {
+    UnsupportedArchitecture {
         /// The key (`model_type` or `architectures`).
         what: &'static str,
         /// Its value.
         found: String,
+        /// The supported `model_type`s.
+        supported: String,
     },
     /// The config asks for something this Llama does not compute (an activation other than
     /// SiLU, an unknown rope type).

@@ -22,6 +22,7 @@ mod config;
 pub mod context_parallel;
 pub mod data;
 mod error;
+mod family;
 pub mod fused;
 mod init;
 mod json_keys;
@@ -36,6 +37,7 @@ mod rope;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use error::ModelError;
+pub use family::{FAMILIES, Family, FamilyRow, SlidingWindow, WindowRule};
 pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal};
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm};
 pub use moe::{Experts, RouterStats, SparseMoe, load_balancing_loss};

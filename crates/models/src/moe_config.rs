@@ -20,17 +20,19 @@ pub enum MoeFlavor {
 impl MoeFlavor {
     /// The `model_type` of `config.json`.
     pub fn model_type(self) -> &'static str {
-        match self {
-            Self::Qwen3Moe => "qwen3_moe",
-            Self::Mixtral => "mixtral",
-        }
+        self.family().row().model_type
     }
 
     /// The class name in `architectures`.
     pub fn architecture(self) -> &'static str {
+        self.family().row().architecture
+    }
+
+    /// The decoder family of this flavour.
+    pub fn family(self) -> crate::Family {
         match self {
-            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
-            Self::Mixtral => "MixtralForCausalLM",
+            Self::Qwen3Moe => crate::Family::Qwen3Moe,
+            Self::Mixtral => crate::Family::Mixtral,
         }
     }
 }

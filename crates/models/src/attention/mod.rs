@@ -31,8 +31,9 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 
 /// Which keys each query sees: key `j` is visible to query `i` of batch row `b` when
-/// `key_index[j] <= query_index[i]` (causal by the tokens' indices in the full sequence) and,
-/// with segments, `query_segments[b][i] == key_segments[b][j]` (packed rows). Every query must
+/// `key_index[j] <= query_index[i]` (causal by the tokens' indices in the full sequence), with
+/// a sliding window also `query_index[i] - key_index[j] < window`, and, with segments,
+/// `query_segments[b][i] == key_segments[b][j]` (packed rows). Every query must
 /// see at least one key (its own, in the masks the model builds). Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct AttentionMask {
@@ -48,6 +49,8 @@ struct MaskInner {
     /// Per block of [`KEY_BLOCK`] keys, the smallest key index (to skip blocks no query of a
     /// row can see).
     key_block_min: Vec<i64>,
+    /// Sliding-window attention: keys `window` or more positions back are not seen.
+    window: Option<usize>,
 }
 
 /// Keys per block in both kernels.
@@ -76,6 +79,7 @@ impl AttentionMask {
                 key_index,
                 segments: None,
                 key_block_min,
+                window: None,
             }),
         }
     }
@@ -111,6 +115,27 @@ impl AttentionMask {
                 key_index: inner.key_index.clone(),
                 segments: Some((batch, query_segments, key_segments)),
                 key_block_min: inner.key_block_min.clone(),
+                window: inner.window,
+            }),
+        }
+    }
+
+    /// This mask, each query seeing only the keys fewer than `window` positions back (its
+    /// own included), as transformers' sliding window (`kv_idx > q_idx - window`); `None`
+    /// keeps it. Panics on a window of 0 (a query must see itself; configs refuse it).
+    pub fn with_window(self, window: Option<usize>) -> Self {
+        let Some(size) = window else {
+            return self;
+        };
+        assert!(size > 0, "a sliding window of 0 keys");
+        let inner = &self.inner;
+        Self {
+            inner: Arc::new(MaskInner {
+                query_index: inner.query_index.clone(),
+                key_index: inner.key_index.clone(),
+                segments: inner.segments.clone(),
+                key_block_min: inner.key_block_min.clone(),
+                window: Some(size),
             }),
         }
     }
@@ -135,6 +160,11 @@ impl AttentionMask {
     pub fn visible(&self, b: usize, i: usize, j: usize) -> bool {
         let m = &self.inner;
         if m.key_index[j] > m.query_index[i] {
+            return false;
+        }
+        if let Some(w) = m.window
+            && m.query_index[i] - m.key_index[j] >= w as i64
+        {
             return false;
         }
         match &m.segments {

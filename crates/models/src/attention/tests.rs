@@ -148,11 +148,12 @@ fn the_dense_mask_is_the_causal_block_diagonal() {
 }
 
 /// Causal grouped-query attention and its gradients of `sum(w * out)` in f64, written out
-/// loop by loop: `(out, d q, d k, d v)`.
+/// loop by loop: `(out, d q, d k, d v)`. With `window`, query `i` sees keys `i - window < j <= i`.
 fn exact(
     [b, h, s, d]: [usize; 4],
     hk: usize,
     scale: f64,
+    window: Option<usize>,
     (q, k, v, w): (&[f32], &[f32], &[f32], &[f32]),
 ) -> [Vec<f64>; 4] {
     let (mut out, mut dq) = (vec![0f64; q.len()], vec![0f64; q.len()]);
@@ -162,31 +163,37 @@ fn exact(
         for hi in 0..h {
             let kh = hi / (h / hk);
             for i in 0..s {
+                let first = window.map_or(0, |w| (i + 1).saturating_sub(w));
+                let keys = first..=i;
                 let qi = at(h, bi, hi, i);
                 let dotf = |x: &[f32], xa: usize, y: &[f32], ya: usize| -> f64 {
                     (0..d).map(|c| x[xa + c] as f64 * y[ya + c] as f64).sum()
                 };
-                let scores: Vec<f64> = (0..=i)
+                let scores: Vec<f64> = keys
+                    .clone()
                     .map(|j| scale * dotf(q, qi, k, at(hk, bi, kh, j)))
                     .collect();
                 let max = scores.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
                 let sum: f64 = e.iter().sum();
                 let p: Vec<f64> = e.iter().map(|x| x / sum).collect();
-                for (j, pj) in p.iter().enumerate() {
+                for (pj, j) in p.iter().zip(keys.clone()) {
                     for c in 0..d {
                         out[qi + c] += pj * v[at(hk, bi, kh, j) + c] as f64;
                     }
                 }
-                let dp: Vec<f64> = (0..=i).map(|j| dotf(w, qi, v, at(hk, bi, kh, j))).collect();
+                let dp: Vec<f64> = keys
+                    .clone()
+                    .map(|j| dotf(w, qi, v, at(hk, bi, kh, j)))
+                    .collect();
                 let mean: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                for j in 0..=i {
+                for (n, j) in keys.enumerate() {
                     let kj = at(hk, bi, kh, j);
-                    let ds = p[j] * (dp[j] - mean) * scale;
+                    let ds = p[n] * (dp[n] - mean) * scale;
                     for c in 0..d {
                         dq[qi + c] += ds * k[kj + c] as f64;
                         dk[kj + c] += ds * q[qi + c] as f64;
-                        dv[kj + c] += p[j] * w[qi + c] as f64;
+                        dv[kj + c] += p[n] * w[qi + c] as f64;
                     }
                 }
             }
@@ -223,6 +230,7 @@ fn flash_attention_is_as_accurate_as_the_dense_softmax_against_f64() {
             [b, h, s, d],
             hk,
             scale,
+            None,
             (&values(n, 1), &values(m, 2), &values(m, 3), &values(n, 9)),
         );
         let got =
@@ -238,6 +246,44 @@ fn flash_attention_is_as_accurate_as_the_dense_softmax_against_f64() {
             );
             assert!(ef < 1e-5, "{name} on {device:?}: flash error {ef:e}");
         }
+    }
+}
+
+#[test]
+fn sliding_window_attention_sees_only_the_last_keys_against_f64() {
+    // 150 tokens in key blocks of 64 with a window of 70: whole blocks drop out of later
+    // queries' view, and a window longer than the sequence is plain causal attention.
+    let ([b, h, s, d], hk) = ([1, 4, 150, 8], 2);
+    let scale = 0.3;
+    let n = b * h * s * d;
+    let m = b * hk * s * d;
+    let (q, k, v, w) = (values(n, 1), values(m, 2), values(m, 3), values(n, 9));
+    let inputs = (&q[..], &k[..], &v[..], &w[..]);
+    for device in devices() {
+        for window in [2, 5, 70, 200] {
+            let mask = AttentionMask::causal(s).with_window(Some(window));
+            let flash = run(
+                |q, k, v| flash_attention(q, k, v, &mask, scale),
+                [b, h, s, d],
+                [b, hk, s, d],
+                &device,
+            );
+            let want = exact([b, h, s, d], hk, scale, Some(window), inputs);
+            let got = [&flash.0, &flash.1[0], &flash.1[1], &flash.1[2]];
+            for (name, (g, w)) in ["out", "d q", "d k", "d v"]
+                .iter()
+                .zip(got.iter().zip(&want))
+            {
+                let e = error(g, w);
+                assert!(
+                    e < 1e-5,
+                    "window {window}, {name} on {device:?}: error {e:e}"
+                );
+            }
+        }
+        // The window counts the query itself: with 2, token 2 sees tokens 1 and 2.
+        let mask = AttentionMask::causal(3).with_window(Some(2));
+        assert!(mask.visible(0, 2, 1) && mask.visible(0, 2, 2) && !mask.visible(0, 2, 0));
     }
 }
 

@@ -38,8 +38,9 @@ impl RmsNorm {
     }
 }
 
-/// Grouped-query causal self-attention. Under tensor parallelism q/k/v are colwise and o
-/// rowwise, and `heads` / `kv_heads` are this rank's counts.
+/// Grouped-query causal self-attention, optionally over a sliding window. Under tensor
+/// parallelism q/k/v are colwise and o rowwise, and `heads` / `kv_heads` are this rank's
+/// counts.
 #[parallelize]
 #[derive(Module, Debug)]
 pub struct Attention {
@@ -66,6 +67,10 @@ pub struct Attention {
     /// Dims per head.
     #[module(skip)]
     pub head_dim: usize,
+    /// Keys each query sees under sliding-window attention, itself included (`None`: all
+    /// earlier keys).
+    #[module(skip)]
+    pub sliding_window: Option<usize>,
 }
 
 impl Attention {
@@ -113,8 +118,11 @@ impl Attention {
         // Grouped-query heads are read in place by the attention kernel (not repeated).
         let scale = 1.0 / (hd as f64).sqrt();
         let out = match layout {
-            None => crate::attention::flash_attention(q, k, v, &AttentionMask::causal(s), scale),
-            Some(layout) => layout.attend(q, k, v, scale),
+            None => {
+                let mask = AttentionMask::causal(s).with_window(self.sliding_window);
+                crate::attention::flash_attention(q, k, v, &mask, scale)
+            }
+            Some(layout) => layout.attend(q, k, v, scale, self.sliding_window),
         };
         let out = out.swap_dims(1, 2).reshape([b, s, self.heads * hd]);
         self.o_proj.forward(out)

@@ -229,12 +229,20 @@ pub(crate) fn decoder_layer(
         q_proj: linear(s, &format!("{p}.self_attn.q_proj"), h, q, ab, device)?,
         k_proj: linear(s, &format!("{p}.self_attn.k_proj"), h, kv, ab, device)?,
         v_proj: linear(s, &format!("{p}.self_attn.v_proj"), h, kv, ab, device)?,
-        o_proj: linear(s, &format!("{p}.self_attn.o_proj"), q, h, ab, device)?,
+        o_proj: linear(
+            s,
+            &format!("{p}.self_attn.o_proj"),
+            q,
+            h,
+            c.o_proj_bias(),
+            device,
+        )?,
         q_norm: head_norm(s, "q_norm")?,
         k_norm: head_norm(s, "k_norm")?,
         heads: c.num_attention_heads,
         kv_heads: c.num_key_value_heads,
         head_dim: hd,
+        sliding_window: c.window_of(i),
     };
     let (mlp, moe) = match &c.moe {
         Some(m) if m.is_sparse(i) => (None, Some(sparse_moe(s, &p, c, m, shard.cloned(), device)?)),

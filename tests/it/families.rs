@@ -1,0 +1,132 @@
+//! The decoder families beside Llama (Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
+//! Mistral's sliding window) train under every strategy as on one device: ddp, fsdp2 (uneven),
+//! hsdp, tp with sequence parallelism, fsdp2_tp, context parallelism and pipeline parallelism,
+//! same losses and gradient norms to 1e-5. Each family's option is in effect (the run differs
+//! from the plain Llama's), and `--save` writes the family's config.json and tensors.
+
+use burn_parallel::models::{Family, LlamaConfig, SlidingWindow};
+use burn_parallel::train::{DistributedFlags, OptimizerKind, Strategy, TrainConfig};
+
+use crate::llama_hf::temp_dir;
+use crate::llama_train::{assert_curves, resolved, run, small_model, small_run};
+use crate::lora_llama::read_safetensors;
+
+/// The small model as `family`: Qwen2 with its q/k/v biases, Qwen3 with q/k norms, Mistral
+/// with a window of 3 keys (the runs' rows are 16 tokens long).
+fn model(family: Family) -> LlamaConfig {
+    let row = family.row();
+    let layers = small_model().num_hidden_layers;
+    LlamaConfig {
+        family,
+        attention_bias: row.qkv_bias,
+        qk_norm: row.qk_norm,
+        sliding_window: (family == Family::Mistral).then(|| SlidingWindow {
+            size: 3,
+            layers: vec![true; layers],
+        }),
+        ..small_model()
+    }
+}
+
+fn family_run(family: Family, flags: DistributedFlags) -> TrainConfig {
+    let (strategy, world) = (flags.strategy.unwrap(), flags.world_size.unwrap());
+    TrainConfig {
+        distributed: resolved(flags),
+        seq_len: 16,
+        steps: 4,
+        model: model(family),
+        ..small_run(strategy, world, OptimizerKind::AdamW)
+    }
+}
+
+fn layouts() -> Vec<(&'static str, DistributedFlags)> {
+    let on = DistributedFlags::on;
+    vec![
+        ("ddp x2", on(Strategy::Ddp, 2)),
+        ("fsdp2 x3", on(Strategy::Fsdp2, 3)),
+        (
+            "hsdp 2x2",
+            DistributedFlags {
+                dp_replicate: Some(2),
+                ..on(Strategy::Hsdp, 4)
+            },
+        ),
+        (
+            "tp 2 (sequence parallel)",
+            DistributedFlags {
+                tp: Some(2),
+                tp_plan: Some("llama-sp".parse().unwrap()),
+                ..on(Strategy::Tp, 2)
+            },
+        ),
+        (
+            "fsdp2_tp 2x2",
+            DistributedFlags {
+                tp: Some(2),
+                ..on(Strategy::Fsdp2Tp, 4)
+            },
+        ),
+        (
+            "cp 2",
+            DistributedFlags {
+                cp: Some(2),
+                ..on(Strategy::Fsdp2, 2)
+            },
+        ),
+        (
+            "pp 2",
+            DistributedFlags {
+                pp: Some(2),
+                ..on(Strategy::Fsdp2, 2)
+            },
+        ),
+    ]
+}
+
+#[test]
+fn qwen2_qwen3_and_mistral_train_under_every_strategy_as_on_one_device() {
+    let llama = run(&family_run(
+        Family::Llama,
+        DistributedFlags::on(Strategy::Single, 1),
+    ));
+    for family in [Family::Qwen2, Family::Qwen3, Family::Mistral] {
+        let single = run(&family_run(
+            family,
+            DistributedFlags::on(Strategy::Single, 1),
+        ));
+        assert_ne!(
+            single.losses(),
+            llama.losses(),
+            "{family:?}: its option changes the run"
+        );
+        for (name, flags) in layouts() {
+            let what = format!("{family:?} {name}");
+            let got = run(&family_run(family, flags));
+            assert_curves(&got, &single, 1e-5, &what);
+        }
+    }
+}
+
+#[test]
+fn a_saved_qwen2_is_a_qwen2_checkpoint() {
+    let dir = temp_dir("family-save");
+    let out = dir.join("qwen2");
+    run(&TrainConfig {
+        save: Some(out.clone()),
+        ..family_run(Family::Qwen2, DistributedFlags::on(Strategy::Fsdp2, 2))
+    });
+    let text = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(config["model_type"], "qwen2");
+    assert_eq!(config["architectures"][0], "Qwen2ForCausalLM");
+    let tensors = read_safetensors(&out.join("model.safetensors"));
+    for proj in ["q_proj", "k_proj", "v_proj"] {
+        let bias = &tensors[&format!("model.layers.1.self_attn.{proj}.bias")];
+        assert!(bias.1.iter().any(|b| *b != 0.0), "{proj}.bias trained");
+    }
+    assert!(!tensors.contains_key("model.layers.0.self_attn.o_proj.bias"));
+    let back = LlamaConfig::load(&out).unwrap();
+    assert_eq!(back.family, Family::Qwen2);
+    assert!(back.attention_bias && !back.o_proj_bias());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
