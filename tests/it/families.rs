@@ -1,25 +1,27 @@
 //! The decoder families beside Llama (Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
-//! Mistral's sliding window) train under every strategy as on one device: ddp, fsdp2 (uneven),
-//! hsdp, tp with sequence parallelism, fsdp2_tp, context parallelism and pipeline parallelism,
-//! same losses and gradient norms to 1e-5. Each family's option is in effect (the run differs
+//! Mistral's sliding window, OLMo 2's post-norms) train under every strategy as on one device:
+//! ddp, fsdp2 (uneven), hsdp, tp with sequence parallelism, fsdp2_tp, context parallelism and
+//! pipeline parallelism, same losses and gradient norms to 1e-5 (OLMo 2's whole-projection q/k
+//! norm refuses tp by name). Each family's option is in effect (the run differs
 //! from the plain Llama's), and `--save` writes the family's config.json and tensors.
 
-use burn_parallel::models::{Family, LlamaConfig, SlidingWindow};
+use burn_parallel::models::{Family, LlamaConfig, QkNorm, SlidingWindow};
 use burn_parallel::train::{DistributedFlags, OptimizerKind, Strategy, TrainConfig};
 
 use crate::llama_hf::temp_dir;
 use crate::llama_train::{assert_curves, resolved, run, small_model, small_run};
 use crate::lora_llama::read_safetensors;
 
-/// The small model as `family`: Qwen2 with its q/k/v biases, Qwen3 with q/k norms, Mistral
-/// with a window of 3 keys (the runs' rows are 16 tokens long).
+/// The small model as `family`: Qwen2 with its q/k/v biases, Qwen3 with per-head q/k norms,
+/// Mistral with a window of 3 keys (the runs' rows are 16 tokens long), OLMo 2 with post-norms
+/// and whole-projection q/k norms.
 fn model(family: Family) -> LlamaConfig {
     let row = family.row();
     let layers = small_model().num_hidden_layers;
     LlamaConfig {
         family,
         attention_bias: row.qkv_bias,
-        qk_norm: row.qk_norm,
+        qk_norm: row.qk_norm != QkNorm::None,
         sliding_window: (family == Family::Mistral).then(|| SlidingWindow {
             size: 3,
             layers: vec![true; layers],
@@ -104,6 +106,34 @@ fn qwen2_qwen3_and_mistral_train_under_every_strategy_as_on_one_device() {
             let got = run(&family_run(family, flags));
             assert_curves(&got, &single, 1e-5, &what);
         }
+    }
+}
+
+#[test]
+fn olmo2_post_norms_train_under_every_strategy_but_tp_as_on_one_device() {
+    let single = run(&family_run(
+        Family::Olmo2,
+        DistributedFlags::on(Strategy::Single, 1),
+    ));
+    let llama = run(&family_run(
+        Family::Llama,
+        DistributedFlags::on(Strategy::Single, 1),
+    ));
+    assert_ne!(single.losses(), llama.losses());
+    for (name, flags) in layouts() {
+        let cfg = family_run(Family::Olmo2, flags);
+        if cfg.distributed.tp_size > 1 {
+            let e = burn_parallel::train::train(&cfg, &|_| {})
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("q/k norm spans every head (OLMo 2)"),
+                "{name}: {e}"
+            );
+            continue;
+        }
+        let what = format!("Olmo2 {name}");
+        assert_curves(&run(&cfg), &single, 1e-5, &what);
     }
 }
 

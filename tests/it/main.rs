@@ -13,6 +13,7 @@ mod data_sft;
 mod differentiable;
 mod failures;
 mod families;
+mod families_hf;
 mod frozen;
 mod frozen_reshard;
 mod fsdp_basic;

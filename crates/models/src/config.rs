@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::ModelError;
-use crate::family::{Family, SlidingWindow, family_row, sliding_window, window_keys};
+use crate::family::{Family, QkNorm, SlidingWindow, family_row, sliding_window, window_keys};
 use crate::json_keys::count_key;
 use crate::moe_config::{MoeConfig, MoeFlavor};
 
@@ -141,6 +141,12 @@ impl LlamaConfig {
         self.attention_bias && !self.family.row().qkv_bias
     }
 
+    /// Whether `q_norm` / `k_norm` normalize the whole projection (OLMo 2) rather than each
+    /// head.
+    pub fn qk_norm_whole(&self) -> bool {
+        self.qk_norm && self.family.row().qk_norm == QkNorm::Whole
+    }
+
     /// The sliding window of decoder layer `layer`, if it has one.
     pub fn window_of(&self, layer: usize) -> Option<usize> {
         self.sliding_window.as_ref().and_then(|w| w.of_layer(layer))
@@ -210,7 +216,7 @@ impl LlamaConfig {
             mlp_bias: bool_of("mlp_bias", false),
             initializer_range: f64_of("initializer_range", o).unwrap_or(0.02),
             dtype,
-            qk_norm: row.qk_norm,
+            qk_norm: row.qk_norm != QkNorm::None,
             family: row.family,
             sliding_window: sliding_window(o, row, num_hidden_layers)?,
             moe,
@@ -287,7 +293,11 @@ impl LlamaConfig {
             + q * h
             + if self.attention_bias { q + 2 * kv } else { 0 }
             + if self.o_proj_bias() { h } else { 0 };
-        let qk_norm = if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let qk_norm = match (self.qk_norm, self.qk_norm_whole()) {
+            (false, _) => 0,
+            (true, false) => 2 * self.head_dim,
+            (true, true) => q + kv,
+        };
         let mlp = 3 * h * i + if self.mlp_bias { 2 * i + h } else { 0 };
         let layers: usize = (0..self.num_hidden_layers)
             .map(|l| {

@@ -25,6 +25,20 @@ pub enum Family {
     Qwen3Moe,
     /// `MixtralForCausalLM`: Mistral's attention, sparse MoE blocks.
     Mixtral,
+    /// `Olmo2ForCausalLM`: norms after attention and after the MLP (none before), and a
+    /// q/k RMSNorm over the whole projection.
+    Olmo2,
+}
+
+/// Where a family normalizes queries and keys before the rotary embedding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    /// Not at all.
+    None,
+    /// Each head over its `head_dim` (Qwen3).
+    PerHead,
+    /// The whole projection, every head at once (OLMo 2).
+    Whole,
 }
 
 /// Which layers a family's `sliding_window` applies to.
@@ -51,9 +65,11 @@ pub struct FamilyRow {
     /// q/k/v always carry a bias and o_proj never (Qwen2); otherwise `attention_bias` applies
     /// to all four.
     pub qkv_bias: bool,
-    /// Queries and keys get a per-head RMSNorm (`q_norm`, `k_norm`) before the rotary
-    /// embedding.
-    pub qk_norm: bool,
+    /// The RMSNorm of queries and keys (`q_norm`, `k_norm`) before the rotary embedding.
+    pub qk_norm: QkNorm,
+    /// Norms after attention and after the MLP, on their outputs before the residual add,
+    /// and none before them (OLMo 2); otherwise Llama's pre-norms.
+    pub post_norms: bool,
     /// Where `sliding_window` applies.
     pub window: WindowRule,
     /// The sparse MoE flavour, for MoE families.
@@ -61,13 +77,14 @@ pub struct FamilyRow {
 }
 
 /// Every family the decoder loads.
-pub const FAMILIES: [FamilyRow; 6] = [
+pub const FAMILIES: [FamilyRow; 7] = [
     FamilyRow {
         family: Family::Llama,
         model_type: "llama",
         architecture: "LlamaForCausalLM",
         qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::None,
+        post_norms: false,
         window: WindowRule::Never,
         moe: None,
     },
@@ -76,7 +93,8 @@ pub const FAMILIES: [FamilyRow; 6] = [
         model_type: "mistral",
         architecture: "MistralForCausalLM",
         qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::None,
+        post_norms: false,
         window: WindowRule::Always,
         moe: None,
     },
@@ -85,7 +103,8 @@ pub const FAMILIES: [FamilyRow; 6] = [
         model_type: "qwen2",
         architecture: "Qwen2ForCausalLM",
         qkv_bias: true,
-        qk_norm: false,
+        qk_norm: QkNorm::None,
+        post_norms: false,
         window: WindowRule::Opted,
         moe: None,
     },
@@ -94,7 +113,8 @@ pub const FAMILIES: [FamilyRow; 6] = [
         model_type: "qwen3",
         architecture: "Qwen3ForCausalLM",
         qkv_bias: false,
-        qk_norm: true,
+        qk_norm: QkNorm::PerHead,
+        post_norms: false,
         window: WindowRule::Opted,
         moe: None,
     },
@@ -103,7 +123,8 @@ pub const FAMILIES: [FamilyRow; 6] = [
         model_type: "qwen3_moe",
         architecture: "Qwen3MoeForCausalLM",
         qkv_bias: false,
-        qk_norm: true,
+        qk_norm: QkNorm::PerHead,
+        post_norms: false,
         window: WindowRule::Opted,
         moe: Some(MoeFlavor::Qwen3Moe),
     },
@@ -112,9 +133,20 @@ pub const FAMILIES: [FamilyRow; 6] = [
         model_type: "mixtral",
         architecture: "MixtralForCausalLM",
         qkv_bias: false,
-        qk_norm: false,
+        qk_norm: QkNorm::None,
+        post_norms: false,
         window: WindowRule::Always,
         moe: Some(MoeFlavor::Mixtral),
+    },
+    FamilyRow {
+        family: Family::Olmo2,
+        model_type: "olmo2",
+        architecture: "Olmo2ForCausalLM",
+        qkv_bias: false,
+        qk_norm: QkNorm::Whole,
+        post_norms: true,
+        window: WindowRule::Never,
+        moe: None,
     },
 ];
 
@@ -328,8 +360,12 @@ mod tests {
             (None, Some(5), None)
         );
 
+        let olmo2 = config("olmo2", "Olmo2ForCausalLM", "");
+        assert!(olmo2.qk_norm_whole() && olmo2.family.row().post_norms);
+        assert!(!qwen3.qk_norm_whole());
+
         // Each reads back from the config.json it writes.
-        for c in [qwen2, opted, qwen3, mistral, v03, typed] {
+        for c in [qwen2, opted, qwen3, mistral, v03, typed, olmo2] {
             let mut back = LlamaConfig::from_json(&c.to_hf_json().to_string()).unwrap();
             back.dtype = None;
             assert_eq!(back, c, "{:?}", c.family);
@@ -355,7 +391,7 @@ mod tests {
             msg.contains("layer_types has 1 entries for 2 layers"),
             "{msg}"
         );
-        let msg = err(text("phi3", ""));
+        let msg = err(text("gemma2", ""));
         assert!(
             msg.contains("`phi3`") && msg.contains(&Family::supported()),
             "{msg}"

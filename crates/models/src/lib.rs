@@ -37,7 +37,7 @@ mod rope;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use error::ModelError;
-pub use family::{FAMILIES, Family, FamilyRow, SlidingWindow, WindowRule};
+pub use family::{FAMILIES, Family, FamilyRow, QkNorm, SlidingWindow, WindowRule};
 pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal};
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm};
 pub use moe::{Experts, RouterStats, SparseMoe, load_balancing_loss};

@@ -124,11 +124,9 @@ fn walk_layers(
 ) -> Result<(), ModelError> {
     for (i, l) in layers.iter().enumerate() {
         let p = format!("model.layers.{}", first + i);
-        norm(
-            v,
-            &format!("{p}.input_layernorm"),
-            l.input_layernorm.inner(),
-        )?;
+        if let Some(n) = &l.input_layernorm {
+            norm(v, &format!("{p}.input_layernorm"), n.inner())?;
+        }
         let a = &l.self_attn;
         for (n, lin) in [
             ("q_proj", &a.q_proj),
@@ -156,6 +154,9 @@ fn walk_layers(
         }
         if let (Some(m), Some(moe_config)) = (&l.moe, &config.moe) {
             moe(v, &p, m, moe_config.flavor)?;
+        }
+        if let Some(n) = &l.post_feedforward_layernorm {
+            norm(v, &format!("{p}.post_feedforward_layernorm"), n.inner())?;
         }
     }
     Ok(())

@@ -52,10 +52,14 @@ pub struct Attention {
     pub v_proj: Tp<Lora<Linear>>,
     /// Output projection, `heads * head_dim -> hidden`.
     pub o_proj: Tp<Lora<Linear>>,
-    /// Qwen3's RMSNorm of each query head, over `head_dim`, before the rotary embedding.
+    /// The RMSNorm of the queries before the rotary embedding: of each head over `head_dim`
+    /// (Qwen3), or of the whole projection (OLMo 2, `qk_norm_whole`).
     pub q_norm: Option<RmsNorm>,
-    /// Qwen3's RMSNorm of each key head.
+    /// The RMSNorm of the keys, as `q_norm`.
     pub k_norm: Option<RmsNorm>,
+    /// Whether `q_norm` / `k_norm` span the whole projection (every head at once).
+    #[module(skip)]
+    pub qk_norm_whole: bool,
     /// Query heads.
     #[module(skip)]
     #[tp(heads)]
@@ -101,7 +105,24 @@ impl Attention {
         // Under tensor parallelism each rank norms its own heads with the shared scale, whose
         // gradient is then partial: copy_to_group sums it over the tp ranks in backward.
         let tp_group = self.q_proj.sharding().map(|s| s.group.clone());
+        let (q, k) = match self.qk_norm_whole {
+            true => {
+                // A norm over every head needs them all; refused under TP where it is planned.
+                assert!(
+                    tp_group.is_none(),
+                    "a q/k norm over the whole projection (OLMo 2) cannot run on heads split by \
+                     tensor parallelism: use fsdp2, hsdp, ddp, cp or pp for this model"
+                );
+                let whole = |n: &Option<RmsNorm>, t: Tensor<3>| match n {
+                    Some(n) => n.forward(t),
+                    None => t,
+                };
+                (whole(&self.q_norm, q), whole(&self.k_norm, k))
+            }
+            false => (q, k),
+        };
         let head_norm = |n: &Option<RmsNorm>, t: Tensor<4>| match (n, &tp_group) {
+            _ if self.qk_norm_whole => t,
             (Some(n), Some(group)) => {
                 n.forward_scaled(t, coll::copy_to_group(n.weight.val(), group))
             }
@@ -150,17 +171,18 @@ impl Mlp {
     }
 }
 
-/// One pre-norm decoder layer: `h = x + attn(norm(x))`, then `h + ffn(norm(h))`, the
-/// feed-forward `ffn` being the dense `mlp` or, in a sparse layer of a MoE model, `moe`.
+/// One decoder layer: pre-norm (Llama) `h = x + attn(norm(x))`, then `h + ffn(norm(h))`; or
+/// post-norm (OLMo 2, no `input_layernorm`) `h = x + norm(attn(x))`, then `h + norm(ffn(h))`.
+/// The feed-forward `ffn` is the dense `mlp` or, in a sparse layer of a MoE model, `moe`.
 #[parallelize]
 #[derive(Module, Debug)]
 pub struct DecoderLayer {
-    /// The norm before attention.
-    pub input_layernorm: Tp<RmsNorm>,
+    /// The norm before attention (`None` in a post-norm layer).
+    pub input_layernorm: Option<Tp<RmsNorm>>,
     /// Self-attention.
     #[nested]
     pub self_attn: Attention,
-    /// The norm before the MLP.
+    /// The norm before the MLP (of attention's output in a post-norm layer).
     pub post_attention_layernorm: Tp<RmsNorm>,
     /// The SwiGLU MLP (`None` in a sparse layer).
     #[nested]
@@ -168,6 +190,8 @@ pub struct DecoderLayer {
     /// The sparse mixture-of-experts block (`None` in a dense layer).
     #[nested]
     pub moe: Option<SparseMoe>,
+    /// The norm of the feed-forward's output in a post-norm layer (`None` in a pre-norm one).
+    pub post_feedforward_layernorm: Option<Tp<RmsNorm>>,
 }
 
 /// The norm `n` of `x`, with its tensor-parallel style's collectives around it (none when
@@ -202,11 +226,22 @@ impl DecoderLayer {
         sin: &Tensor<4>,
         layout: Option<&TokenLayout>,
     ) -> (Tensor<3>, Option<Tensor<2>>) {
-        let h = x.clone()
-            + self
-                .self_attn
-                .forward_masked(norm(&self.input_layernorm, x), cos, sin, layout);
-        let normed = norm(&self.post_attention_layernorm, h.clone());
+        let attn_in = match &self.input_layernorm {
+            Some(n) => norm(n, x.clone()),
+            None => x.clone(),
+        };
+        let attn = self.self_attn.forward_masked(attn_in, cos, sin, layout);
+        let (h, normed) = match &self.post_feedforward_layernorm {
+            None => {
+                let h = x + attn;
+                let normed = norm(&self.post_attention_layernorm, h.clone());
+                (h, normed)
+            }
+            Some(_) => {
+                let h = x + norm(&self.post_attention_layernorm, attn);
+                (h.clone(), h)
+            }
+        };
         let (ffn, router_logits) = match (&self.mlp, &self.moe) {
             (Some(mlp), _) => (mlp.forward(normed), None),
             (None, Some(moe)) => {
@@ -214,6 +249,10 @@ impl DecoderLayer {
                 (out, Some(logits))
             }
             (None, None) => panic!("a decoder layer needs a dense MLP or a MoE block"),
+        };
+        let ffn = match &self.post_feedforward_layernorm {
+            Some(n) => norm(n, ffn),
+            None => ffn,
         };
         (h + ffn, router_logits)
     }

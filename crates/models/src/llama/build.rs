@@ -219,9 +219,15 @@ pub(crate) fn decoder_layer(
         if !c.qk_norm {
             return Ok(None);
         }
+        // Per head, or (OLMo 2) over the whole projection.
+        let width = match (c.qk_norm_whole(), which) {
+            (false, _) => hd,
+            (true, "q_norm") => q,
+            (true, _) => kv,
+        };
         let name = format!("{p}.self_attn.{which}.weight");
         Ok(Some(RmsNorm {
-            weight: param(s, &name, [hd], ParamKind::Norm, device)?,
+            weight: param(s, &name, [width], ParamKind::Norm, device)?,
             eps: c.rms_norm_eps,
         }))
     };
@@ -242,18 +248,36 @@ pub(crate) fn decoder_layer(
         heads: c.num_attention_heads,
         kv_heads: c.num_key_value_heads,
         head_dim: hd,
+        qk_norm_whole: c.qk_norm_whole(),
         sliding_window: c.window_of(i),
     };
     let (mlp, moe) = match &c.moe {
         Some(m) if m.is_sparse(i) => (None, Some(sparse_moe(s, &p, c, m, shard.cloned(), device)?)),
         _ => (Some(dense_mlp(s, &p, c, device)?), None),
     };
+    let post_norms = c.family.row().post_norms;
+    let input_layernorm = match post_norms {
+        true => None,
+        false => Some(rms_norm(s, &format!("{p}.input_layernorm"), c, device)?),
+    };
+    let post_attention_layernorm =
+        rms_norm(s, &format!("{p}.post_attention_layernorm"), c, device)?;
+    let post_feedforward_layernorm = match post_norms {
+        true => Some(rms_norm(
+            s,
+            &format!("{p}.post_feedforward_layernorm"),
+            c,
+            device,
+        )?),
+        false => None,
+    };
     Ok(DecoderLayer {
-        input_layernorm: rms_norm(s, &format!("{p}.input_layernorm"), c, device)?,
+        input_layernorm,
         self_attn,
-        post_attention_layernorm: rms_norm(s, &format!("{p}.post_attention_layernorm"), c, device)?,
+        post_attention_layernorm,
         mlp,
         moe,
+        post_feedforward_layernorm,
     })
 }
 

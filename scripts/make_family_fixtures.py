@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Writes the tiny Hugging Face fixtures of the decoder families that tests/it/families_hf.rs
+compares against: Qwen2 (q/k/v biases; a sliding window on its second layer), Qwen3 (per-head
+q/k norms), Mistral (a sliding window of 3 keys) and OLMo 2 (post-norms, whole-projection q/k
+norms).
+
+Needs torch, transformers (4.x or 5.x) and safetensors (`pip install torch transformers
+safetensors`); CI does not: it only reads the committed files under tests/fixtures/families/.
+
+    python3 scripts/make_family_fixtures.py tests/fixtures/families
+
+Each fixture directory holds what `save_pretrained` writes (config.json, safetensors) and
+`logits.json`: fixed token ids (2 rows of 9) and the float32 logits the model computes for them
+(eager attention).
+"""
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=61, hidden_size=24, intermediate_size=37, num_hidden_layers=2,
+    num_attention_heads=6, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6,
+    max_position_embeddings=64, tie_word_embeddings=False,
+)
+
+FIXTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                   rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8, rope_theta=1000000.0)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=3)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
+}
+
+
+def main(out_dir):
+    for name, (config_class, model_class, extra) in FIXTURES.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_class)(**{**COMMON, **extra})
+        config._attn_implementation = "eager"
+        model = getattr(transformers, model_class)(config).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                # Larger than the 0.02 init so that every op visibly matters; norms off 1.
+                if "norm" in n:
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                else:
+                    p.copy_(torch.randn_like(p) * 0.3)
+        ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+        d = os.path.join(out_dir, name)
+        os.makedirs(d, exist_ok=True)
+        model.save_pretrained(d)
+        path = os.path.join(d, "generation_config.json")
+        if os.path.exists(path):
+            os.remove(path)
+        with open(os.path.join(d, "logits.json"), "w") as f:
+            json.dump({"ids": ids.tolist(), "shape": list(logits.shape),
+                       "logits": [round(x, 7) for x in logits.flatten().tolist()]}, f)
+        print(name, sorted(os.listdir(d)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/families")
