@@ -1,4 +1,5 @@
-//! QLoRA: a base stored in bitsandbytes' NF4 decodes on the device to what the code book says
+//! QLoRA: NF4 packs, scales and dequantizes weights as bitsandbytes does (its own output, in
+//! tests/fixtures/nf4), and a base stored in NF4 decodes on the device to what the code book says
 //! (checked against a search over the code book written here, with an all-zero block, a block
 //! holding one huge value and a length that is not a multiple of 64), and the trainer's
 //! `--lora-quantize nf4` trains as LoRA on the dequantized base (dequantized here, on the host,
@@ -117,6 +118,42 @@ fn nf4_blocks_decode_on_the_device_as_the_code_book_says() {
     );
     let got = vec_of(&layer.forward(x.clone()));
     assert_close(&got, &vec_of(&x.matmul(w)), 1e-6, "forward of a 4-bit base");
+}
+
+#[test]
+fn nf4_is_what_bitsandbytes_makes_of_the_same_weights() {
+    // scripts/make_nf4_fixture.py: bitsandbytes' quantize_4bit / dequantize_4bit (nf4, blocks
+    // of 64), including a zero block, a huge value, a short last block and exact midpoints.
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/nf4/bnb.json");
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let floats = |v: &serde_json::Value| -> Vec<f32> { serde_json::from_value(v.clone()).unwrap() };
+    for case in fixture["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let values = floats(&case["values"]);
+        let packed: Vec<u8> = serde_json::from_value(case["packed"].clone()).unwrap();
+        let q = burn_parallel::peft::quantize_nf4(&values);
+        assert_eq!(q.packed, packed, "{name}: packed indices");
+        assert_eq!(q.absmax, floats(&case["absmax"]), "{name}: absmax");
+        let want = floats(&case["dequantized"]);
+        assert_eq!(q.dequantize(), want, "{name}: dequantized on the host");
+
+        // Decoded on the device, from a layer holding the weight in Burn's layout.
+        let [d_out, d_in]: [usize; 2] = serde_json::from_value(case["shape"].clone()).unwrap();
+        let device = ndarray();
+        let mut linear = LinearConfig::new(d_in, d_out)
+            .with_bias(false)
+            .init(&device);
+        let burn_layout = TensorData::new(transpose(&values, d_out, d_in), [d_in, d_out]);
+        linear.weight = burn::module::Param::from_tensor(Tensor::from_data(burn_layout, &device));
+        let layer = Lora::new(linear).quantize_nf4(name).unwrap();
+        let decoded = vec_of(&layer.merged().weight.val());
+        assert_eq!(
+            decoded,
+            transpose(&want, d_out, d_in),
+            "{name}: decoded on the device"
+        );
+    }
 }
 
 /// The small model's checkpoint (seed 0) under `dir`, its decoder projections replaced by

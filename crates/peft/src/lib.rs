@@ -55,4 +55,4 @@ pub use file::{
 };
 pub use lora::{A_NAME, Adapter, B_NAME, Lora, LoraBase};
 pub use nf4::{NF4_BLOCK, NF4_CODE, Nf4, quantize_nf4};
-pub use qlora::{nf4_weight, quantize_bases};
+pub use qlora::{LazyQuantized, nf4_weight, quantize_bases, quantize_blocks};

@@ -7,12 +7,16 @@
 use std::path::{Path, PathBuf};
 
 use burn::nn::Linear;
+use burn::tensor::TensorData;
+use burn_parallel_fsdp::RowRequest;
 use burn_parallel_models::Llama;
+use burn_parallel_models::ModelError;
+use burn_parallel_models::checkpoint::CheckpointRows;
 use burn_parallel_parallelizer::Dtype;
 use burn_parallel_parallelizer::full_model;
 use burn_parallel_peft::{
-    AdapterConfig, Lora, LoraConfig, LoraError, LoraModule, TargetModules, adapted_paths,
-    apply_lora, load_adapter, merge_lora, quantize_bases, save_adapter,
+    AdapterConfig, LazyQuantized, Lora, LoraConfig, LoraError, LoraModule, TargetModules,
+    adapted_paths, apply_lora, load_adapter, merge_lora, quantize_bases, save_adapter,
 };
 
 use crate::config::TrainConfig;
@@ -251,14 +255,8 @@ pub(crate) fn lora_error(e: LoraError) -> TrainError {
 }
 
 /// `model` (whole, before `parallelize_model`) with `plan`'s adapters attached and its base
-/// frozen (and stored in 4 bits under `quantize`), and the adapters' element count (what
-/// trains).
-pub(crate) fn apply(
-    model: Llama,
-    plan: &LoraPlan,
-    quantize: Option<LoraQuantize>,
-) -> Result<(Llama, u64), TrainError> {
-    let model = quantize_base(model, quantize)?;
+/// frozen, and the adapters' element count (what trains).
+pub(crate) fn apply(model: Llama, plan: &LoraPlan) -> Result<(Llama, u64), TrainError> {
     let model = match plan {
         LoraPlan::New(config) => apply_lora(model, config).map_err(lora_error)?,
         LoraPlan::Load(dir) => load_adapter(model, dir).map_err(lora_error)?.0,
@@ -268,14 +266,27 @@ pub(crate) fn apply(
 }
 
 /// `model` (a whole model or a pipeline stage) with its `Lora` bases stored as `quantize`
-/// says (unchanged without).
+/// says (unchanged without), and the bases left lazy ([`read_rows`] reads their shards).
 pub(crate) fn quantize_base<M: LoraModule>(
     model: M,
     quantize: Option<LoraQuantize>,
-) -> Result<M, TrainError> {
+) -> Result<(M, Vec<LazyQuantized>), TrainError> {
     match quantize {
         Some(LoraQuantize::Nf4) => quantize_bases(model).map_err(lora_error),
-        None => Ok(model),
+        None => Ok((model, Vec::new())),
+    }
+}
+
+/// Rows `r` of a lazily read checkpoint's parameter: this rank's blocks of a QLoRA base in
+/// `quantized` (quantized from just those elements), else the parameter's rows.
+pub(crate) fn read_rows(
+    rows: &CheckpointRows,
+    quantized: &[LazyQuantized],
+    r: &RowRequest,
+) -> Result<TensorData, ModelError> {
+    match quantized.iter().find(|q| q.packed == r.id) {
+        Some(q) => rows.read_nf4_blocks(q.source, r.rows.clone(), &q.coded),
+        None => rows.read(r.id, r.rows.clone()),
     }
 }
 

@@ -15,6 +15,7 @@ use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::{
     LocalRows, MeshContext, MeshSizes, Plan, Step, parallelize_model, parallelize_model_from,
 };
+use burn_parallel_peft::LazyQuantized;
 
 use crate::batches::{eval_loss, forward_step};
 use crate::config::TrainConfig;
@@ -248,25 +249,29 @@ fn build_model(
     let device = mesh.device();
     // Frozen before parallelize_model, which then shards them without gradient or state.
     let lora = cfg.lora.plan(cfg.seed)?;
-    let frozen = |model: Llama| -> Result<(Llama, u64), TrainError> {
+    // Also the QLoRA bases left lazy, whose shards a sharded load quantizes from its rows.
+    let frozen = |model: Llama| -> Result<(Llama, u64, Vec<LazyQuantized>), TrainError> {
         // LoRA freezes the whole base: only the adapters train.
         if let Some(lora) = &lora {
-            return crate::lora::apply(model, lora, cfg.lora.quantize);
+            let (model, lazy) = crate::lora::quantize_base(model, cfg.lora.quantize)?;
+            let (model, trainable) = crate::lora::apply(model, lora)?;
+            return Ok((model, trainable, lazy));
         }
         let plan = freeze::plan(&model, &cfg.freeze)?;
-        Ok((freeze::freeze(model, &plan.frozen), plan.trainable_elements))
+        let model = freeze::freeze(model, &plan.frozen);
+        Ok((model, plan.trainable_elements, Vec::new()))
     };
     Ok(match &cfg.checkpoint {
         Some(dir) => {
             // Under expert parallelism each rank reads its own experts whole.
             let ep = mesh.expert_groups().map(|g| &g.ep);
             let (model, rows) = lazy_llama_ep(dir, device, ep)?;
-            let (model, trainable) = frozen(model)?;
-            let read = move |r: &RowRequest| rows.read(r.id, r.rows.clone());
+            let (model, trainable, quantized) = frozen(model)?;
+            let read = move |r: &RowRequest| crate::lora::read_rows(&rows, &quantized, r);
             (parallelize_model_from(model, mesh, read)?, trainable)
         }
         None => {
-            let (model, trainable) = frozen(Llama::seeded(model_cfg, cfg.seed, device))?;
+            let (model, trainable, _) = frozen(Llama::seeded(model_cfg, cfg.seed, device))?;
             (parallelize_model(model, mesh)?, trainable)
         }
     })

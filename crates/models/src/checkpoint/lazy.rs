@@ -10,6 +10,7 @@ use std::sync::Arc;
 use burn::module::ParamId;
 use burn::tensor::{Device, TensorData};
 use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::collectives::CodedWeight;
 
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
@@ -36,6 +37,44 @@ impl CheckpointRows {
             reason: format!("parameter {id} is not one of this checkpoint's Llama parameters"),
         })?;
         self.checkpoint.read_param_rows(name, *kind, rows)
+    }
+
+    /// Blocks `blocks` of the NF4 packing ([`peft::quantize_blocks`]) of the Linear weight
+    /// `source`, quantized from just those elements of the stored `[out, in]` tensor: how a
+    /// rank of a sharded QLoRA load reads its shard of a packed base
+    /// ([`peft::LazyQuantized`]) without reading the whole weight.
+    ///
+    /// [`peft::quantize_blocks`]: burn_parallel_peft::quantize_blocks
+    /// [`peft::LazyQuantized`]: burn_parallel_peft::LazyQuantized
+    pub fn read_nf4_blocks(
+        &self,
+        source: ParamId,
+        blocks: Range<usize>,
+        coded: &CodedWeight,
+    ) -> Result<TensorData, ModelError> {
+        let (name, _) = self
+            .names
+            .get(&source)
+            .ok_or_else(|| ModelError::Checkpoint {
+                path: self.checkpoint.dir().to_path_buf(),
+                reason: format!(
+                    "parameter {source} is not one of this checkpoint's Llama parameters"
+                ),
+            })?;
+        let n = coded.len();
+        let elems = (blocks.start * coded.block).min(n)..(blocks.end * coded.block).min(n);
+        let values = self.checkpoint.read_elements(name, elems)?;
+        let packed = burn_parallel_peft::quantize_blocks(&values);
+        if packed.len() != blocks.len() * coded.row_len() {
+            return Err(ModelError::Checkpoint {
+                path: self.checkpoint.dir().to_path_buf(),
+                reason: format!(
+                    "blocks {blocks:?} of `{name}`: its {n} elements hold {} blocks",
+                    coded.blocks()
+                ),
+            });
+        }
+        Ok(TensorData::new(packed, [blocks.len(), coded.row_len()]))
     }
 
     /// The Hugging Face name of parameter `id`.

@@ -161,6 +161,15 @@ impl HfCheckpoint {
         Ok(TensorData::new(values, shape))
     }
 
+    /// Elements `elems` of a tensor in its row-major order, as f32.
+    pub fn read_elements(&self, name: &str, elems: Range<usize>) -> Result<Vec<f32>, ModelError> {
+        let (file, info) = self.locate(name)?;
+        let full: usize = info.shape.iter().product();
+        self.check_range(file, name, "elements", &elems, full)?;
+        let bytes = self.bytes(file, info, elems)?;
+        to_f32(bytes, info.dtype, file, name)
+    }
+
     /// Columns `cols` of a 2-d tensor as f32 `[rows, cols.len()]`, read row by row.
     pub fn read_cols(&self, name: &str, cols: Range<usize>) -> Result<TensorData, ModelError> {
         let (file, info) = self.locate(name)?;

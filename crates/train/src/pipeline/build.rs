@@ -19,7 +19,8 @@ use burn_parallel_peft::{Attached, LoadedAdapter, LoraConfig, attach_lora, load_
 use crate::config::TrainConfig;
 use crate::error::{TrainError, flag_error};
 use crate::freeze;
-use crate::lora::{LoraPlan, adapter_elements, lora_error, quantize_base};
+use crate::lora::{LoraPlan, adapter_elements, lora_error, quantize_base, read_rows};
+use burn_parallel_peft::LazyQuantized;
 
 /// What trains in a pipeline run, chosen stage by stage and checked over all of them: the
 /// parameters `--freeze` leaves, fresh LoRA adapters (`--lora-rank`) or a peft adapter's
@@ -51,9 +52,9 @@ pub(super) fn build_chunks(
     let mut chunks = Vec::with_capacity(v);
     for c in 0..v {
         let (stage, rows) = read_or_seed_stage(cfg, model, mesh, &split, c * p + r)?;
-        let stage = quantize_base(stage, cfg.lora.quantize)?;
+        let (stage, quantized) = quantize_base(stage, cfg.lora.quantize)?;
         let stage = selection.apply(stage, &trainable, &cfg.freeze)?;
-        chunks.push(parallelize(stage, rows, mesh)?);
+        chunks.push(parallelize(stage, rows, quantized, mesh)?);
     }
     let (own, lora) = selection.check_all_stages(group, trainable, &cfg.freeze)?;
     Ok((chunks, own, lora))
@@ -87,12 +88,14 @@ fn read_or_seed_stage(
 fn parallelize(
     stage: LlamaStage,
     rows: Option<CheckpointRows>,
+    quantized: Vec<LazyQuantized>,
     mesh: &MeshContext,
 ) -> Result<LlamaStage, TrainError> {
     Ok(match rows {
-        // A checkpoint is read lazily: each FSDP rank reads only its rows.
+        // A checkpoint is read lazily: each FSDP rank reads only its rows (of a QLoRA base,
+        // its blocks).
         Some(rows) => {
-            let read = move |r: &RowRequest| rows.read(r.id, r.rows.clone());
+            let read = move |r: &RowRequest| read_rows(&rows, &quantized, r);
             parallelize_model_from(stage, mesh, read)?
         }
         None => parallelize_model(stage, mesh)?,
