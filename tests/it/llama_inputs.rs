@@ -43,7 +43,10 @@ fn llama_bad_inputs_are_named_errors() {
         checkpoint: Some(not_llama),
         ..base.clone()
     });
-    assert!(msg.contains("not a Llama") && msg.contains("gpt2"), "{msg}");
+    assert!(
+        msg.contains("not an architecture this decoder loads") && msg.contains("gpt2"),
+        "{msg}"
+    );
 
     let tokens = dir.join("tokens.bin");
     let ids: Vec<u8> = [5u16, 9, 300, 2]

@@ -393,7 +393,7 @@ mod tests {
         );
         let msg = err(text("gemma2", ""));
         assert!(
-            msg.contains("`phi3`") && msg.contains(&Family::supported()),
+            msg.contains("`gemma2`") && msg.contains(&Family::supported()),
             "{msg}"
         );
     }
