@@ -31,7 +31,6 @@ use burn_parallel::comm::memory::peak_rss_bytes;
 use burn_parallel::train::{
     GenerateOptions, StepLog, StopFlag, TrainArgs, TrainConfig, TrainSummary, train,
 };
-use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
 fn mib(bytes: u64) -> String {
@@ -146,7 +145,7 @@ fn stop_on_signals(_stop: &StopFlag) -> std::io::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let args = TrainArgs::parse();
+    let args = TrainArgs::parse_with_recipe(std::env::args_os()).unwrap_or_else(|e| e.exit());
     // Before any rank thread allocates.
     if !args.malloc.apply() {
         eprintln!(
@@ -164,6 +163,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if args.print_recipe {
+        print!("{}", args.recipe_yaml(&cfg));
+        return ExitCode::SUCCESS;
+    }
     let stop = StopFlag::new();
     if let Err(e) = stop_on_signals(&stop) {
         eprintln!("error: cannot install the preemption signal handlers: {e}");

@@ -42,6 +42,7 @@ mod pipeline_checkpoint;
 mod pipeline_trainer;
 mod qlora;
 mod readme;
+mod recipes;
 mod recompute;
 mod tp_attention;
 mod tp_common;

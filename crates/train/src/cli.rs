@@ -15,6 +15,7 @@ use crate::freeze::split_patterns;
 use crate::generate::GenerateOptions;
 use crate::lora::LoraFlags;
 use crate::malloc::Malloc;
+use crate::recipe::Recipe;
 
 named_enum! {
     /// The built-in models `--model` names.
@@ -30,8 +31,24 @@ named_enum! {
 
 /// The trainer's flags. [`TrainArgs::config`] turns them into a run.
 #[derive(clap::Parser, Debug, Clone)]
-#[command(about = "Train a Llama with burn-parallel (ranks are threads, or MPI processes)")]
+#[command(
+    about = "Train a Llama with burn-parallel (ranks are threads, or MPI processes)",
+    // A --recipe's flags come first: a flag given again on the command line overrides them.
+    args_override_self = true
+)]
 pub struct TrainArgs {
+    /// A recipe file (.yaml, .toml, .json) with every setting of the run, in NeMo AutoModel's
+    /// sections (docs/recipes.md); flags given beside it override its values.
+    #[arg(long, value_name = "FILE")]
+    pub recipe: Option<PathBuf>,
+    /// Print the run's resolved recipe (every default included) as YAML and exit.
+    #[arg(long)]
+    pub print_recipe: bool,
+    /// Rows each data-parallel rank computes per micro-step (NeMo's local_batch_size): the
+    /// --global-batch rows of a step are then taken in --global-batch / (N x data-parallel
+    /// ranks) micro-steps of N rows per rank (gradient accumulation).
+    #[arg(long, value_name = "N", conflicts_with = "grad_accum")]
+    pub local_batch: Option<usize>,
     /// Every setting that is a field of the run's config: steps, batch, optimizer, schedule,
     /// backend, checkpoints and saves, each with its flag and default declared there.
     #[command(flatten)]
@@ -126,6 +143,38 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The flags of `args` (the program name first), a `--recipe`'s values under them: the
+    /// recipe's flags are parsed first, so that a flag on the command line overrides the
+    /// recipe. A recipe that cannot be read is a clap error naming it, so that
+    /// `unwrap_or_else(|e| e.exit())` reports every mistake alike.
+    pub fn parse_with_recipe<I, T>(args: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString>,
+    {
+        use clap::Parser;
+        let args: Vec<std::ffi::OsString> = args.into_iter().map(Into::into).collect();
+        let recipe = recipe_path(&args)
+            .map(|path| Recipe::read(&path))
+            .transpose()
+            .map_err(|e| {
+                clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{e}\n"))
+            })?
+            .unwrap_or_default();
+        let mut argv: Vec<std::ffi::OsString> = args.iter().take(1).cloned().collect();
+        argv.extend(recipe.flags.into_iter().map(Into::into));
+        argv.extend(args.into_iter().skip(1));
+        let mut parsed = Self::try_parse_from(argv)?;
+        parsed.distributed.recipe = recipe.distributed;
+        Ok(parsed)
+    }
+
+    /// The recipe of `cfg` (the run these flags gave) as YAML, every default included: what
+    /// `--print-recipe` prints, and reads back as the same run.
+    pub fn recipe_yaml(&self, cfg: &TrainConfig) -> String {
+        crate::recipe::resolved_yaml(cfg, self.config.as_deref(), &self.model.to_string())
+    }
+
     /// What `--generate` asks for: the prompt and how to decode it (`None` without the flag).
     pub fn generation(&self) -> Option<(&str, GenerateOptions)> {
         let prompt = self.generate.as_deref()?;
@@ -160,7 +209,7 @@ impl TrainArgs {
             strict_data: self.strict_data,
         };
         let run = &self.run;
-        Ok(TrainConfig {
+        let cfg = TrainConfig {
             distributed: self.distributed.resolve()?,
             model,
             seq_len: self.seq_len.unwrap_or(run.seq_len),
@@ -177,6 +226,53 @@ impl TrainArgs {
             lora: self.lora.options(),
             pipeline: self.distributed.pipeline(),
             ..run.clone()
-        })
+        };
+        match self.local_batch {
+            Some(local) => with_local_batch(cfg, local),
+            None => Ok(cfg),
+        }
     }
+}
+
+/// `--recipe FILE` (or `--recipe=FILE`) among `args`.
+fn recipe_path(args: &[std::ffi::OsString]) -> Option<PathBuf> {
+    let mut args = args.iter().skip(1).map(|a| a.to_string_lossy());
+    while let Some(arg) = args.next() {
+        if arg == "--recipe" {
+            return args.next().map(|p| PathBuf::from(p.as_ref()));
+        }
+        if let Some(path) = arg.strip_prefix("--recipe=") {
+            return Some(PathBuf::from(path));
+        }
+    }
+    None
+}
+
+/// `cfg` (whose `global_batch` is the rows of a whole step) as micro-steps of `local` rows per
+/// data-parallel rank: `global_batch` = `local` x dp rows per micro-step, `grad_accum` = the
+/// step's rows / that; an error naming the flags when they do not divide.
+fn with_local_batch(cfg: TrainConfig, local: usize) -> Result<TrainConfig, TrainError> {
+    let world = cfg.world_size()?;
+    let dp = cfg
+        .distributed
+        .plan(world)
+        .map_err(|e| crate::error::flag_error("--strategy", e.to_string()))?
+        .sizes()
+        .dp();
+    let per_micro_step = local * dp;
+    if local == 0 || !cfg.global_batch.is_multiple_of(per_micro_step) {
+        return Err(crate::error::flag_error(
+            "--local-batch",
+            format!(
+                "{local} on {dp} data-parallel ranks ({per_micro_step} rows per micro-step) \
+                 does not divide --global-batch {}",
+                cfg.global_batch
+            ),
+        ));
+    }
+    Ok(TrainConfig {
+        grad_accum: cfg.global_batch / per_micro_step,
+        global_batch: per_micro_step,
+        ..cfg
+    })
 }

@@ -141,6 +141,10 @@ pub struct DistributedFlags {
                 true; megatron_fsdp ZeRO-1 and 2 keep them)"
     )]
     pub reshard_after_forward: Option<bool>,
+    /// A `--recipe`'s `distributed` section (`DistributedConfig` keys): a layer under
+    /// `--distributed-config` and the flags.
+    #[arg(skip)]
+    pub recipe: Option<serde_json::Value>,
 }
 
 /// A flag's help line: what it sets, then the names its enum's table accepts.
@@ -186,18 +190,33 @@ impl DistributedFlags {
     /// file and what in it cannot be read.
     pub fn resolve(&self) -> Result<DistributedConfig, TrainError> {
         let file = self.distributed_config.as_deref();
-        // The defaults depend on the strategy and ZeRO stage, wherever they are given.
-        let (strategy, zero) = match file {
-            Some(path) => {
+        const RECIPE: &str = "the --recipe's distributed section";
+        let recipe = match &self.recipe {
+            Some(keys) => Some(DistributedConfig::from_value_over(
+                keys.clone(),
+                &DistributedConfig::default(),
+                RECIPE,
+            )?),
+            None => None,
+        };
+        // The defaults depend on the strategy and ZeRO stage, wherever they are given: the
+        // flags, else the file, else the recipe.
+        let (strategy, zero) = match (file, &recipe) {
+            (Some(path), _) => {
                 let own = DistributedConfig::from_file(path)?;
                 (own.strategy, own.megatron_fsdp.zero_dp_strategy)
             }
-            None => Default::default(),
+            (None, Some(own)) => (own.strategy, own.megatron_fsdp.zero_dp_strategy),
+            (None, None) => Default::default(),
         };
         let base = trainer_defaults(
             self.strategy.unwrap_or(strategy),
             self.zero_dp_strategy.unwrap_or(zero),
         );
+        let base = match &self.recipe {
+            Some(keys) => DistributedConfig::from_value_over(keys.clone(), &base, RECIPE)?,
+            None => base,
+        };
         let mut config = match file {
             Some(path) => DistributedConfig::from_file_over(path, &base)?,
             None => base,

@@ -51,6 +51,7 @@ mod optim;
 mod options;
 mod outputs;
 mod pipeline;
+pub mod recipe;
 mod restarts;
 mod resume;
 mod run_loop;

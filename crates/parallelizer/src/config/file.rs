@@ -67,6 +67,22 @@ impl DistributedConfig {
         serde_json::from_value(merged).map_err(file_error)
     }
 
+    /// `keys` (a table of this config's keys, as a file holds them) over `base`, as
+    /// [`Self::from_file_over`] layers a file; errors say `what` the keys came from.
+    pub fn from_value_over(
+        keys: serde_json::Value,
+        base: &Self,
+        what: &str,
+    ) -> Result<Self, ParallelError> {
+        let file_error = |e: serde_json::Error| ParallelError::ConfigFile {
+            path: what.to_string(),
+            message: e.to_string(),
+        };
+        let mut merged = serde_json::to_value(base).map_err(file_error)?;
+        merge_keys(&mut merged, keys);
+        serde_json::from_value(merged).map_err(file_error)
+    }
+
     /// Writes the config in the format its extension names.
     pub fn to_file(&self, path: impl AsRef<Path>) -> Result<(), ParallelError> {
         let path = path.as_ref();
