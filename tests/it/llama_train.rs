@@ -198,7 +198,9 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
         assert_eq!(
             keys,
             [
+                "all_gather_backward_s",
                 "all_gather_calls",
+                "all_gather_forward_s",
                 "all_gather_s",
                 "all_reduce_calls",
                 "all_reduce_s",
@@ -237,6 +239,13 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
         // Each collective's time is its own wait; prefetched gathers overlap one another, so
         // their sum is not bounded by the step's wall time (it exceeded it under load).
         assert!(t.all_gather_s > 0.0 && t.reduce_scatter_s > 0.0, "{t:?}");
+        // fsdp2 reshards after forward: gathers in forward, and again in backward.
+        let (fwd, bwd) = (
+            t.all_gather_forward_s.unwrap(),
+            t.all_gather_backward_s.unwrap(),
+        );
+        assert!(fwd > 0.0 && bwd > 0.0, "{t:?}");
+        assert!((fwd + bwd - t.all_gather_s).abs() < 1e-9, "{t:?}");
         assert!(r.peak_rss_bytes > 1 << 20);
         // Every rank's compute and collective seconds, by rank, within the step.
         assert_eq!((r.rank_compute_s.len(), r.rank_wait_s.len()), (2, 2));

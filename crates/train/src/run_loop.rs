@@ -38,6 +38,9 @@ pub(crate) struct StepInput<'a> {
     pub rows: &'a LocalRows,
     /// Whether a `nan` fault drill poisons this step's loss on this rank.
     pub nan_fault: bool,
+    /// This rank's context (its collective counters, which a runner reads where forward
+    /// ends).
+    pub ctx: &'a RankContext,
 }
 
 /// What a runner's step produced.
@@ -47,6 +50,9 @@ pub(crate) struct StepDone {
     /// Seconds of forward before backward began (`None`: a schedule interleaving them, whose
     /// whole time is reported as backward).
     pub forward_s: Option<f64>,
+    /// This rank's collective counters where forward ended (`None` as for `forward_s`): what
+    /// the step's gathers waited in forward, and so in backward.
+    pub forward_comm: Option<CommStats>,
     /// The MoE routing of the step's last micro-batch.
     pub routing: Option<RouterReport>,
     /// A pipeline schedule's wait for its neighbours (seconds) and the most microbatches it
@@ -274,6 +280,7 @@ impl<R: StepRunner> Steps<'_, R> {
             position: self.position,
             rows: &self.rows,
             nan_fault,
+            ctx,
         };
         let (model, done) = self.runner.step(model, input, &mut update, mesh)?;
         let skipped = match (done.no_trained_tokens, update_s) {
@@ -351,11 +358,20 @@ fn step_log(
     let comm = ctx.stats().since(&m.comm_before);
     let comm_s = |kind| comm.op(kind).time.as_secs_f64();
     let forward_s = done.forward_s.unwrap_or(0.0);
+    let gather_s = comm_s(OpKind::AllGather);
+    let forward_gather_s = done.forward_comm.as_ref().map(|at| {
+        at.since(&m.comm_before)
+            .op(OpKind::AllGather)
+            .time
+            .as_secs_f64()
+    });
     let times = StepTimes {
         forward_s,
         backward_s: step_time_s - forward_s - optimizer_s,
         optimizer_s,
-        all_gather_s: comm_s(OpKind::AllGather),
+        all_gather_s: gather_s,
+        all_gather_forward_s: forward_gather_s,
+        all_gather_backward_s: forward_gather_s.map(|f| gather_s - f),
         reduce_scatter_s: comm_s(OpKind::ReduceScatter),
         all_reduce_s: comm_s(OpKind::AllReduce),
     };

@@ -129,6 +129,14 @@ pub struct StepTimes {
     pub optimizer_s: f64,
     /// All-gathers issued during the step (FSDP's parameter gathers, TP's).
     pub all_gather_s: f64,
+    /// Of `all_gather_s`, the time in forward: FSDP's unit gathers and their waits (absent
+    /// under a pipeline schedule, which interleaves forward and backward).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub all_gather_forward_s: Option<f64>,
+    /// Of `all_gather_s`, the time after forward: backward's re-gathers of resharded units
+    /// (and the optimizer step's, none today).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub all_gather_backward_s: Option<f64>,
     /// Reduce-scatters (FSDP's gradient reduction, TP's).
     pub reduce_scatter_s: f64,
     /// All-reduces (DDP's buckets, HSDP's replicas, the loss and the gradient norm).

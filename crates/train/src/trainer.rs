@@ -357,6 +357,7 @@ impl StepRunner for WholeModel<'_> {
         // over the step's global batch (`batches`).
         let forward = forward_step(cfg, &model, input.data, input.position, input.rows, mesh)?;
         let forward_s = start.elapsed().as_secs_f64();
+        let forward_comm = input.ctx.stats();
         let loss = match input.nan_fault {
             true => forward.loss.mul_scalar(f32::NAN),
             false => forward.loss,
@@ -374,6 +375,7 @@ impl StepRunner for WholeModel<'_> {
         let done = StepDone {
             report,
             forward_s: Some(forward_s),
+            forward_comm: Some(forward_comm),
             routing: forward.routing,
             schedule: None,
             no_trained_tokens,

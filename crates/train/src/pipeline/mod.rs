@@ -236,6 +236,7 @@ impl StepRunner for Stages<'_> {
         let done = StepDone {
             report: done.step,
             forward_s: None,
+            forward_comm: None,
             routing: None,
             schedule: Some((schedule.waiting.as_secs_f64(), schedule.peak_microbatches)),
             no_trained_tokens,
