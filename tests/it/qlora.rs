@@ -3,7 +3,7 @@
 //! (checked against a search over the code book written here, with an all-zero block, a block
 //! holding one huge value and a length that is not a multiple of 64), and the trainer's
 //! `--lora-quantize nf4` trains as LoRA on the dequantized base (dequantized here, on the host,
-//! from the code book) under single, ddp, fsdp2 (uneven), hsdp and megatron_fsdp: same losses,
+//! from the code book) under single, ddp, fsdp2 (uneven), hsdp, megatron_fsdp and pp: same losses,
 //! adapters and merged model. It starts from a peft adapter too; contradicting flags and tensor
 //! parallelism are refused by name.
 
@@ -15,12 +15,14 @@ use burn_parallel::models::Llama;
 use burn_parallel::models::checkpoint::{SaveDtype, hf_tensors, save_llama};
 use burn_parallel::parallelizer::Strategy;
 use burn_parallel::peft::Lora;
-use burn_parallel::train::{LoraOptions, LoraQuantize, TrainArgs, TrainConfig, TrainSummary};
+use burn_parallel::train::{
+    DistributedFlags, LoraOptions, LoraQuantize, TrainArgs, TrainConfig, TrainSummary,
+};
 use clap::Parser;
 
 use crate::common::{assert_close, ndarray, to_vec, vec_of};
 use crate::llama_hf::temp_dir;
-use crate::llama_train::{assert_curves, run, small_model};
+use crate::llama_train::{assert_curves, resolved, run, small_model};
 use crate::lora_llama::{lora_run, read_safetensors, trainer_error};
 
 /// bitsandbytes' NF4 code book, as the decimal literals of its `create_normal_map` output.
@@ -258,6 +260,28 @@ fn qlora_trains_as_lora_on_the_dequantized_base_under_every_strategy() {
             assert_same_files(mine, &theirs, &what);
         }
     }
+    // Pipeline parallelism: each stage quantizes its own layers' bases.
+    let pp_out = root.join("pp2");
+    let flags = DistributedFlags {
+        pp: Some(2),
+        ..DistributedFlags::on(Strategy::Fsdp2, 2)
+    };
+    let base_run = lora_run(Strategy::Fsdp2, 2, None, &pp_out);
+    let got = run(&TrainConfig {
+        checkpoint: Some(base.clone()),
+        distributed: resolved(flags.clone()),
+        pipeline: flags.pipeline(),
+        lora: LoraOptions {
+            quantize: Some(LoraQuantize::Nf4),
+            ..base_run.lora.clone()
+        },
+        ..base_run
+    });
+    assert_curves(&got, &reference, 1e-5, "QLoRA pp 2");
+    // (Its merged model is written per stage; the adapter is one file.)
+    let adapter = |out: &Path| out.join("adapter/adapter_model.safetensors");
+    assert_same_files(&adapter(&pp_out), &adapter(&reference_out), "QLoRA pp 2");
+
     // The full-precision base trains differently: the quantization is in effect.
     let plain = run_from(&base, false, Strategy::Single, 1, &root.join("plain"));
     assert_ne!(plain.losses()[0], reference.losses()[0]);
