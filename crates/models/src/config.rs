@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::ModelError;
-use crate::family::{Family, QkNorm, SlidingWindow, family_row, sliding_window, window_keys};
+use crate::family::{
+    Family, NormLayout, QkNorm, SlidingWindow, family_row, sliding_window, window_keys,
+};
 use crate::json_keys::count_key;
 use crate::moe_config::{MoeConfig, MoeFlavor};
 
@@ -59,10 +61,40 @@ pub struct LlamaConfig {
     /// layer attends to all earlier keys.
     #[serde(default)]
     pub sliding_window: Option<SlidingWindow>,
+    /// The MLP's activation (default SiLU).
+    #[serde(default)]
+    pub hidden_act: Activation,
+    /// Gemma's attention scale `query_pre_attn_scalar^-0.5` (`None`: `head_dim^-0.5`).
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Gemma 3's rotary base of its sliding-window layers (`rope_local_base_freq`), which use
+    /// no rope scaling (`None`: every layer rotates as `rope_theta` and `rope_scaling` say).
+    #[serde(default)]
+    pub rope_local_theta: Option<f64>,
     /// The mixture-of-experts settings of a Qwen3-MoE or Mixtral model (`None`: every layer
     /// has a dense MLP, as a Llama).
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+}
+
+/// The MLP's activation (`hidden_act`, Gemma's `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Activation {
+    /// SwiGLU's SiLU (`silu`).
+    #[default]
+    Silu,
+    /// GeGLU's GELU, tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The name transformers gives it.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Self::Silu => "silu",
+            Self::GeluTanh => "gelu_pytorch_tanh",
+        }
+    }
 }
 
 /// Rotary-embedding frequency scaling (`rope_scaling` / `rope_parameters`).
@@ -110,6 +142,9 @@ impl LlamaConfig {
             qk_norm: false,
             family: Family::Llama,
             sliding_window: None,
+            hidden_act: Activation::Silu,
+            query_pre_attn_scalar: None,
+            rope_local_theta: None,
             moe: None,
         }
     }
@@ -184,9 +219,10 @@ impl LlamaConfig {
         let need = |k: &str| required_count(o, k);
         let bool_of = |k: &str, default: bool| o.get(k).and_then(Value::as_bool).unwrap_or(default);
 
-        check_activation(o)?;
+        let hidden_act = activation(o)?;
+        refuse_unsupported(o)?;
         let (hidden_size, heads, kv_heads, head_dim) = attention_shape(o)?;
-        let (rope_theta, rope_scaling) = rope_from_json(o)?;
+        let (rope_theta, rope_scaling, rope_local_theta) = rope_from_json(o, row.gemma)?;
         let dtype = o
             .get("torch_dtype")
             .or_else(|| o.get("dtype"))
@@ -210,8 +246,8 @@ impl LlamaConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings: usize_of("max_position_embeddings")?.unwrap_or(2048),
-            // transformers' LlamaConfig defaults to untied embeddings.
-            tie_word_embeddings: bool_of("tie_word_embeddings", false),
+            // transformers' LlamaConfig defaults to untied embeddings, Gemma's to tied.
+            tie_word_embeddings: bool_of("tie_word_embeddings", row.gemma),
             attention_bias: row.qkv_bias || bool_of("attention_bias", false),
             mlp_bias: bool_of("mlp_bias", false),
             initializer_range: f64_of("initializer_range", o).unwrap_or(0.02),
@@ -219,6 +255,9 @@ impl LlamaConfig {
             qk_norm: row.qk_norm != QkNorm::None,
             family: row.family,
             sliding_window: sliding_window(o, row, num_hidden_layers)?,
+            hidden_act,
+            query_pre_attn_scalar: f64_of("query_pre_attn_scalar", o),
+            rope_local_theta,
             moe,
         };
         Ok(config)
@@ -241,7 +280,7 @@ impl LlamaConfig {
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act.hf_name(),
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
@@ -270,6 +309,15 @@ impl LlamaConfig {
             }),
         };
         v["rope_scaling"] = scaling;
+        if row.gemma {
+            v["hidden_activation"] = self.hidden_act.hf_name().into();
+            // transformers 5 checks the type: an int where the value is whole.
+            v["query_pre_attn_scalar"] = match self.query_pre_attn_scalar {
+                Some(q) if q.fract() == 0.0 => (q as i64).into(),
+                other => other.into(),
+            };
+            v["rope_local_base_freq"] = self.rope_local_theta.into();
+        }
         if let Some(out) = v.as_object_mut() {
             out.extend(window_keys(row, self.sliding_window.as_ref()));
             if let Some(keys) = self
@@ -305,7 +353,11 @@ impl LlamaConfig {
                     Some(moe) if moe.is_sparse(l) => moe.block_params(h),
                     _ => mlp,
                 };
-                attn + qk_norm + ffn + 2 * h
+                let norms = match self.family.row().norms {
+                    NormLayout::Sandwich => 4,
+                    NormLayout::Pre | NormLayout::Post => 2,
+                };
+                attn + qk_norm + ffn + norms * h
             })
             .sum();
         let head = if self.tie_word_embeddings { 0 } else { h * v };
@@ -332,16 +384,38 @@ fn required_count(o: &serde_json::Map<String, Value>, k: &str) -> Result<usize, 
     count_key(o, k)?.ok_or_else(|| bad_config(format!("missing `{k}`")))
 }
 
-/// Rejects a `hidden_act` other than SiLU (absent means SiLU).
-fn check_activation(o: &serde_json::Map<String, Value>) -> Result<(), ModelError> {
-    if let Some(act) = o.get("hidden_act").and_then(Value::as_str)
-        && act != "silu"
-    {
-        return Err(ModelError::Unsupported(format!(
-            "hidden_act `{act}` (only silu)"
-        )));
+/// Settings of Gemma's family that this decoder does not compute: logit soft-capping (Gemma
+/// 2), bidirectional attention.
+fn refuse_unsupported(o: &serde_json::Map<String, Value>) -> Result<(), ModelError> {
+    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        if o.get(key).is_some_and(|v| !v.is_null()) {
+            return Err(ModelError::Unsupported(format!(
+                "{key} (logit soft-capping, Gemma 2) is not implemented"
+            )));
+        }
+    }
+    if o.get("use_bidirectional_attention") == Some(&Value::Bool(true)) {
+        return Err(ModelError::Unsupported(
+            "use_bidirectional_attention: the decoder is causal".into(),
+        ));
     }
     Ok(())
+}
+
+/// The MLP's activation from `hidden_activation` (Gemma's key) or `hidden_act` (absent: SiLU);
+/// another is an error naming it.
+fn activation(o: &serde_json::Map<String, Value>) -> Result<Activation, ModelError> {
+    let name = o
+        .get("hidden_activation")
+        .or_else(|| o.get("hidden_act"))
+        .and_then(Value::as_str);
+    match name {
+        None | Some("silu") => Ok(Activation::Silu),
+        Some("gelu_pytorch_tanh") => Ok(Activation::GeluTanh),
+        Some(other) => Err(ModelError::Unsupported(format!(
+            "hidden_act `{other}` (silu and gelu_pytorch_tanh are supported)"
+        ))),
+    }
 }
 
 /// `(hidden_size, num_attention_heads, num_key_value_heads, head_dim)`, with the defaults
@@ -371,24 +445,38 @@ fn attention_shape(
     Ok((hidden_size, heads, kv_heads, head_dim))
 }
 
-/// `rope_theta` (default 10000) and the rotary scaling, read at the top level or, for either,
-/// from `rope_parameters` / `rope_scaling`.
+/// `rope_theta` (default 10000; Gemma 1e6) and the rotary scaling, read at the top level or,
+/// for either, from `rope_parameters` / `rope_scaling`; and for Gemma the sliding layers' base
+/// (`rope_local_base_freq`, default 10000). transformers 5 writes Gemma's per layer type:
+/// `rope_parameters: {full_attention: {..}, sliding_attention: {..}}`.
 fn rope_from_json(
     o: &serde_json::Map<String, Value>,
-) -> Result<(f64, Option<RopeScaling>), ModelError> {
+    gemma: bool,
+) -> Result<(f64, Option<RopeScaling>, Option<f64>), ModelError> {
     // transformers 5.x moves rope_theta and the scaling into `rope_parameters`.
-    let rope_params = o
+    let params = o
         .get("rope_parameters")
         .or_else(|| o.get("rope_scaling"))
         .and_then(Value::as_object);
+    let per_type = |t: &str| params.and_then(|p| p.get(t)).and_then(Value::as_object);
+    let (global, local) = match per_type("full_attention") {
+        Some(full) => (Some(full), per_type("sliding_attention")),
+        None => (params, None),
+    };
+    let default_theta = if gemma { 1_000_000.0 } else { 10_000.0 };
     let rope_theta = f64_of("rope_theta", o)
-        .or_else(|| rope_params.and_then(|p| f64_of("rope_theta", p)))
-        .unwrap_or(10_000.0);
-    let rope_scaling = match rope_params {
+        .or_else(|| global.and_then(|p| f64_of("rope_theta", p)))
+        .unwrap_or(default_theta);
+    let rope_scaling = match global {
         None => None,
         Some(p) => scaling_from_params(p)?,
     };
-    Ok((rope_theta, rope_scaling))
+    let local_theta = gemma.then(|| {
+        f64_of("rope_local_base_freq", o)
+            .or_else(|| local.and_then(|p| f64_of("rope_theta", p)))
+            .unwrap_or(10_000.0)
+    });
+    Ok((rope_theta, rope_scaling, local_theta))
 }
 
 /// The scaling of the rope parameters `p` by their `rope_type` (or `type`): `None` for the

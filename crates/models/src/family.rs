@@ -28,6 +28,22 @@ pub enum Family {
     /// `Olmo2ForCausalLM`: norms after attention and after the MLP (none before), and a
     /// q/k RMSNorm over the whole projection.
     Olmo2,
+    /// `Gemma3ForCausalLM` (`gemma3_text`): norms before and after attention and the MLP,
+    /// RMSNorms scaling by `1 + w`, embeddings scaled by `sqrt(hidden)`, GeGLU (tanh GELU),
+    /// per-head q/k norms, `query_pre_attn_scalar`, and sliding-window layers with their own
+    /// rotary base.
+    Gemma3,
+}
+
+/// Where a family's decoder layer puts its norms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormLayout {
+    /// Before attention and before the MLP (Llama).
+    Pre,
+    /// After attention and after the MLP, on their outputs (OLMo 2).
+    Post,
+    /// Before and after each (Gemma).
+    Sandwich,
 }
 
 /// Where a family normalizes queries and keys before the rotary embedding.
@@ -51,6 +67,9 @@ pub enum WindowRule {
     /// Layers from `max_window_layers` on, when `use_sliding_window` (Qwen2, Qwen3), or those
     /// `layer_types` marks `sliding_attention`.
     Opted,
+    /// Every layer but each `sliding_window_pattern`-th (default 6), or those `layer_types`
+    /// marks (Gemma 3).
+    Pattern,
 }
 
 /// One row of the table.
@@ -67,9 +86,11 @@ pub struct FamilyRow {
     pub qkv_bias: bool,
     /// The RMSNorm of queries and keys (`q_norm`, `k_norm`) before the rotary embedding.
     pub qk_norm: QkNorm,
-    /// Norms after attention and after the MLP, on their outputs before the residual add,
-    /// and none before them (OLMo 2); otherwise Llama's pre-norms.
-    pub post_norms: bool,
+    /// Where the decoder layer's norms are.
+    pub norms: NormLayout,
+    /// Gemma's conventions: RMSNorm scales by `1 + w`, the embeddings are multiplied by
+    /// `sqrt(hidden)`, sliding-window layers rotate with `rope_local_base_freq`.
+    pub gemma: bool,
     /// Where `sliding_window` applies.
     pub window: WindowRule,
     /// The sparse MoE flavour, for MoE families.
@@ -77,14 +98,15 @@ pub struct FamilyRow {
 }
 
 /// Every family the decoder loads.
-pub const FAMILIES: [FamilyRow; 7] = [
+pub const FAMILIES: [FamilyRow; 8] = [
     FamilyRow {
         family: Family::Llama,
         model_type: "llama",
         architecture: "LlamaForCausalLM",
         qkv_bias: false,
         qk_norm: QkNorm::None,
-        post_norms: false,
+        norms: NormLayout::Pre,
+        gemma: false,
         window: WindowRule::Never,
         moe: None,
     },
@@ -94,7 +116,8 @@ pub const FAMILIES: [FamilyRow; 7] = [
         architecture: "MistralForCausalLM",
         qkv_bias: false,
         qk_norm: QkNorm::None,
-        post_norms: false,
+        norms: NormLayout::Pre,
+        gemma: false,
         window: WindowRule::Always,
         moe: None,
     },
@@ -104,7 +127,8 @@ pub const FAMILIES: [FamilyRow; 7] = [
         architecture: "Qwen2ForCausalLM",
         qkv_bias: true,
         qk_norm: QkNorm::None,
-        post_norms: false,
+        norms: NormLayout::Pre,
+        gemma: false,
         window: WindowRule::Opted,
         moe: None,
     },
@@ -114,7 +138,8 @@ pub const FAMILIES: [FamilyRow; 7] = [
         architecture: "Qwen3ForCausalLM",
         qkv_bias: false,
         qk_norm: QkNorm::PerHead,
-        post_norms: false,
+        norms: NormLayout::Pre,
+        gemma: false,
         window: WindowRule::Opted,
         moe: None,
     },
@@ -124,7 +149,8 @@ pub const FAMILIES: [FamilyRow; 7] = [
         architecture: "Qwen3MoeForCausalLM",
         qkv_bias: false,
         qk_norm: QkNorm::PerHead,
-        post_norms: false,
+        norms: NormLayout::Pre,
+        gemma: false,
         window: WindowRule::Opted,
         moe: Some(MoeFlavor::Qwen3Moe),
     },
@@ -134,7 +160,8 @@ pub const FAMILIES: [FamilyRow; 7] = [
         architecture: "MixtralForCausalLM",
         qkv_bias: false,
         qk_norm: QkNorm::None,
-        post_norms: false,
+        norms: NormLayout::Pre,
+        gemma: false,
         window: WindowRule::Always,
         moe: Some(MoeFlavor::Mixtral),
     },
@@ -144,8 +171,20 @@ pub const FAMILIES: [FamilyRow; 7] = [
         architecture: "Olmo2ForCausalLM",
         qkv_bias: false,
         qk_norm: QkNorm::Whole,
-        post_norms: true,
+        norms: NormLayout::Post,
+        gemma: false,
         window: WindowRule::Never,
+        moe: None,
+    },
+    FamilyRow {
+        family: Family::Gemma3,
+        model_type: "gemma3_text",
+        architecture: "Gemma3ForCausalLM",
+        qkv_bias: false,
+        qk_norm: QkNorm::PerHead,
+        norms: NormLayout::Sandwich,
+        gemma: true,
+        window: WindowRule::Pattern,
         moe: None,
     },
 ];
@@ -260,6 +299,10 @@ pub(crate) fn sliding_window(
         }
         None => match row.window {
             WindowRule::Always => vec![true; layers],
+            WindowRule::Pattern => {
+                let pattern = count_key(o, "sliding_window_pattern")?.unwrap_or(6).max(1);
+                (0..layers).map(|l| (l + 1) % pattern != 0).collect()
+            }
             _ => {
                 let opted = o
                     .get("use_sliding_window")
@@ -290,6 +333,11 @@ pub(crate) fn window_keys(row: &FamilyRow, window: Option<&SlidingWindow>) -> Ma
         keys.insert("use_sliding_window".into(), true.into());
         let first = w.layers.iter().position(|s| *s).unwrap_or(w.layers.len());
         keys.insert("max_window_layers".into(), first.into());
+    }
+    // Every layer sliding under Mistral's rule is what `sliding_window` alone says (and
+    // transformers 5 reads a Mistral config with layer_types as a Ministral).
+    if row.window == WindowRule::Always && w.layers.iter().all(|s| *s) {
+        return keys;
     }
     let types: Vec<Value> = w
         .layers
@@ -361,7 +409,7 @@ mod tests {
         );
 
         let olmo2 = config("olmo2", "Olmo2ForCausalLM", "");
-        assert!(olmo2.qk_norm_whole() && olmo2.family.row().post_norms);
+        assert!(olmo2.qk_norm_whole() && olmo2.family.row().norms == NormLayout::Post);
         assert!(!qwen3.qk_norm_whole());
 
         // Each reads back from the config.json it writes.

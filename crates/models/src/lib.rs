@@ -35,9 +35,9 @@ mod pipeline_paths;
 mod plan;
 mod rope;
 
-pub use config::{LlamaConfig, RopeScaling};
+pub use config::{Activation, LlamaConfig, RopeScaling};
 pub use error::ModelError;
-pub use family::{FAMILIES, Family, FamilyRow, QkNorm, SlidingWindow, WindowRule};
+pub use family::{FAMILIES, Family, FamilyRow, NormLayout, QkNorm, SlidingWindow, WindowRule};
 pub use init::{DeferredRead, ParamKind, SeededInit, TensorSource, seeded_normal};
 pub use llama::{Attention, DecoderLayer, Llama, Mlp, RmsNorm};
 pub use moe::{Experts, RouterStats, SparseMoe, load_balancing_loss};

@@ -16,10 +16,12 @@ use burn_parallel_pp::{PipelineError, PipelineStage, StageOutput, StageSplit, sp
 use burn_parallel_tp::{Tp, child_path};
 
 use crate::config::LlamaConfig;
-use crate::context_parallel::TokenLayout;
 use crate::error::ModelError;
 use crate::init::{SeededInit, TensorSource};
-use crate::llama::{DecoderLayer, RmsNorm, decoder_layer, embedding, linear, norm, rms_norm};
+use crate::llama::{
+    DecoderLayer, RmsNorm, Rotary, decoder_layer, embedding, linear, norm, rms_norm,
+    scale_embeddings,
+};
 use crate::rope::Rope;
 
 /// One pipeline stage of a [`Llama`](crate::Llama). Field names and module paths are the
@@ -43,6 +45,9 @@ pub struct LlamaStage {
     /// The rotary frequencies.
     #[module(skip)]
     pub rope: Rope,
+    /// Gemma 3's sliding-window layers' rotary frequencies (`None`: every layer uses `rope`).
+    #[module(skip)]
+    pub rope_local: Option<Rope>,
     /// This stage's index.
     #[module(skip)]
     pub stage: usize,
@@ -251,6 +256,7 @@ impl LlamaStage {
             lm_head,
             config: config.clone(),
             rope: Rope::new(config),
+            rope_local: Rope::local(config),
             stage,
             stages,
             first_layer: split.range(stage).start,
@@ -287,27 +293,30 @@ impl LlamaStage {
             (Some(embed), None) => {
                 let ids = TensorData::new(mb.ids.clone(), [rows, seq]);
                 let ids = Tensor::<2, Int>::from_data(ids, &device);
-                embed.try_forward(ids).map_err(|e| self.error(e))?
+                let x = embed.try_forward(ids).map_err(|e| self.error(e))?;
+                scale_embeddings(&self.config, x)
             }
             (None, Some(x)) => x,
             _ => return Err(self.error("the first stage (only) embeds the tokens")),
         };
         // Packed rows: rotary positions per document, attention within each (as the Llama).
-        let layout = match &mb.packed {
-            None => None,
-            Some((positions, segments)) => {
-                let packed = Some((positions.as_slice(), segments.as_slice()));
-                let layout =
-                    TokenLayout::new(&self.rope, rows, seq, packed, None, &device, x.dtype());
-                Some(layout.map_err(|e| self.error(e))?)
-            }
-        };
-        let (cos, sin) = match &layout {
-            None => self.rope.cos_sin(seq, &device, x.dtype()),
-            Some(layout) => (layout.cos.clone(), layout.sin.clone()),
-        };
+        let packed = mb
+            .packed
+            .as_ref()
+            .map(|(positions, segments)| (positions.as_slice(), segments.as_slice()));
+        let rotary = Rotary::new(
+            &self.rope,
+            self.rope_local.as_ref(),
+            [rows, seq],
+            packed,
+            None,
+            &device,
+            x.dtype(),
+        )
+        .map_err(|e| self.error(e))?;
         let x = burn_parallel_fsdp::forward_units(&self.layers, x, |l, x| {
-            l.forward_masked(x, &cos, &sin, layout.as_ref()).0
+            let (cos, sin, layout) = rotary.for_layer(l);
+            l.forward_masked(x, cos, sin, layout).0
         });
         let (Some(final_norm), Some(head)) = (&self.norm, &self.lm_head) else {
             return Ok(StageOutput::Activation(x));

@@ -51,6 +51,17 @@ impl Rope {
         }
     }
 
+    /// Gemma 3's sliding-window layers' frequencies: `rope_local_theta`, no scaling (`None`
+    /// when the config has no local base).
+    pub fn local(config: &LlamaConfig) -> Option<Self> {
+        let theta = config.rope_local_theta?;
+        Some(Self::new(&LlamaConfig {
+            rope_theta: theta,
+            rope_scaling: None,
+            ..config.clone()
+        }))
+    }
+
     /// `(cos, sin)` of positions `0..seq`, `[1, 1, seq, head_dim]`, in `dtype`.
     pub fn cos_sin(&self, seq: usize, device: &Device, dtype: DType) -> (Tensor<4>, Tensor<4>) {
         let half = self.inv_freq.len();

@@ -155,6 +155,9 @@ fn walk_layers(
         if let (Some(m), Some(moe_config)) = (&l.moe, &config.moe) {
             moe(v, &p, m, moe_config.flavor)?;
         }
+        if let Some(n) = &l.pre_feedforward_layernorm {
+            norm(v, &format!("{p}.pre_feedforward_layernorm"), n.inner())?;
+        }
         if let Some(n) = &l.post_feedforward_layernorm {
             norm(v, &format!("{p}.post_feedforward_layernorm"), n.inner())?;
         }

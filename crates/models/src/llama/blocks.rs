@@ -11,6 +11,7 @@ use burn_parallel_peft::Lora;
 use burn_parallel_tp::{Tp, forward_shared};
 
 use crate::attention::AttentionMask;
+use crate::config::Activation;
 use crate::context_parallel::TokenLayout;
 use crate::fused;
 use crate::moe::SparseMoe;
@@ -24,16 +25,24 @@ pub struct RmsNorm {
     /// Added to the mean square before the square root.
     #[module(skip)]
     pub eps: f64,
+    /// Added to the weight before it scales (Gemma's `1 + w`; 0 elsewhere).
+    #[module(skip)]
+    pub offset: f64,
 }
 
 impl RmsNorm {
-    /// `x / rms(x) * weight` over the last dim, in `x`'s dtype.
+    /// `x / rms(x) * (offset + weight)` over the last dim, in `x`'s dtype.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         self.forward_scaled(x, self.weight.val())
     }
 
-    /// The norm with `weight` as its scale (the parameter's value, or it after a collective).
+    /// The norm with `weight` (plus the offset) as its scale (the parameter's value, or it
+    /// after a collective).
     fn forward_scaled<const D: usize>(&self, x: Tensor<D>, weight: Tensor<1>) -> Tensor<D> {
+        let weight = match self.offset {
+            0.0 => weight,
+            offset => weight.add_scalar(offset),
+        };
         fused::rms_norm(x, weight, self.eps)
     }
 }
@@ -75,6 +84,9 @@ pub struct Attention {
     /// earlier keys).
     #[module(skip)]
     pub sliding_window: Option<usize>,
+    /// The scores' scale (`head_dim^-0.5`; Gemma's `query_pre_attn_scalar^-0.5`).
+    #[module(skip)]
+    pub scale: f64,
 }
 
 impl Attention {
@@ -137,7 +149,7 @@ impl Attention {
         let k = rope(head_norm(&self.k_norm, split(k, self.kv_heads)));
         let v = split(v, self.kv_heads);
         // Grouped-query heads are read in place by the attention kernel (not repeated).
-        let scale = 1.0 / (hd as f64).sqrt();
+        let scale = self.scale;
         let out = match layout {
             None => {
                 let mask = AttentionMask::causal(s).with_window(self.sliding_window);
@@ -150,7 +162,7 @@ impl Attention {
     }
 }
 
-/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+/// SwiGLU `down(silu(gate(x)) * up(x))`, or GeGLU with the tanh GELU (Gemma).
 #[parallelize]
 #[derive(Module, Debug)]
 pub struct Mlp {
@@ -160,6 +172,9 @@ pub struct Mlp {
     pub up_proj: Tp<Lora<Linear>>,
     /// Down projection, `intermediate -> hidden`.
     pub down_proj: Tp<Lora<Linear>>,
+    /// The gate's activation.
+    #[module(skip)]
+    pub act: Activation,
 }
 
 impl Mlp {
@@ -167,12 +182,25 @@ impl Mlp {
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         // gate and up read the same input: one input collective serves both.
         let [gate, up] = forward_shared(x, [&self.gate_proj, &self.up_proj]);
-        self.down_proj.forward(fused::swiglu(gate, up))
+        let hidden = match self.act {
+            Activation::Silu => fused::swiglu(gate, up),
+            Activation::GeluTanh => gelu_tanh(gate) * up,
+        };
+        self.down_proj.forward(hidden)
     }
 }
 
-/// One decoder layer: pre-norm (Llama) `h = x + attn(norm(x))`, then `h + ffn(norm(h))`; or
-/// post-norm (OLMo 2, no `input_layernorm`) `h = x + norm(attn(x))`, then `h + norm(ffn(h))`.
+/// PyTorch's `gelu(x, approximate="tanh")`: `x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715
+/// x^3)))`.
+fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    let inner = (x.clone() + x.clone().powi_scalar(3).mul_scalar(0.044715))
+        .mul_scalar((2.0 / std::f64::consts::PI).sqrt());
+    x.clone().mul_scalar(0.5) * inner.tanh().add_scalar(1.0)
+}
+
+/// One decoder layer: pre-norm (Llama) `h = x + attn(norm(x))`, then `h + ffn(norm(h))`;
+/// post-norm (OLMo 2, no `input_layernorm`) `h = x + norm(attn(x))`, then `h + norm(ffn(h))`;
+/// or sandwich (Gemma) `h = x + norm(attn(norm(x)))`, then `h + norm(ffn(norm(h)))`.
 /// The feed-forward `ffn` is the dense `mlp` or, in a sparse layer of a MoE model, `moe`.
 #[parallelize]
 #[derive(Module, Debug)]
@@ -190,8 +218,11 @@ pub struct DecoderLayer {
     /// The sparse mixture-of-experts block (`None` in a dense layer).
     #[nested]
     pub moe: Option<SparseMoe>,
-    /// The norm of the feed-forward's output in a post-norm layer (`None` in a pre-norm one).
+    /// The norm of the feed-forward's output in a post-norm or sandwich layer (`None` in a
+    /// pre-norm one).
     pub post_feedforward_layernorm: Option<Tp<RmsNorm>>,
+    /// The norm of the feed-forward's input in a sandwich layer (Gemma).
+    pub pre_feedforward_layernorm: Option<Tp<RmsNorm>>,
 }
 
 /// The norm `n` of `x`, with its tensor-parallel style's collectives around it (none when
@@ -239,7 +270,11 @@ impl DecoderLayer {
             }
             Some(_) => {
                 let h = x + norm(&self.post_attention_layernorm, attn);
-                (h.clone(), h)
+                let ffn_in = match &self.pre_feedforward_layernorm {
+                    Some(n) => norm(n, h.clone()),
+                    None => h.clone(),
+                };
+                (h, ffn_in)
             }
         };
         let (ffn, router_logits) = match (&self.mlp, &self.moe) {

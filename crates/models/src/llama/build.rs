@@ -12,6 +12,7 @@ use super::Llama;
 use super::blocks::{Attention, DecoderLayer, Mlp, RmsNorm};
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
+use crate::family::NormLayout;
 use crate::init::{ParamKind, SeededInit, TensorSource};
 use crate::moe::{Experts, SparseMoe};
 use crate::moe_config::{ExpertProj, MoeConfig};
@@ -103,7 +104,16 @@ pub(crate) fn rms_norm(
             device,
         )?,
         eps: c.rms_norm_eps,
+        offset: norm_offset(c),
     }))
+}
+
+/// What `c`'s RMSNorms add to their weight: Gemma's `1 + w`, else nothing.
+fn norm_offset(c: &LlamaConfig) -> f64 {
+    match c.family.row().gemma {
+        true => 1.0,
+        false => 0.0,
+    }
 }
 
 /// A dense layer's SwiGLU MLP `{layer}.mlp.*`.
@@ -118,6 +128,7 @@ fn dense_mlp(
         gate_proj: linear(s, &format!("{layer}.mlp.gate_proj"), h, i, b, device)?,
         up_proj: linear(s, &format!("{layer}.mlp.up_proj"), h, i, b, device)?,
         down_proj: linear(s, &format!("{layer}.mlp.down_proj"), i, h, b, device)?,
+        act: c.hidden_act,
     })
 }
 
@@ -229,6 +240,7 @@ pub(crate) fn decoder_layer(
         Ok(Some(RmsNorm {
             weight: param(s, &name, [width], ParamKind::Norm, device)?,
             eps: c.rms_norm_eps,
+            offset: norm_offset(c),
         }))
     };
     let self_attn = Attention {
@@ -250,27 +262,29 @@ pub(crate) fn decoder_layer(
         head_dim: hd,
         qk_norm_whole: c.qk_norm_whole(),
         sliding_window: c.window_of(i),
+        scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt(),
     };
     let (mlp, moe) = match &c.moe {
         Some(m) if m.is_sparse(i) => (None, Some(sparse_moe(s, &p, c, m, shard.cloned(), device)?)),
         _ => (Some(dense_mlp(s, &p, c, device)?), None),
     };
-    let post_norms = c.family.row().post_norms;
-    let input_layernorm = match post_norms {
-        true => None,
-        false => Some(rms_norm(s, &format!("{p}.input_layernorm"), c, device)?),
+    let layout = c.family.row().norms;
+    let norm_if = |s: &mut dyn TensorSource, on: bool, name: &str| -> Result<_, ModelError> {
+        match on {
+            true => Ok(Some(rms_norm(s, &format!("{p}.{name}"), c, device)?)),
+            false => Ok(None),
+        }
     };
+    let input_layernorm = norm_if(s, layout != NormLayout::Post, "input_layernorm")?;
     let post_attention_layernorm =
         rms_norm(s, &format!("{p}.post_attention_layernorm"), c, device)?;
-    let post_feedforward_layernorm = match post_norms {
-        true => Some(rms_norm(
-            s,
-            &format!("{p}.post_feedforward_layernorm"),
-            c,
-            device,
-        )?),
-        false => None,
-    };
+    let pre_feedforward_layernorm = norm_if(
+        s,
+        layout == NormLayout::Sandwich,
+        "pre_feedforward_layernorm",
+    )?;
+    let post_feedforward_layernorm =
+        norm_if(s, layout != NormLayout::Pre, "post_feedforward_layernorm")?;
     Ok(DecoderLayer {
         input_layernorm,
         self_attn,
@@ -278,6 +292,7 @@ pub(crate) fn decoder_layer(
         mlp,
         moe,
         post_feedforward_layernorm,
+        pre_feedforward_layernorm,
     })
 }
 
@@ -330,6 +345,7 @@ impl Llama {
             lm_head,
             config: config.clone(),
             rope: Rope::new(config),
+            rope_local: Rope::local(config),
         })
     }
 }

@@ -26,6 +26,7 @@ impl LoraModule for Mlp {
             gate_proj: self.gate_proj.map_lora(&child_path(path, "gate_proj"), f)?,
             up_proj: self.up_proj.map_lora(&child_path(path, "up_proj"), f)?,
             down_proj: self.down_proj.map_lora(&child_path(path, "down_proj"), f)?,
+            ..self
         })
     }
 }

@@ -9,6 +9,7 @@
 mod blocks;
 mod build;
 mod lora;
+mod rotary;
 
 use burn::module::Module;
 use burn::nn::{Embedding, Linear};
@@ -20,7 +21,7 @@ use burn_parallel_macros::parallelize;
 use burn_parallel_tp::{Layout, ParallelStyle, Tp};
 
 use crate::config::LlamaConfig;
-use crate::context_parallel::{TokenLayout, check_split};
+use crate::context_parallel::check_split;
 use crate::error::ModelError;
 use crate::moe::SparseMoe;
 use crate::rope::Rope;
@@ -28,6 +29,7 @@ use crate::rope::Rope;
 pub(crate) use blocks::norm;
 pub use blocks::{Attention, DecoderLayer, Mlp, RmsNorm};
 pub(crate) use build::{decoder_layer, embedding, linear, rms_norm};
+pub(crate) use rotary::{Rotary, scale_embeddings};
 
 /// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied. Its tp plan is
 /// [`LLAMA_PLAN`](crate::LLAMA_PLAN) (`llama`, `llama-sp` with sequence parallelism).
@@ -50,6 +52,9 @@ pub struct Llama {
     /// The rotary frequencies.
     #[module(skip)]
     pub rope: Rope,
+    /// Gemma 3's sliding-window layers' rotary frequencies (`None`: every layer uses `rope`).
+    #[module(skip)]
+    pub rope_local: Option<Rope>,
 }
 
 impl Llama {
@@ -131,27 +136,20 @@ impl Llama {
         cp: Option<&ProcessGroup>,
     ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
         let [batch, seq] = ids.dims();
-        let x = self.embed_tokens.try_forward(ids)?;
-        // Positions span the whole sequence: under sequence parallelism attention gathers it.
-        let layout = match (packed, cp) {
-            (None, None) => None,
-            _ => Some(TokenLayout::new(
-                &self.rope,
-                batch,
-                seq,
-                packed,
-                cp,
-                &x.device(),
-                x.dtype(),
-            )?),
-        };
-        let (cos, sin) = match &layout {
-            None => self.rope.cos_sin(seq, &x.device(), x.dtype()),
-            Some(layout) => (layout.cos.clone(), layout.sin.clone()),
-        };
+        let x = scale_embeddings(&self.config, self.embed_tokens.try_forward(ids)?);
+        let rotary = Rotary::new(
+            &self.rope,
+            self.rope_local.as_ref(),
+            [batch, seq],
+            packed,
+            cp,
+            &x.device(),
+            x.dtype(),
+        )?;
         let mut router_logits = Vec::new();
         let layer = |l: &DecoderLayer, x: Tensor<3>| {
-            let (x, logits) = l.forward_masked(x, &cos, &sin, layout.as_ref());
+            let (cos, sin, layout) = rotary.for_layer(l);
+            let (x, logits) = l.forward_masked(x, cos, sin, layout);
             router_logits.extend(logits);
             x
         };
