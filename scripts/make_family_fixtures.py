@@ -2,8 +2,9 @@
 """Writes the tiny Hugging Face fixtures of the decoder families that tests/it/families_hf.rs
 compares against: Qwen2 (q/k/v biases; a sliding window on its second layer), Qwen3 (per-head
 q/k norms), Mistral (a sliding window of 3 keys), OLMo 2 (post-norms, whole-projection q/k
-norms) and Gemma 3 (sandwich norms scaling by 1 + w, scaled embeddings, GeGLU, a local rotary
-base on its sliding layers and a scaled global one, query_pre_attn_scalar, tied embeddings).
+norms), Gemma 2 (attention and final logit soft-capping, a window on every other layer) and
+Gemma 3 (sandwich norms scaling by 1 + w, scaled embeddings, GeGLU, a local rotary base on its
+sliding layers and a scaled global one, query_pre_attn_scalar, tied embeddings).
 
 Needs torch, transformers (4.x or 5.x) and safetensors (`pip install torch transformers
 safetensors`); CI does not: it only reads the committed files under tests/fixtures/families/.
@@ -35,6 +36,11 @@ FIXTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8, rope_theta=1000000.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=3)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
+    # Layers 0 and 2 slide over 3 keys; scores capped at 5 and logits at 3 (tanh bends them).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(num_hidden_layers=3, head_dim=8, query_pre_attn_scalar=6, sliding_window=3,
+                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
     # Layers 0 and 2 slide over 3 keys with the local base; layer 1 is global, its rope scaled.
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(num_hidden_layers=3, head_dim=8, query_pre_attn_scalar=6,

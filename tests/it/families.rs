@@ -20,11 +20,13 @@ fn model(family: Family) -> LlamaConfig {
     let layers = small_model().num_hidden_layers;
     let window = match family {
         Family::Mistral => Some(vec![true; layers]),
-        // Gemma 3's pattern: the first layer slides (its own rope base), the second is global.
-        Family::Gemma3 => Some(vec![true, false]),
+        // Gemma's pattern: the first layer slides (Gemma 3's with its own rope base), the
+        // second is global.
+        Family::Gemma2 | Family::Gemma3 => Some(vec![true, false]),
         _ => None,
     };
-    let gemma = family == Family::Gemma3;
+    let gemma = row.gemma;
+    let gemma2 = family == Family::Gemma2;
     LlamaConfig {
         family,
         attention_bias: row.qkv_bias,
@@ -36,8 +38,14 @@ fn model(family: Family) -> LlamaConfig {
             Activation::Silu
         },
         query_pre_attn_scalar: gemma.then_some(5.0),
-        rope_local_theta: gemma.then_some(10_000.0),
-        rope_theta: if gemma { 1e6 } else { small_model().rope_theta },
+        rope_local_theta: row.local_rope.then_some(10_000.0),
+        attn_logit_softcapping: gemma2.then_some(2.0),
+        final_logit_softcapping: gemma2.then_some(3.0),
+        rope_theta: if row.local_rope {
+            1e6
+        } else {
+            small_model().rope_theta
+        },
         tie_word_embeddings: gemma,
         ..small_model()
     }
@@ -151,7 +159,7 @@ fn olmo2_post_norms_train_under_every_strategy_but_tp_as_on_one_device() {
 }
 
 #[test]
-fn gemma3_trains_under_every_strategy_it_supports_as_on_one_device() {
+fn gemma2_and_gemma3_train_under_every_strategy_they_support_as_on_one_device() {
     // A tenth of the others' rate: the tied, sqrt(hidden)-scaled embedding makes Gemma's
     // gradients large (norm 7), and at 1e-2 AdamW turns round-off into curves that part by
     // 1e-5 after 3 steps.
@@ -162,11 +170,22 @@ fn gemma3_trains_under_every_strategy_it_supports_as_on_one_device() {
             DistributedFlags::on(Strategy::Single, 1),
         ))
     };
-    let single = run(&on_one(Family::Gemma3));
     let llama = run(&on_one(Family::Llama));
-    assert_ne!(single.losses(), llama.losses());
+    for family in [Family::Gemma2, Family::Gemma3] {
+        let single = run(&on_one(family));
+        assert_ne!(single.losses(), llama.losses());
+        every_supported_layout(family, &single, slower);
+    }
+}
+
+/// `family`'s runs under every layout against `single`, the refused ones refused by name.
+fn every_supported_layout(
+    family: Family,
+    single: &burn_parallel::train::TrainSummary,
+    slower: impl Fn(TrainConfig) -> TrainConfig,
+) {
     for (name, flags) in layouts() {
-        let cfg = family_run(Family::Gemma3, flags);
+        let cfg = family_run(family, flags);
         // Its sandwich norms are not in the llama-sp plan; its head is tied (pp refuses).
         let refused = match name {
             "tp 2 (sequence parallel)" => Some("sequence parallelism"),
@@ -180,8 +199,8 @@ fn gemma3_trains_under_every_strategy_it_supports_as_on_one_device() {
             assert!(e.contains(needle), "{name}: {e}");
             continue;
         }
-        let what = format!("Gemma3 {name}");
-        assert_curves(&run(&slower(cfg)), &single, 1e-5, &what);
+        let what = format!("{family:?} {name}");
+        assert_curves(&run(&slower(cfg)), single, 1e-5, &what);
     }
 }
 

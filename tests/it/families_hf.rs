@@ -1,7 +1,8 @@
 //! The decoder families against transformers: tiny Qwen2 (q/k/v biases, a sliding window on
 //! its second layer), Qwen3 (per-head q/k norms), Mistral (a sliding window of 3 keys) and
-//! OLMo 2 (post-norms, whole-projection q/k norms) and Gemma 3 (sandwich norms, local and
-//! global rotary bases, GeGLU, tied embeddings) checkpoints written by `save_pretrained`
+//! OLMo 2 (post-norms, whole-projection q/k norms), Gemma 2 (attention and final logit
+//! soft-capping) and Gemma 3 (sandwich norms, local and global rotary bases, GeGLU, tied
+//! embeddings) checkpoints written by `save_pretrained`
 //! (`scripts/make_family_fixtures.py`) load and compute transformers' logits, and save back to
 //! the same tensors and a config.json that loads as the same model.
 
@@ -40,12 +41,13 @@ fn expected(name: &str) -> (Tensor<2, Int>, [usize; 3], Vec<f32>, Device) {
 }
 
 #[test]
-fn qwen2_qwen3_mistral_olmo2_and_gemma3_logits_match_transformers() {
+fn qwen2_qwen3_mistral_olmo2_and_gemma_logits_match_transformers() {
     for (name, family) in [
         ("qwen2", Family::Qwen2),
         ("qwen3", Family::Qwen3),
         ("mistral", Family::Mistral),
         ("olmo2", Family::Olmo2),
+        ("gemma2", Family::Gemma2),
         ("gemma3", Family::Gemma3),
     ] {
         let (ids, shape, want, device) = expected(name);

@@ -71,6 +71,12 @@ pub struct LlamaConfig {
     /// no rope scaling (`None`: every layer rotates as `rope_theta` and `rope_scaling` say).
     #[serde(default)]
     pub rope_local_theta: Option<f64>,
+    /// Gemma 2's soft cap of the attention scores, `cap * tanh(s / cap)` (`None`: none).
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    /// Gemma 2's soft cap of the output logits (`None`: none).
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
     /// The mixture-of-experts settings of a Qwen3-MoE or Mixtral model (`None`: every layer
     /// has a dense MLP, as a Llama).
     #[serde(default)]
@@ -145,6 +151,8 @@ impl LlamaConfig {
             hidden_act: Activation::Silu,
             query_pre_attn_scalar: None,
             rope_local_theta: None,
+            attn_logit_softcapping: None,
+            final_logit_softcapping: None,
             moe: None,
         }
     }
@@ -222,7 +230,7 @@ impl LlamaConfig {
         let hidden_act = activation(o)?;
         refuse_unsupported(o)?;
         let (hidden_size, heads, kv_heads, head_dim) = attention_shape(o)?;
-        let (rope_theta, rope_scaling, rope_local_theta) = rope_from_json(o, row.gemma)?;
+        let (rope_theta, rope_scaling, rope_local_theta) = rope_from_json(o, row.local_rope)?;
         let dtype = o
             .get("torch_dtype")
             .or_else(|| o.get("dtype"))
@@ -258,6 +266,8 @@ impl LlamaConfig {
             hidden_act,
             query_pre_attn_scalar: f64_of("query_pre_attn_scalar", o),
             rope_local_theta,
+            attn_logit_softcapping: f64_of("attn_logit_softcapping", o),
+            final_logit_softcapping: f64_of("final_logit_softcapping", o),
             moe,
         };
         Ok(config)
@@ -316,7 +326,11 @@ impl LlamaConfig {
                 Some(q) if q.fract() == 0.0 => (q as i64).into(),
                 other => other.into(),
             };
-            v["rope_local_base_freq"] = self.rope_local_theta.into();
+            if row.local_rope {
+                v["rope_local_base_freq"] = self.rope_local_theta.into();
+            }
+            v["attn_logit_softcapping"] = self.attn_logit_softcapping.into();
+            v["final_logit_softcapping"] = self.final_logit_softcapping.into();
         }
         if let Some(out) = v.as_object_mut() {
             out.extend(window_keys(row, self.sliding_window.as_ref()));
@@ -384,16 +398,8 @@ fn required_count(o: &serde_json::Map<String, Value>, k: &str) -> Result<usize, 
     count_key(o, k)?.ok_or_else(|| bad_config(format!("missing `{k}`")))
 }
 
-/// Settings of Gemma's family that this decoder does not compute: logit soft-capping (Gemma
-/// 2), bidirectional attention.
+/// A setting of Gemma's family that this decoder does not compute: bidirectional attention.
 fn refuse_unsupported(o: &serde_json::Map<String, Value>) -> Result<(), ModelError> {
-    for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
-        if o.get(key).is_some_and(|v| !v.is_null()) {
-            return Err(ModelError::Unsupported(format!(
-                "{key} (logit soft-capping, Gemma 2) is not implemented"
-            )));
-        }
-    }
     if o.get("use_bidirectional_attention") == Some(&Value::Bool(true)) {
         return Err(ModelError::Unsupported(
             "use_bidirectional_attention: the decoder is causal".into(),
@@ -445,13 +451,13 @@ fn attention_shape(
     Ok((hidden_size, heads, kv_heads, head_dim))
 }
 
-/// `rope_theta` (default 10000; Gemma 1e6) and the rotary scaling, read at the top level or,
-/// for either, from `rope_parameters` / `rope_scaling`; and for Gemma the sliding layers' base
+/// `rope_theta` (default 10000; Gemma 3 1e6) and the rotary scaling, read at the top level or,
+/// for either, from `rope_parameters` / `rope_scaling`; and for Gemma 3 the sliding layers' base
 /// (`rope_local_base_freq`, default 10000). transformers 5 writes Gemma's per layer type:
 /// `rope_parameters: {full_attention: {..}, sliding_attention: {..}}`.
 fn rope_from_json(
     o: &serde_json::Map<String, Value>,
-    gemma: bool,
+    local_rope: bool,
 ) -> Result<(f64, Option<RopeScaling>, Option<f64>), ModelError> {
     // transformers 5.x moves rope_theta and the scaling into `rope_parameters`.
     let params = o
@@ -463,7 +469,8 @@ fn rope_from_json(
         Some(full) => (Some(full), per_type("sliding_attention")),
         None => (params, None),
     };
-    let default_theta = if gemma { 1_000_000.0 } else { 10_000.0 };
+    // Gemma 3's default base is 1e6; every other family's (Gemma 2's too) 10000.
+    let default_theta = if local_rope { 1_000_000.0 } else { 10_000.0 };
     let rope_theta = f64_of("rope_theta", o)
         .or_else(|| global.and_then(|p| f64_of("rope_theta", p)))
         .unwrap_or(default_theta);
@@ -471,7 +478,7 @@ fn rope_from_json(
         None => None,
         Some(p) => scaling_from_params(p)?,
     };
-    let local_theta = gemma.then(|| {
+    let local_theta = local_rope.then(|| {
         f64_of("rope_local_base_freq", o)
             .or_else(|| local.and_then(|p| f64_of("rope_theta", p)))
             .unwrap_or(10_000.0)
@@ -540,12 +547,12 @@ mod tests {
     #[test]
     fn rejects_other_architectures() {
         let msg = LlamaConfig::from_json(
-            &V4.replace(r#""model_type":"llama""#, r#""model_type":"gemma2""#),
+            &V4.replace(r#""model_type":"llama""#, r#""model_type":"phi3""#),
         )
         .unwrap_err()
         .to_string();
         assert!(
-            msg.contains("gemma2") && msg.contains("llama, mistral, qwen2, qwen3"),
+            msg.contains("phi3") && msg.contains("llama, mistral, qwen2, qwen3"),
             "{msg}"
         );
         // A model_type the table knows with another family's class name.

@@ -138,14 +138,15 @@ impl TokenLayout {
     /// all-gathered over the cp group along the sequence (a differentiable gather: backward
     /// reduce-scatters their gradients). Collective over the cp group: every rank of it runs
     /// the same layers. A failed gather panics naming the group, as every collective inside a
-    /// forward does.
+    /// forward does. `layer_mask` adds the layer's own terms to the layout's mask (a sliding
+    /// window, a soft cap).
     pub fn attend(
         &self,
         q: Tensor<4>,
         k: Tensor<4>,
         v: Tensor<4>,
         scale: f64,
-        window: Option<usize>,
+        layer_mask: impl FnOnce(AttentionMask) -> AttentionMask,
     ) -> Tensor<4> {
         let (k, v) = match &self.cp {
             None => (k, v),
@@ -158,7 +159,7 @@ impl TokenLayout {
                 (gather(k, "keys"), gather(v, "values"))
             }
         };
-        flash_attention(q, k, v, &self.mask.clone().with_window(window), scale)
+        flash_attention(q, k, v, &layer_mask(self.mask.clone()), scale)
     }
 }
 

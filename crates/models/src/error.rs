@@ -34,7 +34,7 @@ pub enum ModelError {
     /// load.
     #[error(
         "{what} `{found}` is not an architecture this decoder loads (supported model_type: \
-         {supported}); Gemma 2 and Phi-3 are not yet"
+         {supported}); Phi-3 is not yet"
     )]
     UnsupportedArchitecture {
         /// The key (`model_type` or `architectures`).

@@ -28,6 +28,9 @@ pub enum Family {
     /// `Olmo2ForCausalLM`: norms after attention and after the MLP (none before), and a
     /// q/k RMSNorm over the whole projection.
     Olmo2,
+    /// `Gemma2ForCausalLM`: Gemma's conventions (below), attention and final logit
+    /// soft-capping, sliding window on every other layer.
+    Gemma2,
     /// `Gemma3ForCausalLM` (`gemma3_text`): norms before and after attention and the MLP,
     /// RMSNorms scaling by `1 + w`, embeddings scaled by `sqrt(hidden)`, GeGLU (tanh GELU),
     /// per-head q/k norms, `query_pre_attn_scalar`, and sliding-window layers with their own
@@ -67,9 +70,9 @@ pub enum WindowRule {
     /// Layers from `max_window_layers` on, when `use_sliding_window` (Qwen2, Qwen3), or those
     /// `layer_types` marks `sliding_attention`.
     Opted,
-    /// Every layer but each `sliding_window_pattern`-th (default 6), or those `layer_types`
-    /// marks (Gemma 3).
-    Pattern,
+    /// Every layer but each `sliding_window_pattern`-th (default: the value given; Gemma 2
+    /// slides on every other layer, Gemma 3 on five of six), or those `layer_types` marks.
+    Pattern(usize),
 }
 
 /// One row of the table.
@@ -89,8 +92,10 @@ pub struct FamilyRow {
     /// Where the decoder layer's norms are.
     pub norms: NormLayout,
     /// Gemma's conventions: RMSNorm scales by `1 + w`, the embeddings are multiplied by
-    /// `sqrt(hidden)`, sliding-window layers rotate with `rope_local_base_freq`.
+    /// `sqrt(hidden)`, the head is tied by default, scores scale by `query_pre_attn_scalar`.
     pub gemma: bool,
+    /// Sliding-window layers rotate with their own base, `rope_local_base_freq` (Gemma 3).
+    pub local_rope: bool,
     /// Where `sliding_window` applies.
     pub window: WindowRule,
     /// The sparse MoE flavour, for MoE families.
@@ -98,7 +103,7 @@ pub struct FamilyRow {
 }
 
 /// Every family the decoder loads.
-pub const FAMILIES: [FamilyRow; 8] = [
+pub const FAMILIES: [FamilyRow; 9] = [
     FamilyRow {
         family: Family::Llama,
         model_type: "llama",
@@ -107,6 +112,7 @@ pub const FAMILIES: [FamilyRow; 8] = [
         qk_norm: QkNorm::None,
         norms: NormLayout::Pre,
         gemma: false,
+        local_rope: false,
         window: WindowRule::Never,
         moe: None,
     },
@@ -118,6 +124,7 @@ pub const FAMILIES: [FamilyRow; 8] = [
         qk_norm: QkNorm::None,
         norms: NormLayout::Pre,
         gemma: false,
+        local_rope: false,
         window: WindowRule::Always,
         moe: None,
     },
@@ -129,6 +136,7 @@ pub const FAMILIES: [FamilyRow; 8] = [
         qk_norm: QkNorm::None,
         norms: NormLayout::Pre,
         gemma: false,
+        local_rope: false,
         window: WindowRule::Opted,
         moe: None,
     },
@@ -140,6 +148,7 @@ pub const FAMILIES: [FamilyRow; 8] = [
         qk_norm: QkNorm::PerHead,
         norms: NormLayout::Pre,
         gemma: false,
+        local_rope: false,
         window: WindowRule::Opted,
         moe: None,
     },
@@ -151,6 +160,7 @@ pub const FAMILIES: [FamilyRow; 8] = [
         qk_norm: QkNorm::PerHead,
         norms: NormLayout::Pre,
         gemma: false,
+        local_rope: false,
         window: WindowRule::Opted,
         moe: Some(MoeFlavor::Qwen3Moe),
     },
@@ -162,6 +172,7 @@ pub const FAMILIES: [FamilyRow; 8] = [
         qk_norm: QkNorm::None,
         norms: NormLayout::Pre,
         gemma: false,
+        local_rope: false,
         window: WindowRule::Always,
         moe: Some(MoeFlavor::Mixtral),
     },
@@ -173,7 +184,20 @@ pub const FAMILIES: [FamilyRow; 8] = [
         qk_norm: QkNorm::Whole,
         norms: NormLayout::Post,
         gemma: false,
+        local_rope: false,
         window: WindowRule::Never,
+        moe: None,
+    },
+    FamilyRow {
+        family: Family::Gemma2,
+        model_type: "gemma2",
+        architecture: "Gemma2ForCausalLM",
+        qkv_bias: false,
+        qk_norm: QkNorm::None,
+        norms: NormLayout::Sandwich,
+        gemma: true,
+        local_rope: false,
+        window: WindowRule::Pattern(2),
         moe: None,
     },
     FamilyRow {
@@ -184,7 +208,8 @@ pub const FAMILIES: [FamilyRow; 8] = [
         qk_norm: QkNorm::PerHead,
         norms: NormLayout::Sandwich,
         gemma: true,
-        window: WindowRule::Pattern,
+        local_rope: true,
+        window: WindowRule::Pattern(6),
         moe: None,
     },
 ];
@@ -299,8 +324,10 @@ pub(crate) fn sliding_window(
         }
         None => match row.window {
             WindowRule::Always => vec![true; layers],
-            WindowRule::Pattern => {
-                let pattern = count_key(o, "sliding_window_pattern")?.unwrap_or(6).max(1);
+            WindowRule::Pattern(default) => {
+                let pattern = count_key(o, "sliding_window_pattern")?
+                    .unwrap_or(default)
+                    .max(1);
                 (0..layers).map(|l| (l + 1) % pattern != 0).collect()
             }
             _ => {
@@ -439,9 +466,9 @@ mod tests {
             msg.contains("layer_types has 1 entries for 2 layers"),
             "{msg}"
         );
-        let msg = err(text("gemma2", ""));
+        let msg = err(text("phi3", ""));
         assert!(
-            msg.contains("`gemma2`") && msg.contains(&Family::supported()),
+            msg.contains("`phi3`") && msg.contains(&Family::supported()),
             "{msg}"
         );
     }

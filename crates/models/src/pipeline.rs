@@ -19,7 +19,7 @@ use crate::config::LlamaConfig;
 use crate::error::ModelError;
 use crate::init::{SeededInit, TensorSource};
 use crate::llama::{
-    DecoderLayer, RmsNorm, Rotary, decoder_layer, embedding, linear, norm, rms_norm,
+    DecoderLayer, RmsNorm, Rotary, cap_logits, decoder_layer, embedding, linear, norm, rms_norm,
     scale_embeddings,
 };
 use crate::rope::Rope;
@@ -324,6 +324,7 @@ impl LlamaStage {
         let logits = head
             .try_forward(norm(final_norm, x))
             .map_err(|e| self.error(e))?;
+        let logits = cap_logits(&self.config, logits);
         let vocab_local = logits.dims()[2];
         let logits = logits.reshape([rows * seq, vocab_local]);
         let targets = TensorData::new(mb.targets.clone(), [rows * seq]);

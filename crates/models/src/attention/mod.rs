@@ -51,6 +51,8 @@ struct MaskInner {
     key_block_min: Vec<i64>,
     /// Sliding-window attention: keys `window` or more positions back are not seen.
     window: Option<usize>,
+    /// Gemma 2's soft cap of the scaled scores, `cap * tanh(s / cap)`, before the mask.
+    softcap: Option<f64>,
 }
 
 /// Keys per block in both kernels.
@@ -80,6 +82,7 @@ impl AttentionMask {
                 segments: None,
                 key_block_min,
                 window: None,
+                softcap: None,
             }),
         }
     }
@@ -116,6 +119,7 @@ impl AttentionMask {
                 segments: Some((batch, query_segments, key_segments)),
                 key_block_min: inner.key_block_min.clone(),
                 window: inner.window,
+                softcap: inner.softcap,
             }),
         }
     }
@@ -136,8 +140,33 @@ impl AttentionMask {
                 segments: inner.segments.clone(),
                 key_block_min: inner.key_block_min.clone(),
                 window: Some(size),
+                softcap: inner.softcap,
             }),
         }
+    }
+
+    /// This mask with the scaled scores soft-capped, `cap * tanh(s / cap)` (Gemma 2's
+    /// `attn_logit_softcapping`), before the keys it hides are masked; `None` keeps it.
+    pub fn with_softcap(self, cap: Option<f64>) -> Self {
+        let Some(cap) = cap else {
+            return self;
+        };
+        let inner = &self.inner;
+        Self {
+            inner: Arc::new(MaskInner {
+                query_index: inner.query_index.clone(),
+                key_index: inner.key_index.clone(),
+                segments: inner.segments.clone(),
+                key_block_min: inner.key_block_min.clone(),
+                window: inner.window,
+                softcap: Some(cap),
+            }),
+        }
+    }
+
+    /// The soft cap of the scores, if any.
+    pub fn softcap(&self) -> Option<f64> {
+        self.inner.softcap
     }
 
     /// The number of queries.
@@ -330,6 +359,10 @@ pub fn reference_attention(
         .cast(FloatDType::F32)
         .matmul(k.cast(FloatDType::F32).swap_dims(2, 3))
         .mul_scalar(scale);
+    let scores = match mask.softcap() {
+        Some(cap) => scores.div_scalar(cap).tanh().mul_scalar(cap),
+        None => scores,
+    };
     let mask = mask.dense(&scores.device());
     let probs = softmax(scores + mask, 3).cast(dtype);
     probs.matmul(v)

@@ -121,7 +121,7 @@ impl Geometry {
         })
     }
 
-    /// `q k^T * scale` plus the mask, for one block.
+    /// `q k^T * scale` (soft-capped when the mask says) plus the mask, for one block.
     #[allow(clippy::too_many_arguments)]
     fn scores<B: Backend>(
         &self,
@@ -132,11 +132,39 @@ impl Geometry {
         keys: &std::ops::Range<usize>,
         scale: f64,
     ) -> FloatTensor<B> {
+        self.scores_and_slope::<B>(q, k_t, mask, rows, keys, scale)
+            .0
+    }
+
+    /// [`scores`](Self::scores), and under a soft cap its slope `1 - tanh^2(s / cap)`, by
+    /// which backward multiplies the scores' gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn scores_and_slope<B: Backend>(
+        &self,
+        q: &FloatTensor<B>,
+        k_t: &FloatTensor<B>,
+        mask: &AttentionMask,
+        rows: &std::ops::Range<usize>,
+        keys: &std::ops::Range<usize>,
+        scale: f64,
+    ) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
         let s = B::float_mul_scalar(B::float_matmul(q.clone(), k_t.clone()), scale.into());
-        match self.mask_block::<B>(mask, rows, keys, &q.device()) {
+        let (s, slope) = match mask.softcap() {
+            None => (s, None),
+            Some(cap) => {
+                let t = B::float_tanh(B::float_div_scalar(s, cap.into()));
+                let slope = B::float_neg(B::float_sub_scalar(
+                    B::float_mul(t.clone(), t.clone()),
+                    1.0.into(),
+                ));
+                (B::float_mul_scalar(t, cap.into()), Some(slope))
+            }
+        };
+        let s = match self.mask_block::<B>(mask, rows, keys, &q.device()) {
             Some(m) => B::float_add(s, m),
             None => s,
-        }
+        };
+        (s, slope)
     }
 }
 
@@ -278,8 +306,14 @@ fn accumulate<B: Backend>(acc: Option<FloatTensor<B>>, x: FloatTensor<B>) -> Flo
     }
 }
 
-/// `P` and `dP` of one key block a row block reaches: `(block, P, dP)`.
-type Reached<B> = (usize, FloatTensor<B>, FloatTensor<B>);
+/// `P` and `dP` of one key block a row block reaches, and the soft cap's slope there:
+/// `(block, P, dP, slope)`.
+type Reached<B> = (
+    usize,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<FloatTensor<B>>,
+);
 
 /// [`backward`]'s keys and values in f32, cut once into key blocks that every row block reads.
 struct KeyBlocks<B: Backend> {
@@ -322,14 +356,14 @@ impl<B: Backend> KeyBlocks<B> {
                 continue;
             }
             let k_t = transposed::<B>(self.ks[block].clone());
-            let s = g.scores::<B>(qb, &k_t, mask, row_block, keys, scale);
+            let (s, slope) = g.scores_and_slope::<B>(qb, &k_t, mask, row_block, keys, scale);
             let p = B::float_exp(B::float_sub(s, lb.clone()));
             let dp = B::float_matmul(gb.clone(), self.vs_t[block].clone());
             delta = Some(accumulate::<B>(
                 delta,
                 B::float_sum_dim(B::float_mul(p.clone(), dp.clone()), 3),
             ));
-            reached.push((block, p, dp));
+            reached.push((block, p, dp, slope));
         }
         (reached, delta)
     }
@@ -345,15 +379,18 @@ impl<B: Backend> KeyBlocks<B> {
         [d_k, d_v]: [&mut [Option<FloatTensor<B>>]; 2],
     ) -> Option<FloatTensor<B>> {
         let mut dq = None;
-        for (block, p, dp) in reached {
+        for (block, p, dp, slope) in reached {
             d_v[block] = Some(accumulate::<B>(
                 d_v[block].take(),
                 B::float_matmul(transposed::<B>(p.clone()), gb.clone()),
             ));
-            let ds = B::float_mul_scalar(
-                B::float_mul(p, B::float_sub(dp, delta.clone())),
-                scale.into(),
-            );
+            let ds = B::float_mul(p, B::float_sub(dp, delta.clone()));
+            // Through the soft cap: d s = d capped * (1 - tanh^2).
+            let ds = match slope {
+                Some(slope) => B::float_mul(ds, slope),
+                None => ds,
+            };
+            let ds = B::float_mul_scalar(ds, scale.into());
             dq = Some(accumulate::<B>(
                 dq,
                 B::float_matmul(ds.clone(), self.ks[block].clone()),

@@ -148,12 +148,15 @@ fn the_dense_mask_is_the_causal_block_diagonal() {
 }
 
 /// Causal grouped-query attention and its gradients of `sum(w * out)` in f64, written out
-/// loop by loop: `(out, d q, d k, d v)`. With `window`, query `i` sees keys `i - window < j <= i`.
+/// loop by loop: `(out, d q, d k, d v)`. With `window`, query `i` sees keys `i - window < j <= i`;
+/// with `softcap`, the scaled scores are `cap * tanh(s / cap)`.
+#[allow(clippy::too_many_arguments)]
 fn exact(
     [b, h, s, d]: [usize; 4],
     hk: usize,
     scale: f64,
     window: Option<usize>,
+    softcap: Option<f64>,
     (q, k, v, w): (&[f32], &[f32], &[f32], &[f32]),
 ) -> [Vec<f64>; 4] {
     let (mut out, mut dq) = (vec![0f64; q.len()], vec![0f64; q.len()]);
@@ -169,10 +172,19 @@ fn exact(
                 let dotf = |x: &[f32], xa: usize, y: &[f32], ya: usize| -> f64 {
                     (0..d).map(|c| x[xa + c] as f64 * y[ya + c] as f64).sum()
                 };
-                let scores: Vec<f64> = keys
+                let raw: Vec<f64> = keys
                     .clone()
                     .map(|j| scale * dotf(q, qi, k, at(hk, bi, kh, j)))
                     .collect();
+                let scores: Vec<f64> = match softcap {
+                    Some(cap) => raw.iter().map(|x| cap * (x / cap).tanh()).collect(),
+                    None => raw.clone(),
+                };
+                // d capped / d raw.
+                let slope: Vec<f64> = match softcap {
+                    Some(cap) => raw.iter().map(|x| 1.0 - (x / cap).tanh().powi(2)).collect(),
+                    None => vec![1.0; raw.len()],
+                };
                 let max = scores.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
                 let sum: f64 = e.iter().sum();
@@ -189,7 +201,7 @@ fn exact(
                 let mean: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
                 for (n, j) in keys.enumerate() {
                     let kj = at(hk, bi, kh, j);
-                    let ds = p[n] * (dp[n] - mean) * scale;
+                    let ds = p[n] * (dp[n] - mean) * slope[n] * scale;
                     for c in 0..d {
                         dq[qi + c] += ds * k[kj + c] as f64;
                         dk[kj + c] += ds * q[qi + c] as f64;
@@ -231,6 +243,7 @@ fn flash_attention_is_as_accurate_as_the_dense_softmax_against_f64() {
             hk,
             scale,
             None,
+            None,
             (&values(n, 1), &values(m, 2), &values(m, 3), &values(n, 9)),
         );
         let got =
@@ -268,7 +281,7 @@ fn sliding_window_attention_sees_only_the_last_keys_against_f64() {
                 [b, hk, s, d],
                 &device,
             );
-            let want = exact([b, h, s, d], hk, scale, Some(window), inputs);
+            let want = exact([b, h, s, d], hk, scale, Some(window), None, inputs);
             let got = [&flash.0, &flash.1[0], &flash.1[1], &flash.1[2]];
             for (name, (g, w)) in ["out", "d q", "d k", "d v"]
                 .iter()
@@ -284,6 +297,44 @@ fn sliding_window_attention_sees_only_the_last_keys_against_f64() {
         // The window counts the query itself: with 2, token 2 sees tokens 1 and 2.
         let mask = AttentionMask::causal(3).with_window(Some(2));
         assert!(mask.visible(0, 2, 1) && mask.visible(0, 2, 2) && !mask.visible(0, 2, 0));
+    }
+}
+
+#[test]
+fn soft_capped_scores_match_f64_and_the_dense_softmax() {
+    // Scores up to about 8 against a cap of 2: tanh bends most of them (Gemma 2 caps at 50).
+    let ([b, h, s, d], hk) = ([1, 4, 100, 8], 2);
+    let (scale, cap) = (3.0, 2.0);
+    let n = b * h * s * d;
+    let m = b * hk * s * d;
+    let (q, k, v, w) = (values(n, 1), values(m, 2), values(m, 3), values(n, 9));
+    let inputs = (&q[..], &k[..], &v[..], &w[..]);
+    for device in devices() {
+        for window in [None, Some(70)] {
+            let mask = AttentionMask::causal(s)
+                .with_window(window)
+                .with_softcap(Some(cap));
+            let run_with = |f: &dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>| {
+                run(f, [b, h, s, d], [b, hk, s, d], &device)
+            };
+            let flash = run_with(&|q, k, v| flash_attention(q, k, v, &mask, scale));
+            let dense = run_with(&|q, k, v| reference_attention(q, k, v, &mask, scale));
+            let want = exact([b, h, s, d], hk, scale, window, Some(cap), inputs);
+            let got = |r: &(Vec<f32>, [Vec<f32>; 3])| {
+                [r.0.clone(), r.1[0].clone(), r.1[1].clone(), r.1[2].clone()]
+            };
+            for (name, ((f, r), w)) in ["out", "d q", "d k", "d v"]
+                .iter()
+                .zip(got(&flash).iter().zip(got(&dense).iter()).zip(&want))
+            {
+                let (ef, er) = (error(f, w), error(r, w));
+                assert!(
+                    ef < 1e-5,
+                    "window {window:?}, {name} on {device:?}: error {ef:e}"
+                );
+                assert!(er < 1e-5, "dense, window {window:?}, {name}: error {er:e}");
+            }
+        }
     }
 }
 

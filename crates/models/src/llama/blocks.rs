@@ -87,6 +87,9 @@ pub struct Attention {
     /// The scores' scale (`head_dim^-0.5`; Gemma's `query_pre_attn_scalar^-0.5`).
     #[module(skip)]
     pub scale: f64,
+    /// Gemma 2's soft cap of the scaled scores (`None`: none).
+    #[module(skip)]
+    pub softcap: Option<f64>,
 }
 
 impl Attention {
@@ -152,10 +155,15 @@ impl Attention {
         let scale = self.scale;
         let out = match layout {
             None => {
-                let mask = AttentionMask::causal(s).with_window(self.sliding_window);
+                let mask = AttentionMask::causal(s)
+                    .with_window(self.sliding_window)
+                    .with_softcap(self.softcap);
                 crate::attention::flash_attention(q, k, v, &mask, scale)
             }
-            Some(layout) => layout.attend(q, k, v, scale, self.sliding_window),
+            Some(layout) => layout.attend(q, k, v, scale, |m| {
+                m.with_window(self.sliding_window)
+                    .with_softcap(self.softcap)
+            }),
         };
         let out = out.swap_dims(1, 2).reshape([b, s, self.heads * hd]);
         self.o_proj.forward(out)

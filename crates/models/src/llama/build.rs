@@ -263,6 +263,7 @@ pub(crate) fn decoder_layer(
         qk_norm_whole: c.qk_norm_whole(),
         sliding_window: c.window_of(i),
         scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt(),
+        softcap: c.attn_logit_softcapping,
     };
     let (mlp, moe) = match &c.moe {
         Some(m) if m.is_sparse(i) => (None, Some(sparse_moe(s, &p, c, m, shard.cloned(), device)?)),

@@ -8,6 +8,7 @@
 
 mod blocks;
 mod build;
+mod gemma;
 mod lora;
 mod rotary;
 
@@ -29,7 +30,8 @@ use crate::rope::Rope;
 pub(crate) use blocks::norm;
 pub use blocks::{Attention, DecoderLayer, Mlp, RmsNorm};
 pub(crate) use build::{decoder_layer, embedding, linear, rms_norm};
-pub(crate) use rotary::{Rotary, scale_embeddings};
+pub(crate) use gemma::{cap_logits, scale_embeddings};
+pub(crate) use rotary::Rotary;
 
 /// `LlamaForCausalLM`. `lm_head` is `None` when the embeddings are tied. Its tp plan is
 /// [`LLAMA_PLAN`](crate::LLAMA_PLAN) (`llama`, `llama-sp` with sequence parallelism).
@@ -160,6 +162,7 @@ impl Llama {
             Some(head) => head.try_forward(x)?,
             None => self.tied_logits(x)?,
         };
+        let logits = cap_logits(&self.config, logits);
         Ok((logits, router_logits))
     }
 

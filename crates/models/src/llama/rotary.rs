@@ -6,7 +6,6 @@ use burn::tensor::{DType, Device, Tensor};
 use burn_parallel_comm::ProcessGroup;
 
 use super::DecoderLayer;
-use crate::config::LlamaConfig;
 use crate::context_parallel::TokenLayout;
 use crate::error::ModelError;
 use crate::rope::Rope;
@@ -79,17 +78,5 @@ impl Rotary {
             _ => &self.global,
         };
         (&t.cos, &t.sin, t.layout.as_ref())
-    }
-}
-
-/// The token embeddings as the model feeds them to its first layer: Gemma multiplies them by
-/// `sqrt(hidden)` (in their dtype); the others use them as they are.
-pub(crate) fn scale_embeddings(config: &LlamaConfig, x: Tensor<3>) -> Tensor<3> {
-    match config.family.row().gemma {
-        true => {
-            let scale = (config.hidden_size as f64).sqrt() as f32;
-            x.mul_scalar(scale)
-        }
-        false => x,
     }
 }
