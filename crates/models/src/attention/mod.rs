@@ -40,7 +40,7 @@ pub struct AttentionMask {
     inner: Arc<MaskInner>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct MaskInner {
     query_index: Vec<i64>,
     key_index: Vec<i64>,
@@ -112,16 +112,7 @@ impl AttentionMask {
             ),
             "segments must be [batch * queries] and [batch * keys]"
         );
-        Self {
-            inner: Arc::new(MaskInner {
-                query_index: inner.query_index.clone(),
-                key_index: inner.key_index.clone(),
-                segments: Some((batch, query_segments, key_segments)),
-                key_block_min: inner.key_block_min.clone(),
-                window: inner.window,
-                softcap: inner.softcap,
-            }),
-        }
+        self.changed(|m| m.segments = Some((batch, query_segments, key_segments)))
     }
 
     /// This mask, each query seeing only the keys fewer than `window` positions back (its
@@ -132,35 +123,24 @@ impl AttentionMask {
             return self;
         };
         assert!(size > 0, "a sliding window of 0 keys");
-        let inner = &self.inner;
+        self.changed(|m| m.window = Some(size))
+    }
+
+    /// A copy of this mask with `change` made to it.
+    fn changed(&self, change: impl FnOnce(&mut MaskInner)) -> Self {
+        let mut inner = (*self.inner).clone();
+        change(&mut inner);
         Self {
-            inner: Arc::new(MaskInner {
-                query_index: inner.query_index.clone(),
-                key_index: inner.key_index.clone(),
-                segments: inner.segments.clone(),
-                key_block_min: inner.key_block_min.clone(),
-                window: Some(size),
-                softcap: inner.softcap,
-            }),
+            inner: Arc::new(inner),
         }
     }
 
     /// This mask with the scaled scores soft-capped, `cap * tanh(s / cap)` (Gemma 2's
     /// `attn_logit_softcapping`), before the keys it hides are masked; `None` keeps it.
     pub fn with_softcap(self, cap: Option<f64>) -> Self {
-        let Some(cap) = cap else {
-            return self;
-        };
-        let inner = &self.inner;
-        Self {
-            inner: Arc::new(MaskInner {
-                query_index: inner.query_index.clone(),
-                key_index: inner.key_index.clone(),
-                segments: inner.segments.clone(),
-                key_block_min: inner.key_block_min.clone(),
-                window: inner.window,
-                softcap: Some(cap),
-            }),
+        match cap {
+            Some(cap) => self.changed(|m| m.softcap = Some(cap)),
+            None => self,
         }
     }
 

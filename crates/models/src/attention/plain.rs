@@ -121,23 +121,9 @@ impl Geometry {
         })
     }
 
-    /// `q k^T * scale` (soft-capped when the mask says) plus the mask, for one block.
-    #[allow(clippy::too_many_arguments)]
-    fn scores<B: Backend>(
-        &self,
-        q: &FloatTensor<B>,
-        k_t: &FloatTensor<B>,
-        mask: &AttentionMask,
-        rows: &std::ops::Range<usize>,
-        keys: &std::ops::Range<usize>,
-        scale: f64,
-    ) -> FloatTensor<B> {
-        self.scores_and_slope::<B>(q, k_t, mask, rows, keys, scale)
-            .0
-    }
-
-    /// [`scores`](Self::scores), and under a soft cap its slope `1 - tanh^2(s / cap)`, by
-    /// which backward multiplies the scores' gradient.
+    /// `q k^T * scale` (soft-capped when the mask says) plus the mask, for one block, and
+    /// under a soft cap its slope `1 - tanh^2(s / cap)`, by which backward multiplies the
+    /// scores' gradient.
     #[allow(clippy::too_many_arguments)]
     fn scores_and_slope<B: Backend>(
         &self,
@@ -209,7 +195,7 @@ pub fn forward<B: Backend>(
                     Slice::from(keys.clone()),
                 ],
             );
-            let s = g.scores::<B>(&qb, &kb_t, mask, &row_block, &keys, scale);
+            let (s, _) = g.scores_and_slope::<B>(&qb, &kb_t, mask, &row_block, &keys, scale);
             let block_max = B::float_max_dim(s.clone(), 3);
             let new_max = B::float_max_dim(B::float_cat(vec![max.clone(), block_max], 3), 3);
             let correction = B::float_exp(B::float_sub(max, new_max.clone()));
