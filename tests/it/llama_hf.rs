@@ -27,14 +27,21 @@ pub fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-struct Expected {
+/// A fixture's `logits.json`: token ids, and the logits transformers computed for them.
+pub(crate) struct Expected {
     ids: Vec<i64>,
     shape: [usize; 3],
-    logits: Vec<f32>,
+    /// The logits, row-major `shape`.
+    pub(crate) logits: Vec<f32>,
 }
 
 fn expected(name: &str) -> Expected {
-    let text = std::fs::read_to_string(fixture(name).join("logits.json")).unwrap();
+    expected_in(&fixture(name))
+}
+
+/// The `logits.json` of the fixture directory `dir`.
+pub(crate) fn expected_in(dir: &Path) -> Expected {
+    let text = std::fs::read_to_string(dir.join("logits.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let ids: Vec<i64> = v["ids"]
         .as_array()
@@ -51,7 +58,8 @@ fn expected(name: &str) -> Expected {
     }
 }
 
-fn logits_of(model: &Llama, e: &Expected, d: &Device) -> Vec<f32> {
+/// `model`'s logits of `e`'s ids (checked to have `e`'s shape).
+pub(crate) fn logits_of(model: &Llama, e: &Expected, d: &Device) -> Vec<f32> {
     let ids =
         Tensor::<2, Int>::from_data(TensorData::new(e.ids.clone(), [e.shape[0], e.shape[1]]), d);
     let logits = model.forward(ids);
@@ -79,6 +87,27 @@ fn llama_logits_match_transformers() {
     }
 }
 
+/// The checkpoints in `a` and `b` hold the same tensors: names, dtypes, shapes and values.
+pub(crate) fn assert_same_checkpoints(a: &Path, b: &Path, what: &str) {
+    let (a, b) = (
+        HfCheckpoint::open(a).unwrap(),
+        HfCheckpoint::open(b).unwrap(),
+    );
+    assert_eq!(a.names(), b.names(), "{what}: tensor names");
+    for t in a.names() {
+        assert_eq!(
+            a.info(t).unwrap(),
+            b.info(t).unwrap(),
+            "{what}: {t} dtype and shape"
+        );
+        assert_eq!(
+            to_vec(&a.read(t).unwrap()),
+            to_vec(&b.read(t).unwrap()),
+            "{what}: {t}"
+        );
+    }
+}
+
 #[test]
 fn llama_checkpoint_round_trips_exactly() {
     for (name, dtype) in [("untied", SaveDtype::F32), ("tied", SaveDtype::BF16)] {
@@ -93,23 +122,7 @@ fn llama_checkpoint_round_trips_exactly() {
         let out = temp_dir(&format!("roundtrip-{name}"));
         save_llama(&config, &hf_tensors(&model).unwrap(), &out, dtype).unwrap();
 
-        let (a, b) = (
-            HfCheckpoint::open(&src).unwrap(),
-            HfCheckpoint::open(&out).unwrap(),
-        );
-        assert_eq!(a.names(), b.names(), "{name}: tensor names");
-        for t in a.names() {
-            assert_eq!(
-                a.info(t).unwrap(),
-                b.info(t).unwrap(),
-                "{name}: {t} dtype and shape"
-            );
-            assert_eq!(
-                to_vec(&a.read(t).unwrap()),
-                to_vec(&b.read(t).unwrap()),
-                "{name}: {t}"
-            );
-        }
+        assert_same_checkpoints(&src, &out, name);
         // The saved model loads back and computes the same logits.
         let e = expected(name);
         let again = load_llama(&out, &ndarray()).unwrap();

@@ -16,7 +16,8 @@ use burn_parallel::models::checkpoint::{SaveDtype, hf_tensors, save_llama};
 use burn_parallel::parallelizer::Strategy;
 use burn_parallel::peft::Lora;
 use burn_parallel::train::{
-    DistributedFlags, LoraOptions, LoraQuantize, TrainArgs, TrainConfig, TrainSummary,
+    DEFAULT_TARGETS, DistributedFlags, LoraOptions, LoraQuantize, TrainArgs, TrainConfig,
+    TrainSummary,
 };
 use clap::Parser;
 
@@ -163,15 +164,8 @@ fn nf4_is_what_bitsandbytes_makes_of_the_same_weights() {
 fn write_checkpoint(dir: &Path, dequantize: bool) {
     let config = small_model();
     let model = Llama::seeded(&config, 0, &ndarray());
-    let projections = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ];
+    // What bitsandbytes quantizes: every linear of the decoder layers.
+    let projections = DEFAULT_TARGETS;
     let tensors: Vec<(String, TensorData)> = hf_tensors(&model)
         .unwrap()
         .into_iter()
