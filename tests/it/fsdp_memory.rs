@@ -90,7 +90,9 @@ fn fsdp(world: usize, checkpointing: bool) -> Vec<Trace> {
             ndarray_ad()
         };
         let group = ctx.world()?;
-        let config = FsdpConfig::new(group.clone());
+        // Backward prefetch 1: the unit before the one in backward is gathered meanwhile,
+        // as forward prefetch 1 gathers the next one (a pair of units at most, both ways).
+        let config = FsdpConfig::new(group.clone()).backward_prefetch_depth(1);
         let memory = config.memory();
         let mut model = fully_shard(stack(&device), &config)?;
         memory.set_params(param_bytes(&model));
@@ -170,8 +172,9 @@ fn per_rank_model_state_is_a_1_over_n_share_plus_padding_and_prefetched_units() 
             }
             // Each unit's gather hangs below the input it was issued with, so backward
             // reduce-scatters a unit's gradient as soon as it has run through the unit and the
-            // one prefetched with it: at most two units' buffers (re-gathered weights, or the
-            // unsharded gradient they stand for) are alive at once, in backward as in forward.
+            // one prefetched with it: at most two units' buffers (re-gathered or prefetched
+            // weights, or the unsharded gradient they stand for) are alive at once, in backward
+            // as in forward.
             assert!(
                 report.peak.gathered <= largest_pair && largest_pair < all_units,
                 "{ctx}: peak gathered {} > {largest_pair} ({report:?})",

@@ -20,6 +20,7 @@ mod fsdp_basic;
 mod fsdp_load;
 mod fsdp_memory;
 mod fsdp_offload;
+mod fsdp_prefetch;
 mod fsdp_tp;
 mod fsdp_units;
 mod gpu_kit;

@@ -34,7 +34,7 @@ fn defaults_are_nemos_except_the_mixed_precision_policy() {
     assert!(!c.sequence_parallel && !c.activation_checkpointing);
     assert!(c.enable_fsdp2_prefetch);
     assert_eq!(c.fsdp2_forward_prefetch_depth, 1);
-    assert_eq!(c.fsdp2_backward_prefetch_depth, None);
+    assert_eq!(c.fsdp2_backward_prefetch_depth, 2);
     assert_eq!(c.reshard_after_forward, None);
     assert_eq!(c.mesh_names.dp_shard, "dp_shard_cp");
 }
@@ -473,12 +473,13 @@ fn effect(config: DistributedConfig) -> String {
             .collect();
         Ok(format!(
             "sizes {:?} groups {groups:?} checkpointing {} policy {:?} offload {} prefetch {} \
-             defers {} ddp {} layout {:?} reduction {:?} buckets {:?}",
+             backward prefetch {} defers {} ddp {} layout {:?} reduction {:?} buckets {:?}",
             ctx.sizes(),
             ctx.on_checkpointing_device(),
             fsdp.mixed_precision,
             fsdp.offload.is_some(),
             fsdp.forward_prefetch_depth,
+            fsdp.backward_prefetch_depth,
             !fsdp.requires_gradient_sync(),
             ctx.uses_ddp(),
             fsdp.layout,
@@ -551,7 +552,7 @@ fn every_config_field_has_an_effect_or_is_rejected() {
             c.fsdp2_forward_prefetch_depth = 3
         }),
         ("fsdp2_backward_prefetch_depth", none, |c| {
-            c.fsdp2_backward_prefetch_depth = Some(2)
+            c.fsdp2_backward_prefetch_depth = 1
         }),
         ("enable_compile", none, |c| c.enable_compile = true),
         (
@@ -657,4 +658,26 @@ fn an_absurd_prefetch_depth_is_named() {
     );
     assert_eq!(with(16).plan(2).unwrap().forward_prefetch_depth(), 16);
     assert_eq!(with(0).plan(2).unwrap().forward_prefetch_depth(), 0);
+    let backward = |depth| DistributedConfig {
+        fsdp2_backward_prefetch_depth: depth,
+        ..DistributedConfig::default()
+    };
+    let err = backward(17).validate(2).unwrap_err().to_string();
+    assert!(
+        err.contains("fsdp2_backward_prefetch_depth 17") && err.contains("at most 16"),
+        "{err}"
+    );
+    assert_eq!(backward(3).plan(2).unwrap().backward_prefetch_depth(), 3);
+    let off = DistributedConfig {
+        enable_fsdp2_prefetch: false,
+        ..backward(3)
+    };
+    let plan = off.plan(2).unwrap();
+    assert_eq!(
+        (
+            plan.forward_prefetch_depth(),
+            plan.backward_prefetch_depth()
+        ),
+        (0, 0)
+    );
 }

@@ -32,6 +32,11 @@ pub struct FsdpConfig {
     /// How many units after the computing one [`forward_units`](crate::forward_units) keeps
     /// gathering (FSDP2's forward prefetch; 0: none; default 1).
     pub forward_prefetch_depth: usize,
+    /// How many units before the one whose backward starts have their re-gather issued at
+    /// that moment, so that it overlaps backward (FSDP2's backward prefetch, for units that
+    /// reshard after forward; 0: each unit is gathered again when backward reaches it;
+    /// default 2). Each issued unit holds its gathered weights until its backward runs.
+    pub backward_prefetch_depth: usize,
     /// How each unit's parameters are split over `group` (default FSDP2's per-parameter rows).
     pub layout: ShardLayout,
     /// How gradients reach the shards (default a reduce-scatter).
@@ -52,7 +57,8 @@ pub struct FsdpConfig {
 }
 
 impl FsdpConfig {
-    /// FSDP over `group`: reshard after forward, no mixed precision or offload, prefetch 1.
+    /// FSDP over `group`: reshard after forward, no mixed precision or offload, forward
+    /// prefetch 1, backward prefetch 2.
     pub fn new(group: ProcessGroup) -> Self {
         Self {
             group,
@@ -61,6 +67,7 @@ impl FsdpConfig {
             mixed_precision: MixedPrecisionPolicy::default(),
             offload: None,
             forward_prefetch_depth: 1,
+            backward_prefetch_depth: 2,
             layout: ShardLayout::Rows,
             gradient_reduction: GradientReduction::ReduceScatter,
             bucket_elements: None,
@@ -130,6 +137,13 @@ impl FsdpConfig {
     /// Units gathered ahead by [`forward_units`](crate::forward_units) (0: no prefetch).
     pub fn forward_prefetch_depth(mut self, depth: usize) -> Self {
         self.forward_prefetch_depth = depth;
+        self
+    }
+
+    /// Units whose re-gather backward issues ahead (see
+    /// [`Self::backward_prefetch_depth`]; 0: no backward prefetch).
+    pub fn backward_prefetch_depth(mut self, depth: usize) -> Self {
+        self.backward_prefetch_depth = depth;
         self
     }
 

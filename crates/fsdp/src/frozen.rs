@@ -8,9 +8,10 @@
 use burn::module::Param;
 use burn::tensor::Tensor;
 use burn_parallel_comm::collectives::{
-    DeviceOp, DeviceStep, FrozenRebuild, Observer, Sizes, WeightRebuild, route,
+    DeviceOp, DeviceStep, FrozenRebuild, Observer, Prefetch, Sizes, WeightRebuild, route,
 };
 
+use crate::gather::in_flight_bytes;
 use crate::memory::MemoryKind;
 use crate::reparam::ShardGather;
 
@@ -30,7 +31,7 @@ pub fn weight_rebuild<const D: usize>(param: &Param<Tensor<D>>) -> Option<Weight
     let n = base.shape().num_elements();
     // The shard stays where it is stored (the host under an offload policy): backward gathers
     // it there and moves the weight to the gradient's device.
-    let source = base.detach().reshape([n]);
+    let source = base.clone().detach().reshape([n]);
     let mut steps: Vec<DeviceStep> = unit
         .compute_dtype()
         .map(DeviceStep::Cast)
@@ -48,11 +49,21 @@ pub fn weight_rebuild<const D: usize>(param: &Param<Tensor<D>>) -> Option<Weight
     steps.push(DeviceStep::Observe(Observer::new(move |bytes| {
         held.add(bytes)
     })));
+    // Inside a unit that prefetches in backward, a later unit's backward may issue it ahead.
+    let prefetch = state.served_prefetches().map(|list| {
+        let bytes = state.gather_elements().iter().sum::<usize>()
+            * unit.compute_dtype().unwrap_or(base.dtype()).size();
+        let prefetch = Prefetch::new(base.without_autodiff().reshape([n]), steps.clone())
+            .counted(bytes, in_flight_bytes(unit));
+        list.push(prefetch.clone());
+        prefetch
+    });
     Some(WeightRebuild {
         source,
         rebuild: FrozenRebuild {
             steps,
             on_release: Some(Observer::new(move |_| hold.release())),
+            prefetch,
         },
     })
 }

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Tensor};
 use burn_parallel_comm::collectives::{
-    Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, Observer, Sizes,
-    Started, check_gather_dim, route,
+    Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, Observer, Prefetch,
+    Sizes, Started, check_gather_dim, route,
 };
 use burn_parallel_comm::{CollectiveError, ReduceOp};
 
@@ -26,6 +26,8 @@ pub(crate) struct PendingGather<const D: usize> {
     started: Started<D>,
     /// The gathered bytes held until the unit's forward ends, when resharding after forward.
     forward_hold: Option<Arc<Hold>>,
+    /// The gather's recomputation in backward, for a later unit's backward to issue ahead.
+    pub(crate) prefetch: Option<Prefetch>,
 }
 
 impl<const D: usize> PendingGather<D> {
@@ -66,6 +68,8 @@ pub(crate) fn start_gather<const D: usize>(
         Some(device) => shard.to_device(device),
         None => shard,
     };
+    // The values the recomputation reads, outside the graph (the anchor below adds zero).
+    let values = shard.clone().without_autodiff();
     let shard = match after {
         Some(zero) => {
             let zero = zero
@@ -87,10 +91,30 @@ pub(crate) fn start_gather<const D: usize>(
     } else {
         (None, gathered)
     };
-    let op = gather_steps(&shard, unit, accumulator, rows, backward_hold);
+    let mut op = gather_steps(&shard, unit, accumulator, rows, backward_hold);
+    let prefetch = match (&op.recompute, &forward_hold) {
+        (Some(steps), Some(_)) if unit.backward_prefetch_depth > 0 => {
+            let n = values.shape().num_elements();
+            let prefetch = Prefetch::new(values.reshape([n]), steps.clone());
+            Some(prefetch.counted(gathered_elems * dtype.size(), in_flight_bytes(unit)))
+        }
+        _ => None,
+    };
+    op.prefetch = prefetch.clone();
     Ok(PendingGather {
         started: Started::new(shard, op),
         forward_hold,
+        prefetch,
+    })
+}
+
+/// Counts a prefetched exchange's result as gathered bytes while it is in flight: told its
+/// bytes when issued and 0 when taken.
+pub(crate) fn in_flight_bytes(unit: &UnitState) -> Observer {
+    let hold = unit.memory.hold(MemoryKind::Gathered, 0);
+    Observer::new(move |bytes| match bytes {
+        0 => hold.release(),
+        n => hold.add(n),
     })
 }
 
@@ -137,6 +161,7 @@ fn gather_steps<const D: usize>(
         forward,
         backward,
         recompute,
+        prefetch: None,
     }
 }
 

@@ -19,8 +19,10 @@
 //! depth the units were sharded with, [`FsdpConfig::forward_prefetch_depth`]): the next units'
 //! gathers are in flight while the current one computes, and each unit's gather is tied to the
 //! unit's input ([`UnitInput`]) so that backward reduce-scatters each unit's gradient right after
-//! running through it. Burn's backward has no hooks, so there is no backward prefetch: a
-//! resharded unit is gathered again when autodiff first needs it.
+//! running through it. Backward prefetch ([`FsdpConfig::backward_prefetch_depth`]): when a
+//! unit's backward starts, the re-gathers of that unit and of the units before it are issued
+//! (a marker node on each unit's output; Burn's backward has no hooks), so that they overlap
+//! the backward of the units after them.
 //!
 //! State is owned: each `fully_shard` call is one unit ([`UnitState`]: groups, policy,
 //! resharding, prefetch depth) and each sharded parameter has a [`ParamState`] (global shape,
@@ -49,8 +51,7 @@
 //! reduced gradient back (Burn 0.22's differentiable cross-device transfer, also across
 //! backends).
 //!
-//! Not done: backward prefetch (Burn 0.22's backward has no hooks, so a unit's re-gather
-//! cannot be issued before autodiff reaches it); loading a Hugging Face checkpoint into an
+//! Not done: loading a Hugging Face checkpoint into an
 //! already-sharded module (build it lazily and use [`fully_shard_from`] instead; sharded
 //! training checkpoints load into any layout through `burn-parallel-checkpoint`).
 //!

@@ -22,6 +22,7 @@ use crate::paths::{PathVisitor, visit_with_paths};
 use crate::reparam::collect;
 use crate::rows::RowRequest;
 use crate::shard::shard_module;
+use crate::state::Served;
 
 /// As [`fully_shard`](crate::fully_shard), but each rank's shard of every parameter comes from
 /// `source` (its rows of the full tensor), called once per parameter, in module order, and
@@ -186,7 +187,7 @@ pub fn gather_full<M: Module>(module: M) -> Result<M, FsdpError> {
             None => c.shard.detach(),
         };
         let full = coll::all_gather(shard, &c.state.unit.group, 0)?;
-        c.state.serve(Some(full));
+        c.state.serve(Some(Served::value(full)));
         served.0.push(c.state);
     }
     Ok(module.materialize())

@@ -12,7 +12,7 @@ use burn::module::ParamId;
 use burn::tensor::{DType, Device, Tensor};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::chunk::padded_chunk;
-use burn_parallel_comm::collectives::DevicePending;
+use burn_parallel_comm::collectives::{DevicePending, Prefetch};
 
 use crate::config::{FsdpConfig, GradientReduction, ShardLayout};
 use crate::memory::MemoryTracker;
@@ -30,6 +30,7 @@ pub struct UnitState {
     /// The device the unit computes on (where its inputs must be).
     pub(crate) device: Device,
     pub(crate) prefetch_depth: usize,
+    pub(crate) backward_prefetch_depth: usize,
     pub(crate) sync: Arc<AtomicBool>,
     pub(crate) memory: MemoryTracker,
     /// The unit's flat buffer under [`ShardLayout::FlatBuffer`] (`None`: per-parameter rows).
@@ -100,6 +101,7 @@ impl UnitState {
             compute: config.offload.as_ref().map(|_| compute.clone()),
             device: compute.clone(),
             prefetch_depth: config.forward_prefetch_depth,
+            backward_prefetch_depth: config.backward_prefetch_depth,
             sync: config.sync_switch().clone(),
             memory: config.memory().clone(),
         }
@@ -133,6 +135,11 @@ impl UnitState {
     /// Units after this one that `forward_units` keeps gathering while this one computes.
     pub fn prefetch_depth(&self) -> usize {
         self.prefetch_depth
+    }
+
+    /// Units before this one whose re-gather backward issues when this one's backward starts.
+    pub fn backward_prefetch_depth(&self) -> usize {
+        self.backward_prefetch_depth
     }
 
     /// The dtype the unit gathers and computes in (`None`: the shards').
@@ -182,6 +189,43 @@ pub(crate) enum Split {
     },
 }
 
+/// What a parameter is while its unit's coalesced gather serves it.
+#[derive(Debug)]
+pub(crate) struct Served {
+    /// Its slice of the gathered buffer (flat).
+    pub(crate) value: Tensor<1>,
+    /// The unit's backward prefetch list, when it prefetches.
+    pub(crate) prefetches: Option<Prefetches>,
+}
+
+impl Served {
+    /// `value`, with no prefetch list.
+    pub(crate) fn value(value: Tensor<1>) -> Self {
+        Self {
+            value,
+            prefetches: None,
+        }
+    }
+}
+
+/// The rebuilds one unit's forward left for backward, in the order they were made: what a
+/// later unit's backward issues ahead (see `comm::collectives::prefetch_on_backward`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Prefetches(Arc<Mutex<Vec<Prefetch>>>);
+
+impl Prefetches {
+    pub(crate) fn push(&self, prefetch: Prefetch) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(prefetch);
+    }
+
+    pub(crate) fn list(&self) -> Vec<Prefetch> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 /// One sharded parameter (FSDP2's `FSDPParam`): dim 0 split in pad-to-ceil chunks over the
 /// unit's group, or (Megatron-FSDP's flat layout) a contiguous piece of the unit's buffer.
 #[derive(Debug)]
@@ -192,8 +236,9 @@ pub struct ParamState {
     pub(crate) unit: Arc<UnitState>,
     /// The gradient summed over micro-steps while gradient sync is off (full, unsharded).
     pub(crate) accumulator: DevicePending,
-    /// While the unit runs under one coalesced gather: this parameter's slice of it (flat).
-    served: Mutex<Option<Tensor<1>>>,
+    /// While the unit runs under one coalesced gather: this parameter's slice of it (flat),
+    /// and where the rebuilds its consumers will run in backward are listed for prefetch.
+    served: Mutex<Option<Served>>,
     /// Whether the parameter takes a gradient (`require_grad`), fixed when it is sharded.
     /// A frozen one is gathered but never reduced (see [`Self::trainable`]).
     trainable: bool,
@@ -313,7 +358,14 @@ impl ParamState {
         let served = self.served.lock().unwrap_or_else(|e| e.into_inner());
         served
             .as_ref()
-            .map(|flat| flat.clone().reshape(self.shape::<D>()))
+            .map(|s| s.value.clone().reshape(self.shape::<D>()))
+    }
+
+    /// While served, the list of the serving unit's backward prefetches (`None` when the unit
+    /// does not prefetch in backward).
+    pub(crate) fn served_prefetches(&self) -> Option<Prefetches> {
+        let served = self.served.lock().unwrap_or_else(|e| e.into_inner());
+        served.as_ref().and_then(|s| s.prefetches.clone())
     }
 
     /// The elements each rank stores, in group order: what a gather of the flattened
@@ -339,7 +391,7 @@ impl ParamState {
             .is_some()
     }
 
-    pub(crate) fn serve(&self, value: Option<Tensor<1>>) {
+    pub(crate) fn serve(&self, value: Option<Served>) {
         *self.served.lock().unwrap_or_else(|e| e.into_inner()) = value;
     }
 }

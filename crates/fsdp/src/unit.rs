@@ -13,20 +13,25 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{DType, Device, FloatDType, Tensor};
-use burn_parallel_comm::collectives::{device_mismatch, place_flat, split_segments};
+use burn_parallel_comm::collectives::{
+    Prefetch, device_mismatch, place_flat, prefetch_on_backward, split_segments,
+};
 
 use crate::error::FsdpError;
 use crate::gather::{PendingGather, start_gather};
 use crate::memory::Hold;
 use crate::policy::MixedPrecisionPolicy;
 use crate::reparam::{Collected, collect};
-use crate::state::{FlatBuffer, ParamState, UnitState};
+use crate::state::{FlatBuffer, ParamState, Prefetches, Served, UnitState};
 
 /// Stops serving a unit's parameters when its scope ends, even by panic; when resharding
 /// after forward, that is also when its gathered bytes are released.
 struct ServeGuard {
     served: Vec<Arc<ParamState>>,
     _gathered: Option<Arc<Hold>>,
+    /// The rebuilds the unit's backward will run, when it prefetches in backward: its gather's
+    /// recomputation first, then what its forward adds (frozen weights' rebuilds).
+    prefetches: Option<Prefetches>,
 }
 
 impl Drop for ServeGuard {
@@ -310,8 +315,13 @@ impl PendingUnit {
     /// is one view of the gathered buffer (its runs of it, see [`Columns`]), all under one
     /// split, so backward builds the unit's gradient once, in the gathered layout that the
     /// reduce-scatter takes.
-    fn serve(self) -> ServeGuard {
+    fn serve(mut self) -> ServeGuard {
         let trainable = self.trainable;
+        let prefetches = self.gather.prefetch.take().map(|p| {
+            let list = Prefetches::default();
+            list.push(p);
+            list
+        });
         let (gathered, forward_hold) = self.gather.finish();
         let mut views = Vec::new();
         for (part, start) in self.parts {
@@ -353,13 +363,17 @@ impl PendingUnit {
                     true => value.detach(),
                     false => value,
                 };
-                state.serve(Some(value));
+                state.serve(Some(Served {
+                    value,
+                    prefetches: prefetches.clone(),
+                }));
                 state
             })
             .collect();
         ServeGuard {
             served,
             _gathered: forward_hold,
+            prefetches,
         }
     }
 }
@@ -521,6 +535,14 @@ pub trait UnitInput: Sized {
 
     /// The device of the value's tensors (checked against the units' device).
     fn device(&self) -> Device;
+
+    /// This value with a node whose backward issues `prefetches`
+    /// (`comm::collectives::prefetch_on_backward` on one of its tracked tensors). The default
+    /// returns the value unchanged: the units' backward then gathers each unit when it needs it.
+    fn prefetch_on_backward(self, prefetches: Vec<Prefetch>) -> Self {
+        let _ = prefetches;
+        self
+    }
 }
 
 impl<const D: usize> UnitInput for Tensor<D> {
@@ -543,6 +565,10 @@ impl<const D: usize> UnitInput for Tensor<D> {
 
     fn device(&self) -> Device {
         Tensor::device(self)
+    }
+
+    fn prefetch_on_backward(self, prefetches: Vec<Prefetch>) -> Self {
+        prefetch_on_backward(self, prefetches)
     }
 }
 
@@ -604,12 +630,15 @@ pub fn forward_units<U: Module, T: UnitInput>(
         panic!("{message}");
     }
     let depth = unit_state.as_ref().map_or(0, |u| u.prefetch_depth);
+    let backward_depth = unit_state.as_ref().map_or(0, |u| u.backward_prefetch_depth);
     let policy = unit_state.map(|u| u.policy);
     let buckets = buckets(units);
     let mut x = input;
     // Gathers issued ahead, in bucket order: buckets[started - in_flight.len() .. started].
     let mut in_flight = VecDeque::new();
     let mut started = 0;
+    // The rebuilds of the last `backward_depth + 1` buckets, newest first.
+    let mut rebuilds: VecDeque<Vec<Prefetch>> = VecDeque::new();
     for (b, bucket) in buckets.iter().enumerate() {
         // Keep `depth` buckets after this one in flight (this one's gather, when not
         // prefetched, starts now).
@@ -628,6 +657,19 @@ pub fn forward_units<U: Module, T: UnitInput>(
             .collect();
         for unit in &units[bucket.clone()] {
             x = unit_forward(policy, unit, x, &mut f);
+        }
+        if backward_depth > 0 {
+            rebuilds.push_front(
+                _guards
+                    .iter()
+                    .filter_map(|g| g.prefetches.as_ref())
+                    .flat_map(Prefetches::list)
+                    .collect(),
+            );
+            rebuilds.truncate(backward_depth + 1);
+            // When this bucket's backward starts, its own rebuilds and those of the
+            // `backward_depth` buckets before it are issued (each once).
+            x = x.prefetch_on_backward(rebuilds.iter().flatten().cloned().collect());
         }
     }
     x

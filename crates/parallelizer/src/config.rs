@@ -296,15 +296,16 @@ pub struct DistributedConfig {
     /// `None` (the default): NeMo's policy, every unit but the last reshards and the root never
     /// does.
     pub reshard_after_forward: Option<bool>,
-    /// Forward prefetch on (`fsdp2_forward_prefetch_depth` units) or off (default on).
+    /// Prefetch on (`fsdp2_forward_prefetch_depth` and `fsdp2_backward_prefetch_depth` units)
+    /// or off (default on).
     pub enable_fsdp2_prefetch: bool,
     /// Units whose all-gather is in flight ahead of the one computing (`fsdp::forward_units`;
     /// default 1; at most 16: each holds its gathered weights).
     pub fsdp2_forward_prefetch_depth: usize,
-    /// Not supported: Burn 0.22's backward has no hooks to issue a unit's gather ahead of its
-    /// backward (a resharded unit is gathered again when backward first needs it). Setting it
-    /// is an error; leave it out (default `None`).
-    pub fsdp2_backward_prefetch_depth: Option<usize>,
+    /// Units before the one whose backward starts whose re-gather is issued at that moment,
+    /// for units that reshard after forward (`fsdp::FsdpConfig::backward_prefetch_depth`;
+    /// default 2; at most 16: each holds its gathered weights until its backward).
+    pub fsdp2_backward_prefetch_depth: usize,
     /// Not supported (an error when true; default `false`): the CPU backends have no kernel
     /// fusion, and the CUDA build does not include Burn's fusion.
     pub enable_compile: bool,
@@ -344,7 +345,7 @@ impl Default for DistributedConfig {
             reshard_after_forward: None,
             enable_fsdp2_prefetch: true,
             fsdp2_forward_prefetch_depth: 1,
-            fsdp2_backward_prefetch_depth: None,
+            fsdp2_backward_prefetch_depth: 2,
             enable_compile: false,
             enable_async_tensor_parallel: false,
             defer_fsdp_grad_sync: true,

@@ -464,7 +464,8 @@ fn fsdp_config(
         FsdpConfig::new(shard)
     }
     .mixed_precision(plan.mixed_precision())
-    .forward_prefetch_depth(plan.forward_prefetch_depth());
+    .forward_prefetch_depth(plan.forward_prefetch_depth())
+    .backward_prefetch_depth(plan.backward_prefetch_depth());
     if let DataParallel::Flat {
         zero,
         bucket_elements,

@@ -314,6 +314,7 @@ impl Lora<Linear> {
                 rebuild: FrozenRebuild {
                     steps: vec![decode],
                     on_release: None,
+                    prefetch: None,
                 },
             },
         };

@@ -24,7 +24,7 @@ use burn::tensor::Slice;
 use super::hub::SplitHub;
 use super::placement::Placement;
 use crate::device::{
-    DeviceCollective, DeviceStep, FrozenRebuild, NcclCall, Phase, no_nccl, run_steps,
+    DeviceCollective, DeviceStep, FrozenRebuild, NcclCall, Phase, Prefetch, no_nccl, run_steps,
 };
 
 /// A backend that runs [`DeviceCollective`]s on its tensors and, on CUDA backends, NCCL steps
@@ -76,6 +76,12 @@ pub trait CollectiveBackend: Backend {
         _rebuild: Option<FrozenRebuild>,
     ) -> FloatTensor<Self> {
         Self::linear(x, w, None)
+    }
+
+    /// The tensor itself; on the autodiff backend, a node whose backward issues `prefetches`
+    /// before passing the gradient on (backward prefetch, see [`Prefetch`]).
+    fn prefetch_marker(x: FloatTensor<Self>, _prefetches: Vec<Prefetch>) -> FloatTensor<Self> {
+        x
     }
 
     /// `acc` (1-D) with `piece` written at `place.offset`, one step of `place::place_flat`
@@ -142,19 +148,42 @@ impl<B: CollectiveBackend> Backward<B, 1> for DeviceBackward {
     }
 }
 
-/// Rebuilds a dropped output from the input in backward (FSDP's reshard-after-forward).
+/// Rebuilds a dropped output from the input in backward (FSDP's reshard-after-forward), or
+/// finishes the same rebuild issued ahead by backward prefetch.
 #[derive(Debug)]
 struct Recompute<B> {
     input: NodeId,
     steps: Vec<DeviceStep>,
+    prefetch: Option<Prefetch>,
     _backend: std::marker::PhantomData<B>,
 }
 
 impl<B: CollectiveBackend> RetroForward for Recompute<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let input = states.get_state::<FloatTensor<B>>(&self.input);
-        let output = run_steps::<B>(input, &self.steps, Phase::Recompute, B::nccl_step);
+        let output = match &self.prefetch {
+            Some(p) => run_steps::<B>(
+                input,
+                &p.finish_steps(&self.steps),
+                Phase::Recompute,
+                B::nccl_step,
+            ),
+            None => run_steps::<B>(input, &self.steps, Phase::Recompute, B::nccl_step),
+        };
         states.save(out_node, output);
+    }
+}
+
+/// A prefetch marker's backward: issues the prefetches, passes the gradient unchanged.
+#[derive(Debug)]
+struct PrefetchBackward;
+
+impl<B: CollectiveBackend> Backward<B, 1> for PrefetchBackward {
+    type State = Vec<Prefetch>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        ops.state.iter().for_each(Prefetch::issue);
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| grad);
     }
 }
 
@@ -181,12 +210,11 @@ impl<B: CollectiveBackend> FrozenWeight<B> {
                 shape,
                 rebuild,
             } => {
-                let flat = run_steps::<B>(
-                    source.clone(),
-                    &rebuild.steps,
-                    Phase::Recompute,
-                    B::nccl_step,
-                );
+                let steps = match &rebuild.prefetch {
+                    Some(p) => p.finish_steps(&rebuild.steps),
+                    None => rebuild.steps.clone(),
+                };
+                let flat = run_steps::<B>(source.clone(), &steps, Phase::Recompute, B::nccl_step);
                 B::float_reshape(flat, shape.clone())
             }
         }
@@ -430,6 +458,7 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         rebuild: Option<FrozenRebuild>,
     ) -> FloatTensor<Self> {
         let (w, _) = w.into_parts();
+        let prefetch = rebuild.as_ref().and_then(|r| r.prefetch.clone());
         let weight = match rebuild {
             Some(rebuild) => FrozenWeight::Rebuilt {
                 source: source.into_primitive(),
@@ -445,8 +474,29 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(weight, output),
+            OpsKind::Tracked(prep) => {
+                prefetch.iter().for_each(Prefetch::arm);
+                prep.finish(weight, output)
+            }
             OpsKind::UnTracked(prep) => prep.finish(output),
+        }
+    }
+
+    fn prefetch_marker(x: FloatTensor<Self>, prefetches: Vec<Prefetch>) -> FloatTensor<Self> {
+        let retro = RetroSplit::<B> {
+            input: x.id(),
+            segments: None,
+            _backend: std::marker::PhantomData,
+        };
+        match PrefetchBackward
+            .prepare::<C>([x.node()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&x])
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(prefetches, x.into_primitive()),
+            OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
         }
     }
 
@@ -513,6 +563,7 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         let retro = Recompute::<B> {
             input: x.id(),
             steps,
+            prefetch: op.prefetch.clone(),
             _backend: std::marker::PhantomData,
         };
         match DeviceBackward
@@ -522,7 +573,10 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
             .parents([&x])
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(backward, compute(x.into_primitive())),
+            OpsKind::Tracked(prep) => {
+                op.prefetch.iter().for_each(Prefetch::arm);
+                prep.finish(backward, compute(x.into_primitive()))
+            }
             OpsKind::UnTracked(prep) => prep.finish(compute(x.into_primitive())),
         }
     }

@@ -27,7 +27,8 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::device::pairs::{self, MixedDtypes};
 use crate::device::{
-    CodedWeight, DeviceCollective, DeviceOp, DeviceStep, FrozenRebuild, InFlight, Sizes, route,
+    CodedWeight, DeviceCollective, DeviceOp, DeviceStep, FrozenRebuild, InFlight, Prefetch, Sizes,
+    route,
 };
 use crate::transport::collective::OpKind;
 use crate::transport::data::ReduceOp;
@@ -235,6 +236,21 @@ pub fn frozen_linear<const D: usize>(
         weight.into_dispatch(),
         source.into_dispatch(),
         Some(rebuild),
+    ))
+}
+
+/// `x` unchanged, with a node whose backward issues `prefetches` before passing the gradient
+/// on: placed on a unit's output, it issues the gathers that the backward of the unit and of
+/// the units before it will run, while backward is still above them (FSDP2's backward
+/// prefetch). Issuing is collective: every rank places the same markers. Without autodiff, or
+/// on an untracked `x`, nothing is recorded.
+pub fn prefetch_on_backward<const D: usize>(x: Tensor<D>, prefetches: Vec<Prefetch>) -> Tensor<D> {
+    if prefetches.is_empty() {
+        return x;
+    }
+    Tensor::from_dispatch(<Dispatch as CollectiveBackend>::prefetch_marker(
+        x.into_dispatch(),
+        prefetches,
     ))
 }
 

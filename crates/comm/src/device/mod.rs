@@ -4,8 +4,10 @@
 //! tensors (`cube`, `torch`, planned by `nccl`). It builds on the transport layer and knows
 //! nothing of autodiff.
 
+pub mod collective;
 pub mod decode;
 pub mod pairs;
+pub mod prefetch;
 pub mod route;
 pub mod steps;
 
@@ -16,9 +18,11 @@ pub(crate) mod nccl;
 #[cfg(feature = "tch")]
 pub(crate) mod torch;
 
+pub use collective::{DeviceCollective, FrozenRebuild};
 pub use decode::CodedWeight;
+pub use prefetch::Prefetch;
 pub use route::{describe, device_mismatch, is_cuda_device, route, same_device};
 pub use steps::{
-    Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, FrozenRebuild,
-    InFlight, NcclCall, Observer, Phase, Sizes, no_nccl, run_steps,
+    Deferral, DeviceOp, DevicePending, DeviceStep, Exchange, InFlight, NcclCall, Observer, Phase,
+    Sizes, no_nccl, run_steps,
 };

@@ -10,7 +10,8 @@ use burn::tensor::DType;
 use crate::transport::chunk::chunk_sizes;
 use crate::transport::data::ReduceOp;
 
-use super::steps::{DeviceCollective, DeviceOp, DeviceStep, Exchange, Sizes};
+use super::collective::DeviceCollective;
+use super::steps::{DeviceOp, DeviceStep, Exchange, Sizes};
 
 /// A collective step.
 pub fn run(op: DeviceOp, exchange: &Exchange) -> DeviceStep {
@@ -63,6 +64,7 @@ pub fn gather_mixed(
         forward,
         backward,
         recompute: None,
+        prefetch: None,
     }
 }
 
@@ -80,6 +82,7 @@ pub fn reduce_scatter(dim: usize, len: usize, ex: &Exchange) -> DeviceCollective
         )],
         backward: vec![run(DeviceOp::AllGather { dim, sizes }, ex)],
         recompute: None,
+        prefetch: None,
     }
 }
 
@@ -94,6 +97,7 @@ pub fn copy_to_group(ex: &Exchange) -> DeviceCollective {
         forward: Vec::new(),
         backward: vec![run(DeviceOp::AllReduce { op: ReduceOp::Sum }, ex)],
         recompute: None,
+        prefetch: None,
     }
 }
 
@@ -109,6 +113,7 @@ pub fn scatter_to_group(dim: usize, len: usize, ex: &Exchange) -> DeviceCollecti
         }],
         backward: vec![run(DeviceOp::AllGather { dim, sizes }, ex)],
         recompute: None,
+        prefetch: None,
     }
 }
 
@@ -141,6 +146,7 @@ pub fn all_to_all(
             ex,
         )],
         recompute: None,
+        prefetch: None,
     }
 }
 
@@ -161,5 +167,6 @@ pub fn gather_from_group(dim: usize, ex: &Exchange) -> DeviceCollective {
             index: ex.group().index(),
         }],
         recompute: None,
+        prefetch: None,
     }
 }

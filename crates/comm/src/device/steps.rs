@@ -197,30 +197,16 @@ impl Observer {
     pub fn new(f: impl Fn(usize) + Send + Sync + 'static) -> Self {
         Self(Arc::new(f))
     }
+
+    /// Calls the observer with `bytes`.
+    pub(crate) fn notify(&self, bytes: usize) {
+        (self.0)(bytes)
+    }
 }
 
 impl fmt::Debug for Observer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Observer")
-    }
-}
-
-/// How backward gets a frozen weight again rather than keeping it from forward: `steps` run
-/// on the weight's source (this rank's shard: a cast and an all-gather) give the weight,
-/// flattened; `on_release` is told when backward has dropped it again.
-#[derive(Debug, Clone)]
-pub struct FrozenRebuild {
-    /// The steps from the source to the flattened weight.
-    pub steps: Vec<DeviceStep>,
-    /// Told (with 0) once the rebuilt weight is dropped.
-    pub on_release: Option<Observer>,
-}
-
-impl FrozenRebuild {
-    pub(crate) fn released(&self) {
-        if let Some(observer) = &self.on_release {
-            (observer.0)(0);
-        }
     }
 }
 
@@ -373,63 +359,6 @@ pub enum DeviceStep {
     Defer(Deferral),
     /// Decodes a 4-bit packed weight into its values ([`crate::device::decode`]).
     Decode(CodedWeight),
-}
-
-/// A differentiable collective: `forward` runs on the input, `backward` on the gradient.
-/// With `recompute`, under gradient checkpointing the output is dropped after forward and these
-/// steps rebuild it from the input when backward needs it (FSDP's reshard-after-forward).
-#[derive(Debug, Clone, Default)]
-pub struct DeviceCollective {
-    /// Steps run on the input.
-    pub forward: Vec<DeviceStep>,
-    /// Steps run on the gradient.
-    pub backward: Vec<DeviceStep>,
-    /// Steps that rebuild the dropped output in backward, under gradient checkpointing.
-    pub recompute: Option<Vec<DeviceStep>>,
-}
-
-impl DeviceCollective {
-    /// Only `steps`, run forward.
-    pub fn steps(steps: Vec<DeviceStep>) -> Self {
-        Self {
-            forward: steps,
-            ..Self::default()
-        }
-    }
-
-    /// The backward steps as a collective of their own (what the autodiff node runs).
-    pub fn adjoint(&self) -> Option<DeviceCollective> {
-        (!self.backward.is_empty()).then(|| Self::steps(self.backward.clone()))
-    }
-
-    /// The forward split at its first engine collective, for issuing it ahead of its use: the
-    /// steps before it, the op and its group. `None` when the forward has no such step (or
-    /// exchanges through NCCL, which cannot be issued ahead: CubeCL and tch hide their streams).
-    pub fn engine_prefix(&self) -> Option<(&[DeviceStep], &DeviceOp, &ProcessGroup)> {
-        let at = self
-            .forward
-            .iter()
-            .position(|s| matches!(s, DeviceStep::Run { .. }))?;
-        match &self.forward[at] {
-            DeviceStep::Run {
-                op,
-                exchange: Exchange::Engine(group),
-            } => Some((&self.forward[..at], op, group)),
-            _ => None,
-        }
-    }
-
-    /// This collective with the forward's first collective (and the steps before it) replaced
-    /// by awaiting `started`, which must be that collective issued on the prefix's output.
-    pub fn awaiting(mut self, started: InFlight) -> Self {
-        let at = self
-            .forward
-            .iter()
-            .position(|s| matches!(s, DeviceStep::Run { .. }))
-            .expect("awaiting replaces a collective step");
-        self.forward.splice(..=at, [DeviceStep::Await(started)]);
-        self
-    }
 }
 
 /// One NCCL collective for a backend to run on its own buffer.

@@ -33,15 +33,21 @@ pub enum ConfigError {
     /// `ddp_bucket_cap_mb` is zero, negative or NaN.
     #[error("ddp_bucket_cap_mb must be positive")]
     BucketCap,
-    /// `fsdp2_forward_prefetch_depth` is past any use: each unit in flight holds its gathered
-    /// weights, so a depth in the dozens would gather most of the model at once.
+    /// `fsdp2_forward_prefetch_depth` or `fsdp2_backward_prefetch_depth` is past any use: each
+    /// unit in flight holds its gathered weights, so a depth in the dozens would gather most of
+    /// the model at once.
     #[error(
-        "fsdp2_forward_prefetch_depth {0} would hold that many gathered units at once: give at \
-         most {max} (1 or 2 hides a gather behind a unit's compute; 0 or \
-         enable_fsdp2_prefetch = false turns prefetch off)",
+        "{key} {depth} would hold that many gathered units at once: give at most {max} (1 or 2 \
+         hides a gather behind a unit's compute; 0 or enable_fsdp2_prefetch = false turns \
+         prefetch off)",
         max = MAX_PREFETCH_DEPTH
     )]
-    PrefetchDepth(usize),
+    PrefetchDepth {
+        /// The key.
+        key: &'static str,
+        /// Its value.
+        depth: usize,
+    },
     /// The world does not split into `dp_replicate x tp x cp` blocks.
     #[error(
         "world size {world} is not divisible by dp_replicate_size {dp_replicate} x tp_size {tp} \
@@ -230,12 +236,6 @@ pub enum Unsupported {
          include Burn's fusion; leave it false)"
     )]
     Compile,
-    /// `fsdp2_backward_prefetch_depth`.
-    #[error(
-        "fsdp2_backward_prefetch_depth {0} (Burn 0.22's backward has no hooks: a resharded unit \
-         is gathered again when backward first needs it; leave the key out)"
-    )]
-    BackwardPrefetchDepth(usize),
     /// An `activation_checkpointing_scope` other than "all".
     #[error("activation_checkpointing_scope {0:?} (only \"all\")")]
     CheckpointingScope(String),

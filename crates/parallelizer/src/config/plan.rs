@@ -57,6 +57,7 @@ pub struct Plan {
     data_parallel: DataParallel,
     resharding: Option<bool>,
     forward_prefetch_depth: usize,
+    backward_prefetch_depth: usize,
     policy: MixedPrecisionPolicy,
     offload: bool,
 }
@@ -68,6 +69,7 @@ impl PartialEq for Plan {
             && self.data_parallel == other.data_parallel
             && self.resharding == other.resharding
             && self.forward_prefetch_depth == other.forward_prefetch_depth
+            && self.backward_prefetch_depth == other.backward_prefetch_depth
             && self.policy == other.policy
             && self.offload == other.offload
             && a.mesh_names == b.mesh_names
@@ -119,6 +121,12 @@ impl Plan {
     /// `enable_fsdp2_prefetch = false`, or megatron_fsdp's `overlap_param_gather = false`).
     pub fn forward_prefetch_depth(&self) -> usize {
         self.forward_prefetch_depth
+    }
+
+    /// Units before the one whose backward starts whose re-gather is issued then (0 with
+    /// prefetch off, as [`Self::forward_prefetch_depth`]).
+    pub fn backward_prefetch_depth(&self) -> usize {
+        self.backward_prefetch_depth
     }
 
     /// The mixed-precision policy FSDP applies: `mp_policy`, with f32 reduction under
@@ -231,6 +239,11 @@ impl DistributedConfig {
             } else {
                 0
             },
+            backward_prefetch_depth: if prefetches {
+                self.fsdp2_backward_prefetch_depth
+            } else {
+                0
+            },
             policy,
             offload,
         })
@@ -277,10 +290,19 @@ impl DistributedConfig {
         if self.ddp_bucket_cap_mb.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(invalid(ConfigError::BucketCap));
         }
-        if self.fsdp2_forward_prefetch_depth > super::error::MAX_PREFETCH_DEPTH {
-            return Err(invalid(ConfigError::PrefetchDepth(
+        for (key, depth) in [
+            (
+                "fsdp2_forward_prefetch_depth",
                 self.fsdp2_forward_prefetch_depth,
-            )));
+            ),
+            (
+                "fsdp2_backward_prefetch_depth",
+                self.fsdp2_backward_prefetch_depth,
+            ),
+        ] {
+            if depth > super::error::MAX_PREFETCH_DEPTH {
+                return Err(invalid(ConfigError::PrefetchDepth { key, depth }));
+            }
         }
         let sizes = self.strategy_sizes(world_size)?;
         if sizes.world() != world_size {
@@ -352,9 +374,6 @@ impl DistributedConfig {
         }
         if self.enable_compile {
             return unsupported(Unsupported::Compile);
-        }
-        if let Some(depth) = self.fsdp2_backward_prefetch_depth {
-            return unsupported(Unsupported::BackwardPrefetchDepth(depth));
         }
         if self.activation_checkpointing_scope != "all" {
             return unsupported(Unsupported::CheckpointingScope(
