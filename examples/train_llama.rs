@@ -23,13 +23,14 @@
 //! run's `DistributedConfig`, `--distributed-config FILE` reads one, and flags given override
 //! the file.
 
+use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::sync::Mutex;
 
 use burn_parallel::comm::memory::peak_rss_bytes;
 use burn_parallel::train::{
-    GenerateOptions, StepLog, StopFlag, TrainArgs, TrainConfig, TrainSummary, train,
+    GenerateOptions, Relaunch, StepLog, StopFlag, TrainArgs, TrainConfig, TrainSummary, train,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -121,7 +122,23 @@ fn generate(args: &TrainArgs, prompt: &str, options: &GenerateOptions) -> ExitCo
 
 /// The exit code of a run stopped by a preemption signal after saving: sysexits'
 /// `EX_TEMPFAIL` ("try again later"), for a scheduler's requeue rule.
-const REQUEUE_EXIT_CODE: u8 = 75;
+const REQUEUE_EXIT_CODE: u8 = burn_parallel::train::REQUEUE_EXIT_CODE as u8;
+
+/// `--launcher`: runs the job under its launcher, restarting it as --max-restarts says.
+fn relaunch(job: &Relaunch) -> ExitCode {
+    match job.run() {
+        Ok(end) => {
+            if end.restarts > 0 {
+                eprintln!("the job finished after {} restart(s)", end.restarts);
+            }
+            ExitCode::from(end.code as u8)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
 
 /// SIGTERM and SIGUSR1 (Slurm's `--signal`) and a first SIGINT raise `stop`: the run ends after
 /// the step in progress, saved to `--save-dir`. A second SIGINT ends the process at once.
@@ -145,7 +162,8 @@ fn stop_on_signals(_stop: &StopFlag) -> std::io::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let args = TrainArgs::parse_with_recipe(std::env::args_os()).unwrap_or_else(|e| e.exit());
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let args = TrainArgs::parse_with_recipe(argv.clone()).unwrap_or_else(|e| e.exit());
     // Before any rank thread allocates.
     if !args.malloc.apply() {
         eprintln!(
@@ -166,6 +184,14 @@ fn main() -> ExitCode {
     if args.print_recipe {
         print!("{}", args.recipe_yaml(&cfg));
         return ExitCode::SUCCESS;
+    }
+    match args.relaunch(&argv) {
+        Ok(None) => {}
+        Ok(Some(job)) => return relaunch(&job),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
     }
     let stop = StopFlag::new();
     if let Err(e) = stop_on_signals(&stop) {

@@ -479,6 +479,12 @@ fn a_failed_rank_restarts_the_run_from_its_newest_checkpoint() {
         "the restarted run ended elsewhere"
     );
 
+    // A fault on every attempt (`:every`) fails the restart too: the run ends with its cause.
+    let e = train(&cfg("every", Some("1:2:panic:every"), 1), &|_| {})
+        .expect_err("a panic on every attempt")
+        .to_string();
+    assert!(e.contains("rank 1 panics at step 2"), "{e}");
+
     let e = train(&cfg("nan", Some("0:1:nan"), 2), &|_| {})
         .expect_err("a NaN loss on every rank")
         .to_string();

@@ -8,8 +8,9 @@
 //!   (default 2,3,4), runs the Llama trainer as an MPI job against the same run on threads
 //!   (`train.rs`), then checks that a failing rank ends the job within seconds with a message
 //!   naming the rank and the collective, and that ranks calling two groups in opposite orders
-//!   time out, each naming every call it has pending. Arguments that do not start with `-`
-//!   (cargo test's filter) run only the checks whose names contain one of them.
+//!   time out, each naming every call it has pending, and that the trainer as its own launcher
+//!   (`--launcher`) restarts a job whose rank was killed (`relaunch.rs`). Arguments that do not
+//!   start with `-` (cargo test's filter) run only the checks whose names contain one of them.
 
 #[path = "../it/brute.rs"]
 mod brute;
@@ -27,6 +28,7 @@ mod fsdp_basic;
 #[path = "../it/fsdp_tp.rs"]
 mod fsdp_tp;
 mod ranks;
+mod relaunch;
 #[path = "../it/tp_common.rs"]
 mod tp_common;
 #[allow(dead_code, unused_imports)]
@@ -130,6 +132,9 @@ fn drive(args: &[String]) -> Result<(), String> {
     }
     if selected(args, "mpi_diverged_groups_time_out_naming_pending_calls") {
         diverged_groups_time_out_naming_pending_calls()?;
+    }
+    if selected(args, "mpi_launcher_restarts_a_failed_job") {
+        relaunch::launcher_restarts_a_failed_job()?;
     }
     Ok(())
 }

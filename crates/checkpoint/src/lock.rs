@@ -49,11 +49,20 @@ fn host_name() -> String {
         .unwrap_or_else(|_| "an unknown host".into())
 }
 
-/// Whether process `pid` runs on this host; where that cannot be told, it is taken to run.
+/// Whether process `pid` runs on this host; where that cannot be told, it is taken to run. A
+/// zombie (ended, not yet reaped: in a container without an init, a killed MPI job's ranks
+/// stay so) does not run.
 fn process_runs(pid: u32) -> bool {
-    match Path::new("/proc/self").exists() {
-        true => Path::new(&format!("/proc/{pid}")).exists(),
-        false => true,
+    if !Path::new("/proc/self").exists() {
+        return true;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // "pid (name) state ...": the state follows the name's closing parenthesis.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|state| !matches!(state, "Z" | "X")),
+        Err(_) => false,
     }
 }
 

@@ -1,6 +1,7 @@
 //! The trainer's command line (`examples/train_llama.rs`): its flags and the [`TrainConfig`]
 //! they give. The distributed flags are [`DistributedFlags`].
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
 use burn_parallel_comm::EngineKind;
@@ -16,6 +17,7 @@ use crate::generate::GenerateOptions;
 use crate::lora::LoraFlags;
 use crate::malloc::Malloc;
 use crate::recipe::Recipe;
+use crate::relaunch::{Relaunch, in_launched_job};
 
 named_enum! {
     /// The built-in models `--model` names.
@@ -129,6 +131,12 @@ pub struct TrainArgs {
     /// rank (one thread per GPU, or one process per GPU when the launcher sets RANK).
     #[arg(long)]
     pub engine: Option<EngineKind>,
+    /// Start the ranks with this launcher ("mpirun -np 4", split at spaces) rather than
+    /// training here: the trainer runs its own command line under it and, with --max-restarts
+    /// N, starts a failed job again from the newest checkpoint in --save-dir, up to N times
+    /// (TorchElastic's restarts, for engines whose ranks are processes).
+    #[arg(long, value_name = "CMD")]
+    pub launcher: Option<String>,
     /// Whether freed memory stays in the process for the next step.
     #[arg(
         long,
@@ -143,6 +151,27 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The job `--launcher` asks for, run with this program's `args` (the program name first),
+    /// or `None`: no launcher, or this process is a rank of a job a launcher started.
+    pub fn relaunch(&self, args: &[OsString]) -> Result<Option<Relaunch>, TrainError> {
+        let Some(launcher) = &self.launcher else {
+            return Ok(None);
+        };
+        if in_launched_job() {
+            return Ok(None);
+        }
+        let program = std::env::current_exe().map_err(|e| {
+            TrainError::Config(format!("--launcher: cannot find this program's path: {e}"))
+        })?;
+        Ok(Some(Relaunch {
+            launcher: launcher.split_whitespace().map(String::from).collect(),
+            program,
+            args: args.iter().skip(1).cloned().collect(),
+            save_dir: self.run.save_dir.clone(),
+            max_restarts: self.run.max_restarts,
+        }))
+    }
+
     /// The flags of `args` (the program name first), a `--recipe`'s values under them: the
     /// recipe's flags are parsed first, so that a flag on the command line overrides the
     /// recipe. A recipe that cannot be read is a clap error naming it, so that
@@ -217,6 +246,11 @@ impl TrainArgs {
             grad_clip: run.grad_clip.filter(|&clip| clip > 0.0),
             data_options,
             fault: crate::fault::Fault::from_env()?,
+            // A launched job's restarts are its launcher's (see `Relaunch`).
+            max_restarts: match in_launched_job() {
+                true => 0,
+                false => run.max_restarts,
+            },
             engine,
             freeze: self
                 .freeze

@@ -1,7 +1,9 @@
 //! Injected faults, for tests and for users' drills of their recovery:
 //! `BURN_PARALLEL_FAULT=rank:step:kind` (read by the trainer's command line into
 //! `TrainConfig::fault`) makes rank `rank` fail at step `step` in one of these ways. Unset, it
-//! costs nothing: no check runs.
+//! costs nothing: no check runs. A restart (`--max-restarts`) runs without the fault, as a
+//! drill of a one-off failure; `rank:step:kind:every` fails every attempt, a drill of a failure
+//! that restarting cannot cure.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -42,6 +44,8 @@ pub struct Fault {
     pub step: usize,
     /// How.
     pub kind: FaultKind,
+    /// Whether restarts fail again (`:every`), rather than only the first attempt.
+    pub every_attempt: bool,
 }
 
 impl FromStr for Fault {
@@ -51,12 +55,18 @@ impl FromStr for Fault {
         let bad = |why: &str| {
             TrainError::Config(format!(
                 "{FAULT_ENV}={s:?}: {why}; give rank:step:kind with kind one of kill, panic, \
-                 hang, nan, slow, save-io (e.g. 1:3:panic)"
+                 hang, nan, slow, save-io (e.g. 1:3:panic), and :every after it to fail restarts \
+                 too"
             ))
         };
         let parts: Vec<&str> = s.split(':').collect();
-        let [rank, step, kind] = parts.as_slice() else {
-            return Err(bad("not three fields"));
+        let (rank, step, kind, every_attempt) = match parts.as_slice() {
+            [rank, step, kind] => (rank, step, kind, false),
+            [rank, step, kind, every] if every.trim() == "every" => (rank, step, kind, true),
+            [_, _, _, other] => {
+                return Err(bad(&format!("the fourth field {other:?} is not \"every\"")));
+            }
+            _ => return Err(bad("not three fields")),
         };
         let number = |v: &str, what: &str| {
             v.trim()
@@ -76,6 +86,7 @@ impl FromStr for Fault {
             rank: number(rank, "rank")?,
             step: number(step, "step")?,
             kind,
+            every_attempt,
         })
     }
 }
@@ -128,10 +139,12 @@ mod tests {
             Fault {
                 rank: 1,
                 step: 3,
-                kind: FaultKind::SaveIo
+                kind: FaultKind::SaveIo,
+                every_attempt: false,
             }
         );
-        for bad in ["1:3", "x:3:panic", "1:3:explode"] {
+        assert!("0:2:kill:every".parse::<Fault>().unwrap().every_attempt);
+        for bad in ["1:3", "x:3:panic", "1:3:explode", "1:3:panic:twice"] {
             let e = bad.parse::<Fault>().unwrap_err().to_string();
             assert!(e.contains("rank:step:kind") && e.contains(FAULT_ENV), "{e}");
         }

@@ -52,6 +52,7 @@ mod options;
 mod outputs;
 mod pipeline;
 pub mod recipe;
+mod relaunch;
 mod restarts;
 mod resume;
 mod run_loop;
@@ -88,6 +89,7 @@ pub use optim::{AdamW, Optimizer, Sgd};
 pub use options::{
     DEFAULT_TARGETS, LoraOptions, LoraQuantize, LrScheduleKind, OnNonFinite, PipelineOptions,
 };
+pub use relaunch::{ATTEMPT_ENV, JobEnd, REQUEUE_EXIT_CODE, Relaunch, in_launched_job};
 pub use restarts::train;
 pub use state::model_state_bytes;
 pub use step_log::{Skipped, StepCalls, StepLog, StepTimes};

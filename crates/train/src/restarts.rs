@@ -48,7 +48,7 @@ pub fn train(
                 );
                 attempt = TrainConfig {
                     resume: newest.or_else(|| cfg.resume.clone()),
-                    fault: None,
+                    fault: cfg.fault.filter(|f| f.every_attempt),
                     ..cfg.clone()
                 };
             }
@@ -65,8 +65,9 @@ fn check(cfg: &TrainConfig) -> Result<(), TrainError> {
             "--max-restarts",
             format!(
                 "restarts rank threads in this process, not the processes of the {} engine, \
-                 where a failed rank ends the job: restart the job from its launcher (a loop \
-                 around mpirun or torchrun) with --resume pointing at --save-dir",
+                 where a failed rank ends the job: give the launcher to the trainer, which then \
+                 restarts the job (--launcher \"mpirun -np 4\" --max-restarts N), or restart it \
+                 from your own launcher with --resume pointing at --save-dir",
                 cfg.engine
             ),
         )),
