@@ -45,6 +45,7 @@ mod qlora;
 mod readme;
 mod recipes;
 mod recompute;
+mod resume_data;
 mod tp_attention;
 mod tp_common;
 mod tp_fused;
