@@ -39,16 +39,17 @@ fn flex_storage<const D: usize>(t: Tensor<D>) -> Weak<Bytes> {
 }
 
 #[derive(Module, Debug)]
-struct LoraStack {
-    layers: Vec<Lora<Linear>>,
+pub(crate) struct LoraStack {
+    pub(crate) layers: Vec<Lora<Linear>>,
 }
 
-/// Seeded layers, identical on every rank, each with an adapter (its base frozen).
-fn lora_stack(device: &Device) -> LoraStack {
+/// `layers` seeded square layers of `width`, identical on every rank, each with a rank-2
+/// adapter (its base frozen).
+pub(crate) fn lora_stack(device: &Device, layers: usize, width: usize) -> LoraStack {
     let config = LoraConfig::new(2, 4.0, &["layers"]);
-    let layers = (0..LAYERS as u64)
+    let layers = (0..layers as u64)
         .map(|i| {
-            Lora::new(linear_on(device, 40 + i, WIDTH, WIDTH))
+            Lora::new(linear_on(device, 40 + i, width, width))
                 .attach(&format!("layers.{i}"), &config)
                 .expect("an adapter fits")
         })
@@ -76,7 +77,7 @@ fn run(reshard_after_forward: bool) -> Vec<Seen> {
             .reshard_after_forward(reshard_after_forward)
             .layout(ShardLayout::FlatBuffer)
             .forward_prefetch_depth(0);
-        let stack = lora_stack(&device);
+        let stack = lora_stack(&device, LAYERS, WIDTH);
         let layers = stack
             .layers
             .into_iter()

@@ -4,40 +4,17 @@
 //! gathers are issued, seen here in the gathered-bytes high-water mark of backward (each
 //! unit in flight holds its gathered weights) and in the count of gathers, which must not grow.
 
-use burn::module::Module;
-use burn::nn::Linear;
-use burn::tensor::Device;
 use burn_parallel::comm::{OpKind, launch};
 use burn_parallel::fsdp::{FsdpConfig, MemoryKind, forward_units, fully_shard};
-use burn_parallel::peft::{Lora, LoraConfig};
 
 use crate::common::{flex_ad, tensor, vec_of};
-use crate::tp_common::linear_on;
+use crate::frozen_reshard::lora_stack;
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
 
 const WIDTH: usize = 12;
 const LAYERS: usize = 5;
 const ROWS: usize = 3;
-
-#[derive(Module, Debug)]
-struct Stack {
-    layers: Vec<Lora<Linear>>,
-}
-
-/// Seeded layers, identical on every rank; each has an adapter, so each unit's gather trains
-/// (the adapter) and its frozen base is rebuilt in backward on its own.
-fn stack(device: &Device) -> Stack {
-    let config = LoraConfig::new(2, 4.0, &["layers"]);
-    let layers = (0..LAYERS as u64)
-        .map(|i| {
-            Lora::new(linear_on(device, 60 + i, WIDTH, WIDTH))
-                .attach(&format!("layers.{i}"), &config)
-                .expect("an adapter fits")
-        })
-        .collect();
-    Stack { layers }
-}
 
 /// What one rank saw in one forward and backward.
 #[derive(Debug, PartialEq)]
@@ -59,7 +36,9 @@ fn run(depth: usize) -> Vec<Seen> {
         let config = FsdpConfig::new(group.clone())
             .forward_prefetch_depth(0)
             .backward_prefetch_depth(depth);
-        let layers = stack(&device)
+        // Each unit's gather trains (the adapter), and its frozen base is rebuilt in backward on
+        // its own.
+        let layers = lora_stack(&device, LAYERS, WIDTH)
             .layers
             .into_iter()
             .map(|layer| fully_shard(layer, &config))
