@@ -7,8 +7,9 @@
 //!   `mpirun --allow-run-as-root --oversubscribe -np N` for N in `BURN_PARALLEL_MPI_NP`
 //!   (default 2,3,4), runs the Llama trainer as an MPI job against the same run on threads
 //!   (`train.rs`), then checks that a failing rank ends the job within seconds with a message
-//!   naming the rank and the collective, and that ranks calling two groups in opposite orders
-//!   time out, each naming every call it has pending, and that the trainer as its own launcher
+//!   naming the rank and the collective, that a rank that never reaches its collective is named
+//!   by the others' roll call, that ranks calling two groups in opposite orders time out, each
+//!   naming every call it has pending, and that the trainer as its own launcher
 //!   (`--launcher`) restarts a job whose rank was killed (`relaunch.rs`). Arguments that do not
 //!   start with `-` (cargo test's filter) run only the checks whose names contain one of them.
 
@@ -44,6 +45,8 @@ use burn_parallel::comm::started_by_mpi_launcher;
 
 /// The argument that selects the failure check.
 const FAIL_ARG: &str = "--fail";
+/// The argument that selects the stuck-rank check.
+const HANG_ARG: &str = "--hang";
 /// The argument that selects the divergence check.
 const DIVERGE_ARG: &str = "--diverge";
 /// The collective timeout of the divergence check, in seconds: short, so the check is quick.
@@ -77,6 +80,8 @@ fn main() -> ExitCode {
             ranks::fail
         } else if args.iter().any(|a| a == DIVERGE_ARG) {
             ranks::diverge
+        } else if args.iter().any(|a| a == HANG_ARG) {
+            ranks::hang
         } else {
             ranks::run
         };
@@ -132,6 +137,9 @@ fn drive(args: &[String]) -> Result<(), String> {
     }
     if selected(args, "mpi_diverged_groups_time_out_naming_pending_calls") {
         diverged_groups_time_out_naming_pending_calls()?;
+    }
+    if selected(args, "mpi_a_stuck_rank_is_named") {
+        a_stuck_rank_is_named()?;
     }
     if selected(args, "mpi_launcher_restarts_a_failed_job") {
         relaunch::launcher_restarts_a_failed_job()?;
@@ -208,6 +216,27 @@ fn failing_rank_ends_the_job() -> Result<(), String> {
     if !named {
         return Err(format!(
             "the failure message must name rank 1 and the all_gather:\n{stderr}"
+        ));
+    }
+    Ok(())
+}
+
+/// A rank that never reaches its collective (asleep, as a paused or hung one) is named by the
+/// ranks that time out waiting for it: it did not answer their roll call.
+fn a_stuck_rank_is_named() -> Result<(), String> {
+    println!("mpi tests: a rank that never reaches its collective must be named after the timeout");
+    let timeout_env = burn_parallel::comm::TIMEOUT_ENV;
+    let stderr = failing_job(
+        2,
+        HANG_ARG,
+        &[(timeout_env, DIVERGE_TIMEOUT_SECS)],
+        "with a stuck rank",
+    )?;
+    let expected = "rank 0 waits in all_reduce (call #0 of group world[0, 1]) for ranks [1]";
+    if !stderr.contains(expected) {
+        return Err(format!(
+            "the stuck rank must be named ({expected:?}):
+{stderr}"
         ));
     }
     Ok(())

@@ -240,6 +240,17 @@ pub fn fail(ctx: RankContext) -> Result<()> {
     Ok(())
 }
 
+/// The stuck-rank check, on 2 processes with a timeout of a few seconds: rank 1 sleeps far past
+/// the timeout before its collective (as a paused or hung rank would), rank 0 waits in it.
+pub fn hang(ctx: RankContext) -> Result<()> {
+    let world = ctx.world()?;
+    if ctx.rank() == 1 {
+        std::thread::sleep(std::time::Duration::from_secs(60));
+    }
+    world.all_reduce(TensorData::new(vec![1f32; 4], [4]), ReduceOp::Sum)?;
+    Ok(())
+}
+
 /// The divergence check, on 2 processes with a timeout of a few seconds: rank 0 calls a
 /// collective of group A then one of B, with a receive on B pending; rank 1 calls B then A.
 /// Each rank's calls time out, and each rank prints every call it has pending.

@@ -503,10 +503,16 @@ fn failed(op: &DeviceOp, group: &ProcessGroup, phase: Phase, e: CollectiveError)
              tensors on that rank, or share TensorData)"
         }
         // Ranks in separate processes (MPI), which share no tensor: a peer is not running.
+        // The roll call named the ranks that never reached a collective.
+        CollectiveError::Stalled { call, .. } if call.missing.is_some() => {
+            " (the ranks it waits for did not answer the roll call of the ranks blocked in \
+             collectives: they are paused (SIGSTOP), hung, or in a long computation; if one \
+             failed, the job's output names it)"
+        }
         CollectiveError::Stalled { .. } => {
-            " (another process of the job stopped issuing collectives: it was paused, killed, \
-             is stuck in a long computation, or issued them in another order; the other \
-             processes' output names the one that failed)"
+            " (every rank answered the roll call, so each is blocked in a collective: they \
+             issued their collectives in different orders; compare the pending calls that each \
+             rank prints)"
         }
         _ => "",
     };

@@ -2,8 +2,6 @@
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
-use std::mem::ManuallyDrop;
-use std::ops::Deref;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -23,34 +21,9 @@ use crate::transport::traffic::CallBytes;
 
 use super::lock::lock;
 use super::pending::{PendingCalls, await_reply};
+use super::roll_call::{RollCall, grace};
+use super::shared_comm::Comm;
 use super::{ops, p2p};
-
-/// An MPI communicator that worker threads share. The MPI library is initialized with
-/// `MPI_THREAD_MULTIPLE`, so a communicator may be used from any thread.
-pub(crate) struct Comm(ManuallyDrop<SimpleCommunicator>);
-
-// SAFETY: MPI handles are plain identifiers; with MPI_THREAD_MULTIPLE the library allows calls
-// on them from any thread, concurrently.
-unsafe impl Send for Comm {}
-unsafe impl Sync for Comm {}
-
-impl Deref for Comm {
-    type Target = SimpleCommunicator;
-    fn deref(&self) -> &SimpleCommunicator {
-        &self.0
-    }
-}
-
-impl Drop for Comm {
-    fn drop(&mut self) {
-        // A group that outlives the launch (kept in a result) cannot be freed once MPI is
-        // finalized; the process is ending then anyway.
-        if !mpi::is_finalized() {
-            // SAFETY: dropped once, here.
-            unsafe { ManuallyDrop::drop(&mut self.0) }
-        }
-    }
-}
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -93,7 +66,7 @@ impl Worker {
 }
 
 /// What every group of one process shares besides MPI itself.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Shared {
     /// This process's counters, over all groups.
     pub rank_stats: Arc<Mutex<CommStats>>,
@@ -101,6 +74,24 @@ pub(crate) struct Shared {
     pub pending: Arc<PendingCalls>,
     /// How long a caller waits for a call's result.
     pub timeout: Duration,
+    /// Which ranks never reached a collective, asked when a call times out.
+    pub roll_call: Arc<RollCall>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Shared(timeout {:?})", self.timeout)
+    }
+}
+
+/// The ranks of `call`'s group that did not answer the roll call (see [`RollCall`]).
+fn absent_ranks(roll_call: &RollCall, timeout: Duration, call: &PendingCall) -> Vec<usize> {
+    let heard = roll_call.heard(grace(timeout));
+    call.ranks
+        .iter()
+        .filter(|r| !heard.contains(r))
+        .copied()
+        .collect()
 }
 
 /// What the jobs of one group share.
@@ -122,6 +113,7 @@ pub(crate) struct MpiCommunicator {
     state: Arc<GroupState>,
     pending: Arc<PendingCalls>,
     timeout: Duration,
+    roll_call: Arc<RollCall>,
     collectives: Worker,
     sends: Worker,
     recvs: Worker,
@@ -163,8 +155,8 @@ impl MpiCommunicator {
         let label = info.label.clone();
         let state = Arc::new(GroupState {
             info,
-            comm: Comm(ManuallyDrop::new(comm)),
-            p2p: Comm(ManuallyDrop::new(p2p)),
+            comm: Comm::new(comm),
+            p2p: Comm::new(p2p),
             next_seq: AtomicU64::new(0),
             broken: Mutex::new(None),
             stats: Mutex::new(CommStats::default()),
@@ -174,6 +166,7 @@ impl MpiCommunicator {
             state,
             pending: shared.pending.clone(),
             timeout: shared.timeout,
+            roll_call: shared.roll_call.clone(),
             collectives: Worker::spawn(format!("mpi-{label}"), registry),
             sends: Worker::spawn(format!("mpi-send-{label}"), registry),
             recvs: Worker::spawn(format!("mpi-recv-{label}"), registry),
@@ -284,13 +277,15 @@ impl Communicator for MpiCommunicator {
         let started = Instant::now();
         let stopped = self.stopped(call.kind());
         let (result, pending) = self.submit(call);
+        let (roll_call, timeout) = (&self.roll_call, self.timeout);
         await_reply(
             &result,
             pending,
             started,
-            self.timeout,
+            timeout,
             &self.pending,
             stopped,
+            |call| absent_ranks(roll_call, timeout, call),
         )
     }
 
@@ -301,9 +296,11 @@ impl Communicator for MpiCommunicator {
         let stopped = self.stopped(kind);
         let (result, pending) = self.submit(call);
         let (timeout, calls) = (self.timeout, self.pending.clone());
+        let roll_call = self.roll_call.clone();
+        let absent = move |call: &PendingCall| absent_ranks(&roll_call, timeout, call);
         let waiter = std::thread::Builder::new()
             .name(format!("{kind}-{}", self.state.info.label))
-            .spawn(move || await_reply(&result, pending, started, timeout, &calls, stopped))
+            .spawn(move || await_reply(&result, pending, started, timeout, &calls, stopped, absent))
             .expect("spawning a collective thread");
         CollectiveHandle::running(kind, self.state.info.label.clone(), waiter)
     }

@@ -14,7 +14,8 @@
 //! ([`TIMEOUT_ENV`](crate::transport::timeout::TIMEOUT_ENV), 300 s by default) fails with
 //! [`CollectiveError::Stalled`], naming it and every call this process has pending on any
 //! group, also printed at once: ranks that issued their calls in different orders each say
-//! where they wait, and the rank's failure then aborts the job.
+//! where they wait, and the rank's failure then aborts the job. Before, a roll call
+//! (`roll_call`) names the ranks of the call's group that never reached a collective.
 
 mod comm;
 mod lock;
@@ -23,6 +24,8 @@ mod nccl_id;
 mod ops;
 mod p2p;
 mod pending;
+mod roll_call;
+mod shared_comm;
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -142,7 +145,7 @@ where
     let world = universe.world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     check_job(world_size, rank, size, threading)?;
-    let engine = new_engine(rank, size);
+    let engine = new_engine(&world, rank, size);
     let threads = compute_threads(threads_per_rank, local_ranks())
         .unwrap_or_else(|e| abort_job(rank, size, &e));
     let value = run_rank(&engine, rank, size, threads, f);
@@ -191,8 +194,9 @@ fn check_job(
     Ok(())
 }
 
-/// This process's engine, with no group yet.
-fn new_engine(rank: usize, size: usize) -> Arc<MpiEngine> {
+/// This process's engine, with no group yet (collective over `world`: its roll call's
+/// communicator).
+fn new_engine(world: &SimpleCommunicator, rank: usize, size: usize) -> Arc<MpiEngine> {
     Arc::new(MpiEngine {
         rank,
         size,
@@ -200,6 +204,7 @@ fn new_engine(rank: usize, size: usize) -> Arc<MpiEngine> {
             rank_stats: Arc::new(Mutex::new(CommStats::default())),
             pending: Arc::new(pending::PendingCalls::default()),
             timeout: crate::transport::timeout::from_env(),
+            roll_call: Arc::new(roll_call::RollCall::new(world, rank, size)),
         },
         groups: Mutex::new(HashMap::new()),
         workers: comm::WorkerRegistry::default(),

@@ -51,17 +51,19 @@ impl PendingCalls {
     }
 }
 
-/// Waits up to `timeout` (from `started`) for `call`'s result on `reply`. On timeout, prints
+/// Waits up to `timeout` (from `started`) for `call`'s result on `reply`. On timeout, asks
+/// `absent` which of the call's ranks never reached a collective (the roll call), then prints
 /// the report to stderr before returning it: when several ranks give up, the first to abort the
 /// job (MPI_Abort) may end this process before its error is printed. `stopped` is the error if
 /// the worker stopped without replying.
 pub(crate) fn await_reply(
     reply: &mpsc::Receiver<CollectiveResult>,
-    call: PendingCall,
+    mut call: PendingCall,
     started: Instant,
     timeout: Duration,
     pending: &PendingCalls,
     stopped: impl FnOnce() -> CollectiveError,
+    absent: impl FnOnce(&PendingCall) -> Vec<usize>,
 ) -> CollectiveResult {
     let left = timeout.saturating_sub(started.elapsed());
     match reply.recv_timeout(left) {
@@ -69,6 +71,10 @@ pub(crate) fn await_reply(
         Err(mpsc::RecvTimeoutError::Disconnected) => Err(stopped()),
         Err(mpsc::RecvTimeoutError::Timeout) => {
             let rank = call.rank;
+            let absent = absent(&call);
+            if !absent.is_empty() {
+                call.missing = Some(absent);
+            }
             let error = CollectiveError::Stalled {
                 call: Box::new(call),
                 waited: started.elapsed(),
@@ -112,6 +118,7 @@ mod tests {
             timeout,
             &pending,
             || unreachable!(),
+            |_| Vec::new(),
         )
         .unwrap_err();
         assert_eq!(
