@@ -6,6 +6,7 @@
 # gradients, optimizer state) and the ratios the FSDP memory goals are stated in.
 #
 # Usage: scripts/bench-memory.sh [--ranks "1 2 4"] [--kinds "full lora qlora"]
+#        [--backward-prefetch D]   (fsdp2_backward_prefetch_depth; default the trainer's, 2)
 # The model is the config's seeded init, saved once as a Hugging Face checkpoint into
 # target/bench-memory/llama_95m and loaded lazily (each rank reads only its shard, as a real
 # fine-tune loads its base). Builds `train_llama` in release with --features mpi first unless
@@ -15,11 +16,13 @@ cd "$(dirname "$0")/.."
 
 ranks="1 2 4"
 kinds="full lora qlora"
+prefetch=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --ranks) ranks="$2"; shift 2 ;;
     --kinds) kinds="$2"; shift 2 ;;
-    *) echo "unknown argument $1 (usage: $0 [--ranks \"1 2 4\"] [--kinds \"full lora qlora\"])" >&2; exit 2 ;;
+    --backward-prefetch) prefetch="$2"; shift 2 ;;
+    *) echo "unknown argument $1 (usage: $0 [--ranks \"1 2 4\"] [--kinds \"full lora qlora\"] [--backward-prefetch D])" >&2; exit 2 ;;
   esac
 done
 
@@ -37,6 +40,11 @@ if [ ! -f "$model/config.json" ]; then
 fi
 
 common=(--checkpoint "$model" --steps 3 --global-batch 8 --seq-len 128 --optimizer adamw)
+sharded=()
+if [ -n "$prefetch" ]; then
+  printf 'fsdp2_backward_prefetch_depth: %s\n' "$prefetch" > "$work/prefetch.yaml"
+  sharded=(--distributed-config "$work/prefetch.yaml")
+fi
 declare -A peak
 printf '%-6s %-5s %12s %12s\n' kind ranks "peak MiB" "state MiB"
 for kind in $kinds; do
@@ -49,7 +57,7 @@ for kind in $kinds; do
       "$bin" "${common[@]}" "${extra[@]}" --strategy single --world-size 1 > "$log" 2>&1
     else
       mpirun --allow-run-as-root --oversubscribe -np "$n" "$bin" "${common[@]}" "${extra[@]}" \
-        --engine mpi --strategy fsdp2 --world-size "$n" > "$log" 2>&1
+        --engine mpi --strategy fsdp2 --world-size "$n" "${sharded[@]}" > "$log" 2>&1
     fi
     p=$(grep -o 'peak RSS while training [0-9.]*' "$log" | awk '{print $5}' | sort -n | tail -1)
     s=$(grep -o 'optimizer): [0-9.]* MiB' "$log" | head -1 | awk '{print $2}')
