@@ -14,6 +14,7 @@ mod differentiable;
 mod failures;
 mod families;
 mod families_hf;
+mod fault_matrix;
 mod frozen;
 mod frozen_reshard;
 mod fsdp_basic;

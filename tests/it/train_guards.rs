@@ -380,19 +380,7 @@ fn the_trainer_binary_saves_and_exits_for_requeue_on_sigterm() {
 
     use burn_parallel::checkpoint::latest;
 
-    // Built by `cargo test` beside this test binary (target/debug/examples/).
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/train_llama");
-    assert!(
-        bin.exists(),
-        "{} is missing: run the workspace's `cargo test`, which builds the examples",
-        bin.display()
-    );
+    let bin = train_llama_bin();
     let root = temp_dir("guards-sigterm");
     let save_dir = root.join("ckpt");
     let mut child = Command::new(&bin)
@@ -443,6 +431,23 @@ fn the_trainer_binary_saves_and_exits_for_requeue_on_sigterm() {
         burn_parallel::checkpoint::step_dir(&save_dir, steps as u64)
     );
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// The trainer binary, built by `cargo test` beside this test binary (target/debug/examples/).
+pub(crate) fn train_llama_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/train_llama");
+    assert!(
+        bin.exists(),
+        "{} is missing: run the workspace's `cargo test`, which builds the examples",
+        bin.display()
+    );
+    bin
 }
 
 /// `--max-restarts`: a rank that panics at step 2 of an fsdp2 x2 run saving every step makes

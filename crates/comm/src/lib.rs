@@ -79,3 +79,5 @@ pub use transport::launch::{
 pub use transport::mesh::{DeviceMesh, MeshShape};
 pub use transport::stats::{CommStats, OpCounters};
 pub use transport::threads::{DEFAULT_TIMEOUT, Launcher, TIMEOUT_ENV, launch};
+/// The collective timeout every engine uses: `TIMEOUT_ENV` seconds, else `DEFAULT_TIMEOUT`.
+pub use transport::timeout::from_env as collective_timeout;

@@ -25,7 +25,9 @@ pub enum FaultKind {
     Kill,
     /// The rank panics.
     Panic,
-    /// The rank stops issuing collectives (sleeps for good): the others time out.
+    /// The rank stops issuing collectives: the others time out. It sleeps twice the collective
+    /// timeout, then panics, so that rank threads can be joined and their process ends (a
+    /// rank thread really stuck keeps its process alive: only a process can be killed).
     Hang,
     /// The rank's loss is NaN: every rank sees a non-finite loss (`--on-nonfinite`).
     Nan,
@@ -112,9 +114,10 @@ impl Fault {
             FaultKind::Panic if here => {
                 panic!("injected fault ({FAULT_ENV}): rank {rank} panics at step {step}")
             }
-            FaultKind::Hang if here => loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            },
+            FaultKind::Hang if here => {
+                std::thread::sleep(2 * burn_parallel_comm::collective_timeout());
+                panic!("injected fault ({FAULT_ENV}): rank {rank} hung at step {step}")
+            }
             FaultKind::Slow => std::thread::sleep(SLOW_STEP),
             _ => {}
         }
