@@ -3,7 +3,8 @@
 //! launcher (`--launcher env --max-restarts 2`: `env` starts the same program again, so a
 //! killed process restarts too). Every job ends with exit 0, and its last 5 step lines (loss,
 //! rate, gradient norm) and its `--save`d weights are those of a job that never failed, bit for
-//! bit. `nan` is refused under pp by name (and the restart, without the drill, runs).
+//! bit. `nan` is refused under pp by name (and the restart, without the drill, runs). A kill
+//! while an asynchronous save may be in flight restarts from the newest complete checkpoint.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -23,8 +24,9 @@ fn job(dir: &Path, layout: &[&str], fault: Option<&str>) -> Output {
         .arg("--save")
         .arg(dir.join("out"))
         .env("BURN_DEVICE", "flex")
-        // A hung rank makes the others time out after 2 s.
-        .env(burn_parallel::comm::TIMEOUT_ENV, "2")
+        // A hung rank makes the others time out after 3 s (a loaded machine's steps take
+        // milliseconds; a spurious timeout would only restart the job once more).
+        .env(burn_parallel::comm::TIMEOUT_ENV, "3")
         .env_remove(burn_parallel::train::FAULT_ENV)
         .env_remove(burn_parallel::train::ATTEMPT_ENV);
     if let Some(fault) = fault {
@@ -99,5 +101,21 @@ fn every_fault_kind_restarts_to_the_uninterrupted_result() {
             );
         }
     }
+    // A process killed while an asynchronous save may be in flight (step 2's, written while
+    // step 2 trains): the restart resumes from the newest complete checkpoint.
+    let layout: &[&str] = &["--strategy", "fsdp2", "--world-size", "4", "--async-save"];
+    let straight = job(&root.join("async"), layout, None);
+    let killed = job(&root.join("async-kill"), layout, Some("1:3:kill"));
+    assert!(
+        killed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&killed.stderr)
+    );
+    let seen = steps(&killed);
+    assert_eq!(
+        seen[seen.len() - 5..],
+        steps(&straight)[3..],
+        "async save, kill"
+    );
     std::fs::remove_dir_all(&root).unwrap();
 }

@@ -1,9 +1,10 @@
 //! `train_llama --launcher "mpirun ..." --max-restarts N`: the trainer as its own MPI job's
-//! launcher. A rank killed at step 3 of 8 (`BURN_PARALLEL_FAULT=1:3:kill`) ends the job; the
-//! launcher starts it again from the newest checkpoint of `--save-dir`, and the job ends with
-//! exit 0, the last 5 step lines (loss, lr, grad norm) and the saved weights of a run that never
-//! failed, bit for bit. A fault that fails every attempt ends the job once the restarts are
-//! spent, with its cause named.
+//! launcher. Each fault kind at step 3 of 8 (`BURN_PARALLEL_FAULT=1:3:kind`: a rank killed,
+//! panicking, hung past the collective timeout, a NaN loss, a failed checkpoint write, or only
+//! slow) ends the job (but slow); the launcher starts it again from the newest checkpoint of
+//! `--save-dir`, and the job ends with exit 0, the last 5 step lines (loss, lr, grad norm) and
+//! the saved weights of a run that never failed, bit for bit. A fault that fails every attempt
+//! ends the job once the restarts are spent, with its cause named.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -54,6 +55,8 @@ fn job(bin: &Path, dir: &Path, fault: Option<&str>, max_restarts: usize) -> Resu
     .arg("--save")
     .arg(dir.join("out"))
     .env("BURN_DEVICE", "flex")
+    // A hung rank makes the others time out after 4 s.
+    .env(burn_parallel::comm::TIMEOUT_ENV, "4")
     .env_remove(burn_parallel::comm::ENGINE_ENV)
     .env_remove(burn_parallel::train::FAULT_ENV);
     if let Some(fault) = fault {
@@ -94,28 +97,36 @@ pub fn launcher_restarts_a_failed_job() -> Result<(), String> {
             stderr(&straight)
         ));
     }
-    let killed = job(&bin, &root.join("killed"), Some("1:3:kill"), 2)?;
-    if !killed.status.success() {
-        return Err(format!("the restarted job failed:\n{}", stderr(&killed)));
-    }
-    if !stderr(&killed).contains("restart 1 of 2 (--max-restarts) from its newest checkpoint") {
-        return Err(format!("no restart announced:\n{}", stderr(&killed)));
-    }
-    let (a, b) = (steps(&straight)?, steps(&killed)?);
-    if a.len() != 8 || b.len() < 5 || a[3..] != b[b.len() - 5..] {
-        return Err(format!(
-            "the last 5 steps differ:\nuninterrupted {a:?}\nrestarted {b:?}"
-        ));
-    }
     let weights = |name: &str| std::fs::read(root.join(name).join("out/model.safetensors"));
-    match (weights("straight"), weights("killed")) {
-        (Ok(x), Ok(y)) if x == y => {}
-        (Ok(_), Ok(_)) => return Err("the restarted job saved other weights".into()),
-        (x, y) => return Err(format!("a --save is missing: {:?} {:?}", x.err(), y.err())),
+    let expected = steps(&straight)?;
+    if expected.len() != 8 {
+        return Err(format!("the uninterrupted job ran {expected:?}"));
     }
-    println!(
-        "mpi tests: a job killed at step 3 restarted from step 2 and ended as one that never failed"
-    );
+    for kind in ["kill", "panic", "hang", "nan", "slow", "save-io"] {
+        let name = format!("fault-{kind}");
+        let faulted = job(&bin, &root.join(&name), Some(&format!("1:3:{kind}")), 2)?;
+        let e = stderr(&faulted);
+        if !faulted.status.success() {
+            return Err(format!("the job with a {kind} fault failed:\n{e}"));
+        }
+        // A slow rank fails nothing: no restart.
+        let restarted = e.contains("restart 1 of 2 (--max-restarts) from its newest checkpoint");
+        if restarted == (kind == "slow") {
+            return Err(format!("{kind}: restart announced {restarted}:\n{e}"));
+        }
+        let seen = steps(&faulted)?;
+        if seen.len() < 5 || expected[3..] != seen[seen.len() - 5..] {
+            return Err(format!(
+                "{kind}: the last 5 steps differ:\nuninterrupted {expected:?}\nrestarted {seen:?}"
+            ));
+        }
+        match (weights("straight"), weights(&name)) {
+            (Ok(x), Ok(y)) if x == y => {}
+            (Ok(_), Ok(_)) => return Err(format!("{kind}: the restarted job saved other weights")),
+            (x, y) => return Err(format!("a --save is missing: {:?} {:?}", x.err(), y.err())),
+        }
+        println!("mpi tests: a job with a {kind} fault at step 3 ended as one that never failed");
+    }
 
     let every = job(&bin, &root.join("every"), Some("1:3:panic:every"), 1)?;
     let e = stderr(&every);
