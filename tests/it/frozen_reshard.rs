@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::{Bytes, Device, Tensor};
+use burn::tensor::{Bytes, Device, Gradients, Tensor};
 use burn_parallel::comm::{OpKind, launch};
 use burn_parallel::fsdp::{FsdpConfig, ShardLayout, forward_units, fully_shard};
 use burn_parallel::peft::{Lora, LoraConfig};
@@ -57,6 +57,18 @@ pub(crate) fn lora_stack(device: &Device, layers: usize, width: usize) -> LoraSt
     LoraStack { layers }
 }
 
+/// Each layer's adapter gradients (`lora_a`, then `lora_b`), flattened.
+pub(crate) fn adapter_grads(layers: &[Lora<Linear>], grads: &Gradients) -> Vec<Vec<f32>> {
+    layers
+        .iter()
+        .flat_map(|l| {
+            let adapter = l.adapter.as_ref().expect("attached");
+            [adapter.a.grad(grads), adapter.b.grad(grads)]
+        })
+        .map(|g| vec_of(&g.expect("adapters train")))
+        .collect()
+}
+
 /// What one rank saw: whether any unit's gathered buffer was alive once forward had run,
 /// all-gathers in forward and in backward, and the adapters' gradients.
 struct Seen {
@@ -94,14 +106,7 @@ fn run(reshard_after_forward: bool) -> Vec<Seen> {
         let forward_gathers = group.stats().calls(OpKind::AllGather);
         let grads = loss.backward();
         let backward_gathers = group.stats().calls(OpKind::AllGather) - forward_gathers;
-        let adapter_grads = layers
-            .iter()
-            .flat_map(|l| {
-                let adapter = l.adapter.as_ref().expect("attached");
-                [adapter.a.grad(&grads), adapter.b.grad(&grads)]
-            })
-            .map(|g| vec_of(&g.expect("adapters train")))
-            .collect();
+        let adapter_grads = adapter_grads(&layers, &grads);
         Ok::<_, Failure>(Seen {
             buffers_alive_after_forward: alive,
             forward_gathers,

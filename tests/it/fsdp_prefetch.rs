@@ -8,7 +8,7 @@ use burn_parallel::comm::{OpKind, launch};
 use burn_parallel::fsdp::{FsdpConfig, MemoryKind, forward_units, fully_shard};
 
 use crate::common::{flex_ad, tensor, vec_of};
-use crate::frozen_reshard::lora_stack;
+use crate::frozen_reshard::{adapter_grads, lora_stack};
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
 
@@ -52,14 +52,7 @@ fn run(depth: usize) -> Vec<Seen> {
         let backward_gathered_peak = config.memory().report().peak.get(MemoryKind::Gathered);
         let backward_gathers = group.stats().calls(OpKind::AllGather) - forward_gathers;
         let input_grad = vec_of(&x.grad(&grads).expect("the input is tracked"));
-        let grads = layers
-            .iter()
-            .flat_map(|l| {
-                let adapter = l.adapter.as_ref().expect("attached");
-                [adapter.a.grad(&grads), adapter.b.grad(&grads)]
-            })
-            .map(|g| vec_of(&g.expect("adapters train")))
-            .collect();
+        let grads = adapter_grads(&layers, &grads);
         Ok::<_, Failure>(Seen {
             loss: vec_of(&loss),
             grads,
