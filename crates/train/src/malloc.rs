@@ -35,6 +35,26 @@ impl Malloc {
     }
 }
 
+/// Hands the allocator's free pages back to the system (glibc: `malloc_trim`), whatever
+/// [`Malloc`] setting the process runs with. Called once the model is built, so that what
+/// construction freed (a whole checkpoint read to be quantized or sharded, the full model a
+/// rank built before sharding it) is not counted in training's peak, nor held from other
+/// processes; the steps' own blocks are kept from then on. Returns whether it did anything.
+pub(crate) fn release_freed_pages() -> bool {
+    release_free_heap()
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn release_free_heap() -> bool {
+    // SAFETY: malloc_trim only returns free memory of glibc's heaps to the system.
+    unsafe { libc::malloc_trim(0) == 1 }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn release_free_heap() -> bool {
+    false
+}
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn keep_freed_pages() -> bool {
     // SAFETY: mallopt only changes thresholds of glibc's allocator; it is called before other

@@ -18,6 +18,7 @@ use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::error::TrainError;
 use crate::guard::check_finite;
+use crate::malloc::release_freed_pages;
 use crate::resume::{Resume, RunOptimizer, SavePoint, Saves, saves_after};
 use crate::schedule::LrSchedule;
 use crate::state::{model_state_bytes, optimizer_state_bytes};
@@ -216,8 +217,9 @@ pub(crate) fn train_loop<R: StepRunner>(
 
 /// The figures every step reports unchanged, and this rank's model state in bytes: the
 /// largest rank's state and optimizer state (collective). Every rank has built its model by
-/// then (the max waits for all), so the peak RSS is reset here: the steps report training's
-/// peak, not the full model each rank builds before sharding it.
+/// then (the max waits for all), so what construction freed goes back to the system and the
+/// peak RSS is reset here: the steps report training's peak, not the full model each rank
+/// builds before sharding it.
 fn run_figures<R: StepRunner>(
     runner: &R,
     model: &R::Model,
@@ -230,6 +232,7 @@ fn run_figures<R: StepRunner>(
     let my_optimizer_state = optimizer_state_bytes(model, states);
     let [peak_state, peak_optimizer_state] =
         max_over_world(run.ctx, [my_state, my_optimizer_state])?;
+    release_freed_pages();
     reset_peak_rss();
     let figures = RunFigures {
         peak_state,
@@ -358,13 +361,14 @@ fn step_log(
     let comm = ctx.stats().since(&m.comm_before);
     let comm_s = |kind| comm.op(kind).time.as_secs_f64();
     let forward_s = done.forward_s.unwrap_or(0.0);
-    let gather_s = comm_s(OpKind::AllGather);
-    let forward_gather_s = done.forward_comm.as_ref().map(|at| {
-        at.since(&m.comm_before)
-            .op(OpKind::AllGather)
-            .time
-            .as_secs_f64()
-    });
+    let gather = comm.op(OpKind::AllGather);
+    let (gather_s, gather_wait_s) = (gather.time.as_secs_f64(), gather.waited.as_secs_f64());
+    let forward_gather = done
+        .forward_comm
+        .as_ref()
+        .map(|at| at.since(&m.comm_before).op(OpKind::AllGather));
+    let forward_gather_s = forward_gather.map(|g| g.time.as_secs_f64());
+    let forward_wait_s = forward_gather.map(|g| g.waited.as_secs_f64());
     let times = StepTimes {
         forward_s,
         backward_s: step_time_s - forward_s - optimizer_s,
@@ -372,6 +376,8 @@ fn step_log(
         all_gather_s: gather_s,
         all_gather_forward_s: forward_gather_s,
         all_gather_backward_s: forward_gather_s.map(|f| gather_s - f),
+        all_gather_forward_wait_s: forward_wait_s,
+        all_gather_backward_wait_s: forward_wait_s.map(|f| gather_wait_s - f),
         reduce_scatter_s: comm_s(OpKind::ReduceScatter),
         all_reduce_s: comm_s(OpKind::AllReduce),
     };

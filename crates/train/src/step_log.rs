@@ -83,11 +83,11 @@ pub struct StepLog {
     /// during this step, in bytes: the prefetched and computing units' buffers, and the ones
     /// backward gathers again (0 without FSDP).
     pub gathered_peak_bytes_per_rank: u64,
-    /// Each rank's compute seconds in the step (its step time less its time in collectives),
-    /// by rank: a straggler shows here before it slows everyone's step time.
+    /// Each rank's compute seconds in the step (its step time less its time blocked on
+    /// collectives), by rank: a straggler shows here before it slows everyone's step time.
     pub rank_compute_s: Vec<f64>,
-    /// Each rank's seconds in collectives during the step, by rank (waiting for the others
-    /// included).
+    /// Each rank's seconds blocked on collectives during the step, by rank (waiting for the
+    /// others included; a collective issued ahead counts only the wait for its result).
     pub rank_wait_s: Vec<f64>,
     /// The `--eval-data` loss after this step (the counting targets' mean cross-entropy over
     /// `--eval-batches` batches, forward only), on `--eval-every` steps and the last.
@@ -137,6 +137,14 @@ pub struct StepTimes {
     /// (and the optimizer step's, none today).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub all_gather_backward_s: Option<f64>,
+    /// Of `all_gather_forward_s`, the time forward was blocked on the gathers (a gather issued
+    /// ahead counts only the wait for its result).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub all_gather_forward_wait_s: Option<f64>,
+    /// Of `all_gather_backward_s`, the time backward was blocked on the re-gathers: what
+    /// prefetch did not hide.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub all_gather_backward_wait_s: Option<f64>,
     /// Reduce-scatters (FSDP's gradient reduction, TP's).
     pub reduce_scatter_s: f64,
     /// All-reduces (DDP's buckets, HSDP's replicas, the loss and the gradient norm).
@@ -227,7 +235,7 @@ pub(crate) fn step_figures(
     comm: &burn_parallel_comm::CommStats,
     peak_rss_bytes: u64,
 ) -> Result<StepExchange, TrainError> {
-    let wait_s = comm.total().time.as_secs_f64();
+    let wait_s = comm.total().waited.as_secs_f64();
     let figures = exchange_step(ctx, memory, peak_rss_bytes, step_time_s, wait_s)?;
     stragglers.warn(&figures.compute_s, step, step_time_s, ctx.rank() == 0);
     Ok(figures)

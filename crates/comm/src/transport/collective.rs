@@ -2,6 +2,7 @@
 //! matching and error messages, and the `Communicator` trait every engine implements.
 
 use std::fmt;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use burn::tensor::{DType, TensorData};
@@ -351,6 +352,10 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// This rank's counters for this group.
     fn stats(&self) -> CommStats;
 
+    /// Counts time this rank was blocked on a call of `kind` (in this group's counters and the
+    /// rank's): [`OpCounters::waited`](crate::transport::stats::OpCounters::waited).
+    fn record_wait(&self, kind: OpKind, waited: std::time::Duration);
+
     /// The engine's own type, for engine-specific paths (the NCCL device collectives need the
     /// group's NCCL communicator). `None` when the engine offers none.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
@@ -364,6 +369,8 @@ pub struct CollectiveHandle {
     state: HandleState,
     kind: OpKind,
     group: String,
+    /// Where the time `wait` blocks is counted (set by the group that issued the call).
+    waits: Option<Arc<dyn Communicator>>,
 }
 
 enum HandleState {
@@ -378,6 +385,7 @@ impl CollectiveHandle {
             state: HandleState::Ready(result),
             kind,
             group,
+            waits: None,
         }
     }
 
@@ -387,6 +395,7 @@ impl CollectiveHandle {
             state: HandleState::Running(thread),
             kind,
             group,
+            waits: None,
         }
     }
 
@@ -403,8 +412,24 @@ impl CollectiveHandle {
         self.kind
     }
 
+    /// This handle, counting the time its `wait` blocks in `comm`'s counters.
+    pub(crate) fn counting_waits(mut self, comm: Arc<dyn Communicator>) -> Self {
+        self.waits = Some(comm);
+        self
+    }
+
     /// Blocks until the call completes.
     pub fn wait(self) -> CollectiveResult {
+        let started = std::time::Instant::now();
+        let (kind, waits) = (self.kind, self.waits.clone());
+        let result = self.join();
+        if let Some(comm) = waits {
+            comm.record_wait(kind, started.elapsed());
+        }
+        result
+    }
+
+    fn join(self) -> CollectiveResult {
         match self.state {
             HandleState::Ready(r) => r,
             HandleState::Running(t) => t.join().unwrap_or_else(|_| {

@@ -247,7 +247,7 @@ impl ProcessGroup {
     pub fn start(&self, call: Collective) -> CollectiveHandle {
         let kind = call.kind();
         match self.validate(&call) {
-            Ok(()) => self.comm.start(call),
+            Ok(()) => self.comm.start(call).counting_waits(self.comm.clone()),
             Err(e) => self.failed(kind, e),
         }
     }
@@ -255,7 +255,10 @@ impl ProcessGroup {
     /// Runs any call to completion.
     pub fn run(&self, call: Collective) -> CollectiveResult {
         self.validate(&call)?;
-        self.comm.run(call)
+        let (kind, started) = (call.kind(), std::time::Instant::now());
+        let result = self.comm.run(call);
+        self.comm.record_wait(kind, started.elapsed());
+        result
     }
 
     fn run_data(&self, call: Collective) -> Result<TensorData> {

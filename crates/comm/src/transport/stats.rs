@@ -88,6 +88,10 @@ pub struct OpCounters {
     pub bytes_received: u64,
     /// Time from issue to completion, summed over the calls (as the issuing rank saw it).
     pub time: Duration,
+    /// Time the issuing rank was blocked on the calls: the whole call when it ran to
+    /// completion, only the wait for its result when it was issued ahead and awaited later (a
+    /// prefetch; it can outlast the exchange by the time the waiting thread takes to resume).
+    pub waited: Duration,
 }
 
 impl AddAssign for OpCounters {
@@ -96,6 +100,7 @@ impl AddAssign for OpCounters {
         self.bytes_sent += o.bytes_sent;
         self.bytes_received += o.bytes_received;
         self.time += o.time;
+        self.waited += o.waited;
     }
 }
 
@@ -113,7 +118,14 @@ impl CommStats {
             bytes_sent,
             bytes_received,
             time,
+            waited: Duration::ZERO,
         };
+    }
+
+    /// Counts `waited` of this rank's time blocked on a call of `kind` (see
+    /// [`OpCounters::waited`]).
+    pub fn record_wait(&mut self, kind: OpKind, waited: Duration) {
+        self.by_op[kind.index()].waited += waited;
     }
 
     /// The counters of one kind.
@@ -146,7 +158,10 @@ impl CommStats {
     /// on.
     pub fn traffic(&self) -> CommStats {
         let mut out = self.clone();
-        out.by_op.iter_mut().for_each(|c| c.time = Duration::ZERO);
+        out.by_op.iter_mut().for_each(|c| {
+            c.time = Duration::ZERO;
+            c.waited = Duration::ZERO;
+        });
         out
     }
 
@@ -160,6 +175,7 @@ impl CommStats {
                 bytes_sent: a.bytes_sent - b.bytes_sent,
                 bytes_received: a.bytes_received - b.bytes_received,
                 time: a.time.saturating_sub(b.time),
+                waited: a.waited.saturating_sub(b.waited),
             };
         }
         out

@@ -308,4 +308,9 @@ impl Communicator for MpiCommunicator {
     fn stats(&self) -> CommStats {
         lock(&self.state.stats).clone()
     }
+
+    fn record_wait(&self, kind: OpKind, waited: std::time::Duration) {
+        lock(&self.state.stats).record_wait(kind, waited);
+        lock(&self.state.rank_stats).record_wait(kind, waited);
+    }
 }

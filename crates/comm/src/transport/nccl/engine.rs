@@ -364,6 +364,8 @@ impl NcclCommunicator {
         let (sent, received) =
             CallBytes::sized(kind, &self.info, input, elem, kept).traffic(output);
         self.record(kind, sent, received, took);
+        // The host waits for the device call (CubeCL's stream gives no handle to await later).
+        self.record_wait(kind, took);
     }
 
     fn record(&self, kind: OpKind, sent: u64, received: u64, took: Duration) {
@@ -792,6 +794,12 @@ impl Communicator for NcclCommunicator {
 
     fn stats(&self) -> CommStats {
         self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn record_wait(&self, kind: OpKind, waited: Duration) {
+        for stats in [&self.stats, &*self.rank_stats] {
+            lock(stats).record_wait(kind, waited);
+        }
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {

@@ -145,6 +145,11 @@ impl Communicator for ThreadCommunicator {
         &self.info
     }
 
+    fn record_wait(&self, kind: OpKind, waited: Duration) {
+        lock(&self.shared.stats[self.info.index]).record_wait(kind, waited);
+        lock(&self.world.rank_stats[self.info.ranks[self.info.index]]).record_wait(kind, waited);
+    }
+
     fn run(&self, call: Collective) -> CollectiveResult {
         let bytes = CallBytes::of(&call, &self.info);
         let started = Instant::now();
