@@ -563,7 +563,7 @@ fn frozen_multimodal_sharding_reads_nemos_names() {
     assert_eq!(read("replicate"), Ok(Replicate));
     assert_eq!(
         DistributedConfig::default().frozen_multimodal_sharding,
-        Root
+        PerLayer
     );
     let unknown = read("perlayer").unwrap_err();
     assert!(unknown.contains("root, per_layer, replicate"), "{unknown}");

@@ -57,6 +57,21 @@ pub(crate) fn lora_stack(device: &Device, layers: usize, width: usize) -> LoraSt
     LoraStack { layers }
 }
 
+/// `stack` without adapters, every parameter frozen (`--freeze` on whole layers).
+fn frozen_stack(stack: LoraStack) -> LoraStack {
+    let layers = stack
+        .layers
+        .into_iter()
+        .map(|l| {
+            let mut base = l.base;
+            base.weight = base.weight.set_require_grad(false);
+            base.bias = base.bias.map(|b| b.set_require_grad(false));
+            Lora::new(base)
+        })
+        .collect();
+    LoraStack { layers }
+}
+
 /// Each layer's adapter gradients (`lora_a`, then `lora_b`), flattened.
 pub(crate) fn adapter_grads(layers: &[Lora<Linear>], grads: &Gradients) -> Vec<Vec<f32>> {
     layers
@@ -82,14 +97,21 @@ struct Seen {
 /// views of its one gathered buffer), on a gradient-checkpointing device, one forward and
 /// backward.
 fn run(reshard_after_forward: bool) -> Vec<Seen> {
+    run_stack(reshard_after_forward, ShardLayout::FlatBuffer, true)
+}
+
+fn run_stack(reshard_after_forward: bool, layout: ShardLayout, adapters: bool) -> Vec<Seen> {
     launch(2, move |ctx| {
         let device = flex_ad().gradient_checkpointing();
         let group = ctx.world()?;
         let config = FsdpConfig::new(group.clone())
             .reshard_after_forward(reshard_after_forward)
-            .layout(ShardLayout::FlatBuffer)
+            .layout(layout)
             .forward_prefetch_depth(0);
-        let stack = lora_stack(&device, LAYERS, WIDTH);
+        let mut stack = lora_stack(&device, LAYERS, WIDTH);
+        if !adapters {
+            stack = frozen_stack(stack);
+        }
         let layers = stack
             .layers
             .into_iter()
@@ -106,7 +128,10 @@ fn run(reshard_after_forward: bool) -> Vec<Seen> {
         let forward_gathers = group.stats().calls(OpKind::AllGather);
         let grads = loss.backward();
         let backward_gathers = group.stats().calls(OpKind::AllGather) - forward_gathers;
-        let adapter_grads = adapter_grads(&layers, &grads);
+        let adapter_grads = match adapters {
+            true => adapter_grads(&layers, &grads),
+            false => vec![vec_of(&x.grad(&grads).expect("the input takes a gradient"))],
+        };
         Ok::<_, Failure>(Seen {
             buffers_alive_after_forward: alive,
             forward_gathers,
@@ -132,5 +157,23 @@ fn frozen_bases_are_not_kept_gathered_from_forward_to_backward() {
         assert_eq!(r.backward_gathers, 2 * LAYERS as u64, "rank {rank}");
         assert_eq!(k.backward_gathers, 0, "rank {rank}");
         assert_eq!(r.adapter_grads, k.adapter_grads, "rank {rank}");
+    }
+}
+
+/// Units with nothing to train (whole frozen layers): resharded, in either layout, no gathered
+/// buffer outlives its forward, and backward gathers each weight again for the input gradient,
+/// which equals the one computed with the weights kept.
+#[test]
+fn wholly_frozen_units_are_not_kept_gathered_from_forward_to_backward() {
+    for layout in [ShardLayout::Rows, ShardLayout::FlatBuffer] {
+        let resharded = run_stack(true, layout, false);
+        let kept = run_stack(false, layout, false);
+        for (rank, (r, k)) in resharded.iter().zip(&kept).enumerate() {
+            let at = format!("rank {rank}, {layout:?}");
+            assert_eq!(r.buffers_alive_after_forward, 0, "{at}, resharded");
+            assert_eq!(k.buffers_alive_after_forward, LAYERS, "{at}, kept");
+            assert_eq!(r.forward_gathers, LAYERS as u64, "{at}");
+            assert_eq!(r.adapter_grads, k.adapter_grads, "{at}");
+        }
     }
 }

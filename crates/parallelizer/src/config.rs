@@ -319,8 +319,8 @@ pub struct DistributedConfig {
     pub ddp_bucket_cap_mb: f64,
     /// Megatron-FSDP's options (strategy `megatron_fsdp` only; a `[megatron_fsdp]` table).
     pub megatron_fsdp: MegatronFsdpConfig,
-    /// Where wholly frozen units go under the sharding strategies: `root` (the default),
-    /// `per_layer` or `replicate` (see [`FrozenModuleSharding`]).
+    /// Where wholly frozen units go under the sharding strategies: `per_layer` (the default),
+    /// `root` or `replicate` (see [`FrozenModuleSharding`]).
     pub frozen_multimodal_sharding: FrozenModuleSharding,
 }
 

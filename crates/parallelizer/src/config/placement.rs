@@ -39,12 +39,14 @@ crate::named_enum! {
     /// reduction or optimizer state in any mode.
     #[derive(Default)]
     pub enum FrozenModuleSharding as "frozen_multimodal_sharding" {
-        /// No unit of its own (the default): its parameters join the root's unit, gathered
-        /// once when the model's forward starts.
-        #[default]
+        /// No unit of its own: its parameters join the root's unit, gathered once when the
+        /// model's forward starts and kept through backward (NeMo's default, meant for small
+        /// frozen towers and projectors beside a trained language model).
         Root = "root",
         /// A unit of its own like any other, gathered (and resharded) per layer; it reduces
-        /// nothing.
+        /// nothing. The default: as FSDP2 shards every block whether it trains or not, so that
+        /// frozen decoder layers are not all resident at once.
+        #[default]
         PerLayer = "per_layer",
         /// Not sharded: every rank keeps it whole (FSDP2's `ignored_params`), and no collective
         /// touches it.
