@@ -4,7 +4,8 @@
 //! tp 2 and fsdp2 + tp on 2 x 2 ranks (the gate/up parts of 5 split 3 + 2 over tp 2, the 5
 //! model features 3 + 2 over FSDP), gather back whole in the right order, and travel through
 //! sharded checkpoints between layouts, optimizer moments included. Plain `colwise` on the
-//! fused `qkv` is refused at `parallelize_model`, naming the fused style.
+//! fused `qkv` is refused at `parallelize_model`, naming the fused style; a user's own layer
+//! that splits its parts itself is not.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -15,6 +16,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::activation::{log_softmax, silu};
 use burn::tensor::{Device, Gradients, Int, Tensor, TensorData};
 use burn_parallel::checkpoint::{BurnOptimizer, Checkpoint, LoadOptions, TrainingProgress, save};
+use burn_parallel::comm::ProcessGroup;
 use burn_parallel::comm::launch;
 use burn_parallel::fsdp::{forward_units, with_module_unit};
 use burn_parallel::parallelize;
@@ -22,7 +24,9 @@ use burn_parallel::parallelizer::{
     DistributedConfig, MeshContext, OptimizerStep, Step, Strategy, TpShardPlan, full_model,
     parallelize_model,
 };
-use burn_parallel::tp::{Tp, loss_parallel};
+use burn_parallel::tp::{
+    ParallelStyle, ShardSpec, Sharded, Tp, TpLayer, TpLinear, loss_parallel, narrow_param_parts,
+};
 
 use crate::common::{assert_close, ndarray_ad, values, vec_of};
 use crate::llama_hf::temp_dir;
@@ -415,5 +419,96 @@ fn plain_colwise_on_a_fused_qkv_is_refused_naming_the_fused_style() {
         assert!(err.contains("18 output features"), "rank {rank}: {err}");
         assert!(err.contains("colwise_fused(3)"), "rank {rank}: {err}");
         fused.unwrap_or_else(|e| panic!("rank {rank}: the fused style by name: {e}"));
+    }
+}
+
+/// A user's own fused q/k/v projection (a bare `[d_in, 3 x inner]` weight, no Burn `Linear`)
+/// that splits each third itself under plain `colwise`: the library's fused-width check is not
+/// its business.
+#[derive(Module, Debug)]
+pub struct ThirdsQkv {
+    weight: Param<Tensor<2>>,
+}
+
+impl TpLayer for ThirdsQkv {
+    const KIND: &'static str = "ThirdsQkv";
+
+    fn shard(mut self, style: &ParallelStyle, group: &ProcessGroup, path: &str) -> Sharded<Self> {
+        assert!(matches!(style, ParallelStyle::Colwise { .. }), "{style}");
+        let spec = ShardSpec::new(self.weight.dims()[1] / 3, group, path, "a third")?;
+        self.weight = narrow_param_parts(self.weight, 1, &spec.part_ranges(3));
+        Ok((self, Some(spec)))
+    }
+}
+
+impl TpLinear for ThirdsQkv {
+    fn linear_forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.linear_forward_unbiased(x)
+    }
+
+    fn linear_forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        burn::tensor::module::linear(x, self.weight.val(), None)
+    }
+
+    fn linear_bias(&self) -> Option<&Param<Tensor<1>>> {
+        None
+    }
+}
+
+/// [`FusedAttention`] with the user's own fused projection under plain `colwise`.
+#[parallelize]
+#[derive(Module, Debug)]
+pub struct UserFusedAttention {
+    #[tp(colwise)]
+    qkv: Tp<ThirdsQkv>,
+    #[tp(rowwise)]
+    proj: Tp<Linear>,
+    #[module(skip)]
+    #[tp(heads)]
+    heads: usize,
+}
+
+impl UserFusedAttention {
+    fn seeded(d: &Device) -> Self {
+        let inner = HEADS * HEAD_DIM;
+        Self {
+            qkv: Tp::new(ThirdsQkv {
+                weight: linear(d, 7, MODEL, 3 * inner).weight,
+            }),
+            proj: Tp::new(linear(d, 8, inner, MODEL)),
+            heads: HEADS,
+        }
+    }
+
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [q, k, v]: [Tensor<3>; 3] = self.qkv.forward(x).chunk(3, 2).try_into().unwrap();
+        let heads = Heads {
+            heads: self.heads,
+            kv_heads: self.heads,
+            head_dim: HEAD_DIM,
+        };
+        self.proj.forward(heads.attend(q, k, v, true))
+    }
+}
+
+#[test]
+fn a_users_own_fused_layer_under_plain_colwise_is_not_refused_and_computes_as_on_one_device() {
+    let d = ndarray_ad();
+    let x = || {
+        Tensor::<3>::from_data(
+            TensorData::new(values(11, 2 * 4 * MODEL), [2, 4, MODEL]),
+            &d,
+        )
+    };
+    let expected = vec_of(&UserFusedAttention::seeded(&d).forward(x()));
+    let outputs = launch(2, |rank| {
+        let ctx = MeshContext::new(&rank, config(Strategy::Tp, 2, 1), ndarray_ad())?;
+        let model = parallelize_model(UserFusedAttention::seeded(ctx.device()), &ctx)?;
+        Ok::<_, RankError>((model.heads, vec_of(&model.forward(x()))))
+    })
+    .unwrap();
+    for (rank, (heads, out)) in outputs.into_iter().enumerate() {
+        assert_eq!(heads, HEADS / 2, "rank {rank}");
+        assert_close(&out, &expected, 1e-5, &format!("rank {rank}"));
     }
 }

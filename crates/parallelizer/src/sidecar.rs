@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives::same_device;
@@ -13,7 +13,6 @@ use burn_parallel_describe::{
 };
 use burn_parallel_ep::ExpertModule;
 use burn_parallel_fsdp::{FsdpConfig, fully_shard, param_ids, trainability};
-use burn_parallel_fsdp::{PathVisitor, visit_with_paths};
 use burn_parallel_tp::{TpApplier, TpModule, local_heads};
 
 use crate::config::{ConfigError, DataParallel, FrozenModuleSharding};
@@ -221,22 +220,43 @@ pub trait ModelParallelizer {
 /// The default sidecar runs every hook as defined above.
 impl ModelParallelizer for DefaultParallelizer {}
 
-/// The `[d_in, d_out]` weight of every Linear-like layer of `model` by its module path: each
-/// 2-D parameter named `weight` (Burn's Linear stores `[d_in, d_out]`).
+/// The `[d_in, d_out]` weight of every Burn `Linear` of `model` by its module path: the
+/// layers whose split the library does. A user's own `TpLayer` splits its parameters itself
+/// (a fused projection it cuts part by part under plain `colwise`, say), so it is not checked.
 fn linear_weights<M: Module>(model: &M) -> BTreeMap<String, [usize; 2]> {
-    struct Weights(BTreeMap<String, [usize; 2]>);
-    impl PathVisitor for Weights {
-        fn visit_float<const D: usize>(&mut self, path: &str, param: &Param<Tensor<D>>) {
-            if let (Some(layer), [d_in, d_out]) =
-                (path.strip_suffix(".weight"), param.lazy_shape().as_slice())
-            {
-                self.0.insert(layer.to_string(), [*d_in, *d_out]);
+    /// The module path, with the type of the struct each name is a field of.
+    struct Weights {
+        stack: Vec<(String, String)>,
+        found: BTreeMap<String, [usize; 2]>,
+    }
+    impl ModuleVisitor for Weights {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            self.stack
+                .push((name.to_string(), container_type.to_string()));
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(((field, owner), layer)) = self.stack.split_last() else {
+                return;
+            };
+            if let ("weight", "Struct:Linear", [d_in, d_out]) = (
+                field.as_str(),
+                owner.as_str(),
+                param.lazy_shape().as_slice(),
+            ) {
+                let path: Vec<&str> = layer.iter().map(|(name, _)| name.as_str()).collect();
+                self.found.insert(path.join("."), [*d_in, *d_out]);
             }
         }
     }
-    let mut weights = Weights(BTreeMap::new());
-    visit_with_paths(model, &mut weights);
-    weights.0
+    let mut weights = Weights {
+        stack: Vec::new(),
+        found: BTreeMap::new(),
+    };
+    model.visit(&mut weights);
+    weights.found
 }
 
 /// The FSDP config of a context (see [`MeshContext::fsdp_config`]).
