@@ -4,12 +4,16 @@ compares against: Qwen2 (q/k/v biases; a sliding window on its second layer), Qw
 q/k norms), Mistral (a sliding window of 3 keys), OLMo 2 (post-norms, whole-projection q/k
 norms), Gemma 2 (attention and final logit soft-capping, a window on every other layer) and
 Gemma 3 (sandwich norms scaling by 1 + w, scaled embeddings, GeGLU, a local rotary base on its
-sliding layers and a scaled global one, query_pre_attn_scalar, tied embeddings).
+sliding layers and a scaled global one, query_pre_attn_scalar, tied embeddings) and Phi-3 (q/k/v
+fused in qkv_proj and gate/up in gate_up_proj, a sliding window of 4 keys; `phi3_partial`:
+half of each head's dims rotating, partial_rotary_factor 0.5, as Phi-4-mini's 0.75).
 
 Needs torch, transformers (4.x or 5.x) and safetensors (`pip install torch transformers
 safetensors`); CI does not: it only reads the committed files under tests/fixtures/families/.
 
-    python3 scripts/make_family_fixtures.py tests/fixtures/families
+    python3 scripts/make_family_fixtures.py tests/fixtures/families [NAME ...]
+
+(only the fixtures NAME when given).
 
 Each fixture directory holds what `save_pretrained` writes (config.json, safetensors) and
 `logits.json`: fixed token ids (2 rows of 9) and the float32 logits the model computes for them
@@ -48,11 +52,16 @@ FIXTURES = {
                     rope_local_base_freq=10000.0,
                     rope_scaling={"rope_type": "linear", "factor": 2.0},
                     hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=4, pad_token_id=0)),
+    "phi3_partial": ("Phi3Config", "Phi3ForCausalLM",
+                     dict(partial_rotary_factor=0.5, pad_token_id=0)),
 }
 
 
-def main(out_dir):
+def main(out_dir, names):
     for name, (config_class, model_class, extra) in FIXTURES.items():
+        if names and name not in names:
+            continue
         torch.manual_seed(0)
         config = getattr(transformers, config_class)(**{**COMMON, **extra})
         config._attn_implementation = "eager"
@@ -80,4 +89,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/families")
+    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/families", sys.argv[2:])

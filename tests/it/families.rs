@@ -1,5 +1,6 @@
 //! The decoder families beside Llama (Qwen2's q/k/v biases, Qwen3's per-head q/k norms,
-//! Mistral's sliding window, OLMo 2's post-norms) train under every strategy as on one device:
+//! Mistral's sliding window, OLMo 2's post-norms, Phi-3's partial rotary) train under every
+//! strategy as on one device:
 //! ddp, fsdp2 (uneven), hsdp, tp with sequence parallelism, fsdp2_tp, context parallelism and
 //! pipeline parallelism, same losses and gradient norms to 1e-5 (OLMo 2's whole-projection q/k
 //! norm refuses tp by name). Each family's option is in effect (the run differs
@@ -14,12 +15,12 @@ use crate::lora_llama::read_safetensors;
 
 /// The small model as `family`: Qwen2 with its q/k/v biases, Qwen3 with per-head q/k norms,
 /// Mistral with a window of 3 keys (the runs' rows are 16 tokens long), OLMo 2 with post-norms
-/// and whole-projection q/k norms.
+/// and whole-projection q/k norms, Phi-3 with the window and partial rotary.
 fn model(family: Family) -> LlamaConfig {
     let row = family.row();
     let layers = small_model().num_hidden_layers;
     let window = match family {
-        Family::Mistral => Some(vec![true; layers]),
+        Family::Mistral | Family::Phi3 => Some(vec![true; layers]),
         // Gemma's pattern: the first layer slides (Gemma 3's with its own rope base), the
         // second is global.
         Family::Gemma2 | Family::Gemma3 => Some(vec![true, false]),
@@ -47,6 +48,8 @@ fn model(family: Family) -> LlamaConfig {
             small_model().rope_theta
         },
         tie_word_embeddings: gemma,
+        // Phi-3 as Phi-4-mini: the first 4 of each head's 6 dims rotate.
+        partial_rotary_factor: (family == Family::Phi3).then_some(4.0 / 6.0),
         ..small_model()
     }
 }
@@ -107,12 +110,13 @@ fn layouts() -> Vec<(&'static str, DistributedFlags)> {
 }
 
 #[test]
-fn qwen2_qwen3_and_mistral_train_under_every_strategy_as_on_one_device() {
+fn qwen2_qwen3_mistral_and_phi3_train_under_every_strategy_as_on_one_device() {
     let llama = run(&family_run(
         Family::Llama,
         DistributedFlags::on(Strategy::Single, 1),
     ));
-    for family in [Family::Qwen2, Family::Qwen3, Family::Mistral] {
+    assert_eq!(model(Family::Phi3).rotary_dim(), 4);
+    for family in [Family::Qwen2, Family::Qwen3, Family::Mistral, Family::Phi3] {
         let single = run(&family_run(
             family,
             DistributedFlags::on(Strategy::Single, 1),
@@ -226,4 +230,113 @@ fn a_saved_qwen2_is_a_qwen2_checkpoint() {
     assert_eq!(back.family, Family::Qwen2);
     assert!(back.attention_bias && !back.o_proj_bias());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A Phi-3 checkpoint (q/k/v fused in `qkv_proj`, gate/up in `gate_up_proj`) fine-tuned under
+/// tp 2 and fsdp2_tp 2x2 saves what one device saves: the fixture's tensor names and shapes,
+/// fused again, and the same values to 1e-5. Each save loads back in the trainer (lazily,
+/// under fsdp2 x2 and tp 2) with the loss one device computes on its own save.
+#[test]
+fn phi3_fine_tuned_under_tp_saves_fused_tensors_as_on_one_device() {
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/phi3");
+    let dir = temp_dir("phi3-tp-save");
+    let on = DistributedFlags::on;
+    let tp = DistributedFlags {
+        tp: Some(2),
+        ..on(Strategy::Tp, 2)
+    };
+    let fsdp2_tp = DistributedFlags {
+        tp: Some(2),
+        ..on(Strategy::Fsdp2Tp, 4)
+    };
+    let from = |checkpoint: &std::path::Path, flags: DistributedFlags, steps, lr| {
+        let (strategy, world) = (flags.strategy.unwrap(), flags.world_size.unwrap());
+        TrainConfig {
+            checkpoint: Some(checkpoint.to_path_buf()),
+            distributed: resolved(flags),
+            steps,
+            lr,
+            seq_len: 8,
+            ..small_run(strategy, world, OptimizerKind::AdamW)
+        }
+    };
+    let stored = read_safetensors(&fixture.join("model.safetensors"));
+    let mut saved = Vec::new();
+    let layouts = [
+        ("single", on(Strategy::Single, 1)),
+        ("tp", tp.clone()),
+        ("fsdp2_tp", fsdp2_tp),
+    ];
+    for (name, flags) in layouts {
+        let out = dir.join(name);
+        run(&TrainConfig {
+            save: Some(out.clone()),
+            ..from(&fixture, flags, 2, 1e-2)
+        });
+        let tensors = read_safetensors(&out.join("model.safetensors"));
+        let shapes = |t: &std::collections::BTreeMap<String, (Vec<usize>, Vec<f32>)>| {
+            t.iter()
+                .map(|(n, (s, _))| (n.clone(), s.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            shapes(&tensors),
+            shapes(&stored),
+            "{name}: names and shapes"
+        );
+        saved.push((name, out, tensors));
+    }
+    let (_, single_dir, single) = &saved[0];
+    for (name, _, tensors) in &saved[1..] {
+        for (t, (_, values)) in tensors {
+            crate::common::assert_close(values, &single[t].1, 1e-5, &format!("{name} {t}"));
+            assert_ne!(values, &stored[t].1, "{name} {t} was trained");
+        }
+    }
+    let reference = run(&from(single_dir, on(Strategy::Single, 1), 1, 0.0));
+    for (name, out, _) in &saved[1..] {
+        for flags in [on(Strategy::Fsdp2, 2), tp.clone()] {
+            let what = format!("{name}'s save under {:?}", flags.strategy.unwrap());
+            assert_curves(&run(&from(out, flags, 1, 0.0)), &reference, 1e-5, &what);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// LoRA on Phi-3: peft adapts its fused `qkv_proj` and `gate_up_proj` with one shared `lora_A`
+/// each, which adapters on the parts would not be, so targets on them are refused by name;
+/// adapters on `o_proj` and `down_proj` train under fsdp2 x2 as on one device.
+#[test]
+fn phi3_lora_trains_its_unfused_projections_and_refuses_the_fused_ones() {
+    use burn_parallel::train::LoraOptions;
+    let lora = |targets: Option<&[&str]>, flags: DistributedFlags| TrainConfig {
+        lora: LoraOptions {
+            rank: Some(2),
+            alpha: Some(4.0),
+            targets: targets.map(|t| t.iter().map(|s| s.to_string()).collect()),
+            ..LoraOptions::default()
+        },
+        ..family_run(Family::Phi3, flags)
+    };
+    let on = DistributedFlags::on;
+    for targets in [
+        None,
+        Some(&["qkv_proj"][..]),
+        Some(&["o_proj", "up_proj"][..]),
+    ] {
+        let e = burn_parallel::train::train(&lora(targets, on(Strategy::Single, 1)), &|_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--lora-targets")
+                && e.contains("qkv_proj")
+                && e.contains("o_proj,down_proj"),
+            "{targets:?}: {e}"
+        );
+    }
+    let unfused = Some(&["o_proj", "down_proj"][..]);
+    let single = run(&lora(unfused, on(Strategy::Single, 1)));
+    let sharded = run(&lora(unfused, on(Strategy::Fsdp2, 2)));
+    assert_curves(&sharded, &single, 1e-5, "Phi-3 LoRA fsdp2 x2");
 }

@@ -1,8 +1,9 @@
 //! The decoder families against transformers: tiny Qwen2 (q/k/v biases, a sliding window on
 //! its second layer), Qwen3 (per-head q/k norms), Mistral (a sliding window of 3 keys),
 //! OLMo 2 (post-norms, whole-projection q/k norms), Gemma 2 (attention and final logit
-//! soft-capping) and Gemma 3 (sandwich norms, local and global rotary bases, GeGLU, tied
-//! embeddings) checkpoints written by `save_pretrained`
+//! soft-capping), Gemma 3 (sandwich norms, local and global rotary bases, GeGLU, tied
+//! embeddings) and Phi-3 (fused qkv_proj and gate_up_proj, a sliding window; partial rotary)
+//! checkpoints written by `save_pretrained`
 //! (`scripts/make_family_fixtures.py`) load and compute transformers' logits, and save back to
 //! the same tensors and a config.json that loads as the same model.
 
@@ -21,7 +22,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 #[test]
-fn qwen2_qwen3_mistral_olmo2_and_gemma_logits_match_transformers() {
+fn qwen2_qwen3_mistral_olmo2_gemma_and_phi3_logits_match_transformers() {
     for (name, family) in [
         ("qwen2", Family::Qwen2),
         ("qwen3", Family::Qwen3),
@@ -29,6 +30,8 @@ fn qwen2_qwen3_mistral_olmo2_and_gemma_logits_match_transformers() {
         ("olmo2", Family::Olmo2),
         ("gemma2", Family::Gemma2),
         ("gemma3", Family::Gemma3),
+        ("phi3", Family::Phi3),
+        ("phi3_partial", Family::Phi3),
     ] {
         let (want, device) = (expected_in(&fixture(name)), ndarray());
         let model = load_llama(fixture(name), &device).unwrap_or_else(|e| panic!("{name}: {e}"));

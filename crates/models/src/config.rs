@@ -81,6 +81,10 @@ pub struct LlamaConfig {
     /// has a dense MLP, as a Llama).
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// The share of each head's dims that rotate (Phi-4-mini's 0.75: the first
+    /// `head_dim x factor` dims rotate, the rest pass through); `None`: every dim.
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
 }
 
 /// The MLP's activation (`hidden_act`, Gemma's `hidden_activation`).
@@ -154,6 +158,7 @@ impl LlamaConfig {
             attn_logit_softcapping: None,
             final_logit_softcapping: None,
             moe: None,
+            partial_rotary_factor: None,
         }
     }
 
@@ -193,6 +198,15 @@ impl LlamaConfig {
     /// The sliding window of decoder layer `layer`, if it has one.
     pub fn window_of(&self, layer: usize) -> Option<usize> {
         self.sliding_window.as_ref().and_then(|w| w.of_layer(layer))
+    }
+
+    /// The dims of each head that the rotary embedding turns: `head_dim`, or its share
+    /// `partial_rotary_factor` (transformers' `int(head_dim * factor)`).
+    pub fn rotary_dim(&self) -> usize {
+        match self.partial_rotary_factor {
+            Some(f) => (self.head_dim as f64 * f) as usize,
+            None => self.head_dim,
+        }
     }
 
     /// Whether decoder layer `layer` has a sparse MoE block instead of a dense MLP.
@@ -269,6 +283,7 @@ impl LlamaConfig {
             attn_logit_softcapping: f64_of("attn_logit_softcapping", o),
             final_logit_softcapping: f64_of("final_logit_softcapping", o),
             moe,
+            partial_rotary_factor: partial_rotary_factor(o, head_dim)?,
         };
         Ok(config)
     }
@@ -319,6 +334,9 @@ impl LlamaConfig {
             }),
         };
         v["rope_scaling"] = scaling;
+        if let Some(f) = self.partial_rotary_factor {
+            v["partial_rotary_factor"] = f.into();
+        }
         if row.gemma {
             v["hidden_activation"] = self.hidden_act.hf_name().into();
             // transformers 5 checks the type: an int where the value is whole.
@@ -399,6 +417,29 @@ fn required_count(o: &serde_json::Map<String, Value>, k: &str) -> Result<usize, 
 }
 
 /// A setting of Gemma's family that this decoder does not compute: bidirectional attention.
+/// `partial_rotary_factor` (transformers 5 keeps it in `rope_parameters`), when it is not 1:
+/// a share in (0, 1] that leaves an even number of rotating dims.
+fn partial_rotary_factor(
+    o: &serde_json::Map<String, Value>,
+    head_dim: usize,
+) -> Result<Option<f64>, ModelError> {
+    let in_params = || {
+        let params = o.get("rope_parameters").and_then(Value::as_object)?;
+        f64_of("partial_rotary_factor", params)
+    };
+    let Some(f) = f64_of("partial_rotary_factor", o).or_else(in_params) else {
+        return Ok(None);
+    };
+    let dims = (head_dim as f64 * f) as usize;
+    if !(f > 0.0 && f <= 1.0) || dims == 0 || !dims.is_multiple_of(2) {
+        return Err(bad_config(format!(
+            "partial_rotary_factor {f} of head_dim {head_dim} gives {dims} rotating dims: it \
+             must be in (0, 1] and leave an even number of them"
+        )));
+    }
+    Ok((f < 1.0).then_some(f))
+}
+
 fn refuse_unsupported(o: &serde_json::Map<String, Value>) -> Result<(), ModelError> {
     if o.get("use_bidirectional_attention") == Some(&Value::Bool(true)) {
         return Err(ModelError::Unsupported(
@@ -547,12 +588,12 @@ mod tests {
     #[test]
     fn rejects_other_architectures() {
         let msg = LlamaConfig::from_json(
-            &V4.replace(r#""model_type":"llama""#, r#""model_type":"phi3""#),
+            &V4.replace(r#""model_type":"llama""#, r#""model_type":"gpt_neox""#),
         )
         .unwrap_err()
         .to_string();
         assert!(
-            msg.contains("phi3") && msg.contains("llama, mistral, qwen2, qwen3"),
+            msg.contains("gpt_neox") && msg.contains("llama, mistral, qwen2, qwen3"),
             "{msg}"
         );
         // A model_type the table knows with another family's class name.

@@ -36,6 +36,10 @@ pub enum Family {
     /// per-head q/k norms, `query_pre_attn_scalar`, and sliding-window layers with their own
     /// rotary base.
     Gemma3,
+    /// `Phi3ForCausalLM` (Phi-3, Phi-3.5, Phi-4-mini): q/k/v and gate/up fused in the
+    /// checkpoint (`qkv_proj`, `gate_up_proj`), partial rotary (`partial_rotary_factor`), a
+    /// sliding window on every layer when `sliding_window` is set.
+    Phi3,
 }
 
 /// Where a family's decoder layer puts its norms.
@@ -100,10 +104,13 @@ pub struct FamilyRow {
     pub window: WindowRule,
     /// The sparse MoE flavour, for MoE families.
     pub moe: Option<MoeFlavor>,
+    /// The checkpoint stores q, k and v as one `qkv_proj` and gate and up as one `gate_up_proj`
+    /// (Phi-3), which load as the decoder's own projections and are written back fused.
+    pub fused: bool,
 }
 
 /// Every family the decoder loads.
-pub const FAMILIES: [FamilyRow; 9] = [
+pub const FAMILIES: [FamilyRow; 10] = [
     FamilyRow {
         family: Family::Llama,
         model_type: "llama",
@@ -115,6 +122,7 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: false,
         window: WindowRule::Never,
         moe: None,
+        fused: false,
     },
     FamilyRow {
         family: Family::Mistral,
@@ -127,6 +135,7 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: false,
         window: WindowRule::Always,
         moe: None,
+        fused: false,
     },
     FamilyRow {
         family: Family::Qwen2,
@@ -139,6 +148,7 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: false,
         window: WindowRule::Opted,
         moe: None,
+        fused: false,
     },
     FamilyRow {
         family: Family::Qwen3,
@@ -151,6 +161,7 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: false,
         window: WindowRule::Opted,
         moe: None,
+        fused: false,
     },
     FamilyRow {
         family: Family::Qwen3Moe,
@@ -163,6 +174,7 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: false,
         window: WindowRule::Opted,
         moe: Some(MoeFlavor::Qwen3Moe),
+        fused: false,
     },
     FamilyRow {
         family: Family::Mixtral,
@@ -175,6 +187,7 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: false,
         window: WindowRule::Always,
         moe: Some(MoeFlavor::Mixtral),
+        fused: false,
     },
     FamilyRow {
         family: Family::Olmo2,
@@ -187,6 +200,7 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: false,
         window: WindowRule::Never,
         moe: None,
+        fused: false,
     },
     FamilyRow {
         family: Family::Gemma2,
@@ -199,6 +213,7 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: false,
         window: WindowRule::Pattern(2),
         moe: None,
+        fused: false,
     },
     FamilyRow {
         family: Family::Gemma3,
@@ -211,6 +226,20 @@ pub const FAMILIES: [FamilyRow; 9] = [
         local_rope: true,
         window: WindowRule::Pattern(6),
         moe: None,
+        fused: false,
+    },
+    FamilyRow {
+        family: Family::Phi3,
+        model_type: "phi3",
+        architecture: "Phi3ForCausalLM",
+        qkv_bias: false,
+        qk_norm: QkNorm::None,
+        norms: NormLayout::Pre,
+        gemma: false,
+        local_rope: false,
+        window: WindowRule::Always,
+        moe: None,
+        fused: true,
     },
 ];
 
@@ -466,9 +495,9 @@ mod tests {
             msg.contains("layer_types has 1 entries for 2 layers"),
             "{msg}"
         );
-        let msg = err(text("phi3", ""));
+        let msg = err(text("gpt_neox", ""));
         assert!(
-            msg.contains("`phi3`") && msg.contains(&Family::supported()),
+            msg.contains("`gpt_neox`") && msg.contains(&Family::supported()),
             "{msg}"
         );
     }

@@ -15,9 +15,10 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// The frequencies of `config`'s `head_dim`, `rope_theta` and `rope_scaling`.
+    /// The frequencies of `config`'s rotating dims (`head_dim`, or its
+    /// `partial_rotary_factor` share), `rope_theta` and `rope_scaling`.
     pub fn new(config: &LlamaConfig) -> Self {
-        let dim = config.head_dim;
+        let dim = config.rotary_dim();
         let mut inv_freq: Vec<f64> = (0..dim / 2)
             .map(|i| {
                 let exponent = (2 * i) as f32 / dim as f32;
@@ -110,6 +111,10 @@ impl Rope {
     /// [`apply`](Self::apply) with plain tensor ops, for `cos`/`sin` of any leading shape
     /// that broadcasts (per-row positions).
     pub fn apply_plain(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
+        partially(x, cos, |x| Self::rotate_plain(x, cos, sin))
+    }
+
+    fn rotate_plain(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
         let half = x.dims()[3] / 2;
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.clone().narrow(3, half, half);
@@ -117,8 +122,24 @@ impl Rope {
         x * cos.clone() + rotated * sin.clone()
     }
 
-    /// `x * cos + rotate_half(x) * sin` on `[batch, heads, seq, head_dim]`.
+    /// `x * cos + rotate_half(x) * sin` on `[batch, heads, seq, head_dim]`; with partial
+    /// rotary (`cos` narrower than the head), on the head's first dims only.
     pub fn apply(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
-        fused::rotary(x, cos, sin)
+        partially(x, cos, |x| fused::rotary(x, cos, sin))
     }
+}
+
+/// `rotate` on the first `cos.dims()[3]` dims of each head of `x`, the rest passed through
+/// (transformers' `q_rot, q_pass` split); all of `x` when they are as wide.
+fn partially(
+    x: Tensor<4>,
+    cos: &Tensor<4>,
+    rotate: impl FnOnce(Tensor<4>) -> Tensor<4>,
+) -> Tensor<4> {
+    let (dim, turning) = (x.dims()[3], cos.dims()[3]);
+    if turning >= dim {
+        return rotate(x);
+    }
+    let pass = x.clone().narrow(3, turning, dim - turning);
+    Tensor::cat(vec![rotate(x.narrow(3, 0, turning)), pass], 3)
 }

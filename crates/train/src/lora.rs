@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use burn::nn::Linear;
 use burn::tensor::TensorData;
 use burn_parallel_fsdp::RowRequest;
-use burn_parallel_models::Llama;
 use burn_parallel_models::ModelError;
 use burn_parallel_models::checkpoint::CheckpointRows;
+use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::Dtype;
 use burn_parallel_parallelizer::full_model;
 use burn_parallel_peft::{
@@ -108,6 +108,59 @@ pub(crate) fn check(cfg: &TrainConfig) -> Result<(), TrainError> {
         check_quantized(cfg)?;
     }
     Ok(())
+}
+
+/// Refuses adapters on the parts of a projection `model`'s checkpoint stores fused (Phi-3's
+/// `qkv_proj`, `gate_up_proj`): peft adapts each fused projection as one module with one
+/// `lora_A`, which adapters on q, k and v apart would not train, nor save as peft's files.
+pub(crate) fn check_model(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError> {
+    const FUSED: [&str; 7] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "gate_proj",
+        "up_proj",
+        "qkv_proj",
+        "gate_up_proj",
+    ];
+    let row = model.family.row();
+    if !row.fused {
+        return Ok(());
+    }
+    let (flag, targets) = match cfg.lora.plan(cfg.seed)? {
+        None => return Ok(()),
+        Some(LoraPlan::New(config)) => ("--lora-targets", config.targets),
+        Some(LoraPlan::Load(dir)) => {
+            let file = AdapterConfig::read(&dir).map_err(lora_error)?;
+            let targets = match file.target_modules {
+                Some(TargetModules::List(list)) => list,
+                Some(TargetModules::One(one)) => vec![one],
+                None => Vec::new(),
+            };
+            ("--lora-init", targets)
+        }
+    };
+    let fused: Vec<&String> = targets
+        .iter()
+        .filter(|t| {
+            FUSED
+                .iter()
+                .any(|f| t.as_str() == *f || t.ends_with(&format!(".{f}")))
+        })
+        .collect();
+    if fused.is_empty() {
+        return Ok(());
+    }
+    Err(flag_error(
+        flag,
+        format!(
+            "targets {fused:?} of a {} model, whose checkpoint fuses q/k/v into qkv_proj and \
+             gate/up into gate_up_proj: peft adapts each fused projection with one shared \
+             lora_A, which is not built here; target o_proj and down_proj (--lora-targets \
+             o_proj,down_proj), or fine-tune without LoRA",
+            row.model_type
+        ),
+    ))
 }
 
 /// `--lora-quantize` needs adapters to train, and packed blocks that no cast rounds.

@@ -165,6 +165,7 @@ pub(crate) fn train_once(
     // Before the data, the ranks and the model allocate anything sized by the sequence.
     check_positions(cfg, &model_cfg)?;
     crate::pipeline::check_flags(cfg, &model_cfg)?;
+    crate::lora::check_model(cfg, &model_cfg)?;
     let plan = mesh_plan(cfg, &model_cfg)?;
     let mesh = plan.sizes();
     let data = token_data(cfg, &model_cfg)?;
@@ -288,8 +289,10 @@ fn run_rank(
 ) -> Result<RankResult, TrainError> {
     let device = cfg.backend.device(gpu_of(ctx.rank()))?;
     // FSDP frees gathered weights after forward, and activations are recomputed, only on
-    // Burn's checkpointing device.
-    let device = match plan.resharding() != Some(false) || plan.activation_checkpointing() {
+    // Burn's checkpointing device. Elsewhere the plain device: the checkpointing one keeps
+    // about 1.4x the activations (the inputs of the ops it may recompute), for nothing.
+    let reshards = plan.shards_parameters() && plan.resharding() != Some(false);
+    let device = match reshards || plan.activation_checkpointing() {
         true => device.gradient_checkpointing(),
         false => device,
     };

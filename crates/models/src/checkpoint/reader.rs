@@ -23,10 +23,21 @@ struct MappedFile {
 }
 
 /// An open checkpoint directory: every safetensors file mapped, every tensor indexed by name.
+/// A fused projection (Phi-3's `qkv_proj`, `gate_up_proj`) reads as its parts, the tensors the
+/// decoder has (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`): each a run of the fused
+/// tensor's rows, read in place.
 pub struct HfCheckpoint {
     dir: PathBuf,
     files: Vec<MappedFile>,
     by_name: HashMap<String, usize>,
+    parts: HashMap<String, FusedPart>,
+}
+
+/// A tensor stored as rows `rows` of the tensor `fused`.
+#[derive(Debug, Clone)]
+struct FusedPart {
+    fused: String,
+    rows: Range<usize>,
 }
 
 impl std::fmt::Debug for HfCheckpoint {
@@ -98,11 +109,70 @@ impl HfCheckpoint {
                 metadata,
             });
         }
-        Ok(Self {
+        let mut checkpoint = Self {
             dir,
             files,
             by_name,
-        })
+            parts: HashMap::new(),
+        };
+        checkpoint.parts = checkpoint.fused_parts()?;
+        Ok(checkpoint)
+    }
+
+    /// The parts of every fused projection the checkpoint stores (none in most families): q,
+    /// k and v of `qkv_proj` by the head counts of `config.json`, gate and up as the halves of
+    /// `gate_up_proj`.
+    fn fused_parts(&self) -> Result<HashMap<String, FusedPart>, ModelError> {
+        let fused: Vec<&String> = self
+            .by_name
+            .keys()
+            .filter(|n| n.ends_with(".qkv_proj.weight") || n.ends_with(".gate_up_proj.weight"))
+            .collect();
+        let mut parts = HashMap::new();
+        if fused.is_empty() {
+            return Ok(parts);
+        }
+        let config = LlamaConfig::load(&self.dir)?;
+        let (q, kv) = (
+            config.num_attention_heads * config.head_dim,
+            config.num_key_value_heads * config.head_dim,
+        );
+        for name in fused {
+            let (_, shape) = self.info(name)?;
+            let rows = shape.first().copied().unwrap_or(0);
+            let (prefix, sizes) = match name.strip_suffix(".qkv_proj.weight") {
+                Some(prefix) => (prefix, vec![("q_proj", q), ("k_proj", kv), ("v_proj", kv)]),
+                None => {
+                    let prefix = name.trim_end_matches(".gate_up_proj.weight");
+                    let half = config.intermediate_size;
+                    (prefix, vec![("gate_proj", half), ("up_proj", half)])
+                }
+            };
+            let total: usize = sizes.iter().map(|(_, n)| n).sum();
+            if rows != total {
+                return Err(ModelError::Checkpoint {
+                    path: self.dir.clone(),
+                    reason: format!(
+                        "`{name}` has {rows} rows, but config.json's sizes give {total} ({})",
+                        sizes
+                            .iter()
+                            .map(|(part, n)| format!("{part} {n}"))
+                            .collect::<Vec<_>>()
+                            .join(" + ")
+                    ),
+                });
+            }
+            let mut start = 0;
+            for (part, n) in sizes {
+                let fused = FusedPart {
+                    fused: name.clone(),
+                    rows: start..start + n,
+                };
+                parts.insert(format!("{prefix}.{part}.weight"), fused);
+                start += n;
+            }
+        }
+        Ok(parts)
     }
 
     /// The checkpoint directory.
@@ -110,26 +180,58 @@ impl HfCheckpoint {
         &self.dir
     }
 
-    /// Every tensor name, sorted.
+    /// Every tensor name, sorted: a fused projection's parts in its place.
     pub fn names(&self) -> Vec<&str> {
-        let mut v: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+        let fused: std::collections::HashSet<&str> =
+            self.parts.values().map(|p| p.fused.as_str()).collect();
+        let mut v: Vec<&str> = self
+            .by_name
+            .keys()
+            .map(String::as_str)
+            .filter(|n| !fused.contains(n))
+            .chain(self.parts.keys().map(String::as_str))
+            .collect();
         v.sort();
         v
     }
 
-    /// Whether the checkpoint holds a tensor named `name`.
+    /// Whether the checkpoint holds a tensor named `name` (a fused projection's part too).
     pub fn contains(&self, name: &str) -> bool {
-        self.by_name.contains_key(name)
+        self.by_name.contains_key(name) || self.parts.contains_key(name)
     }
 
-    fn locate(&self, name: &str) -> Result<(&MappedFile, &TensorInfo), ModelError> {
+    /// Where `name`'s bytes are: a stored tensor, or a run of a fused one's rows.
+    fn locate(&self, name: &str) -> Result<(&MappedFile, TensorInfo), ModelError> {
+        let Some(part) = self.parts.get(name) else {
+            return self.locate_stored(name);
+        };
+        let (file, fused) = self.locate_stored(&part.fused)?;
+        let row_len: usize = fused.shape.iter().skip(1).product();
+        let size = element_size(fused.dtype).ok_or_else(|| ModelError::Checkpoint {
+            path: file.path.clone(),
+            reason: format!("unsupported dtype {:?} (f32, f16, bf16, f64)", fused.dtype),
+        })?;
+        let at = |row: usize| fused.data_offsets.0 + row * row_len * size;
+        let mut shape = fused.shape.clone();
+        shape[0] = part.rows.len();
+        Ok((
+            file,
+            TensorInfo {
+                dtype: fused.dtype,
+                shape,
+                data_offsets: (at(part.rows.start), at(part.rows.end)),
+            },
+        ))
+    }
+
+    fn locate_stored(&self, name: &str) -> Result<(&MappedFile, TensorInfo), ModelError> {
         let missing = || ModelError::MissingTensor {
             name: name.to_string(),
             dir: self.dir.clone(),
         };
         let file = &self.files[*self.by_name.get(name).ok_or_else(missing)?];
         let info = file.metadata.info(name).ok_or_else(missing)?;
-        Ok((file, info))
+        Ok((file, info.clone()))
     }
 
     /// `(dtype, shape)` as stored.
@@ -152,7 +254,7 @@ impl HfCheckpoint {
         let full = shape.first().copied().unwrap_or(1);
         let row_len: usize = shape.iter().skip(1).product();
         self.check_range(file, name, "rows", &rows, full)?;
-        let bytes = self.bytes(file, info, rows.start * row_len..rows.end * row_len)?;
+        let bytes = self.bytes(file, &info, rows.start * row_len..rows.end * row_len)?;
         let values = to_f32(bytes, info.dtype, file, name)?;
         if shape.is_empty() {
             shape.push(1);
@@ -166,7 +268,7 @@ impl HfCheckpoint {
         let (file, info) = self.locate(name)?;
         let full: usize = info.shape.iter().product();
         self.check_range(file, name, "elements", &elems, full)?;
-        let bytes = self.bytes(file, info, elems)?;
+        let bytes = self.bytes(file, &info, elems)?;
         to_f32(bytes, info.dtype, file, name)
     }
 
@@ -183,7 +285,7 @@ impl HfCheckpoint {
         let mut values = Vec::with_capacity(rows * cols.len());
         for r in 0..rows {
             let start = r * width;
-            let bytes = self.bytes(file, info, start + cols.start..start + cols.end)?;
+            let bytes = self.bytes(file, &info, start + cols.start..start + cols.end)?;
             values.extend(to_f32(bytes, info.dtype, file, name)?);
         }
         Ok(TensorData::new(values, [rows, cols.len()]))

@@ -97,7 +97,7 @@ pub fn hf_tensors(model: &Llama) -> Result<Vec<(String, TensorData)>, ModelError
     let model = burn_parallel_fsdp::gather_full(model.clone())?.gather_tp()?;
     let mut values = Values(Vec::new());
     walk(&model, &mut values)?;
-    Ok(values.0)
+    Ok(fused_as_stored(&model.config, values.0))
 }
 
 /// As [`hf_tensors`] for one pipeline stage: its parameters under the whole model's Hugging
@@ -106,7 +106,66 @@ pub fn hf_stage_tensors(stage: &LlamaStage) -> Result<Vec<(String, TensorData)>,
     let stage = burn_parallel_fsdp::gather_full(stage.clone())?.gather_tp()?;
     let mut values = Values(Vec::new());
     walk_stage(&stage, &mut values)?;
-    Ok(values.0)
+    Ok(fused_as_stored(&stage.config, values.0))
+}
+
+/// `tensors` as `config`'s family stores them: for Phi-3, each layer's q, k and v as one
+/// `qkv_proj` and its gate and up as one `gate_up_proj` (their rows one after the other, in
+/// that order), in the place of the first part.
+fn fused_as_stored(
+    config: &crate::LlamaConfig,
+    tensors: Vec<(String, TensorData)>,
+) -> Vec<(String, TensorData)> {
+    const FUSED: [(&str, &[&str]); 2] = [
+        (
+            "self_attn.qkv_proj",
+            &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        ),
+        ("mlp.gate_up_proj", &["mlp.gate_proj", "mlp.up_proj"]),
+    ];
+    if !config.family.row().fused {
+        return tensors;
+    }
+    let mut by_name: HashMap<String, TensorData> = tensors.iter().cloned().collect();
+    let mut out = Vec::new();
+    for (name, data) in tensors {
+        let fused = FUSED.iter().find_map(|(fused, parts)| {
+            let (prefix, suffix) = parts.iter().find_map(|part| {
+                let (prefix, rest) = name.split_once(&format!(".{part}."))?;
+                Some((prefix, rest))
+            })?;
+            let name_of = |part: &str| format!("{prefix}.{part}.{suffix}");
+            // Written at the first part; the others are taken with it.
+            (name == name_of(parts[0])).then(|| {
+                let pieces: Vec<TensorData> = parts
+                    .iter()
+                    .filter_map(|part| by_name.remove(&name_of(part)))
+                    .collect();
+                (name_of(fused), concat_rows(pieces))
+            })
+        });
+        match fused {
+            Some(whole) => out.push(whole),
+            None if by_name.contains_key(&name) => out.push((name, data)),
+            None => {}
+        }
+    }
+    out
+}
+
+/// Tensors of equal trailing dims, one after the other along dim 0.
+fn concat_rows(pieces: Vec<TensorData>) -> TensorData {
+    let mut shape: Vec<usize> = pieces[0].shape().to_vec();
+    shape[0] = pieces.iter().map(|p| p.shape()[0]).sum();
+    let values: Vec<f32> = pieces
+        .into_iter()
+        .flat_map(|p| {
+            p.convert_dtype(DType::F32)
+                .try_into_vec::<f32>()
+                .expect("f32 data")
+        })
+        .collect();
+    TensorData::new(values, shape)
 }
 
 /// The file of part `part` (from 0) of a checkpoint sharded into `parts` files, as the hub
