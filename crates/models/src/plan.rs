@@ -9,7 +9,10 @@ pub const LLAMA_PLAN: NamedPlan = NamedPlan::new("llama", llama_plan);
 
 /// q/k/v/gate/up colwise, o/down rowwise, a vocab-parallel `embed_tokens` and a colwise
 /// `lm_head` (for `loss_parallel`); with `sequence_parallel`, activations are sharded on the
-/// sequence dim (1 of `[batch, seq, hidden]`) between the tp regions, norms included.
+/// sequence dim (1 of `[batch, seq, hidden]`) between the tp regions, norms included: the
+/// pre-norms, and the norms after attention and the MLP of the post-norm (OLMo 2) and sandwich
+/// (Gemma) layers, which read the rowwise layers' sequence-sharded outputs. A model without
+/// some of them (a Llama has no `post_feedforward_layernorm`) leaves those entries unmatched.
 pub fn llama_plan(sequence_parallel: bool) -> TpPlan {
     use ParallelStyle as S;
     const SEQ: usize = 1;
@@ -41,6 +44,8 @@ pub fn llama_plan(sequence_parallel: bool) -> TpPlan {
         for p in [
             "layers.*.input_layernorm",
             "layers.*.post_attention_layernorm",
+            "layers.*.pre_feedforward_layernorm",
+            "layers.*.post_feedforward_layernorm",
             "norm",
         ] {
             plan = plan.with(p, S::sequence_parallel(SEQ));
@@ -70,7 +75,7 @@ mod tests {
         assert_eq!(style("norm"), None);
 
         let sp = llama_plan(true);
-        assert_eq!(sp.entries().len(), plan.entries().len() + 3);
+        assert_eq!(sp.entries().len(), plan.entries().len() + 5);
         let style = |p: &str| sp.entries().iter().find(|(k, _)| k == p).map(|(_, s)| *s);
         assert_eq!(style("norm"), Some(ParallelStyle::sequence_parallel(1)));
         assert_eq!(

@@ -3,7 +3,6 @@
 //! before any rank starts. Everything else about the config the parallelizer validates.
 
 use burn_parallel_describe::plan_name;
-use burn_parallel_models::NormLayout;
 use burn_parallel_models::{LLAMA_PLAN, LlamaConfig};
 use burn_parallel_parallelizer::{Plan, TpShardPlan};
 use burn_parallel_tp::local_heads;
@@ -50,13 +49,6 @@ pub fn mesh_plan(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Plan, TrainEr
             "tp = {}: the model's q/k norm spans every head (OLMo 2), so its heads cannot be \
              split; train it with fsdp2, hsdp, ddp, --cp or --pp",
             sizes.tp
-        ));
-    }
-    if d.sequence_parallel && model.family.row().norms != NormLayout::Pre {
-        return bad(format!(
-            "sequence parallelism (the llama-sp plan) shards the pre-norm Llama's norms; the \
-             {:?} layer's norms after attention and the MLP are not in it: use --tp-plan llama",
-            model.family
         ));
     }
     if sizes.tp > 1 {
