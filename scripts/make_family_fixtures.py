@@ -17,7 +17,12 @@ safetensors`); CI does not: it only reads the committed files under tests/fixtur
 
 Each fixture directory holds what `save_pretrained` writes (config.json, safetensors) and
 `logits.json`: fixed token ids (2 rows of 9) and the float32 logits the model computes for them
-(eager attention).
+(eager attention); and `grads.safetensors`: the gradient of every parameter, by its name, of
+the mean next-token cross-entropy over those ids (position t predicts id t + 1).
+
+    python3 scripts/make_family_fixtures.py --grads tests/fixtures/families [NAME ...]
+
+writes only `grads.safetensors`, from the committed checkpoints and ids.
 """
 
 import json
@@ -58,6 +63,27 @@ FIXTURES = {
 }
 
 
+def next_token_loss(model, ids):
+    logits = model(ids).logits.float()
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def write_grads(out_dir, names):
+    from safetensors.torch import save_file
+    for name in FIXTURES:
+        if names and name not in names:
+            continue
+        d = os.path.join(out_dir, name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            d, attn_implementation="eager", dtype=torch.float32)
+        ids = torch.tensor(json.load(open(os.path.join(d, "logits.json")))["ids"])
+        next_token_loss(model, ids).backward()
+        grads = {n: p.grad.contiguous() for n, p in model.named_parameters()}
+        save_file(grads, os.path.join(d, "grads.safetensors"))
+        print(name, len(grads), "gradients")
+
+
 def main(out_dir, names):
     for name, (config_class, model_class, extra) in FIXTURES.items():
         if names and name not in names:
@@ -89,4 +115,8 @@ def main(out_dir, names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/families", sys.argv[2:])
+    args = sys.argv[1:]
+    if args[:1] == ["--grads"]:
+        write_grads(args[1] if len(args) > 1 else "tests/fixtures/families", args[2:])
+    else:
+        main(args[0] if args else "tests/fixtures/families", args[1:])

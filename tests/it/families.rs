@@ -3,7 +3,7 @@
 //! strategy as on one device:
 //! ddp, fsdp2 (uneven), hsdp, tp with sequence parallelism, fsdp2_tp, context parallelism and
 //! pipeline parallelism, same losses and gradient norms to 1e-5 (OLMo 2's whole-projection q/k
-//! norm refuses tp by name). Each family's option is in effect (the run differs
+//! norm refuses tp by name; Gemma's sandwich norms run sequence-sharded under llama-sp). Each family's option is in effect (the run differs
 //! from the plain Llama's), and `--save` writes the family's config.json and tensors.
 
 use burn_parallel::models::{Activation, Family, LlamaConfig, QkNorm, SlidingWindow};
@@ -50,6 +50,9 @@ fn model(family: Family) -> LlamaConfig {
         tie_word_embeddings: gemma,
         // Phi-3 as Phi-4-mini: the first 4 of each head's 6 dims rotate.
         partial_rotary_factor: (family == Family::Phi3).then_some(4.0 / 6.0),
+        // Token 1's embedding row takes no gradient from the lookup (padding_idx), under the
+        // vocab-parallel table too.
+        pad_token_id: Some(1),
         ..small_model()
     }
 }
@@ -190,9 +193,8 @@ fn every_supported_layout(
 ) {
     for (name, flags) in layouts() {
         let cfg = family_run(family, flags);
-        // Its sandwich norms are not in the llama-sp plan; its head is tied (pp refuses).
+        // Its head is tied (pp refuses).
         let refused = match name {
-            "tp 2 (sequence parallel)" => Some("sequence parallelism"),
             "pp 2" => Some("tied"),
             _ => None,
         };

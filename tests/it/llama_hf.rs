@@ -29,8 +29,8 @@ pub fn temp_dir(name: &str) -> PathBuf {
 
 /// A fixture's `logits.json`: token ids, and the logits transformers computed for them.
 pub(crate) struct Expected {
-    ids: Vec<i64>,
-    shape: [usize; 3],
+    pub(crate) ids: Vec<i64>,
+    pub(crate) shape: [usize; 3],
     /// The logits, row-major `shape`.
     pub(crate) logits: Vec<f32>,
 }

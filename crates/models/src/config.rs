@@ -85,6 +85,10 @@ pub struct LlamaConfig {
     /// `head_dim x factor` dims rotate, the rest pass through); `None`: every dim.
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
+    /// The padding token (`pad_token_id`): transformers builds the embedding with it as
+    /// `padding_idx`, so its row takes no gradient from the lookup.
+    #[serde(default)]
+    pub pad_token_id: Option<usize>,
 }
 
 /// The MLP's activation (`hidden_act`, Gemma's `hidden_activation`).
@@ -159,6 +163,7 @@ impl LlamaConfig {
             final_logit_softcapping: None,
             moe: None,
             partial_rotary_factor: None,
+            pad_token_id: None,
         }
     }
 
@@ -284,6 +289,11 @@ impl LlamaConfig {
             final_logit_softcapping: f64_of("final_logit_softcapping", o),
             moe,
             partial_rotary_factor: partial_rotary_factor(o, head_dim)?,
+            pad_token_id: None,
+        };
+        let config = Self {
+            pad_token_id: pad_token_id(o, config.vocab_size)?,
+            ..config
         };
         Ok(config)
     }
@@ -336,6 +346,9 @@ impl LlamaConfig {
         v["rope_scaling"] = scaling;
         if let Some(f) = self.partial_rotary_factor {
             v["partial_rotary_factor"] = f.into();
+        }
+        if let Some(p) = self.pad_token_id {
+            v["pad_token_id"] = p.into();
         }
         if row.gemma {
             v["hidden_activation"] = self.hidden_act.hf_name().into();
@@ -417,6 +430,24 @@ fn required_count(o: &serde_json::Map<String, Value>, k: &str) -> Result<usize, 
 }
 
 /// A setting of Gemma's family that this decoder does not compute: bidirectional attention.
+/// `pad_token_id` as the embedding's `padding_idx`: a negative one counts from the end, as
+/// PyTorch's does; one outside the table is an error (transformers refuses it too).
+fn pad_token_id(
+    o: &serde_json::Map<String, Value>,
+    vocab: usize,
+) -> Result<Option<usize>, ModelError> {
+    let Some(id) = o.get("pad_token_id").and_then(Value::as_i64) else {
+        return Ok(None);
+    };
+    let row = if id < 0 { vocab as i64 + id } else { id };
+    if row < 0 || row >= vocab as i64 {
+        return Err(bad_config(format!(
+            "pad_token_id {id} is not a row of the {vocab}-token embedding"
+        )));
+    }
+    Ok(Some(row as usize))
+}
+
 /// `partial_rotary_factor` (transformers 5 keeps it in `rope_parameters`), when it is not 1:
 /// a share in (0, 1] that leaves an even number of rotating dims.
 fn partial_rotary_factor(

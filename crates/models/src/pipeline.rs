@@ -293,7 +293,9 @@ impl LlamaStage {
             (Some(embed), None) => {
                 let ids = TensorData::new(mb.ids.clone(), [rows, seq]);
                 let ids = Tensor::<2, Int>::from_data(ids, &device);
-                let x = embed.try_forward(ids).map_err(|e| self.error(e))?;
+                let x = embed
+                    .try_forward_padded(ids, self.config.pad_token_id)
+                    .map_err(|e| self.error(e))?;
                 scale_embeddings(&self.config, x)
             }
             (None, Some(x)) => x,

@@ -8,7 +8,7 @@ use burn::module::{
     ModuleVisitor, Param, ParamId,
 };
 use burn::nn::Embedding;
-use burn::tensor::{DType, Device, FloatDType, Int, Tensor};
+use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives as coll;
 
@@ -344,11 +344,26 @@ impl Tp<Embedding> {
     /// rank's vocab range look up row 0 and are zeroed, then the partial embeddings are
     /// summed over the group.
     pub fn try_forward(&self, ids: Tensor<2, Int>) -> Result<Tensor<3>, TpError> {
+        self.try_forward_padded(ids, None)
+    }
+
+    /// As [`try_forward`](Self::try_forward), with PyTorch's `padding_idx`: the rows of token
+    /// `padding` are looked up as usual but take no gradient from the lookup (the table's row
+    /// `padding` is not trained through it; a tied head still trains it).
+    pub fn try_forward_padded(
+        &self,
+        ids: Tensor<2, Int>,
+        padding: Option<usize>,
+    ) -> Result<Tensor<3>, TpError> {
+        let pad = |x: Tensor<3>| match padding {
+            Some(p) => untrained_rows(x, ids.clone().equal_elem(p as i64)),
+            None => x,
+        };
         let s = match &self.sharding {
             Some(s) if matches!(s.style, ParallelStyle::Rowwise { .. }) => s,
             // Colwise: ids carry no gradient, so only the output collective applies.
-            Some(s) => return s.leave(self.inner.forward(ids)),
-            None => return Ok(self.inner.forward(ids)),
+            Some(s) => return s.leave(pad(self.inner.forward(ids.clone()))),
+            None => return Ok(pad(self.inner.forward(ids.clone()))),
         };
         let range = s
             .spec
@@ -360,7 +375,7 @@ impl Tp<Embedding> {
             .clone()
             .lower_elem(start)
             .bool_or(ids.clone().greater_equal_elem(end));
-        let local = ids.sub_scalar(start).mask_fill(outside.clone(), 0);
+        let local = ids.clone().sub_scalar(start).mask_fill(outside.clone(), 0);
         let partial = self.inner.forward(local);
         // The mask in the activations' dtype (bf16 under mixed precision): Burn rejects
         // mixed-dtype products.
@@ -370,13 +385,21 @@ impl Tp<Embedding> {
             .cast(FloatDType::from(partial.dtype()))
             .unsqueeze_dim::<3>(2);
         let partial = partial * keep;
-        s.leave(partial)
+        s.leave(pad(partial))
     }
 
     /// As [`try_forward`](Self::try_forward); a failed collective panics.
     pub fn forward(&self, ids: Tensor<2, Int>) -> Tensor<3> {
         self.try_forward(ids).unwrap_or_else(|e| panic!("{e}"))
     }
+}
+
+/// `x` `[batch, seq, d]` with the rows where `rows` `[batch, seq]` is true cut from the graph:
+/// the same values, no gradient back through them.
+fn untrained_rows(x: Tensor<3>, rows: Tensor<2, Bool>) -> Tensor<3> {
+    let width = x.dims()[2];
+    let rows = rows.unsqueeze_dim::<3>(2).repeat_dim(2, width);
+    x.clone().mask_where(rows, x.detach())
 }
 
 /// An input brought to the layout of a `Tp` layer's style by [`Tp::prepare_input`], for that

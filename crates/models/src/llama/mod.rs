@@ -138,7 +138,10 @@ impl Llama {
         cp: Option<&ProcessGroup>,
     ) -> Result<(Tensor<3>, Vec<Tensor<2>>), ModelError> {
         let [batch, seq] = ids.dims();
-        let x = scale_embeddings(&self.config, self.embed_tokens.try_forward(ids)?);
+        let x = self
+            .embed_tokens
+            .try_forward_padded(ids, self.config.pad_token_id)?;
+        let x = scale_embeddings(&self.config, x);
         let rotary = Rotary::new(
             &self.rope,
             self.rope_local.as_ref(),
