@@ -44,11 +44,16 @@ pub fn llama_plan(sequence_parallel: bool) -> TpPlan {
         for p in [
             "layers.*.input_layernorm",
             "layers.*.post_attention_layernorm",
-            "layers.*.pre_feedforward_layernorm",
-            "layers.*.post_feedforward_layernorm",
             "norm",
         ] {
             plan = plan.with(p, S::sequence_parallel(SEQ));
+        }
+        // Only the post-norm and sandwich families have them.
+        for p in [
+            "layers.*.pre_feedforward_layernorm",
+            "layers.*.post_feedforward_layernorm",
+        ] {
+            plan = plan.with_optional(p, S::sequence_parallel(SEQ));
         }
     }
     plan.with("lm_head", head)
