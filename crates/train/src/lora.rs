@@ -10,7 +10,7 @@ use burn::nn::Linear;
 use burn::tensor::TensorData;
 use burn_parallel_fsdp::RowRequest;
 use burn_parallel_models::ModelError;
-use burn_parallel_models::checkpoint::CheckpointRows;
+use burn_parallel_models::checkpoint::{CheckpointRows, fused_module_names};
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::Dtype;
 use burn_parallel_parallelizer::full_model;
@@ -114,15 +114,6 @@ pub(crate) fn check(cfg: &TrainConfig) -> Result<(), TrainError> {
 /// `qkv_proj`, `gate_up_proj`): peft adapts each fused projection as one module with one
 /// `lora_A`, which adapters on q, k and v apart would not train, nor save as peft's files.
 pub(crate) fn check_model(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError> {
-    const FUSED: [&str; 7] = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "gate_proj",
-        "up_proj",
-        "qkv_proj",
-        "gate_up_proj",
-    ];
     let row = model.family.row();
     if !row.fused {
         return Ok(());
@@ -142,11 +133,7 @@ pub(crate) fn check_model(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), 
     };
     let fused: Vec<&String> = targets
         .iter()
-        .filter(|t| {
-            FUSED
-                .iter()
-                .any(|f| t.as_str() == *f || t.ends_with(&format!(".{f}")))
-        })
+        .filter(|t| fused_module_names().any(|f| t.as_str() == f || t.ends_with(&format!(".{f}"))))
         .collect();
     if fused.is_empty() {
         return Ok(());

@@ -4,11 +4,13 @@
 //! read, so a rank that reads its own slices holds its shard plus one tensor at most.
 //! Hugging Face Linear weights are `[out, in]`, Burn's `[in, out]`: loading transposes.
 
+mod fused;
 mod hf_names;
 mod lazy;
 mod reader;
 mod writer;
 
+pub use fused::{FUSED_PROJECTIONS, fused_module_names};
 pub use hf_names::{HfParam, hf_params, hf_stage_params};
 pub use lazy::{CheckpointRows, lazy_llama, lazy_llama_ep, lazy_llama_stage, untaken_tensors};
 pub use reader::{CheckpointSource, HfCheckpoint, load_llama, load_llama_ep};

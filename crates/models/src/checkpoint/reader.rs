@@ -9,6 +9,7 @@ use burn::tensor::{Device, TensorData};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 
+use super::fused::{FUSED_PROJECTIONS, part_rows};
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
 use crate::init::{ParamKind, ParamValue, TensorSource};
@@ -123,31 +124,29 @@ impl HfCheckpoint {
     /// k and v of `qkv_proj` by the head counts of `config.json`, gate and up as the halves of
     /// `gate_up_proj`.
     fn fused_parts(&self) -> Result<HashMap<String, FusedPart>, ModelError> {
-        let fused: Vec<&String> = self
+        let fused: Vec<(&String, &str, &str, &[&str])> = self
             .by_name
             .keys()
-            .filter(|n| n.ends_with(".qkv_proj.weight") || n.ends_with(".gate_up_proj.weight"))
+            .filter_map(|name| {
+                FUSED_PROJECTIONS.iter().find_map(|(fused, parts)| {
+                    let prefix = name.strip_suffix(&format!(".{fused}.weight"))?;
+                    Some((name, prefix, *fused, *parts))
+                })
+            })
             .collect();
         let mut parts = HashMap::new();
         if fused.is_empty() {
             return Ok(parts);
         }
         let config = LlamaConfig::load(&self.dir)?;
-        let (q, kv) = (
-            config.num_attention_heads * config.head_dim,
-            config.num_key_value_heads * config.head_dim,
-        );
-        for name in fused {
+        for (name, prefix, projection, part_paths) in fused {
             let (_, shape) = self.info(name)?;
             let rows = shape.first().copied().unwrap_or(0);
-            let (prefix, sizes) = match name.strip_suffix(".qkv_proj.weight") {
-                Some(prefix) => (prefix, vec![("q_proj", q), ("k_proj", kv), ("v_proj", kv)]),
-                None => {
-                    let prefix = name.trim_end_matches(".gate_up_proj.weight");
-                    let half = config.intermediate_size;
-                    (prefix, vec![("gate_proj", half), ("up_proj", half)])
-                }
-            };
+            let sizes: Vec<(&str, usize)> = part_paths
+                .iter()
+                .copied()
+                .zip(part_rows(&config, projection))
+                .collect();
             let total: usize = sizes.iter().map(|(_, n)| n).sum();
             if rows != total {
                 return Err(ModelError::Checkpoint {

@@ -10,6 +10,7 @@ use burn_parallel_ep::ExpertShard;
 use burn_parallel_tp::TpModule;
 use safetensors::tensor::{Dtype, TensorView};
 
+use super::fused::FUSED_PROJECTIONS;
 use super::hf_names::{HfVisitor, walk, walk_stage};
 use super::reader::transpose;
 use crate::error::ModelError;
@@ -116,20 +117,13 @@ fn fused_as_stored(
     config: &crate::LlamaConfig,
     tensors: Vec<(String, TensorData)>,
 ) -> Vec<(String, TensorData)> {
-    const FUSED: [(&str, &[&str]); 2] = [
-        (
-            "self_attn.qkv_proj",
-            &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-        ),
-        ("mlp.gate_up_proj", &["mlp.gate_proj", "mlp.up_proj"]),
-    ];
     if !config.family.row().fused {
         return tensors;
     }
     let mut by_name: HashMap<String, TensorData> = tensors.iter().cloned().collect();
     let mut out = Vec::new();
     for (name, data) in tensors {
-        let fused = FUSED.iter().find_map(|(fused, parts)| {
+        let fused = FUSED_PROJECTIONS.iter().find_map(|(fused, parts)| {
             let (prefix, suffix) = parts.iter().find_map(|part| {
                 let (prefix, rest) = name.split_once(&format!(".{part}."))?;
                 Some((prefix, rest))

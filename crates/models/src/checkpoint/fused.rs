@@ -1,0 +1,32 @@
+//! The projections a family's checkpoint stores fused (Phi-3): one table that the reader
+//! splits by, the writer joins by, and the trainer's LoRA check names.
+
+use crate::config::LlamaConfig;
+
+/// Each fused projection's module path within a layer, and its parts' paths in row order (the
+/// decoder's own projections).
+pub const FUSED_PROJECTIONS: [(&str, &[&str]); 2] = [
+    (
+        "self_attn.qkv_proj",
+        &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    ),
+    ("mlp.gate_up_proj", &["mlp.gate_proj", "mlp.up_proj"]),
+];
+
+/// The output rows of each part of `fused` (a [`FUSED_PROJECTIONS`] path) under `config`: q by
+/// the query heads, k and v by the kv heads; gate and up by the MLP's width.
+pub(crate) fn part_rows(config: &LlamaConfig, fused: &str) -> Vec<usize> {
+    let kv = config.num_key_value_heads * config.head_dim;
+    match fused {
+        "self_attn.qkv_proj" => vec![config.num_attention_heads * config.head_dim, kv, kv],
+        _ => vec![config.intermediate_size; 2],
+    }
+}
+
+/// The module names (last path segments) that are a fused projection or one of its parts.
+pub fn fused_module_names() -> impl Iterator<Item = &'static str> {
+    FUSED_PROJECTIONS
+        .iter()
+        .flat_map(|(fused, parts)| std::iter::once(*fused).chain(parts.iter().copied()))
+        .map(|path| path.rsplit('.').next().unwrap_or(path))
+}
