@@ -14,10 +14,9 @@
 # - runtime: the peak of the same launch (one process, or mpirun) training a 0.1M-parameter model;
 # - state: the run's parameters, gradients and optimizer state (peak_model_state_bytes_per_rank),
 #   grads: the trainable parameters' f32 gradients on this rank;
-# - activations: bytes per token times the rank's tokens. On one device (Burn's plain device):
-#   the slope of LoRA between 4 and 8 rows. Under FSDP (Burn's checkpointing device, which
-#   resharding needs and which keeps more of them): what LoRA fsdp2 x2 at 8 rows leaves after
-#   the other terms, so that row is exact by construction and the others are predictions.
+# - activations: bytes per token times the rank's tokens. On one device: the slope of LoRA
+#   between 4 and 8 rows. Under FSDP: what LoRA fsdp2 x2 at 8 rows leaves after the other
+#   terms, so that row is exact by construction and the others are predictions.
 #   Gradients arrive as backward frees activations, so the peak holds the larger;
 # - held: the gathered units a rank holds at once under FSDP, max(forward, backward prefetch
 #   depth) + 1, and none on one device; unit: the largest unit as gathered (a decoder layer in

@@ -1,13 +1,15 @@
-//! Frozen weights resharded through backward: a LoRA base sharded by FSDP is not kept gathered
-//! by the autodiff graph from forward until backward (PyTorch FSDP2 reshards frozen units
-//! after forward too); backward gathers each base weight again for the input gradient. Checked
-//! on the storage of the gathered buffers themselves, not on FSDP's own accounting.
+//! Weights resharded through backward: a LoRA base sharded by FSDP is not kept gathered by the
+//! autodiff graph from forward until backward (PyTorch FSDP2 reshards frozen units after
+//! forward too); backward gathers each base weight again for the input gradient. Trainable
+//! weights are not either, on Burn's plain device (where Burn does not recompute the gather).
+//! Checked on the storage of the gathered buffers themselves, not on FSDP's own accounting.
 
 use std::sync::{Arc, Weak};
 
 use burn::backend::{BackendTensor, DispatchTensorKind};
 use burn::module::Module;
 use burn::nn::Linear;
+use burn::optim::GradientsParams;
 use burn::tensor::{Bytes, Device, Gradients, Tensor};
 use burn_parallel::comm::{OpKind, launch};
 use burn_parallel::fsdp::{FsdpConfig, ShardLayout, forward_units, fully_shard};
@@ -85,32 +87,66 @@ pub(crate) fn adapter_grads(layers: &[Lora<Linear>], grads: &Gradients) -> Vec<V
 }
 
 /// What one rank saw: whether any unit's gathered buffer was alive once forward had run,
-/// all-gathers in forward and in backward, and the adapters' gradients.
+/// all-gathers in forward and in backward, and the gradients of what trains.
 struct Seen {
     buffers_alive_after_forward: usize,
     forward_gathers: u64,
     backward_gathers: u64,
-    adapter_grads: Vec<Vec<f32>>,
+    grads: Vec<Vec<f32>>,
+}
+
+/// What a test stack trains: adapters on frozen bases, nothing (whole frozen layers), or the
+/// layers' own weights (full fine-tuning).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Trains {
+    Adapters,
+    Nothing,
+    Weights,
 }
 
 /// The stack sharded per layer over 2 ranks in the flat layout (each unit's parameters are
 /// views of its one gathered buffer), on a gradient-checkpointing device, one forward and
 /// backward.
 fn run(reshard_after_forward: bool) -> Vec<Seen> {
-    run_stack(reshard_after_forward, ShardLayout::FlatBuffer, true)
+    run_stack(
+        reshard_after_forward,
+        ShardLayout::FlatBuffer,
+        Trains::Adapters,
+        true,
+    )
 }
 
-fn run_stack(reshard_after_forward: bool, layout: ShardLayout, adapters: bool) -> Vec<Seen> {
+fn run_stack(
+    reshard_after_forward: bool,
+    layout: ShardLayout,
+    trains: Trains,
+    checkpointing: bool,
+) -> Vec<Seen> {
     launch(2, move |ctx| {
-        let device = flex_ad().gradient_checkpointing();
+        let device = match checkpointing {
+            true => flex_ad().gradient_checkpointing(),
+            false => flex_ad(),
+        };
         let group = ctx.world()?;
         let config = FsdpConfig::new(group.clone())
             .reshard_after_forward(reshard_after_forward)
             .layout(layout)
             .forward_prefetch_depth(0);
         let mut stack = lora_stack(&device, LAYERS, WIDTH);
-        if !adapters {
-            stack = frozen_stack(stack);
+        match trains {
+            Trains::Adapters => {}
+            Trains::Nothing => stack = frozen_stack(stack),
+            Trains::Weights => {
+                let layers = stack.layers.into_iter().map(|l| {
+                    let mut base = l.base;
+                    base.weight = base.weight.set_require_grad(true);
+                    base.bias = base.bias.map(|b| b.set_require_grad(true));
+                    Lora::new(base)
+                });
+                stack = LoraStack {
+                    layers: layers.collect(),
+                };
+            }
         }
         let layers = stack
             .layers
@@ -128,15 +164,29 @@ fn run_stack(reshard_after_forward: bool, layout: ShardLayout, adapters: bool) -
         let forward_gathers = group.stats().calls(OpKind::AllGather);
         let grads = loss.backward();
         let backward_gathers = group.stats().calls(OpKind::AllGather) - forward_gathers;
-        let adapter_grads = match adapters {
-            true => adapter_grads(&layers, &grads),
-            false => vec![vec_of(&x.grad(&grads).expect("the input takes a gradient"))],
+        let input_grad = vec_of(&x.grad(&grads).expect("the input takes a gradient"));
+        let grads = match trains {
+            Trains::Adapters => adapter_grads(&layers, &grads),
+            Trains::Nothing => vec![input_grad],
+            Trains::Weights => {
+                let weights = GradientsParams::from_grads(grads, &layers);
+                layers
+                    .iter()
+                    .map(|l| {
+                        weights
+                            .get::<2>(l.base.weight.id)
+                            .expect("the weights train")
+                    })
+                    .map(|g| vec_of(&g))
+                    .chain([input_grad])
+                    .collect()
+            }
         };
         Ok::<_, Failure>(Seen {
             buffers_alive_after_forward: alive,
             forward_gathers,
             backward_gathers,
-            adapter_grads,
+            grads,
         })
     })
     .unwrap()
@@ -156,7 +206,7 @@ fn frozen_bases_are_not_kept_gathered_from_forward_to_backward() {
         assert_eq!(r.forward_gathers, LAYERS as u64, "rank {rank}");
         assert_eq!(r.backward_gathers, 2 * LAYERS as u64, "rank {rank}");
         assert_eq!(k.backward_gathers, 0, "rank {rank}");
-        assert_eq!(r.adapter_grads, k.adapter_grads, "rank {rank}");
+        assert_eq!(r.grads, k.grads, "rank {rank}");
     }
 }
 
@@ -166,14 +216,35 @@ fn frozen_bases_are_not_kept_gathered_from_forward_to_backward() {
 #[test]
 fn wholly_frozen_units_are_not_kept_gathered_from_forward_to_backward() {
     for layout in [ShardLayout::Rows, ShardLayout::FlatBuffer] {
-        let resharded = run_stack(true, layout, false);
-        let kept = run_stack(false, layout, false);
+        let resharded = run_stack(true, layout, Trains::Nothing, true);
+        let kept = run_stack(false, layout, Trains::Nothing, true);
         for (rank, (r, k)) in resharded.iter().zip(&kept).enumerate() {
             let at = format!("rank {rank}, {layout:?}");
             assert_eq!(r.buffers_alive_after_forward, 0, "{at}, resharded");
             assert_eq!(k.buffers_alive_after_forward, LAYERS, "{at}, kept");
             assert_eq!(r.forward_gathers, LAYERS as u64, "{at}");
-            assert_eq!(r.adapter_grads, k.adapter_grads, "{at}");
+            assert_eq!(r.grads, k.grads, "{at}");
         }
+    }
+}
+
+/// Trainable units (full fine-tuning) on Burn's plain device, which recomputes nothing:
+/// resharded, no layer's gathered weight outlives its forward, backward gathers each weight
+/// again for the input gradient, and the weights' (reduce-scattered) and the input's gradients
+/// are the bits Burn's own linear gives with the weights kept. The flat layout keeps its
+/// buffers there (its views share them), and says so by gathering nothing again.
+#[test]
+fn trainable_units_reshard_on_a_plain_device() {
+    let resharded = run_stack(true, ShardLayout::Rows, Trains::Weights, false);
+    let kept = run_stack(false, ShardLayout::Rows, Trains::Weights, false);
+    let flat = run_stack(true, ShardLayout::FlatBuffer, Trains::Weights, false);
+    for (rank, ((r, k), f)) in resharded.iter().zip(&kept).zip(&flat).enumerate() {
+        assert_eq!(r.buffers_alive_after_forward, 0, "rank {rank}, resharded");
+        assert_eq!(k.buffers_alive_after_forward, LAYERS, "rank {rank}, kept");
+        assert_eq!(r.backward_gathers, LAYERS as u64, "rank {rank}, resharded");
+        assert_eq!(k.backward_gathers, 0, "rank {rank}, kept");
+        assert_eq!(r.grads, k.grads, "rank {rank}");
+        assert_eq!(f.backward_gathers, 0, "rank {rank}, flat");
+        assert_eq!(f.grads.len(), r.grads.len(), "rank {rank}, flat");
     }
 }

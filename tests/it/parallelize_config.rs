@@ -473,7 +473,8 @@ fn effect(config: DistributedConfig) -> String {
             .collect();
         Ok(format!(
             "sizes {:?} groups {groups:?} checkpointing {} policy {:?} offload {} prefetch {} \
-             backward prefetch {} defers {} ddp {} layout {:?} reduction {:?} buckets {:?}",
+             backward prefetch {} defers {} ddp {} layout {:?} reduction {:?} buckets {:?} \
+             resharding {:?}",
             ctx.sizes(),
             ctx.on_checkpointing_device(),
             fsdp.mixed_precision,
@@ -485,6 +486,7 @@ fn effect(config: DistributedConfig) -> String {
             fsdp.layout,
             fsdp.gradient_reduction,
             fsdp.bucket_elements,
+            ctx.plan().resharding(),
         ))
     })
     .unwrap();
@@ -540,8 +542,8 @@ fn every_config_field_has_an_effect_or_is_rejected() {
         ("tp_shard_plan", none, |c| {
             c.tp_shard_plan = Some(TpShardPlan::Named("llama".into()))
         }),
-        // Explicit resharding needs Burn's checkpointing device (the effect itself is tested
-        // on the units: fsdp_basic, fsdp_memory).
+        // Explicit resharding reaches the plan (its effect is tested on the units:
+        // fsdp_basic, fsdp_memory, resharded_linear).
         ("reshard_after_forward", none, |c| {
             c.reshard_after_forward = Some(true)
         }),

@@ -30,14 +30,14 @@ pub mod collectives {
     // in the autodiff layer is public only once named here).
     pub use crate::autodiff::{
         GatherOptions, Started, WeightRebuild, all_gather, all_gather_recompute, all_gather_with,
-        all_reduce, all_to_all, check_gather_dim, copy_to_group, decode_weight, frozen_linear,
-        gather_from_group, place_flat, prefetch_on_backward, reduce_from_group, reduce_scatter,
+        all_reduce, all_to_all, check_gather_dim, copy_to_group, decode_weight, gather_from_group,
+        place_flat, prefetch_on_backward, reduce_from_group, reduce_scatter, resharded_linear,
         scatter_to_group, split_segments, split_views, start_all_gather,
     };
     pub use crate::device::pairs::MixedDtypes;
     pub use crate::device::{
         CodedWeight, Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange,
-        FrozenRebuild, Observer, Prefetch, Sizes, describe, device_mismatch, is_cuda_device, route,
+        Observer, Prefetch, RebuildSteps, Sizes, describe, device_mismatch, is_cuda_device, route,
         same_device,
     };
 }

@@ -21,9 +21,11 @@ pub struct FsdpConfig {
     /// HSDP: the group of replicas of this shard (`dp_replicate`). Gradients are
     /// reduce-scattered within `group`, then all-reduced across replicas (default `None`).
     pub replicate_group: Option<ProcessGroup>,
-    /// Drop gathered weights after forward and gather again in backward. Takes effect on a
-    /// device with gradient checkpointing (`Device::autodiff().gradient_checkpointing()`);
-    /// otherwise the gathered weights are kept until backward (default `true`).
+    /// Drop gathered weights after forward and gather again in backward (default `true`). On
+    /// a device with gradient checkpointing (`Device::autodiff().gradient_checkpointing()`)
+    /// every gathered weight is dropped. On a plain device, the weights whose consumers gather
+    /// them again ([`weight_rebuild`](crate::weight_rebuild): `Lora<Linear>`,
+    /// `comm::collectives::resharded_linear`) are; the others stay until backward.
     pub reshard_after_forward: bool,
     /// The dtypes units compute, reduce and output in (default: all the shards' own).
     pub mixed_precision: MixedPrecisionPolicy,

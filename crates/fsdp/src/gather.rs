@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Tensor};
+use burn::tensor::{FloatDType, Tensor};
 use burn_parallel_comm::collectives::{
     Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, Observer, Prefetch,
     Sizes, Started, check_gather_dim, route,
@@ -40,13 +40,6 @@ impl<const D: usize> PendingGather<D> {
     }
 }
 
-/// Whether the gathered weights are dropped after forward: resharding asked for, on a device
-/// that checkpoints (otherwise Burn keeps every saved tensor until backward).
-fn reshards<const D: usize>(shard: &Tensor<D>, unit: &UnitState) -> bool {
-    unit.reshard_after_forward
-        && shard.gradient_checkpointing_strategy() == Some(GradientCheckpointingStrategy::Balanced)
-}
-
 /// Starts gathering `shard` (its dim 0; every rank's rows are `rows`) into a result of
 /// `gathered_elems` elements. Knowing every rank's rows makes the gather's description the
 /// same on every rank, so the NCCL engine agrees on it once rather than every step. Under an
@@ -54,13 +47,15 @@ fn reshards<const D: usize>(shard: &Tensor<D>, unit: &UnitState) -> bool {
 /// copies its gradient back to the host). `after`, an exact zero computed from a unit's input
 /// (see [`UnitInput`](crate::UnitInput)), is added to the shard so that the gather's autodiff
 /// node sits just below that input: Burn runs backward by graph depth, so the reduce-scatter
-/// then runs as soon as backward has passed the unit, not at the very end.
+/// then runs as soon as backward has passed the unit, not at the very end. `rebuilt_elems`:
+/// how many of the gathered elements belong to parameters whose consumers rebuild them in
+/// backward (see [`weight_rebuild`](crate::weight_rebuild)), counted as dropped after forward.
 pub(crate) fn start_gather<const D: usize>(
     shard: Tensor<D>,
     unit: &UnitState,
     accumulator: &DevicePending,
     rows: Vec<usize>,
-    gathered_elems: usize,
+    (gathered_elems, rebuilt_elems): (usize, usize),
     after: Option<Tensor<1>>,
 ) -> Result<PendingGather<D>, CollectiveError> {
     check_gather_dim::<D>(&unit.group, 0)?;
@@ -81,19 +76,26 @@ pub(crate) fn start_gather<const D: usize>(
         None => shard,
     };
     let dtype = unit.compute_dtype().unwrap_or(shard.dtype());
-    let gathered = unit
-        .memory
-        .hold(MemoryKind::Gathered, gathered_elems * dtype.size());
-    // The bytes backward holds: the forward's buffer when it is kept, the re-gathered one when
-    // resharding.
-    let (forward_hold, backward_hold) = if reshards(&shard, unit) {
-        (Some(gathered), unit.memory.hold(MemoryKind::Gathered, 0))
-    } else {
-        (None, gathered)
+    // What is dropped after forward: every gathered byte when Burn recomputes the gather,
+    // else those of the weights rebuilt by their consumers (the rest stays until backward's
+    // reduce-scatter, or, for frozen weights, as long as the graph holds them).
+    let recomputed = unit.recomputes_gathers();
+    let dropped = match (unit.reshard_after_forward, recomputed) {
+        (false, _) => 0,
+        (true, true) => gathered_elems,
+        (true, false) => rebuilt_elems.min(gathered_elems),
     };
+    let forward_hold = (dropped > 0).then(|| {
+        unit.memory
+            .hold(MemoryKind::Gathered, dropped * dtype.size())
+    });
+    let backward_hold = unit.memory.hold(
+        MemoryKind::Gathered,
+        (gathered_elems - dropped) * dtype.size(),
+    );
     let mut op = gather_steps(&shard, unit, accumulator, rows, backward_hold);
-    let prefetch = match (&op.recompute, &forward_hold) {
-        (Some(steps), Some(_)) if unit.backward_prefetch_depth > 0 => {
+    let prefetch = match &op.recompute {
+        Some(steps) if recomputed && unit.backward_prefetch_depth > 0 => {
             let n = values.shape().num_elements();
             let prefetch = Prefetch::new(values.reshape([n]), steps.clone());
             Some(prefetch.counted(gathered_elems * dtype.size(), in_flight_bytes(unit)))

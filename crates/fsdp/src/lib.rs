@@ -32,9 +32,11 @@
 //! and gathered but never reduced: a gather of frozen parameters only has no backward, and a
 //! unit that mixes both kinds reduce-scatters its trainable rows only. [`trainability`] counts
 //! a module's trainable and frozen parameters; [`FsdpConfig::ignore_params`] leaves some whole.
-//! [`weight_rebuild`] lets a frozen weight's consumer (`Lora<Linear>`'s base, through
-//! `comm::collectives::frozen_linear`) keep the shard rather than the gathered weight for
-//! backward, which gathers it again: a resharded frozen base is not resident through backward.
+//! [`weight_rebuild`] lets a weight's consumer (`Lora<Linear>`'s base, through
+//! `comm::collectives::resharded_linear`) keep the shard rather than the gathered weight for
+//! backward, which gathers it again: a resharded weight is not resident through backward, on
+//! any device (a frozen one even on a checkpointing device, which cannot recompute a gather
+//! that is not tracked).
 //!
 //! Memory accounting ([`memory`]): per-rank live and peak bytes of parameters, gathered
 //! weights, gradients and optimizer state in the config's [`MemoryTracker`]; FSDP records what
@@ -63,13 +65,13 @@
 mod clip;
 mod config;
 mod error;
-mod frozen;
 mod gather;
 mod load;
 pub mod memory;
 mod offload;
 mod paths;
 mod policy;
+mod rebuild;
 mod reparam;
 mod rows;
 mod shard;
@@ -80,7 +82,6 @@ mod unit;
 pub use clip::{SquareSums, clip_grad_norm, clip_to_norm, grad_square_sums, scale_grads};
 pub use config::{FsdpConfig, GradientReduction, ShardLayout};
 pub use error::FsdpError;
-pub use frozen::weight_rebuild;
 pub use load::{
     StateDictRanks, for_each_full_param, fully_shard_from, gather_full, gather_state_dict,
 };
@@ -88,6 +89,7 @@ pub use memory::{MemoryKind, MemoryReport, MemoryTracker, ModelStateBytes};
 pub use offload::OffloadPolicy;
 pub use paths::{PathVisitor, visit_with_paths};
 pub use policy::MixedPrecisionPolicy;
+pub use rebuild::weight_rebuild;
 pub use reparam::{ShardGather, param_states};
 pub use rows::{RowRequest, RowSource};
 pub use shard::fully_shard;

@@ -52,8 +52,16 @@ impl Reparameterization for ShardGather {
         // `Param::val` cannot return an error; the launcher reports the panic as this rank's
         // failure and releases the others.
         let sizes = state.gather_sizes();
-        let pending = start_gather(base, &state.unit, &state.accumulator, sizes, elems, None)
-            .unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"));
+        let rebuilt = if state.is_rebuilt() { elems } else { 0 };
+        let pending = start_gather(
+            base,
+            &state.unit,
+            &state.accumulator,
+            sizes,
+            (elems, rebuilt),
+            None,
+        )
+        .unwrap_or_else(|e| panic!("FSDP all-gather of a parameter failed: {e}"));
         // A per-parameter gather lives for the op that uses it: its forward hold ends here.
         let gathered = pending.finish().0;
         match state.flat_offset() {

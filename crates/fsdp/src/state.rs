@@ -5,11 +5,11 @@
 //! reparameterization, so they are reachable from the sharded model and travel with it.
 
 use std::ops::Range;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::module::ParamId;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, GradientCheckpointingStrategy, Tensor};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::chunk::padded_chunk;
 use burn_parallel_comm::collectives::{DevicePending, Prefetch};
@@ -142,6 +142,15 @@ impl UnitState {
         self.backward_prefetch_depth
     }
 
+    /// Whether the unit's gathers are recomputed in backward by Burn's gradient checkpointing:
+    /// resharding on a device that checkpoints. Elsewhere only the weights whose consumers
+    /// rebuild them ([`weight_rebuild`](crate::weight_rebuild)) are resharded.
+    pub(crate) fn recomputes_gathers(&self) -> bool {
+        self.reshard_after_forward
+            && self.device.gradient_checkpointing_strategy()
+                == Some(GradientCheckpointingStrategy::Balanced)
+    }
+
     /// The dtype the unit gathers and computes in (`None`: the shards').
     pub(crate) fn compute_dtype(&self) -> Option<DType> {
         self.policy.param_dtype.map(DType::from)
@@ -242,6 +251,10 @@ pub struct ParamState {
     /// Whether the parameter takes a gradient (`require_grad`), fixed when it is sharded.
     /// A frozen one is gathered but never reduced (see [`Self::trainable`]).
     trainable: bool,
+    /// Whether its consumer gathers it again in backward rather than keeping the gathered
+    /// value ([`weight_rebuild`](crate::weight_rebuild) was asked for it), learned in the
+    /// first forward: its gathered bytes then count as dropped after forward.
+    rebuilt: AtomicBool,
 }
 
 impl ParamState {
@@ -274,6 +287,7 @@ impl ParamState {
             accumulator: DevicePending::default(),
             served: Mutex::new(None),
             trainable,
+            rebuilt: AtomicBool::new(false),
         }
     }
 
@@ -283,6 +297,16 @@ impl ParamState {
     /// frozen parameters only has no backward at all.
     pub fn trainable(&self) -> bool {
         self.trainable
+    }
+
+    /// Records that the parameter's consumer rebuilds it in backward.
+    pub(crate) fn mark_rebuilt(&self) {
+        self.rebuilt.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the parameter's consumer rebuilds it in backward (see [`Self::mark_rebuilt`]).
+    pub(crate) fn is_rebuilt(&self) -> bool {
+        self.rebuilt.load(Ordering::Relaxed)
     }
 
     /// The id of the parameter this state shards.

@@ -208,13 +208,19 @@ fn start_parts(
     // Rebuilt in backward, not kept, when the gather is recomputed (reshard after forward).
     // A rank with no rows of a parameter still places its (empty) shard, so the buffer is
     // tracked and backward runs the unit's reduce-scatter on every rank.
+    let rebuilt: usize = placed
+        .iter()
+        .flat_map(|(part, _)| &part.params)
+        .filter(|(state, _)| state.is_rebuilt())
+        .map(|(state, _)| state.global_shape.iter().product::<usize>())
+        .sum();
     let local = place_flat(per_rank, pieces);
     let gather = start_gather(
         local,
         unit,
         &collected[0].state.accumulator,
         vec![per_rank; world],
-        world * per_rank,
+        (world * per_rank, rebuilt),
         after,
     )?;
     Ok(Some(PendingUnit {

@@ -146,7 +146,8 @@ crate::named_enum! {
         /// through backward.
         OptimGrads = "optim_grads" | "2",
         /// ZeRO-3 (the default): gradients reduce-scattered; weights freed after each unit's
-        /// forward and gathered again in backward (resharding, on a checkpointing device).
+        /// forward and gathered again in backward (Burn recomputes the gather: on a
+        /// checkpointing device).
         #[default]
         OptimGradsParams = "optim_grads_params" | "3",
     }

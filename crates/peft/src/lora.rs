@@ -12,7 +12,7 @@ use burn::tensor::module::linear;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives as coll;
-use burn_parallel_comm::collectives::{CodedWeight, DeviceStep, FrozenRebuild, WeightRebuild};
+use burn_parallel_comm::collectives::{CodedWeight, DeviceStep, RebuildSteps, WeightRebuild};
 
 use crate::config::LoraConfig;
 use crate::error::LoraError;
@@ -262,9 +262,9 @@ impl<M: LoraBase> Lora<M> {
 impl Lora<Linear> {
     /// `base(x) + adapter(x)` on `[.., d_in]` features.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let base = match self.frozen_weight() {
+        let base = match self.rebuilt_weight() {
             Some((weight, rebuild)) => {
-                let y = coll::frozen_linear(x.clone(), weight, rebuild);
+                let y = coll::resharded_linear(x.clone(), weight, rebuild);
                 match &self.base.bias {
                     Some(bias) => y + bias.val().unsqueeze(),
                     None => y,
@@ -281,9 +281,9 @@ impl Lora<Linear> {
     /// `x @ W + adapter(x)`, without the bias: a rowwise layer adds its bias once, after the
     /// reduction that the adapter's partial output shares.
     pub(crate) fn forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let y = match self.frozen_weight() {
-            Some((weight, rebuild)) => coll::frozen_linear(x.clone(), weight, rebuild),
-            None => coll::frozen_linear(x.clone(), self.base.weight.val(), None),
+        let y = match self.rebuilt_weight() {
+            Some((weight, rebuild)) => coll::resharded_linear(x.clone(), weight, rebuild),
+            None => coll::resharded_linear(x.clone(), self.base.weight.val(), None),
         };
         match &self.adapter {
             Some(adapter) => y + adapter.forward(x),
@@ -292,11 +292,11 @@ impl Lora<Linear> {
     }
 
     /// The base weight and how backward gets it again, when the graph should not keep it: a
-    /// frozen base sharded by FSDP and resharded after forward (backward gathers it again,
-    /// see `fsdp::weight_rebuild`, so a LoRA base under FSDP is not resident through
-    /// backward), or a 4-bit base (backward decodes it again, after that gather if any).
-    /// `None`: the base as Burn's `Linear` runs it.
-    fn frozen_weight(&self) -> Option<(Tensor<2>, Option<WeightRebuild>)> {
+    /// base sharded by FSDP and resharded after forward (backward gathers it again, see
+    /// `fsdp::weight_rebuild`, so the base is not resident through backward; a trainable one
+    /// still gets its gradient), or a 4-bit base (backward decodes it again, after that gather
+    /// if any). `None`: the base as Burn's `Linear` runs it.
+    fn rebuilt_weight(&self) -> Option<(Tensor<2>, Option<WeightRebuild>)> {
         let rebuild = burn_parallel_fsdp::weight_rebuild(&self.base.weight);
         let Some(coded) = &self.quantized else {
             return rebuild.map(|r| (self.base.weight.val(), Some(r)));
@@ -311,7 +311,7 @@ impl Lora<Linear> {
             }
             None => WeightRebuild {
                 source: blocks.detach().reshape([coded.blocks() * coded.row_len()]),
-                rebuild: FrozenRebuild {
+                rebuild: RebuildSteps {
                     steps: vec![decode],
                     on_release: None,
                     prefetch: None,

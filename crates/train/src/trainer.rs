@@ -288,11 +288,11 @@ fn run_rank(
     on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
     let device = cfg.backend.device(gpu_of(ctx.rank()))?;
-    // FSDP frees gathered weights after forward, and activations are recomputed, only on
-    // Burn's checkpointing device. Elsewhere the plain device: the checkpointing one keeps
-    // about 1.4x the activations (the inputs of the ops it may recompute), for nothing.
-    let reshards = plan.shards_parameters() && plan.resharding() != Some(false);
-    let device = match reshards || plan.activation_checkpointing() {
+    // Activations are recomputed only on Burn's checkpointing device, which keeps about 1.4x
+    // the activations otherwise (the inputs of the ops it may recompute). FSDP2 reshards on the
+    // plain device (the decoder's projections gather their weights again in backward),
+    // Megatron-FSDP's flat units only there.
+    let device = match plan.activation_checkpointing() || plan.reshards_by_recomputation() {
         true => device.gradient_checkpointing(),
         false => device,
     };

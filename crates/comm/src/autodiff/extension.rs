@@ -24,7 +24,7 @@ use burn::tensor::Slice;
 use super::hub::SplitHub;
 use super::placement::Placement;
 use crate::device::{
-    DeviceCollective, DeviceStep, FrozenRebuild, NcclCall, Phase, Prefetch, no_nccl, run_steps,
+    DeviceCollective, DeviceStep, NcclCall, Phase, Prefetch, RebuildSteps, no_nccl, run_steps,
 };
 
 /// A backend that runs [`DeviceCollective`]s on its tensors and, on CUDA backends, NCCL steps
@@ -65,15 +65,15 @@ pub trait CollectiveBackend: Backend {
         segments_of::<Self>(x, &segments)
     }
 
-    /// `linear(x, w)` without bias, for a weight `w` that takes no gradient. On the autodiff
-    /// backend, with `rebuild`, the node keeps `source` and the steps that rebuild `w` from it
-    /// rather than `w` itself, and backward rebuilds `w` for the input gradient (see
-    /// [`frozen_linear`](crate::autodiff::frozen_linear)). Elsewhere `source` is not read.
-    fn frozen_linear(
+    /// `linear(x, w)` without bias. On the autodiff backend, with `rebuild`, the node keeps
+    /// `source` and the steps that rebuild `w` from it rather than `w` itself, and backward
+    /// rebuilds `w` for the input gradient (see
+    /// [`resharded_linear`](crate::autodiff::resharded_linear)). Elsewhere `source` is not read.
+    fn resharded_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         _source: FloatTensor<Self>,
-        _rebuild: Option<FrozenRebuild>,
+        _rebuild: Option<RebuildSteps>,
     ) -> FloatTensor<Self> {
         Self::linear(x, w, None)
     }
@@ -187,19 +187,19 @@ impl<B: CollectiveBackend> Backward<B, 1> for PrefetchBackward {
     }
 }
 
-/// What a frozen linear's backward multiplies the gradient by: the weight itself, or how to
+/// What a resharded linear's backward multiplies the gradient by: the weight itself, or how to
 /// gather it again.
 #[derive(Debug, Clone)]
-enum FrozenWeight<B: Backend> {
+enum LinearWeight<B: Backend> {
     Kept(FloatTensor<B>),
     Rebuilt {
         source: FloatTensor<B>,
         shape: burn::tensor::Shape,
-        rebuild: FrozenRebuild,
+        rebuild: RebuildSteps,
     },
 }
 
-impl<B: CollectiveBackend> FrozenWeight<B> {
+impl<B: CollectiveBackend> LinearWeight<B> {
     /// The weight: kept, or rebuilt now from the source (a collective: every rank's backward
     /// reaches it in the same order, as every rank built the same graph).
     fn weight(&self) -> FloatTensor<B> {
@@ -228,17 +228,22 @@ impl<B: CollectiveBackend> FrozenWeight<B> {
     }
 }
 
-/// A frozen linear's backward: the input gradient only, `B::linear_x_backward` as Burn's own
-/// linear computes it.
+/// A resharded linear's backward: the input gradient from the weight it rebuilds (or kept),
+/// the weight gradient from the kept input, each as Burn's own linear computes it.
 #[derive(Debug)]
-struct FrozenLinearBackward;
+struct ReshardedLinearBackward;
 
-impl<B: CollectiveBackend> Backward<B, 1> for FrozenLinearBackward {
-    type State = FrozenWeight<B>;
+impl<B: CollectiveBackend> Backward<B, 2> for ReshardedLinearBackward {
+    type State = (Option<FloatTensor<B>>, Option<LinearWeight<B>>);
 
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let weight = ops.state;
-        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (input, weight) = ops.state;
+        let [x_node, w_node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let (Some(node), Some(input)) = (w_node, input) {
+            grads.register::<B>(node.id, B::linear_weight_backward(input, grad.clone()));
+        }
+        if let (Some(node), Some(weight)) = (x_node, weight) {
             let mut w = weight.weight();
             // A shard offloaded to the host is gathered there, then moved.
             if w.device() != grad.device() {
@@ -246,8 +251,8 @@ impl<B: CollectiveBackend> Backward<B, 1> for FrozenLinearBackward {
             }
             let grad = B::linear_x_backward(w, grad);
             weight.released();
-            grad
-        });
+            grads.register::<B>(node.id, grad);
+        }
     }
 }
 
@@ -451,32 +456,39 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
         }
     }
 
-    fn frozen_linear(
+    fn resharded_linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         source: FloatTensor<Self>,
-        rebuild: Option<FrozenRebuild>,
+        rebuild: Option<RebuildSteps>,
     ) -> FloatTensor<Self> {
-        let (w, _) = w.into_parts();
+        let x_tracked = x.is_tracked();
+        let w_tracked = w.is_tracked();
+        let (x, x_node) = x.into_parts();
+        let (w, w_node) = w.into_parts();
         let prefetch = rebuild.as_ref().and_then(|r| r.prefetch.clone());
-        let weight = match rebuild {
-            Some(rebuild) => FrozenWeight::Rebuilt {
+        // As Burn's linear: the input is kept for the weight gradient, the weight (here, how
+        // to get it again) for the input gradient.
+        let weight = x_tracked.then(|| match rebuild {
+            Some(rebuild) => LinearWeight::Rebuilt {
                 source: source.into_primitive(),
                 shape: w.shape(),
                 rebuild,
             },
-            None => FrozenWeight::Kept(w.clone()),
-        };
-        let (x, guard) = x.into_parts();
+            None => LinearWeight::Kept(w.clone()),
+        });
+        let input = w_tracked.then(|| x.clone());
         let output = B::linear(x, w, None);
-        match FrozenLinearBackward
-            .prepare::<C>([guard])
+        match ReshardedLinearBackward
+            .prepare::<C>([x_node, w_node])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                prefetch.iter().for_each(Prefetch::arm);
-                prep.finish(weight, output)
+                if weight.is_some() {
+                    prefetch.iter().for_each(Prefetch::arm);
+                }
+                prep.finish((input, weight), output)
             }
             OpsKind::UnTracked(prep) => prep.finish(output),
         }

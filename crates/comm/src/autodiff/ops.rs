@@ -27,7 +27,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::device::pairs::{self, MixedDtypes};
 use crate::device::{
-    CodedWeight, DeviceCollective, DeviceOp, DeviceStep, FrozenRebuild, InFlight, Prefetch, Sizes,
+    CodedWeight, DeviceCollective, DeviceOp, DeviceStep, InFlight, Prefetch, RebuildSteps, Sizes,
     route,
 };
 use crate::transport::collective::OpKind;
@@ -197,22 +197,24 @@ pub fn start_all_gather<const D: usize>(
     Ok(Started::new(x, op))
 }
 
-/// How backward gets a frozen weight again for [`frozen_linear`]: this rank's source (its
-/// shard, flattened) and the steps that gather the weight from it.
+/// How backward gets a weight again for [`resharded_linear`]: this rank's source (its shard,
+/// flattened) and the steps that gather the weight from it.
 #[derive(Debug, Clone)]
 pub struct WeightRebuild {
     /// This rank's part of the weight, flattened, on the compute device.
     pub source: Tensor<1>,
     /// The steps from `source` to the flattened weight.
-    pub rebuild: FrozenRebuild,
+    pub rebuild: RebuildSteps,
 }
 
-/// `linear(x, weight)` without bias, for a weight that takes no gradient (a LoRA base, a
-/// frozen layer). With `rebuild`, autodiff keeps the weight's shard and gathers the weight
-/// again when backward needs it for the input gradient, rather than keeping the gathered
-/// weight alive from forward until then (PyTorch FSDP2 reshards frozen units after forward
-/// too). Without, Burn's `linear`. The values and gradients are Burn's `linear`'s bit for bit.
-pub fn frozen_linear<const D: usize>(
+/// `linear(x, weight)` without bias. With `rebuild`, autodiff keeps the weight's shard and
+/// gathers the weight again when backward needs it for the input gradient, rather than keeping
+/// the gathered weight alive from forward until then (FSDP2's reshard after forward, on any
+/// device: Burn's own linear would keep it). A tracked `weight` (a trainable FSDP parameter)
+/// gets its gradient as Burn's linear gives it, and passes it on to its gather's backward.
+/// Without `rebuild`, Burn's `linear`. The values and gradients are Burn's `linear`'s bit for
+/// bit.
+pub fn resharded_linear<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     rebuild: Option<WeightRebuild>,
@@ -223,7 +225,7 @@ pub fn frozen_linear<const D: usize>(
     if D == 1 {
         // Burn's linear adds a batch dimension to 1-d input; so does this.
         let d_in = x.dims()[0];
-        let y: Tensor<2> = frozen_linear(
+        let y: Tensor<2> = resharded_linear(
             x.reshape([1, d_in]),
             weight,
             Some(WeightRebuild { source, rebuild }),
@@ -231,7 +233,7 @@ pub fn frozen_linear<const D: usize>(
         let d_out = y.dims()[1];
         return Tensor::from_dispatch(y.reshape([d_out]).into_dispatch());
     }
-    Tensor::from_dispatch(<Dispatch as CollectiveBackend>::frozen_linear(
+    Tensor::from_dispatch(<Dispatch as CollectiveBackend>::resharded_linear(
         x.into_dispatch(),
         weight.into_dispatch(),
         source.into_dispatch(),
@@ -256,7 +258,7 @@ pub fn prefetch_on_backward<const D: usize>(x: Tensor<D>, prefetches: Vec<Prefet
 
 /// The weight `[d_in, d_out]` of 4-bit packed blocks (see [`crate::device::decode`]), as a
 /// value outside the autodiff graph: a quantized weight takes no gradient. Pass the same
-/// [`CodedWeight`] as a [`DeviceStep::Decode`] step of [`frozen_linear`]'s rebuild so that
+/// [`CodedWeight`] as a [`DeviceStep::Decode`] step of [`resharded_linear`]'s rebuild so that
 /// backward decodes it again rather than keeping it. Panics when `packed` is not f32 or not of
 /// `weight.packed_shape()`: both are fixed where the weight is packed.
 pub fn decode_weight(packed: Tensor<2>, weight: &CodedWeight) -> Tensor<2> {

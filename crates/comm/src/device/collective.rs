@@ -1,6 +1,6 @@
 //! What a differentiable collective is made of: the step lists of its forward, backward and
-//! recomputation ([`DeviceCollective`]), and how backward rebuilds a frozen weight
-//! ([`FrozenRebuild`]).
+//! recomputation ([`DeviceCollective`]), and how backward rebuilds a weight
+//! ([`RebuildSteps`]).
 
 use super::prefetch::{Prefetch, awaiting, engine_prefix};
 use super::steps::{DeviceOp, DeviceStep, InFlight, Observer};
@@ -50,11 +50,11 @@ impl DeviceCollective {
     }
 }
 
-/// How backward gets a frozen weight again rather than keeping it from forward: `steps` run
+/// How backward gets a weight again rather than keeping it from forward: `steps` run
 /// on the weight's source (this rank's shard: a cast and an all-gather) give the weight,
 /// flattened; `on_release` is told when backward has dropped it again.
 #[derive(Debug, Clone)]
-pub struct FrozenRebuild {
+pub struct RebuildSteps {
     /// The steps from the source to the flattened weight.
     pub steps: Vec<DeviceStep>,
     /// Told (with 0) once the rebuilt weight is dropped.
@@ -63,7 +63,7 @@ pub struct FrozenRebuild {
     pub prefetch: Option<Prefetch>,
 }
 
-impl FrozenRebuild {
+impl RebuildSteps {
     pub(crate) fn released(&self) {
         if let Some(observer) = &self.on_release {
             observer.notify(0);

@@ -18,7 +18,7 @@ pub(crate) mod nccl;
 #[cfg(feature = "tch")]
 pub(crate) mod torch;
 
-pub use collective::{DeviceCollective, FrozenRebuild};
+pub use collective::{DeviceCollective, RebuildSteps};
 pub use decode::CodedWeight;
 pub use prefetch::Prefetch;
 pub use route::{describe, device_mismatch, is_cuda_device, route, same_device};

@@ -1,9 +1,9 @@
 //! Backward prefetch: a gather that backward will run again (a resharded unit's parameters, a
-//! frozen weight's rebuild) issued before backward needs it, so that its exchange overlaps the
+//! weight's rebuild for a resharded linear) issued before backward needs it, so that its exchange overlaps the
 //! backward of the units after it (FSDP2's `set_modules_to_backward_prefetch`).
 //!
 //! Burn's backward has no hooks, so a [`Prefetch`] is shared by two autodiff nodes: the node
-//! that rebuilds the value (the gather's recomputation or a frozen linear's backward), which
+//! that rebuilds the value (the gather's recomputation or a resharded linear's backward), which
 //! takes the prefetched exchange when there is one and runs its own steps otherwise, and a
 //! marker on a later unit's output whose backward issues it (`collectives::prefetch_on_backward`).
 //! The result is the same bytes either way: the same steps on the same source, only issued

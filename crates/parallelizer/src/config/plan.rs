@@ -117,6 +117,14 @@ impl Plan {
         self.resharding
     }
 
+    /// Whether resharding needs Burn's gradient-checkpointing device to take effect:
+    /// Megatron-FSDP's flat units, whose parameters are views of one gathered buffer, reshard
+    /// only by Burn recomputing the gather. FSDP2's units reshard on the plain device too (the
+    /// layers that rebuild their weights in backward, see `fsdp::weight_rebuild`).
+    pub fn reshards_by_recomputation(&self) -> bool {
+        matches!(self.data_parallel, DataParallel::Flat { .. }) && self.resharding != Some(false)
+    }
+
     /// Units whose all-gather is in flight ahead of the one computing (0 with prefetch off:
     /// `enable_fsdp2_prefetch = false`, or megatron_fsdp's `overlap_param_gather = false`).
     pub fn forward_prefetch_depth(&self) -> usize {
