@@ -3,7 +3,8 @@
 //! strategy as on one device:
 //! ddp, fsdp2 (uneven), hsdp, tp with sequence parallelism, fsdp2_tp, context parallelism and
 //! pipeline parallelism, same losses and gradient norms to 1e-5 (OLMo 2's whole-projection q/k
-//! norm refuses tp by name; Gemma's sandwich norms run sequence-sharded under llama-sp). Each family's option is in effect (the run differs
+//! norm sums its squares over the tp group; Gemma's sandwich norms run sequence-sharded under
+//! llama-sp). Each family's option is in effect (the run differs
 //! from the plain Llama's), and `--save` writes the family's config.json and tensors.
 
 use burn_parallel::models::{Activation, Family, LlamaConfig, QkNorm, SlidingWindow};
@@ -113,13 +114,19 @@ fn layouts() -> Vec<(&'static str, DistributedFlags)> {
 }
 
 #[test]
-fn qwen2_qwen3_mistral_and_phi3_train_under_every_strategy_as_on_one_device() {
+fn qwen2_qwen3_mistral_olmo2_and_phi3_train_under_every_strategy_as_on_one_device() {
     let llama = run(&family_run(
         Family::Llama,
         DistributedFlags::on(Strategy::Single, 1),
     ));
     assert_eq!(model(Family::Phi3).rotary_dim(), 4);
-    for family in [Family::Qwen2, Family::Qwen3, Family::Mistral, Family::Phi3] {
+    for family in [
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mistral,
+        Family::Olmo2,
+        Family::Phi3,
+    ] {
         let single = run(&family_run(
             family,
             DistributedFlags::on(Strategy::Single, 1),
@@ -134,34 +141,6 @@ fn qwen2_qwen3_mistral_and_phi3_train_under_every_strategy_as_on_one_device() {
             let got = run(&family_run(family, flags));
             assert_curves(&got, &single, 1e-5, &what);
         }
-    }
-}
-
-#[test]
-fn olmo2_post_norms_train_under_every_strategy_but_tp_as_on_one_device() {
-    let single = run(&family_run(
-        Family::Olmo2,
-        DistributedFlags::on(Strategy::Single, 1),
-    ));
-    let llama = run(&family_run(
-        Family::Llama,
-        DistributedFlags::on(Strategy::Single, 1),
-    ));
-    assert_ne!(single.losses(), llama.losses());
-    for (name, flags) in layouts() {
-        let cfg = family_run(Family::Olmo2, flags);
-        if cfg.distributed.tp_size > 1 {
-            let e = burn_parallel::train::train(&cfg, &|_| {})
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.contains("q/k norm spans every head (OLMo 2)"),
-                "{name}: {e}"
-            );
-            continue;
-        }
-        let what = format!("Olmo2 {name}");
-        assert_curves(&run(&cfg), &single, 1e-5, &what);
     }
 }
 

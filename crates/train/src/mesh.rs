@@ -44,13 +44,6 @@ pub fn mesh_plan(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Plan, TrainEr
         .plan(world)
         .map_err(|e| flag_error("--strategy", format!("{s}: {e}")))?;
     let sizes = plan.sizes();
-    if sizes.tp > 1 && model.qk_norm_whole() {
-        return bad(format!(
-            "tp = {}: the model's q/k norm spans every head (OLMo 2), so its heads cannot be \
-             split; train it with fsdp2, hsdp, ddp, --cp or --pp",
-            sizes.tp
-        ));
-    }
     if sizes.tp > 1 {
         local_heads(
             model.num_attention_heads,

@@ -4,7 +4,10 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
-use burn::tensor::Tensor;
+use std::ops::Range;
+
+use burn::tensor::{FloatDType, Tensor};
+use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives as coll;
 use burn_parallel_macros::parallelize;
 use burn_parallel_peft::Lora;
@@ -34,6 +37,40 @@ impl RmsNorm {
     /// `x / rms(x) * (offset + weight)` over the last dim, in `x`'s dtype.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         self.forward_scaled(x, self.weight.val())
+    }
+
+    /// The norm of `x` whose last dim holds `columns` of the normalized width, the rest on the
+    /// other ranks of `group` (a whole-projection q/k norm, OLMo 2's, on heads split by tensor
+    /// parallelism): the squares are summed over the group, in forward and in backward, and
+    /// each rank scales by its columns of the weight (whose gradient is summed over the group,
+    /// as the weight is replicated). The same arithmetic as [`forward`](Self::forward).
+    fn forward_split(
+        &self,
+        x: Tensor<3>,
+        columns: Range<usize>,
+        group: &ProcessGroup,
+    ) -> Tensor<3> {
+        // The gathered value's width: under FSDP the stored parameter is a shard.
+        let weight = self.weight.val();
+        let width = weight.dims()[0];
+        let dtype = FloatDType::from(x.dtype());
+        let x = x.cast(FloatDType::F32);
+        let squares = x.clone().powi_scalar(2).sum_dim(2);
+        // copy_to_group's backward and reduce_from_group's forward: a sum both ways.
+        let squares = coll::reduce_from_group(coll::copy_to_group(squares, group), group)
+            .unwrap_or_else(|e| panic!("the whole-projection q/k norm's sum of squares: {e}"));
+        let inv_rms = squares
+            .div_scalar(width as f64)
+            .add_scalar(self.eps)
+            .sqrt()
+            .recip();
+        let normed = (x * inv_rms).cast(dtype);
+        let weight = coll::copy_to_group(weight, group).slice([columns]);
+        let weight = match self.offset {
+            0.0 => weight,
+            offset => weight.add_scalar(offset),
+        };
+        normed * weight.cast(dtype).unsqueeze::<3>()
     }
 
     /// The norm with `weight` (plus the offset) as its scale (the parameter's value, or it
@@ -122,17 +159,26 @@ impl Attention {
         let tp_group = self.q_proj.sharding().map(|s| s.group.clone());
         let (q, k) = match self.qk_norm_whole {
             true => {
-                // A norm over every head needs them all; refused under TP where it is planned.
-                assert!(
-                    tp_group.is_none(),
-                    "a q/k norm over the whole projection (OLMo 2) cannot run on heads split by \
-                     tensor parallelism: use fsdp2, hsdp, ddp, cp or pp for this model"
-                );
-                let whole = |n: &Option<RmsNorm>, t: Tensor<3>| match n {
-                    Some(n) => n.forward(t),
-                    None => t,
+                // Over every head: under TP each rank holds its heads' columns of the width.
+                let whole = |n: &Option<RmsNorm>, t: Tensor<3>, proj: &Tp<Lora<Linear>>| match (
+                    n,
+                    proj.sharding(),
+                ) {
+                    (None, _) => t,
+                    (Some(n), None) => n.forward(t),
+                    (Some(n), Some(s)) => {
+                        let columns = s
+                            .spec
+                            .as_ref()
+                            .map(|spec| spec.range.clone())
+                            .expect("a colwise q/k projection has a column range");
+                        n.forward_split(t, columns, &s.group)
+                    }
                 };
-                (whole(&self.q_norm, q), whole(&self.k_norm, k))
+                (
+                    whole(&self.q_norm, q, &self.q_proj),
+                    whole(&self.k_norm, k, &self.k_proj),
+                )
             }
             false => (q, k),
         };
