@@ -293,9 +293,8 @@ fn run_rank(
     // plain device (the decoder's projections gather their weights again in backward);
     // Megatron-FSDP's flat units, and the experts' stacked weights (their matmuls are Burn's),
     // only there.
-    let experts_reshard = model_cfg.moe.is_some()
-        && plan.shards_parameters()
-        && plan.resharding() != Some(false);
+    let experts_reshard =
+        model_cfg.moe.is_some() && plan.shards_parameters() && plan.resharding() != Some(false);
     let recomputes = plan.reshards_by_recomputation() || experts_reshard;
     let device = match plan.activation_checkpointing() || recomputes {
         true => device.gradient_checkpointing(),

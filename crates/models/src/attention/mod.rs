@@ -46,9 +46,10 @@ struct MaskInner {
     key_index: Vec<i64>,
     /// `(batch, query segments [batch * queries], key segments [batch * keys])`.
     segments: Option<(usize, Vec<i64>, Vec<i64>)>,
-    /// Per block of [`KEY_BLOCK`] keys, the smallest key index (to skip blocks no query of a
-    /// row can see).
+    /// Per block of [`KEY_BLOCK`] keys, the smallest and largest key index (to skip blocks no
+    /// query of a row can see: after every query, or a window or more behind every one).
     key_block_min: Vec<i64>,
+    key_block_max: Vec<i64>,
     /// Sliding-window attention: keys `window` or more positions back are not seen.
     window: Option<usize>,
     /// Gemma 2's soft cap of the scaled scores, `cap * tanh(s / cap)`, before the mask.
@@ -75,12 +76,17 @@ impl AttentionMask {
             .chunks(KEY_BLOCK)
             .map(|c| c.iter().copied().min().unwrap_or(i64::MAX))
             .collect();
+        let key_block_max = key_index
+            .chunks(KEY_BLOCK)
+            .map(|c| c.iter().copied().max().unwrap_or(i64::MIN))
+            .collect();
         Self {
             inner: Arc::new(MaskInner {
                 query_index,
                 key_index,
                 segments: None,
                 key_block_min,
+                key_block_max,
                 window: None,
                 softcap: None,
             }),
@@ -183,14 +189,19 @@ impl AttentionMask {
     }
 
     /// Whether some query of `queries` might see some key of key block `block` (a block with
-    /// none is skipped). Conservative: segments are not looked at.
+    /// none is skipped): not when every key comes after every query, nor, under a sliding
+    /// window, when every key is a window or more behind every query. Conservative: segments
+    /// are not looked at.
     fn block_reachable(&self, queries: std::ops::Range<usize>, block: usize) -> bool {
-        let max_q = self.inner.query_index[queries]
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(i64::MIN);
-        self.inner.key_block_min[block] <= max_q
+        let m = &self.inner;
+        let queries = &m.query_index[queries];
+        let max_q = queries.iter().copied().max().unwrap_or(i64::MIN);
+        let min_q = queries.iter().copied().min().unwrap_or(i64::MAX);
+        let behind = match m.window {
+            Some(w) => m.key_block_max[block].saturating_add(w as i64) <= min_q,
+            None => false,
+        };
+        m.key_block_min[block] <= max_q && !behind
     }
 
     /// The dense mask `[batch or 1, 1, queries, keys]`: 0 where visible, -inf where not.
