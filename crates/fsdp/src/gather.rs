@@ -120,6 +120,25 @@ pub(crate) fn in_flight_bytes(unit: &UnitState) -> Observer {
     })
 }
 
+/// A gather's forward (and a rebuild's): cast to the compute dtype, then all-gather dim 0 of
+/// `sizes` over `exchange`.
+pub(crate) fn gather_forward_steps(
+    unit: &UnitState,
+    sizes: Sizes,
+    exchange: Exchange,
+) -> Vec<DeviceStep> {
+    let mut steps: Vec<DeviceStep> = unit
+        .compute_dtype()
+        .map(DeviceStep::Cast)
+        .into_iter()
+        .collect();
+    steps.push(DeviceStep::Run {
+        op: DeviceOp::AllGather { dim: 0, sizes },
+        exchange,
+    });
+    steps
+}
+
 /// The step lists of one gather: forward cast + all-gather; backward ([`backward_steps`]);
 /// with resharding, the forward again as the recomputation.
 fn gather_steps<const D: usize>(
@@ -131,18 +150,7 @@ fn gather_steps<const D: usize>(
 ) -> DeviceCollective {
     let shards = route(&shard.device(), &unit.group);
     let sizes = Sizes::known(rows);
-    let mut forward: Vec<DeviceStep> = unit
-        .compute_dtype()
-        .map(DeviceStep::Cast)
-        .into_iter()
-        .collect();
-    forward.push(DeviceStep::Run {
-        op: DeviceOp::AllGather {
-            dim: 0,
-            sizes: sizes.clone(),
-        },
-        exchange: shards.clone(),
-    });
+    let forward = gather_forward_steps(unit, sizes.clone(), shards.clone());
 
     let backward = backward_steps(
         shard,

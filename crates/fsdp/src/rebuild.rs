@@ -10,10 +10,10 @@
 use burn::module::Param;
 use burn::tensor::Tensor;
 use burn_parallel_comm::collectives::{
-    DeviceOp, DeviceStep, Observer, Prefetch, RebuildSteps, Sizes, WeightRebuild, route,
+    DeviceStep, Observer, Prefetch, RebuildSteps, Sizes, WeightRebuild, route,
 };
 
-use crate::gather::in_flight_bytes;
+use crate::gather::{gather_forward_steps, in_flight_bytes};
 use crate::memory::MemoryKind;
 use crate::reparam::ShardGather;
 
@@ -43,18 +43,11 @@ pub fn weight_rebuild<const D: usize>(param: &Param<Tensor<D>>) -> Option<Weight
     // The shard stays where it is stored (the host under an offload policy): backward gathers
     // it there and moves the weight to the gradient's device.
     let source = base.clone().detach().reshape([n]);
-    let mut steps: Vec<DeviceStep> = unit
-        .compute_dtype()
-        .map(DeviceStep::Cast)
-        .into_iter()
-        .collect();
-    steps.push(DeviceStep::Run {
-        op: DeviceOp::AllGather {
-            dim: 0,
-            sizes: Sizes::known(state.gather_elements()),
-        },
-        exchange: route(&source.device(), &unit.group),
-    });
+    let mut steps = gather_forward_steps(
+        unit,
+        Sizes::known(state.gather_elements()),
+        route(&source.device(), &unit.group),
+    );
     let hold = unit.memory.hold(MemoryKind::Gathered, 0);
     let held = hold.clone();
     steps.push(DeviceStep::Observe(Observer::new(move |bytes| {
