@@ -97,10 +97,10 @@ fn nf4_blocks_decode_on_the_device_as_the_code_book_says() {
     let coded = layer.quantized().expect("quantized").clone();
     assert_eq!(
         coded.packed_shape(),
-        [4, 17],
-        "4 blocks of 16 packed values and an absmax"
+        [4, 12],
+        "4 blocks of 11 packed values (six indices each) and an absmax"
     );
-    assert_eq!(layer.base.weight.val().dims(), [4, 17]);
+    assert_eq!(layer.base.weight.val().dims(), [4, 12]);
     assert_eq!(layer.features(), [d_in, d_out]);
 
     let want = dequantized(&torch);

@@ -37,8 +37,8 @@ pub mod collectives {
     pub use crate::device::pairs::MixedDtypes;
     pub use crate::device::{
         CodedWeight, Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange,
-        Observer, Prefetch, RebuildSteps, Sizes, describe, device_mismatch, is_cuda_device, route,
-        same_device,
+        INDICES_PER_VALUE, Observer, Prefetch, RebuildSteps, Sizes, describe, device_mismatch,
+        is_cuda_device, route, same_device,
     };
 }
 

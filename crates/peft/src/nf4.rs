@@ -5,6 +5,8 @@
 //! A last block shorter than [`NF4_BLOCK`] keeps the elements it has; a block of zeros has
 //! absmax 0 and dequantizes to zeros.
 
+use burn_parallel_comm::collectives::INDICES_PER_VALUE;
+
 /// Elements per quantization block (bitsandbytes' `blocksize` default for NF4).
 pub const NF4_BLOCK: usize = 64;
 
@@ -105,15 +107,20 @@ impl Nf4 {
     }
 
     /// The layout a device decodes (`comm::collectives::CodedWeight`): per block of
-    /// [`NF4_BLOCK`] elements, 16 f32 values each holding four indices (the first in the
-    /// highest nibble; a short last block padded with code zero), then the block's absmax.
+    /// [`NF4_BLOCK`] elements, `ceil(NF4_BLOCK / INDICES_PER_VALUE)` f32 values each holding that many indices (the
+    /// first in the highest nibble; a short last block, and the last value of each block,
+    /// padded with code zero), then the block's absmax.
     pub fn to_blocks(&self) -> Vec<f32> {
-        let per = NF4_BLOCK / 4;
+        let per = NF4_BLOCK.div_ceil(INDICES_PER_VALUE);
         let mut out = Vec::with_capacity(self.absmax.len() * (per + 1));
         for (b, absmax) in self.absmax.iter().enumerate() {
             for j in 0..per {
-                let first = b * NF4_BLOCK + 4 * j;
-                let value = (0..4).fold(0u32, |v, k| (v << 4) | self.index(first + k) as u32);
+                let first = b * NF4_BLOCK + INDICES_PER_VALUE * j;
+                let index = |k: usize| match INDICES_PER_VALUE * j + k < NF4_BLOCK {
+                    true => self.index(first + k),
+                    false => 7,
+                };
+                let value = (0..INDICES_PER_VALUE).fold(0u32, |v, k| (v << 4) | index(k) as u32);
                 out.push(value as f32);
             }
             out.push(*absmax);

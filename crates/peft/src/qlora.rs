@@ -2,7 +2,7 @@
 //! `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")` quantizes: the decoder
 //! layers' linears; the embedding, the norms and the LM head, which are not `Lora` fields, stay
 //! as they are). The packed blocks are the base's `weight` parameter, an f32 tensor of
-//! `[blocks, 17]` ([`Nf4::to_blocks`]): FSDP shards and gathers them like any parameter (by
+//! `[blocks, 12]` ([`Nf4::to_blocks`]): FSDP shards and gathers them like any parameter (by
 //! blocks), and each forward decodes them on the device in f32 (`bnb_4bit_compute_dtype =
 //! float32`). Backward decodes them again rather than keeping the decoded weight.
 

@@ -3,26 +3,28 @@
 //! FSDP gathers the packed blocks, this step turns them into the weight, on every backend
 //! (the same ops on the CPU and on a GPU).
 //!
-//! The packed layout, `[blocks, block / 4 + 1]` f32 values: the weight as PyTorch stores it
-//! (`[d_out, d_in]`) flattened row-major and cut into blocks of `block` elements; per block,
-//! `block / 4` values each holding four indices as an integer below 2^16 (the first index in
-//! the highest nibble), then the block's absmax. A float holds those integers exactly, so the
-//! blocks travel through every float collective; a cast to a half dtype would round them,
-//! which is why decoding refuses any dtype but f32.
+//! The packed layout, `[blocks, ceil(block / 6) + 1]` f32 values: the weight as PyTorch stores
+//! it (`[d_out, d_in]`) flattened row-major and cut into blocks of `block` elements; per block,
+//! `ceil(block / 6)` values each holding six indices as an integer below 2^24 (the first index
+//! in the highest nibble; the last value of a block padded with code zero), then the block's
+//! absmax: 6 bits an element for NF4's blocks of 64 (bitsandbytes' bytes take 4.5). An f32
+//! holds integers below 2^24 exactly (its 24-bit significand), so the blocks travel through
+//! every float collective, and Burn has no bit cast to carry 8 indices in one; a cast to a half
+//! dtype would round them, which is why decoding refuses any dtype but f32.
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata, get_or_init_device_settings};
 use burn::tensor::{DType, Shape, Slice, TensorData};
 
-/// The indices each packed value holds.
-pub const INDICES_PER_VALUE: usize = 4;
+/// The indices each packed value holds: 6 x 4 bits, the integers an f32 holds exactly.
+pub const INDICES_PER_VALUE: usize = 6;
 
 /// How a packed weight decodes: its code book, its block length and the weight's shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CodedWeight {
     /// The 16 values the indices stand for (scaled by each block's absmax).
     pub code: [f32; 16],
-    /// Elements per block; a multiple of [`INDICES_PER_VALUE`].
+    /// Elements per block.
     pub block: usize,
     /// The weight's input features (Burn's dim 0).
     pub d_in: usize,
@@ -48,10 +50,10 @@ impl CodedWeight {
 
     /// Values per block of the packed layout: the packed indices and the absmax.
     pub fn row_len(&self) -> usize {
-        self.block / INDICES_PER_VALUE + 1
+        self.block.div_ceil(INDICES_PER_VALUE) + 1
     }
 
-    /// The packed layout's shape, `[blocks, block / 4 + 1]`.
+    /// The packed layout's shape, `[blocks, ceil(block / 6) + 1]`.
     pub fn packed_shape(&self) -> [usize; 2] {
         [self.blocks(), self.row_len()]
     }
@@ -89,20 +91,30 @@ pub fn decode<B: Backend>(x: FloatTensor<B>, w: &CodedWeight) -> FloatTensor<B> 
     let x = B::float_reshape(x, Shape::new([blocks, row_len]));
     let packed = slice_2d::<B>(x.clone(), 0..blocks, 0..per);
     let absmax = slice_2d::<B>(x, 0..blocks, per..row_len);
-    // floor(v / 16^j) is exact in f32 for the integers below 2^16 the values hold.
-    let shifted =
-        |j: i32| B::float_floor(B::float_div_scalar(packed.clone(), 16f64.powi(j).into()));
-    let digits: Vec<FloatTensor<B>> = (0..INDICES_PER_VALUE as i32)
+    // floor(v / 16^j), exact in f32 for the integers below 2^24 the values hold; the top one
+    // (j = 6) is zero.
+    let shifted: Vec<FloatTensor<B>> = (0..INDICES_PER_VALUE as i32)
+        .map(|j| B::float_floor(B::float_div_scalar(packed.clone(), 16f64.powi(j).into())))
+        .collect();
+    let digits: Vec<FloatTensor<B>> = (0..INDICES_PER_VALUE)
         .map(|k| {
-            let (high, low) = (3 - k, 4 - k);
-            let digit = B::float_sub(
-                shifted(high),
-                B::float_mul_scalar(shifted(low), 16f64.into()),
-            );
+            let high = INDICES_PER_VALUE - 1 - k;
+            let digit = match high + 1 < INDICES_PER_VALUE {
+                true => B::float_sub(
+                    shifted[high].clone(),
+                    B::float_mul_scalar(shifted[high + 1].clone(), 16f64.into()),
+                ),
+                false => shifted[high].clone(),
+            };
             B::float_reshape(digit, Shape::new([blocks, per, 1]))
         })
         .collect();
-    let indices = B::float_reshape(B::float_cat(digits, 2), Shape::new([blocks * w.block]));
+    let slots = B::float_reshape(
+        B::float_cat(digits, 2),
+        Shape::new([blocks, per * INDICES_PER_VALUE]),
+    );
+    let indices = slice_2d::<B>(slots, 0..blocks, 0..w.block);
+    let indices = B::float_reshape(indices, Shape::new([blocks * w.block]));
     let indices = B::float_into_int(indices, get_or_init_device_settings::<B>(&device).int_dtype);
     let code = B::float_from_data(TensorData::new(w.code.to_vec(), [16]), &device);
     let values = B::float_reshape(

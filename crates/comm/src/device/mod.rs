@@ -19,7 +19,7 @@ pub(crate) mod nccl;
 pub(crate) mod torch;
 
 pub use collective::{DeviceCollective, RebuildSteps};
-pub use decode::CodedWeight;
+pub use decode::{CodedWeight, INDICES_PER_VALUE};
 pub use prefetch::Prefetch;
 pub use route::{describe, device_mismatch, is_cuda_device, route, same_device};
 pub use steps::{
