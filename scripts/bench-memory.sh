@@ -122,7 +122,7 @@ def peak(name):
 h, i = cfg["hidden_size"], cfg["intermediate_size"]
 kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
 layer = 2 * h * h + 2 * h * kv + 3 * h * i          # the decoder layer's linears
-unit = {"f32": (layer + 2 * h) * 4, "nf4": layer * 68 / 64 + 2 * h * 4}
+unit = {"f32": (layer + 2 * h) * 4, "nf4": layer * 48 / 64 + 2 * h * 4}
 runtime = {n: peak(f"runtime-{n}") for n in ["1", "2"] + ranks}
 held = max(1, depth) + 1
 fsdp_state = max(r["peak_model_state_bytes_per_rank"] for r in steps("act-fsdp"))
