@@ -107,9 +107,9 @@ impl Nf4 {
     }
 
     /// The layout a device decodes (`comm::collectives::CodedWeight`): per block of
-    /// [`NF4_BLOCK`] elements, `ceil(NF4_BLOCK / INDICES_PER_VALUE)` f32 values each holding that many indices (the
-    /// first in the highest nibble; a short last block, and the last value of each block,
-    /// padded with code zero), then the block's absmax.
+    /// [`NF4_BLOCK`] elements, `ceil(NF4_BLOCK / INDICES_PER_VALUE)` f32 values each holding
+    /// that many indices (the first in the highest nibble; a short last block, and the last
+    /// value of each block, padded with code zero), then the block's absmax.
     pub fn to_blocks(&self) -> Vec<f32> {
         let per = NF4_BLOCK.div_ceil(INDICES_PER_VALUE);
         let mut out = Vec::with_capacity(self.absmax.len() * (per + 1));

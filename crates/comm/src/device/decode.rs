@@ -91,21 +91,15 @@ pub fn decode<B: Backend>(x: FloatTensor<B>, w: &CodedWeight) -> FloatTensor<B> 
     let x = B::float_reshape(x, Shape::new([blocks, row_len]));
     let packed = slice_2d::<B>(x.clone(), 0..blocks, 0..per);
     let absmax = slice_2d::<B>(x, 0..blocks, per..row_len);
-    // floor(v / 16^j), exact in f32 for the integers below 2^24 the values hold; the top one
-    // (j = 6) is zero.
-    let shifted: Vec<FloatTensor<B>> = (0..INDICES_PER_VALUE as i32)
+    // floor(v / 16^j), exact in f32 for the integers below 2^24 the values hold (j = 6 gives 0).
+    let shifted: Vec<FloatTensor<B>> = (0..=INDICES_PER_VALUE as i32)
         .map(|j| B::float_floor(B::float_div_scalar(packed.clone(), 16f64.powi(j).into())))
         .collect();
     let digits: Vec<FloatTensor<B>> = (0..INDICES_PER_VALUE)
         .map(|k| {
             let high = INDICES_PER_VALUE - 1 - k;
-            let digit = match high + 1 < INDICES_PER_VALUE {
-                true => B::float_sub(
-                    shifted[high].clone(),
-                    B::float_mul_scalar(shifted[high + 1].clone(), 16f64.into()),
-                ),
-                false => shifted[high].clone(),
-            };
+            let above = B::float_mul_scalar(shifted[high + 1].clone(), 16f64.into());
+            let digit = B::float_sub(shifted[high].clone(), above);
             B::float_reshape(digit, Shape::new([blocks, per, 1]))
         })
         .collect();
