@@ -43,18 +43,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-bin="${TRAIN_LLAMA:-}"
-if [ -z "$bin" ]; then
-  cargo build --release --features mpi --example train_llama
-  bin=target/release/examples/train_llama
-fi
+source scripts/bench-95m.sh
 work=target/bench-memory
 mkdir -p "$work"
-model="$work/llama_95m"
-if [ ! -f "$model/config.json" ]; then
-  "$bin" --config examples/models/llama_95m.json --strategy single --world-size 1 --steps 1 \
-    --global-batch 1 --seq-len 8 --optimizer sgd --lr 0 --save "$model" > "$work/save.log"
-fi
 printf 'fsdp2_backward_prefetch_depth: %s\n' "$prefetch" > "$work/sharded.yaml"
 printf 'fsdp2_backward_prefetch_depth: %s\noffload_policy:\n  offload_params: true\n' \
   "$prefetch" > "$work/offload.yaml"

@@ -27,19 +27,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-bin="${TRAIN_LLAMA:-}"
-if [ -z "$bin" ]; then
-  cargo build --release --features mpi --example train_llama
-  bin=target/release/examples/train_llama
-fi
+source scripts/bench-95m.sh
 work=target/bench-prefetch
 mkdir -p "$work"
-model=target/bench-memory/llama_95m
-if [ ! -f "$model/config.json" ]; then
-  mkdir -p target/bench-memory
-  "$bin" --config examples/models/llama_95m.json --strategy single --world-size 1 --steps 1 \
-    --global-batch 1 --seq-len 8 --optimizer sgd --lr 0 --save "$model" > "$work/save.log"
-fi
 
 common=(--checkpoint "$model" --steps 4 --global-batch 8 --seq-len 128 --optimizer adamw --json
   --engine mpi --strategy fsdp2 --world-size "$ranks")

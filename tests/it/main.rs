@@ -25,6 +25,7 @@ mod fsdp_prefetch;
 mod fsdp_tp;
 mod fsdp_units;
 mod gpu_kit;
+mod layer_checkpointing;
 mod learner;
 mod llama_hf;
 mod llama_inputs;

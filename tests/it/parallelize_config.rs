@@ -474,7 +474,7 @@ fn effect(config: DistributedConfig) -> String {
         Ok(format!(
             "sizes {:?} groups {groups:?} checkpointing {} policy {:?} offload {} prefetch {} \
              backward prefetch {} defers {} ddp {} layout {:?} reduction {:?} buckets {:?} \
-             resharding {:?}",
+             resharding {:?} activation checkpointing {:?}",
             ctx.sizes(),
             ctx.on_checkpointing_device(),
             fsdp.mixed_precision,
@@ -487,6 +487,7 @@ fn effect(config: DistributedConfig) -> String {
             fsdp.gradient_reduction,
             fsdp.bucket_elements,
             ctx.plan().resharding(),
+            ctx.plan().checkpointing(),
         ))
     })
     .unwrap();
@@ -527,6 +528,20 @@ fn every_config_field_has_an_effect_or_is_rejected() {
             "activation_checkpointing",
             |c| c.reshard_after_forward = Some(false),
             |c| c.activation_checkpointing = true,
+        ),
+        // On the plain device: selective by op is refused there, every-k is not.
+        (
+            "activation_checkpointing_mode",
+            |c| c.activation_checkpointing = true,
+            |c| c.activation_checkpointing_mode = "selective".into(),
+        ),
+        (
+            "selective_ac_option",
+            |c| {
+                c.activation_checkpointing = true;
+                c.activation_checkpointing_mode = "selective".into();
+            },
+            |c| c.selective_ac_option = "2".into(),
         ),
         ("activation_checkpointing_scope", none, |c| {
             c.activation_checkpointing_scope = "layers".into()

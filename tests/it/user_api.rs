@@ -71,13 +71,15 @@ fn a_model_and_inputs_on_the_users_device_train_under_every_strategy() {
     }
 }
 
-/// Asking for what only Burn's checkpointing device does (activation checkpointing), on a
-/// plain device, is an error that names the device and the fix, before any communication.
-/// Resharding is not: it holds on a plain device for the layers that rebuild their weights.
+/// Asking for what only Burn's checkpointing device does (selective activation checkpointing
+/// by op), on a plain device, is an error that names the device and the fix, before any
+/// communication. Resharding is not: it holds on a plain device for the layers that rebuild
+/// their weights.
 #[test]
 fn activation_checkpointing_on_a_plain_device_names_the_fix() {
     let config = DistributedConfig {
         activation_checkpointing: true,
+        activation_checkpointing_mode: "selective".into(),
         ..DistributedConfig::default()
     };
     let errors = launch(2, |rank| {

@@ -18,6 +18,7 @@
 #![warn(missing_docs)]
 
 mod autodiff;
+pub mod checkpoint;
 mod device;
 mod transport;
 

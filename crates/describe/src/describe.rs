@@ -1,6 +1,7 @@
 //! What a model tells the parallelizer about itself: the contract `#[parallelize]` implements.
 
 use burn::module::Module;
+use burn_parallel_comm::checkpoint::LayerCheckpointing;
 use burn_parallel_ep::ExpertModule;
 use burn_parallel_tp::{ParallelStyle, TpModule, TpPlan, child_path};
 
@@ -185,6 +186,14 @@ pub trait Parallelize: Module + TpModule {
     /// Passes every FSDP unit to `f`, innermost first (a unit nested in another is mapped
     /// before its parent), and rebuilds the module from the results.
     fn map_units<F: UnitMap>(self, path: &str, f: &mut F) -> Result<Self, F::Error>;
+
+    /// Sets which layers the model's forward checkpoints (its `#[checkpoint]` field, which
+    /// its forward hands to `fsdp::forward_units_checkpointed`). Returns false when the model
+    /// declares no such field.
+    fn set_layer_checkpointing(&mut self, policy: LayerCheckpointing) -> bool {
+        let _ = policy;
+        false
+    }
 }
 
 impl<T: Parallelize> Parallelize for Vec<T> {

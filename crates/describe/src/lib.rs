@@ -31,6 +31,7 @@ pub mod __private {
     };
     pub use burn::module::{Module, ModuleVisitor};
     pub use burn::tensor::Gradients;
+    pub use burn_parallel_comm::checkpoint::LayerCheckpointing;
     pub use burn_parallel_ep::ExpertModule;
     pub use burn_parallel_tp::{
         ParallelStyle, Sharding, TpApplier, TpError, TpModule, child_path, local_heads,

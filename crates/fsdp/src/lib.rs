@@ -96,6 +96,6 @@ pub use shard::fully_shard;
 pub use state::{ParamState, UnitState};
 pub use trainable::{Trainability, frozen_param_ids, param_ids, trainability};
 pub use unit::{
-    UnitInput, forward_units, try_with_gathered_unit, try_with_module_unit, with_gathered_unit,
-    with_module_unit,
+    UnitInput, forward_units, forward_units_checkpointed, try_with_gathered_unit,
+    try_with_module_unit, with_gathered_unit, with_module_unit,
 };

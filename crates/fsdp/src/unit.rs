@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{DType, Device, FloatDType, Tensor};
+use burn_parallel_comm::checkpoint::{LayerCheckpointing, LayerForward, checkpoint, detached};
 use burn_parallel_comm::collectives::{
     Prefetch, device_mismatch, place_flat, prefetch_on_backward, split_segments,
 };
@@ -628,6 +629,63 @@ pub fn forward_units<U: Module, T: UnitInput>(
     input: T,
     mut f: impl FnMut(&U, T) -> T,
 ) -> T {
+    run_units(units, input, |_| false, |_, unit, x| f(unit, x))
+}
+
+/// [`forward_units`] with the layers `checkpointing` picks checkpointed
+/// ([`comm::checkpoint`](burn_parallel_comm::checkpoint)): such a layer runs forward on
+/// detached parameters (its gather, when sharded, records nothing either) and keeps only its
+/// input; backward gathers it again, runs `f` again and then its backward. `f` is therefore
+/// owned (`'static`): what it needs besides the layer and its input (rotary tables, masks) it
+/// holds by value. A checkpointed layer issues no backward prefetch: its recomputation gathers
+/// it when its backward starts.
+pub fn forward_units_checkpointed<U, const D: usize>(
+    units: &[U],
+    input: Tensor<D>,
+    checkpointing: LayerCheckpointing,
+    f: impl Fn(&U, Tensor<D>) -> Tensor<D> + Send + Sync + 'static,
+) -> Tensor<D>
+where
+    U: Module + Send + Sync + 'static,
+{
+    if !checkpointing.is_on() {
+        return forward_units(units, input, f);
+    }
+    let f = Arc::new(f);
+    let recompute: LayerForward<U, D> = {
+        let f = f.clone();
+        Arc::new(move |unit: &U, x| with_gathered_unit(unit, || f(unit, x)))
+    };
+    // What the stack runs forward: the checkpointed layers detached, so that their gathers
+    // and their forward stay out of the graph.
+    let run: Vec<U> = units
+        .iter()
+        .enumerate()
+        .map(|(i, u)| match checkpointing.checkpoints(i) {
+            true => detached(u),
+            false => u.clone(),
+        })
+        .collect();
+    let checkpointed = |i: usize| checkpointing.checkpoints(i);
+    run_units(
+        &run,
+        input,
+        checkpointed,
+        |i, unit, x| match checkpointing.checkpoints(i) {
+            true => checkpoint(&units[i], x, |x| f(unit, x), recompute.clone()),
+            false => f(unit, x),
+        },
+    )
+}
+
+/// The loop of [`forward_units`]: `f(index, unit, x)` for each unit in order; the units for
+/// which `checkpointed` holds are gathered outside the graph and issue no backward prefetch.
+fn run_units<U: Module, T: UnitInput>(
+    units: &[U],
+    input: T,
+    checkpointed: impl Fn(usize) -> bool,
+    mut f: impl FnMut(usize, &U, T) -> T,
+) -> T {
     let unit_state = first_unit(units);
     if let Some(unit) = &unit_state
         && let Some(message) =
@@ -650,7 +708,11 @@ pub fn forward_units<U: Module, T: UnitInput>(
         // prefetched, starts now).
         while started < buckets.len() && started <= b + depth {
             let range = buckets[started].clone();
-            let pending = start_bucket(&units[range.clone()], x.order_anchor())
+            let anchor = match range.clone().any(&checkpointed) {
+                true => None,
+                false => x.order_anchor(),
+            };
+            let pending = start_bucket(&units[range.clone()], anchor)
                 .unwrap_or_else(|e| panic!("FSDP units {range:?}: {e}"));
             in_flight.push_back(pending);
             started += 1;
@@ -661,13 +723,15 @@ pub fn forward_units<U: Module, T: UnitInput>(
             .flatten()
             .map(PendingUnit::serve)
             .collect();
-        for unit in &units[bucket.clone()] {
-            x = unit_forward(policy, unit, x, &mut f);
+        for i in bucket.clone() {
+            x = unit_forward(policy, &units[i], x, &mut |unit, x| f(i, unit, x));
         }
         if backward_depth > 0 {
+            let recomputed = bucket.clone().any(&checkpointed);
             rebuilds.push_front(
                 _guards
                     .iter()
+                    .filter(|_| !recomputed)
                     .filter_map(|g| g.prefetches.as_ref())
                     .flat_map(Prefetches::list)
                     .collect(),

@@ -24,6 +24,15 @@ pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> Tok
     let map_units = map_units_body(specs, &p);
     let apply_tp = apply_tp_body(specs, &p);
     let gather_tp = gather_tp_body(specs, &p);
+    let set_checkpointing = specs.iter().find(|s| s.checkpoint).map(|s| {
+        let field = &s.ident;
+        quote! {
+            fn set_layer_checkpointing(&mut self, policy: #p::LayerCheckpointing) -> bool {
+                self.#field = policy;
+                true
+            }
+        }
+    });
     let tp_fields: Vec<_> = specs
         .iter()
         .filter(|s| s.in_tp())
@@ -83,6 +92,8 @@ pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> Tok
             ) -> ::core::result::Result<Self, __F::Error> {
                 #map_units
             }
+
+            #set_checkpointing
         }
     }
 }

@@ -1,6 +1,6 @@
 //! One field's `#[tp(..)]`, `#[nested]` and `#[fsdp(unit)]` attributes, and the syntactic shape
-//! of its type (`Tp<..>`, `Vec<..>`, `Option<..>`). `#[checkpoint]` is recognised only to say
-//! that it is not supported.
+//! of its type (`Tp<..>`, `Vec<..>`, `Option<..>`), and `#[checkpoint]` on the field that holds
+//! the model's per-layer checkpointing policy.
 
 use syn::parse::ParseStream;
 use syn::{
@@ -38,6 +38,8 @@ pub struct FieldSpec {
     pub unit: bool,
     /// `#[experts]`: a mixture-of-experts module whose experts expert parallelism splits.
     pub experts: bool,
+    /// `#[checkpoint]`: the `LayerCheckpointing` the model's forward hands its layer stack.
+    pub checkpoint: bool,
 }
 
 /// What one `#[tp(..)]` says.
@@ -60,6 +62,7 @@ impl FieldSpec {
             nested: false,
             unit: false,
             experts: false,
+            checkpoint: false,
         };
         let mut seen: Vec<&str> = Vec::new();
         for attr in &field.attrs {
@@ -103,12 +106,8 @@ impl FieldSpec {
                     spec.unit = true;
                 }
                 _ => {
-                    return Err(syn::Error::new_spanned(
-                        attr,
-                        "#[checkpoint] is not supported: Burn 0.22 selects gradient checkpointing \
-                         per device, not per layer; set `activation_checkpointing = true` in the \
-                         DistributedConfig to checkpoint every layer",
-                    ));
+                    no_args(attr, "checkpoint")?;
+                    spec.checkpoint = true;
                 }
             }
         }
@@ -206,6 +205,25 @@ pub fn check_struct(specs: &[FieldSpec], input: &DeriveInput) -> syn::Result<()>
             format!(
                 "#[tp(kv_heads)] needs a #[tp(heads)] field in `{}` too",
                 input.ident
+            ),
+        ));
+    }
+    if let Some(second) = specs.iter().filter(|s| s.checkpoint).nth(1) {
+        return Err(syn::Error::new(
+            second.ident.span(),
+            "more than one #[checkpoint] field: one LayerCheckpointing policy serves the model",
+        ));
+    }
+    if let Some(s) = specs
+        .iter()
+        .find(|s| s.checkpoint && (s.is_tp || s.nested || s.unit || s.experts))
+    {
+        return Err(syn::Error::new(
+            s.ident.span(),
+            format!(
+                "#[checkpoint] marks the `#[module(skip)]` LayerCheckpointing field that the \
+                 forward hands its layers; field `{}` is a module",
+                s.ident
             ),
         ));
     }

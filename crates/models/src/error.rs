@@ -6,6 +6,14 @@ use std::path::PathBuf;
 /// parallel errors a model's forward or gather returns.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// Per-layer activation checkpointing of a mixture-of-experts model: its layers' router
+    /// logits (for the load-balancing loss) would come out of the graph.
+    #[error(
+        "per-layer activation checkpointing of a mixture-of-experts model is not supported (the \
+         router logits of a recomputed layer leave the graph); use activation_checkpointing_mode \
+         = \"selective\" with selective_ac_option = \"op\""
+    )]
+    CheckpointedExperts,
     /// A file or directory could not be read.
     #[error("cannot read {path}: {source}")]
     Io {

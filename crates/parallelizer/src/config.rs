@@ -18,7 +18,7 @@ mod plan;
 
 pub use error::{ConfigError, Unsupported};
 pub use placement::{FrozenModuleSharding, Strategy};
-pub use plan::{DataParallel, Plan};
+pub use plan::{Checkpointing, DataParallel, Plan};
 
 crate::named_enum! {
     /// A float dtype in a config file or on the command line: `f32`/`float32`/`fp32`,
@@ -283,9 +283,20 @@ pub struct DistributedConfig {
     /// Shard activations along the sequence between tensor-parallel regions (default `false`;
     /// needs more than one tp rank).
     pub sequence_parallel: bool,
-    /// Full-layer activation checkpointing: recompute activations in backward (default
-    /// `false`; needs a gradient-checkpointing device).
+    /// Activation checkpointing: recompute activations in backward (default `false`), as
+    /// `activation_checkpointing_mode` says.
     pub activation_checkpointing: bool,
+    /// TorchTitan's `mode` (default `"full"`): every decoder layer keeps only its input and is
+    /// recomputed in backward, one layer at a time. That needs a model whose forward runs its
+    /// layers through `fsdp::forward_units_checkpointed` with a `#[checkpoint]` field (the
+    /// Llama family does); for another model `"full"` is Burn's whole-model checkpointing
+    /// device. `"selective"` follows `selective_ac_option`.
+    pub activation_checkpointing_mode: String,
+    /// TorchTitan's `selective_ac_option` under `"selective"` mode (default `"op"`): `"op"`
+    /// keeps the matmul outputs and recomputes the element-wise ops (Burn's checkpointing
+    /// device, `device.gradient_checkpointing()`); a positive integer k checkpoints every k-th
+    /// layer (layers k-1, 2k-1, ... from 0).
+    pub selective_ac_option: String,
     /// What activation checkpointing covers (default `"all"`, the only one supported).
     pub activation_checkpointing_scope: String,
     /// The mixed-precision policy (default: no casts).
@@ -339,6 +350,8 @@ impl Default for DistributedConfig {
             mesh_names: MeshNames::default(),
             sequence_parallel: false,
             activation_checkpointing: false,
+            activation_checkpointing_mode: "full".into(),
+            selective_ac_option: "op".into(),
             activation_checkpointing_scope: "all".into(),
             mp_policy: MixedPrecisionConfig::default(),
             offload_policy: None,

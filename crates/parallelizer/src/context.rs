@@ -423,14 +423,14 @@ impl LocalRows {
     }
 }
 
-/// What the device cannot do for the plan: activation checkpointing on a device without
+/// What the device cannot do for the plan: selective checkpointing by op on a device without
 /// gradient checkpointing.
 fn check_device(plan: &Plan, device: &Device, checkpointing: bool) -> Result<(), ParallelError> {
-    if checkpointing || !plan.activation_checkpointing() {
+    if checkpointing || !plan.checkpoints_ops() {
         return Ok(());
     }
     Err(ConfigError::NeedsCheckpointingDevice {
-        needs: "activation_checkpointing recomputes activations",
+        needs: "selective_ac_option = \"op\" recomputes the element-wise ops",
         device: describe(device),
     }
     .into())

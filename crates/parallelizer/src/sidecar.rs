@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
 use burn_parallel_comm::ProcessGroup;
-use burn_parallel_comm::collectives::same_device;
+use burn_parallel_comm::checkpoint::LayerCheckpointing;
+use burn_parallel_comm::collectives::{describe, same_device};
 use burn_parallel_describe::{
     DefaultParallelizer, ModelDescription, Parallelize, UnitMap, check_fused_colwise,
 };
@@ -15,7 +16,7 @@ use burn_parallel_ep::ExpertModule;
 use burn_parallel_fsdp::{FsdpConfig, fully_shard, param_ids, trainability};
 use burn_parallel_tp::{TpApplier, TpModule, local_heads};
 
-use crate::config::{ConfigError, DataParallel, FrozenModuleSharding};
+use crate::config::{Checkpointing, ConfigError, DataParallel, FrozenModuleSharding};
 use crate::context::MeshContext;
 use crate::ddp;
 use crate::error::ParallelError;
@@ -168,15 +169,41 @@ pub trait ModelParallelizer {
         Ok(model)
     }
 
-    /// Full-layer activation checkpointing. Burn 0.22 selects checkpointing per device (its
-    /// balanced strategy recomputes memory-bound activations, and the gathered FSDP weights, in
-    /// backward); the context's device is that variant (`MeshContext::new` checks it), and the
-    /// parameters move there.
-    fn use_full_layer_activation_checkpointing<M: Module>(
+    /// Activation checkpointing, as the plan's [`Checkpointing`] says. By layer: the model's
+    /// `#[checkpoint]` field takes the policy, and its forward recomputes each picked layer in
+    /// backward. By op (or `"full"` on a model without that field): Burn 0.22's checkpointing
+    /// device, whose balanced strategy recomputes memory-bound activations in backward; the
+    /// context's device must be that variant. Either way the parameters move to the context's
+    /// device.
+    fn use_full_layer_activation_checkpointing<M: Parallelize>(
         &self,
-        model: M,
+        mut model: M,
         ctx: &MeshContext,
     ) -> Result<M, ParallelError> {
+        let per_layer = match ctx.plan().checkpointing() {
+            Some(Checkpointing::Layers(k)) => model
+                .set_layer_checkpointing(LayerCheckpointing::Every(k))
+                .then_some(k),
+            _ => None,
+        };
+        let needs = match (ctx.plan().checkpointing(), per_layer) {
+            (_, Some(_)) | (None, _) => None,
+            (Some(Checkpointing::Layers(1)), None) => Some(
+                "activation_checkpointing_mode = \"full\" on a model without a #[checkpoint] field \
+                 (per-layer checkpointing) recomputes through Burn's device",
+            ),
+            (Some(Checkpointing::Layers(_)), None) => {
+                return Err(ConfigError::NoLayerCheckpointing.into());
+            }
+            (Some(Checkpointing::Ops), None) => None,
+        };
+        if let Some(needs) = needs.filter(|_| !ctx.on_checkpointing_device()) {
+            return Err(ConfigError::NeedsCheckpointingDevice {
+                needs,
+                device: describe(ctx.device()),
+            }
+            .into());
+        }
         Ok(model.map(&mut ToDevice(ctx.device())))
     }
 
@@ -266,7 +293,7 @@ pub fn fsdp_config(ctx: &MeshContext) -> FsdpConfig {
 
 /// Activation checkpointing when asked, else the move to the context's device (where the
 /// inputs are built).
-fn move_to_context_device<S: ModelParallelizer, M: Module>(
+fn move_to_context_device<S: ModelParallelizer, M: Parallelize>(
     sidecar: &S,
     model: M,
     ctx: &MeshContext,

@@ -288,15 +288,17 @@ fn run_rank(
     on_step: &(dyn Fn(&StepLog) + Sync),
 ) -> Result<RankResult, TrainError> {
     let device = cfg.backend.device(gpu_of(ctx.rank()))?;
-    // Activations are recomputed only on Burn's checkpointing device, which keeps about 1.4x
-    // the activations otherwise (the inputs of the ops it may recompute). FSDP2 reshards on the
+    // The Llama checkpoints its decoder layers itself (`activation_checkpointing_mode`
+    // "full" or every k-th layer). Selective checkpointing by op is Burn's checkpointing
+    // device, which keeps about 1.4x the activations otherwise (the inputs of the ops it may
+    // recompute). FSDP2 reshards on the
     // plain device (the decoder's projections gather their weights again in backward);
     // Megatron-FSDP's flat units, and the experts' stacked weights (their matmuls are Burn's),
     // only there.
     let experts_reshard =
         model_cfg.moe.is_some() && plan.shards_parameters() && plan.resharding() != Some(false);
     let recomputes = plan.reshards_by_recomputation() || experts_reshard;
-    let device = match plan.activation_checkpointing() || recomputes {
+    let device = match plan.checkpoints_ops() || recomputes {
         true => device.gradient_checkpointing(),
         false => device,
     };

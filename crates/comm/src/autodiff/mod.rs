@@ -6,6 +6,7 @@ mod hub;
 pub mod ops;
 pub mod place;
 mod placement;
+pub mod recompute;
 pub mod split;
 
 pub use ops::*;

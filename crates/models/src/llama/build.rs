@@ -5,6 +5,7 @@ use burn::module::{Param, ParamId};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::checkpoint::LayerCheckpointing;
 use burn_parallel_ep::ExpertShard;
 use burn_parallel_tp::Tp;
 
@@ -347,6 +348,7 @@ impl Llama {
             config: config.clone(),
             rope: Rope::new(config),
             rope_local: Rope::local(config),
+            checkpointing: LayerCheckpointing::Off,
         })
     }
 }

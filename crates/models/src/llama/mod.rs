@@ -16,6 +16,7 @@ use burn::module::Module;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Int, Tensor};
 use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::checkpoint::LayerCheckpointing;
 use burn_parallel_comm::collectives as coll;
 use burn_parallel_ep::ExpertModule;
 use burn_parallel_macros::parallelize;
@@ -57,6 +58,11 @@ pub struct Llama {
     /// Gemma 3's sliding-window layers' rotary frequencies (`None`: every layer uses `rope`).
     #[module(skip)]
     pub rope_local: Option<Rope>,
+    /// Which decoder layers recompute their activations in backward (set by the
+    /// parallelizer from `activation_checkpointing`).
+    #[module(skip)]
+    #[checkpoint]
+    pub checkpointing: LayerCheckpointing,
 }
 
 impl Llama {
@@ -151,15 +157,31 @@ impl Llama {
             &x.device(),
             x.dtype(),
         )?;
+        if self.checkpointing.is_on() && self.config.moe.is_some() {
+            return Err(ModelError::CheckpointedExperts);
+        }
         let mut router_logits = Vec::new();
-        let layer = |l: &DecoderLayer, x: Tensor<3>| {
-            let (cos, sin, layout) = rotary.for_layer(l);
-            let (x, logits) = l.forward_masked(x, cos, sin, layout);
-            router_logits.extend(logits);
-            x
-        };
         // Each decoder layer is one FSDP unit when sharded; a plain loop otherwise.
-        let x = burn_parallel_fsdp::forward_units(&self.layers, x, layer);
+        let x = match self.checkpointing.is_on() {
+            true => burn_parallel_fsdp::forward_units_checkpointed(
+                &self.layers,
+                x,
+                self.checkpointing,
+                move |l: &DecoderLayer, x: Tensor<3>| {
+                    let (cos, sin, layout) = rotary.for_layer(l);
+                    l.forward_masked(x, cos, sin, layout).0
+                },
+            ),
+            false => {
+                let layer = |l: &DecoderLayer, x: Tensor<3>| {
+                    let (cos, sin, layout) = rotary.for_layer(l);
+                    let (x, logits) = l.forward_masked(x, cos, sin, layout);
+                    router_logits.extend(logits);
+                    x
+                };
+                burn_parallel_fsdp::forward_units(&self.layers, x, layer)
+            }
+        };
         let x = norm(&self.norm, x);
         let logits = match &self.lm_head {
             Some(head) => head.try_forward(x)?,

@@ -30,6 +30,24 @@ pub enum ConfigError {
     /// `sequence_parallel` without tensor-parallel ranks.
     #[error("sequence_parallel requires {0}")]
     SequenceParallelWithoutTp(&'static str),
+    /// `activation_checkpointing_mode` or `selective_ac_option` is not one of TorchTitan's.
+    #[error(
+        "activation_checkpointing_mode {mode:?} with selective_ac_option {option:?}: the mode is \
+         \"full\" or \"selective\", the option \"op\" or a positive layer interval such as \"2\""
+    )]
+    CheckpointingMode {
+        /// `activation_checkpointing_mode`.
+        mode: String,
+        /// `selective_ac_option`.
+        option: String,
+    },
+    /// Every-k layer checkpointing on a model that declares no `#[checkpoint]` field.
+    #[error(
+        "selective_ac_option = k checkpoints every k-th layer, and the model declares no \
+         #[checkpoint] LayerCheckpointing field for its forward to run its layers with \
+         (fsdp::forward_units_checkpointed); add one, or use selective_ac_option = \"op\""
+    )]
+    NoLayerCheckpointing,
     /// `ddp_bucket_cap_mb` is zero, negative or NaN.
     #[error("ddp_bucket_cap_mb must be positive")]
     BucketCap,

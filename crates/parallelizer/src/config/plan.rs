@@ -75,6 +75,8 @@ impl PartialEq for Plan {
             && a.mesh_names == b.mesh_names
             && a.sequence_parallel == b.sequence_parallel
             && a.activation_checkpointing == b.activation_checkpointing
+            && a.activation_checkpointing_mode == b.activation_checkpointing_mode
+            && a.selective_ac_option == b.selective_ac_option
             && a.tp_shard_plan == b.tp_shard_plan
             && a.frozen_multimodal_sharding == b.frozen_multimodal_sharding
             && a.defer_fsdp_grad_sync == b.defer_fsdp_grad_sync
@@ -153,6 +155,20 @@ impl Plan {
         self.config.activation_checkpointing
     }
 
+    /// How activations are recomputed, when they are (see [`Checkpointing`]).
+    pub fn checkpointing(&self) -> Option<Checkpointing> {
+        match self.config.activation_checkpointing {
+            true => self.config.checkpointing().ok(),
+            false => None,
+        }
+    }
+
+    /// Whether the plan needs Burn's checkpointing device for activations: selective
+    /// checkpointing by op.
+    pub fn checkpoints_ops(&self) -> bool {
+        self.checkpointing() == Some(Checkpointing::Ops)
+    }
+
     /// Whether activations are sharded along the sequence between tensor-parallel regions.
     pub fn sequence_parallel(&self) -> bool {
         self.config.sequence_parallel
@@ -203,7 +219,36 @@ impl Strategy {
     }
 }
 
+/// How activation checkpointing recomputes (`activation_checkpointing_mode` and
+/// `selective_ac_option`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Checkpointing {
+    /// Every k-th decoder layer keeps only its input and is recomputed whole in backward
+    /// (k = 1: mode `"full"`). A model without a `#[checkpoint]` field gets Burn's
+    /// checkpointing device instead under `"full"`.
+    Layers(usize),
+    /// Selective by op: Burn's checkpointing device keeps the matmul outputs and recomputes
+    /// the element-wise ops.
+    Ops,
+}
+
 impl DistributedConfig {
+    /// What `activation_checkpointing_mode` and `selective_ac_option` ask for (whether or not
+    /// `activation_checkpointing` is on).
+    pub(crate) fn checkpointing(&self) -> Result<Checkpointing, ParallelError> {
+        let mode = self.activation_checkpointing_mode.as_str();
+        let option = self.selective_ac_option.trim();
+        match (mode, option, option.parse::<usize>()) {
+            ("full", _, _) => Ok(Checkpointing::Layers(1)),
+            ("selective", "op", _) => Ok(Checkpointing::Ops),
+            ("selective", _, Ok(k)) if k > 0 => Ok(Checkpointing::Layers(k)),
+            _ => Err(ParallelError::Config(ConfigError::CheckpointingMode {
+                mode: self.activation_checkpointing_mode.clone(),
+                option: self.selective_ac_option.clone(),
+            })),
+        }
+    }
+
     /// Checks the config against a world of `world_size` ranks and resolves what it means
     /// there. Every inconsistency is reported here, before any rank communicates.
     pub fn plan(&self, world_size: usize) -> Result<Plan, ParallelError> {
@@ -383,6 +428,7 @@ impl DistributedConfig {
         if self.enable_compile {
             return unsupported(Unsupported::Compile);
         }
+        self.checkpointing()?;
         if self.activation_checkpointing_scope != "all" {
             return unsupported(Unsupported::CheckpointingScope(
                 self.activation_checkpointing_scope.clone(),
