@@ -1,8 +1,10 @@
 //! Per-layer activation checkpointing (`activation_checkpointing = true`, TorchTitan's "full"
 //! and every-k modes) trains the Llama as without it: the same loss and gradient-norm curve
 //! and the same saved weights, on one device, under FSDP2 (the recomputation gathers and
-//! reduce-scatters again) and under LoRA with a frozen FSDP2-sharded base.
+//! reduce-scatters again), in pipeline stages, and under LoRA with a frozen FSDP2-sharded
+//! base; and it lowers the activation peak.
 
+use burn_parallel::parallelizer::ScheduleKind;
 use burn_parallel::train::{
     DistributedConfig, OptimizerKind, Strategy, TrainConfig, TrainSummary, train,
 };
@@ -10,6 +12,7 @@ use burn_parallel::train::{
 use crate::llama_hf::temp_dir;
 use crate::llama_train::{assert_curves, small_run};
 use crate::lora_llama::{lora_run, read_safetensors};
+use crate::pipeline_trainer::{pp_flags, pp_run};
 
 fn checkpointed(cfg: &TrainConfig, mode: &str, option: &str) -> TrainConfig {
     TrainConfig {
@@ -41,6 +44,19 @@ fn checkpointed_layers_train_the_llama_as_kept_ones() {
             let what = format!("{strategy} x{world}, {mode} {option}");
             assert_curves(&got, &want, 1e-6, &what);
         }
+    }
+}
+
+/// Pipeline stages checkpoint their own layers (counted from each stage's first): pp 2 (1f1b)
+/// with fsdp2 2 inside each stage, 2 layers a stage, trains as without.
+#[test]
+fn checkpointed_pipeline_stages_train_as_kept_ones() {
+    let base = pp_run(pp_flags(4, ScheduleKind::OneFOneB, None));
+    let want = run(&base);
+    for (mode, option) in MODES {
+        let got = run(&checkpointed(&base, mode, option));
+        let what = format!("pp 2 x fsdp2 2, {mode} {option}");
+        assert_curves(&got, &want, 1e-6, &what);
     }
 }
 

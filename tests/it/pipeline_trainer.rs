@@ -29,7 +29,7 @@ fn model() -> LlamaConfig {
 
 /// The trainer's run for `flags`: 4 AdamW steps of 5 rows, clipped at 0.5 (below the first
 /// norms, so a wrong global norm moves the curve).
-fn pp_run(flags: DistributedFlags) -> TrainConfig {
+pub(crate) fn pp_run(flags: DistributedFlags) -> TrainConfig {
     let (strategy, world) = (flags.strategy.unwrap(), flags.world_size.unwrap());
     TrainConfig {
         distributed: resolved(flags.clone()),
@@ -41,7 +41,11 @@ fn pp_run(flags: DistributedFlags) -> TrainConfig {
     }
 }
 
-fn pp_flags(world: usize, schedule: ScheduleKind, microbatches: Option<usize>) -> DistributedFlags {
+pub(crate) fn pp_flags(
+    world: usize,
+    schedule: ScheduleKind,
+    microbatches: Option<usize>,
+) -> DistributedFlags {
     DistributedFlags {
         pp: Some(2),
         pp_schedule: Some(schedule),

@@ -9,6 +9,7 @@ use burn::module::Module;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::checkpoint::LayerCheckpointing;
 use burn_parallel_ep::ExpertShard;
 use burn_parallel_macros::parallelize;
 use burn_parallel_peft::{LoraError, LoraFn, LoraModule};
@@ -61,6 +62,11 @@ pub struct LlamaStage {
     /// rank without tensor parallelism. Set with [`LlamaStage::with_loss_group`].
     #[module(skip)]
     pub loss_group: Option<ProcessGroup>,
+    /// Which of this stage's layers recompute their activations in backward, counted from
+    /// the stage's first layer (set by the parallelizer from `activation_checkpointing`).
+    #[module(skip)]
+    #[checkpoint]
+    pub checkpointing: LayerCheckpointing,
 }
 
 /// One microbatch of token rows: ids `[rows, seq]` and their next-token targets, row-major.
@@ -261,6 +267,7 @@ impl LlamaStage {
             stages,
             first_layer: split.range(stage).start,
             loss_group: None,
+            checkpointing: LayerCheckpointing::Off,
         })
     }
 
@@ -316,10 +323,18 @@ impl LlamaStage {
             x.dtype(),
         )
         .map_err(|e| self.error(e))?;
-        let x = burn_parallel_fsdp::forward_units(&self.layers, x, |l, x| {
-            let (cos, sin, layout) = rotary.for_layer(l);
-            l.forward_masked(x, cos, sin, layout).0
-        });
+        if self.checkpointing.is_on() && self.config.moe.is_some() {
+            return Err(self.error(ModelError::CheckpointedExperts));
+        }
+        let x = burn_parallel_fsdp::forward_units_checkpointed(
+            &self.layers,
+            x,
+            self.checkpointing,
+            move |l: &DecoderLayer, x: Tensor<3>| {
+                let (cos, sin, layout) = rotary.for_layer(l);
+                l.forward_masked(x, cos, sin, layout).0
+            },
+        );
         let (Some(final_norm), Some(head)) = (&self.norm, &self.lm_head) else {
             return Ok(StageOutput::Activation(x));
         };
