@@ -113,6 +113,26 @@ fn an_unknown_checkpointing_option_is_named() {
     }
 }
 
+/// A mixture-of-experts model is refused per-layer checkpointing by the trainer's checks,
+/// before any rank builds a model; scope "none" turns checkpointing off and trains.
+#[test]
+fn checkpointed_experts_are_refused_before_training() {
+    let moe = TrainConfig {
+        model: crate::moe::tiny_moe(),
+        steps: 1,
+        ..small_run(Strategy::Single, 1, OptimizerKind::Sgd)
+    };
+    for (mode, option) in MODES {
+        let err = train(&checkpointed(&moe, mode, option), &|_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("mixture-of-experts"), "{mode} {option}: {err}");
+    }
+    let mut off = checkpointed(&moe, "full", "op");
+    off.distributed.activation_checkpointing_scope = "none".into();
+    run(&off);
+}
+
 /// The activation high-water mark falls with per-layer checkpointing, and every second layer
 /// sits between none and every layer. Each run is the debug trainer in its own process (a
 /// peak RSS shared with other tests would say nothing); the model is small and the sequence

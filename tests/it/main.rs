@@ -4,6 +4,7 @@ mod common;
 
 mod brute;
 mod checkpoint;
+mod checkpointing_scope;
 mod collective_cases;
 mod collective_props;
 mod context_parallel;

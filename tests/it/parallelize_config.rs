@@ -543,9 +543,13 @@ fn every_config_field_has_an_effect_or_is_rejected() {
             },
             |c| c.selective_ac_option = "2".into(),
         ),
-        ("activation_checkpointing_scope", none, |c| {
-            c.activation_checkpointing_scope = "layers".into()
-        }),
+        // A part's name is checked against the model (checkpointing_scope.rs); "none" turns
+        // checkpointing off.
+        (
+            "activation_checkpointing_scope",
+            |c| c.activation_checkpointing = true,
+            |c| c.activation_checkpointing_scope = "none".into(),
+        ),
         ("mp_policy", none, |c| {
             c.mp_policy.param_dtype = Some(burn_parallel::parallelizer::Dtype::Bf16)
         }),

@@ -185,6 +185,7 @@ fn describe_lists_units_styles_plans_and_heads() {
         ],
         absent: Vec::new(),
         experts: Vec::new(),
+        parts: Vec::new(),
     };
     assert_eq!(got, want);
 }

@@ -6,6 +6,7 @@ use burn_parallel_ep::ExpertModule;
 use burn_parallel_tp::{ParallelStyle, TpModule, TpPlan, child_path};
 
 use crate::plan::{NamedPlan, plan_name};
+use crate::scope::CheckpointScope;
 
 /// A model's parallel structure, collected by [`Parallelize::describe`] with full module paths
 /// (`layers.3.self_attn.q_proj`).
@@ -26,6 +27,9 @@ pub struct ModelDescription {
     /// Mixture-of-experts modules (`#[experts]` fields): their parameters are split over the
     /// ep group under expert parallelism.
     pub experts: Vec<String>,
+    /// Parts the model declares (`#[parallelize(part = "vision")]` on a nested field), with
+    /// the field's path: what `activation_checkpointing_scope` may name besides all and none.
+    pub parts: Vec<(String, String)>,
 }
 
 /// The head counts of one attention module, validated against the tp size.
@@ -62,6 +66,19 @@ impl ModelDescription {
                 .strip_prefix(e.as_str())
                 .is_some_and(|rest| rest.starts_with('.'))
         })
+    }
+
+    /// Records that the nested field at `path` is the model's part `part`.
+    pub fn add_part(&mut self, path: &str, part: &str) {
+        self.parts.push((path.to_string(), part.to_string()));
+    }
+
+    /// The part names the model declares, sorted, each once.
+    pub fn part_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.parts.iter().map(|(_, p)| p.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        names
     }
 
     /// Records an FSDP unit at `path`.
@@ -187,12 +204,17 @@ pub trait Parallelize: Module + TpModule {
     /// before its parent), and rebuilds the module from the results.
     fn map_units<F: UnitMap>(self, path: &str, f: &mut F) -> Result<Self, F::Error>;
 
-    /// Sets which layers the model's forward checkpoints (its `#[checkpoint]` field, which
-    /// its forward hands to `fsdp::forward_units_checkpointed`). Returns false when the model
-    /// declares no such field.
-    fn set_layer_checkpointing(&mut self, policy: LayerCheckpointing) -> bool {
-        let _ = policy;
-        false
+    /// Sets which layers the model's forwards checkpoint: every `#[checkpoint]` field (which a
+    /// forward hands to `fsdp::forward_units_checkpointed`) that `scope` covers, in this module
+    /// and the modules nested in it. Returns how many fields took the policy (0 when the model
+    /// declares none in scope).
+    fn set_layer_checkpointing(
+        &mut self,
+        policy: LayerCheckpointing,
+        scope: CheckpointScope<'_>,
+    ) -> usize {
+        let _ = (policy, scope);
+        0
     }
 }
 
@@ -211,6 +233,16 @@ impl<T: Parallelize> Parallelize for Vec<T> {
             .map(|(i, m)| m.map_units(&child_path(path, &i.to_string()), f))
             .collect()
     }
+
+    fn set_layer_checkpointing(
+        &mut self,
+        policy: LayerCheckpointing,
+        scope: CheckpointScope<'_>,
+    ) -> usize {
+        self.iter_mut()
+            .map(|m| m.set_layer_checkpointing(policy, scope))
+            .sum()
+    }
 }
 
 impl<T: Parallelize> Parallelize for Option<T> {
@@ -224,6 +256,15 @@ impl<T: Parallelize> Parallelize for Option<T> {
 
     fn map_units<F: UnitMap>(self, path: &str, f: &mut F) -> Result<Self, F::Error> {
         self.map(|m| m.map_units(path, f)).transpose()
+    }
+
+    fn set_layer_checkpointing(
+        &mut self,
+        policy: LayerCheckpointing,
+        scope: CheckpointScope<'_>,
+    ) -> usize {
+        self.as_mut()
+            .map_or(0, |m| m.set_layer_checkpointing(policy, scope))
     }
 }
 

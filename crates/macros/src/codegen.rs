@@ -24,15 +24,7 @@ pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> Tok
     let map_units = map_units_body(specs, &p);
     let apply_tp = apply_tp_body(specs, &p);
     let gather_tp = gather_tp_body(specs, &p);
-    let set_checkpointing = specs.iter().find(|s| s.checkpoint).map(|s| {
-        let field = &s.ident;
-        quote! {
-            fn set_layer_checkpointing(&mut self, policy: #p::LayerCheckpointing) -> bool {
-                self.#field = policy;
-                true
-            }
-        }
-    });
+    let set_checkpointing = set_checkpointing_body(specs, &p);
     let tp_fields: Vec<_> = specs
         .iter()
         .filter(|s| s.in_tp())
@@ -93,8 +85,49 @@ pub fn impls(input: &DeriveInput, args: &StructArgs, specs: &[FieldSpec]) -> Tok
                 #map_units
             }
 
-            #set_checkpointing
+            #[allow(unused_variables, unused_mut)]
+            fn set_layer_checkpointing(
+                &mut self,
+                policy: #p::LayerCheckpointing,
+                scope: #p::CheckpointScope<'_>,
+            ) -> usize {
+                #set_checkpointing
+            }
         }
+    }
+}
+
+/// The struct's own `#[checkpoint]` field when the scope covers it, then every nested field
+/// with the scope seen from inside it (its declared part, if any).
+fn set_checkpointing_body(specs: &[FieldSpec], p: &TokenStream) -> TokenStream {
+    let own = specs.iter().find(|s| s.checkpoint).map(|s| {
+        let field = &s.ident;
+        quote! {
+            if scope.covers_here() {
+                self.#field = policy;
+                __set += 1;
+            }
+        }
+    });
+    let nested = specs.iter().filter(|s| s.nested).map(|s| {
+        let field = &s.ident;
+        let part = match &s.part {
+            Some(part) => quote!(::core::option::Option::Some(#part)),
+            None => quote!(::core::option::Option::None),
+        };
+        quote! {
+            __set += #p::Parallelize::set_layer_checkpointing(
+                &mut self.#field,
+                policy,
+                scope.enter(#part),
+            );
+        }
+    });
+    quote! {
+        let mut __set = 0usize;
+        #own
+        #(#nested)*
+        __set
     }
 }
 
@@ -198,6 +231,9 @@ fn describe_body(args: &StructArgs, specs: &[FieldSpec], p: &TokenStream) -> Tok
             });
         } else if s.nested {
             parts.push(quote!(#p::Parallelize::describe(&#field, &__p, out);));
+        }
+        if let Some(part) = &s.part {
+            parts.insert(0, quote!(out.add_part(&__p, #part);));
         }
         if s.experts {
             parts.push(match s.shape {

@@ -1,16 +1,28 @@
 //! One field's `#[tp(..)]`, `#[nested]` and `#[fsdp(unit)]` attributes, and the syntactic shape
 //! of its type (`Tp<..>`, `Vec<..>`, `Option<..>`), and `#[checkpoint]` on the field that holds
-//! the model's per-layer checkpointing policy.
+//! the model's per-layer checkpointing policy, and `#[parallelize(part = "..")]` on a nested
+//! field that is one part of the model (what `activation_checkpointing_scope` names).
 
 use syn::parse::ParseStream;
 use syn::{
-    Attribute, Data, DeriveInput, Field, GenericArgument, Ident, LitInt, PathArguments, Type,
+    Attribute, Data, DeriveInput, Field, GenericArgument, Ident, LitInt, LitStr, PathArguments,
+    Type,
 };
 
 use crate::style::Style;
 
 /// The attributes this macro owns (stripped from the re-emitted struct).
-const OWN_ATTRS: &[&str] = &["tp", "nested", "fsdp", "experts", "checkpoint"];
+const OWN_ATTRS: &[&str] = &[
+    "tp",
+    "nested",
+    "fsdp",
+    "experts",
+    "checkpoint",
+    "parallelize",
+];
+
+/// Scope names that are not parts: `activation_checkpointing_scope = "all"` and `"none"`.
+const RESERVED_PARTS: &[&str] = &["all", "none"];
 
 /// Whether the field is one value, or each element of a `Vec` / the content of an `Option`.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -40,6 +52,8 @@ pub struct FieldSpec {
     pub experts: bool,
     /// `#[checkpoint]`: the `LayerCheckpointing` the model's forward hands its layer stack.
     pub checkpoint: bool,
+    /// `#[parallelize(part = "vision")]`: the part of the model this nested field is.
+    pub part: Option<LitStr>,
 }
 
 /// What one `#[tp(..)]` says.
@@ -63,6 +77,7 @@ impl FieldSpec {
             unit: false,
             experts: false,
             checkpoint: false,
+            part: None,
         };
         let mut seen: Vec<&str> = Vec::new();
         for attr in &field.attrs {
@@ -105,11 +120,23 @@ impl FieldSpec {
                     })?;
                     spec.unit = true;
                 }
+                "parallelize" => spec.part = Some(parse_part(attr)?),
                 _ => {
                     no_args(attr, "checkpoint")?;
                     spec.checkpoint = true;
                 }
             }
+        }
+        if let Some(part) = &spec.part
+            && !spec.nested
+        {
+            return Err(syn::Error::new_spanned(
+                part,
+                format!(
+                    "a part is a nested module: field `{}` needs #[nested] (its type implementing Parallelize) for #[parallelize(part = ..)]",
+                    spec.ident
+                ),
+            ));
         }
         if spec.experts && (spec.is_tp || spec.nested || spec.unit || spec.style.is_some()) {
             return Err(syn::Error::new_spanned(
@@ -238,6 +265,37 @@ pub fn strip_field_attrs(input: &mut DeriveInput) {
                 .retain(|a| !OWN_ATTRS.iter().any(|n| a.path().is_ident(n)));
         }
     }
+}
+
+/// `#[parallelize(part = "name")]` on a field: a non-empty name other than all and none.
+fn parse_part(attr: &Attribute) -> syn::Result<LitStr> {
+    let part = attr.parse_args_with(|input: ParseStream| {
+        let key: Ident = input.parse()?;
+        if key != "part" {
+            return Err(syn::Error::new(
+                key.span(),
+                format!(
+                    "unknown #[parallelize] field argument `{key}`; expected `part = \"name\"`"
+                ),
+            ));
+        }
+        input.parse::<syn::Token![=]>()?;
+        let part: LitStr = input.parse()?;
+        if !input.is_empty() {
+            return Err(input.error("#[parallelize] on a field takes only `part = \"name\"`"));
+        }
+        Ok(part)
+    })?;
+    let name = part.value();
+    if name.trim().is_empty() || RESERVED_PARTS.contains(&name.as_str()) {
+        return Err(syn::Error::new_spanned(
+            &part,
+            format!(
+                "part {name:?} cannot be named in activation_checkpointing_scope (\"all\" and \"none\" are scopes, not parts); name the part, e.g. \"vision\""
+            ),
+        ));
+    }
+    Ok(part)
 }
 
 fn no_args(attr: &Attribute, name: &str) -> syn::Result<()> {

@@ -31,7 +31,9 @@ use crate::field::{FieldSpec, strip_field_attrs};
 
 /// Implements `Parallelize` and `TpModule` for a struct with named fields. Arguments:
 /// `plan = PLAN` (a `NamedPlan` constant), `sidecar = Type`. Field attributes: `#[tp(STYLE)]`
-/// or `#[tp(STYLE(DIM))]`, `#[tp(heads)]`, `#[tp(kv_heads)]`, `#[nested]`, `#[fsdp(unit)]`.
+/// or `#[tp(STYLE(DIM))]`, `#[tp(heads)]`, `#[tp(kv_heads)]`, `#[nested]`, `#[fsdp(unit)]`,
+/// `#[experts]`, `#[checkpoint]`, and `#[parallelize(part = "vision")]` on a nested field that
+/// is one part of the model (what `activation_checkpointing_scope` names).
 #[proc_macro_attribute]
 pub fn parallelize(attr: TokenStream, item: TokenStream) -> TokenStream {
     let mut input = parse_macro_input!(item as DeriveInput);

@@ -297,7 +297,10 @@ pub struct DistributedConfig {
     /// device, `device.gradient_checkpointing()`); a positive integer k checkpoints every k-th
     /// layer (layers k-1, 2k-1, ... from 0).
     pub selective_ac_option: String,
-    /// What activation checkpointing covers (default `"all"`, the only one supported).
+    /// Which layers activation checkpointing covers: `"all"` (default), `"none"` (off), or a
+    /// part the model declares with `#[parallelize(part = "..")]` on a nested field, such as
+    /// `"language"` or `"vision"` (only the `#[checkpoint]` fields below it). A part takes
+    /// per-layer modes; a part the model does not declare is an error listing those it does.
     pub activation_checkpointing_scope: String,
     /// The mixed-precision policy (default: no casts).
     pub mp_policy: MixedPrecisionConfig,

@@ -29,8 +29,8 @@ mod sidecar;
 mod step;
 
 pub use burn_parallel_describe::{
-    DefaultParallelizer, HeadCount, ModelDescription, NamedPlan, Parallelize, UnitMap,
-    describe_unit_vec, map_unit_option, map_unit_vec,
+    CheckpointScope, DefaultParallelizer, HeadCount, ModelDescription, NamedPlan, Parallelize,
+    UnitMap, describe_unit_vec, map_unit_option, map_unit_vec,
 };
 pub use burn_parallel_fsdp::RowSource;
 /// The pipeline schedules and layer splits, for callers without a burn-parallel-pp dependency.
@@ -39,9 +39,9 @@ pub use burn_parallel_pp::{ScheduleKind, StageSplit};
 /// accepted names), for crates that declare their own.
 pub use burn_parallel_styles::named_enum;
 pub use config::{
-    ConfigError, DataParallel, DistributedConfig, Dtype, FrozenModuleSharding, MegatronFsdpConfig,
-    MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig, Plan, Strategy, TpShardPlan,
-    Unsupported, ZeroDpStrategy, style_by_name,
+    Checkpointing, ConfigError, DataParallel, DistributedConfig, Dtype, FrozenModuleSharding,
+    MegatronFsdpConfig, MeshNames, MeshSizes, MixedPrecisionConfig, OffloadConfig, Plan, Strategy,
+    TpShardPlan, Unsupported, ZeroDpStrategy, style_by_name,
 };
 pub use context::{DP, ExpertGroups, LocalRows, MeshContext, PP, PP_BACKWARD, WORLD};
 pub use error::ParallelError;

@@ -10,7 +10,8 @@ use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::checkpoint::LayerCheckpointing;
 use burn_parallel_comm::collectives::{describe, same_device};
 use burn_parallel_describe::{
-    DefaultParallelizer, ModelDescription, Parallelize, UnitMap, check_fused_colwise,
+    CheckpointScope, DefaultParallelizer, ModelDescription, Parallelize, UnitMap,
+    check_fused_colwise,
 };
 use burn_parallel_ep::ExpertModule;
 use burn_parallel_fsdp::{FsdpConfig, fully_shard, param_ids, trainability};
@@ -170,8 +171,8 @@ pub trait ModelParallelizer {
     }
 
     /// Activation checkpointing, as the plan's [`Checkpointing`] says. By layer: the model's
-    /// `#[checkpoint]` field takes the policy, and its forward recomputes each picked layer in
-    /// backward. By op (or `"full"` on a model without that field): Burn 0.22's checkpointing
+    /// `#[checkpoint]` fields in `activation_checkpointing_scope` take the policy, and their
+    /// forwards recompute each picked layer in backward. By op (or `"full"` on a model without that field): Burn 0.22's checkpointing
     /// device, whose balanced strategy recomputes memory-bound activations in backward; the
     /// context's device must be that variant. Either way the parameters move to the context's
     /// device.
@@ -181,9 +182,19 @@ pub trait ModelParallelizer {
         ctx: &MeshContext,
     ) -> Result<M, ParallelError> {
         let per_layer = match ctx.plan().checkpointing() {
-            Some(Checkpointing::Layers(k)) => model
-                .set_layer_checkpointing(LayerCheckpointing::Every(k))
-                .then_some(k),
+            Some(Checkpointing::Layers(k)) => {
+                let scope = checkpointing_scope(&model, ctx.plan().checkpointed_part())?;
+                let set = model.set_layer_checkpointing(LayerCheckpointing::Every(k), scope);
+                if set == 0
+                    && let Some(part) = ctx.plan().checkpointed_part()
+                {
+                    return Err(ConfigError::NoLayerCheckpointingInPart {
+                        scope: part.to_string(),
+                    }
+                    .into());
+                }
+                (set > 0).then_some(k)
+            }
             _ => None,
         };
         let needs = match (ctx.plan().checkpointing(), per_layer) {
@@ -452,4 +463,29 @@ impl ModuleMapper for ToDevice<'_> {
             }
         })
     }
+}
+
+/// The [`CheckpointScope`] of `activation_checkpointing_scope`: the whole model, or a part it
+/// declares (an undeclared one is an error listing the declared parts).
+fn checkpointing_scope<'a, M: Parallelize>(
+    model: &M,
+    part: Option<&'a str>,
+) -> Result<CheckpointScope<'a>, ParallelError> {
+    let Some(part) = part else {
+        return Ok(CheckpointScope::all());
+    };
+    let mut description = ModelDescription::default();
+    model.describe("", &mut description);
+    let declared = description.part_names();
+    if !declared.contains(&part) {
+        return Err(ConfigError::UndeclaredCheckpointingPart {
+            scope: part.to_string(),
+            declared: match declared.is_empty() {
+                true => "no parts".into(),
+                false => declared.join(", "),
+            },
+        }
+        .into());
+    }
+    Ok(CheckpointScope::part(part))
 }

@@ -3,8 +3,8 @@
 //! before any rank starts. Everything else about the config the parallelizer validates.
 
 use burn_parallel_describe::plan_name;
-use burn_parallel_models::{LLAMA_PLAN, LlamaConfig};
-use burn_parallel_parallelizer::{Plan, TpShardPlan};
+use burn_parallel_models::{LLAMA_PLAN, LlamaConfig, ModelError};
+use burn_parallel_parallelizer::{Checkpointing, Plan, TpShardPlan};
 use burn_parallel_tp::local_heads;
 
 use crate::config::TrainConfig;
@@ -43,6 +43,10 @@ pub fn mesh_plan(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Plan, TrainEr
     let plan = d
         .plan(world)
         .map_err(|e| flag_error("--strategy", format!("{s}: {e}")))?;
+    // Refused here rather than at the first forward of every rank.
+    if model.moe.is_some() && matches!(plan.checkpointing(), Some(Checkpointing::Layers(_))) {
+        return Err(ModelError::CheckpointedExperts.into());
+    }
     let sizes = plan.sizes();
     if sizes.tp > 1 {
         local_heads(

@@ -48,6 +48,39 @@ pub enum ConfigError {
          (fsdp::forward_units_checkpointed); add one, or use selective_ac_option = \"op\""
     )]
     NoLayerCheckpointing,
+    /// `activation_checkpointing_scope` names a part the model does not declare.
+    #[error(
+        "activation_checkpointing_scope {scope:?} names no part of the model (it declares: \
+         {declared}); use \"all\", \"none\" or a declared part, and declare parts with \
+         #[parallelize(part = \"vision\")] on the #[nested] fields that hold them"
+    )]
+    UndeclaredCheckpointingPart {
+        /// The scope asked for.
+        scope: String,
+        /// The parts the model declares, comma-separated (`no parts` if none).
+        declared: String,
+    },
+    /// `activation_checkpointing_scope` names a declared part that holds no `#[checkpoint]`
+    /// field.
+    #[error(
+        "activation_checkpointing_scope {scope:?}: that part of the model has no #[checkpoint] \
+         LayerCheckpointing field for its forward to run its layers with \
+         (fsdp::forward_units_checkpointed); add one to the module that runs the part's layers"
+    )]
+    NoLayerCheckpointingInPart {
+        /// The part.
+        scope: String,
+    },
+    /// Selective checkpointing by op limited to one part of the model.
+    #[error(
+        "activation_checkpointing_scope {scope:?} with selective_ac_option = \"op\": checkpointing \
+         by op is Burn's checkpointing device, which covers the whole model; limit a part with \
+         activation_checkpointing_mode = \"full\" or selective_ac_option = k, or use scope \"all\""
+    )]
+    ScopedOpCheckpointing {
+        /// The scope asked for.
+        scope: String,
+    },
     /// `ddp_bucket_cap_mb` is zero, negative or NaN.
     #[error("ddp_bucket_cap_mb must be positive")]
     BucketCap,
@@ -254,9 +287,6 @@ pub enum Unsupported {
          include Burn's fusion; leave it false)"
     )]
     Compile,
-    /// An `activation_checkpointing_scope` other than "all".
-    #[error("activation_checkpointing_scope {0:?} (only \"all\")")]
-    CheckpointingScope(String),
     /// A combination megatron_fsdp refuses.
     #[error("megatron_fsdp with {0}")]
     MegatronFsdpWith(&'static str),

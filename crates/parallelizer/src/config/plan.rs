@@ -155,11 +155,23 @@ impl Plan {
         self.config.activation_checkpointing
     }
 
-    /// How activations are recomputed, when they are (see [`Checkpointing`]).
+    /// How activations are recomputed, when they are (see [`Checkpointing`]): never with
+    /// `activation_checkpointing = false` or `activation_checkpointing_scope = "none"`.
     pub fn checkpointing(&self) -> Option<Checkpointing> {
-        match self.config.activation_checkpointing {
+        let scope = self.config.activation_checkpointing_scope.as_str();
+        match self.config.activation_checkpointing && scope != SCOPE_NONE {
             true => self.config.checkpointing().ok(),
             false => None,
+        }
+    }
+
+    /// The part of the model activation checkpointing is limited to, when
+    /// `activation_checkpointing_scope` names one (`"vision"`: the layers under fields
+    /// declared `#[parallelize(part = "vision")]`); `None` for the whole model.
+    pub fn checkpointed_part(&self) -> Option<&str> {
+        match self.config.activation_checkpointing_scope.as_str() {
+            SCOPE_ALL | SCOPE_NONE => None,
+            part => Some(part),
         }
     }
 
@@ -218,6 +230,11 @@ impl Strategy {
         self == Strategy::MegatronFsdp && zero.keeps_gathered_weights()
     }
 }
+
+/// `activation_checkpointing_scope` for every layer of the model.
+const SCOPE_ALL: &str = "all";
+/// `activation_checkpointing_scope` for no layer: checkpointing off.
+const SCOPE_NONE: &str = "none";
 
 /// How activation checkpointing recomputes (`activation_checkpointing_mode` and
 /// `selective_ac_option`).
@@ -428,11 +445,16 @@ impl DistributedConfig {
         if self.enable_compile {
             return unsupported(Unsupported::Compile);
         }
-        self.checkpointing()?;
-        if self.activation_checkpointing_scope != "all" {
-            return unsupported(Unsupported::CheckpointingScope(
-                self.activation_checkpointing_scope.clone(),
-            ));
+        if self.checkpointing()? == Checkpointing::Ops
+            && self.activation_checkpointing
+            && !matches!(
+                self.activation_checkpointing_scope.as_str(),
+                SCOPE_ALL | SCOPE_NONE
+            )
+        {
+            return Err(invalid(ConfigError::ScopedOpCheckpointing {
+                scope: self.activation_checkpointing_scope.clone(),
+            }));
         }
         Ok(())
     }
