@@ -76,9 +76,16 @@ fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         .collect()
 }
 
+/// On ndarray the decoding is Burn's plain ops, on flex its one-pass loop.
 #[test]
 fn nf4_blocks_decode_on_the_device_as_the_code_book_says() {
-    let device = ndarray();
+    for device in [ndarray(), burn::tensor::Device::flex()] {
+        decodes_as_the_code_book_says(&device);
+    }
+}
+
+fn decodes_as_the_code_book_says(device: &burn::tensor::Device) {
+    let device = device.clone();
     // PyTorch's [out, in] = [20, 10]: 200 elements, blocks of 64, 64, 64 and 8.
     let (d_out, d_in) = (20, 10);
     let mut torch: Vec<f32> = crate::common::values(3, d_out * d_in)

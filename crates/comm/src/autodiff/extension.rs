@@ -23,8 +23,10 @@ use burn::tensor::Slice;
 
 use super::hub::SplitHub;
 use super::placement::Placement;
+use crate::device::decode::decode;
 use crate::device::{
-    DeviceCollective, DeviceStep, NcclCall, Phase, Prefetch, RebuildSteps, no_nccl, run_steps,
+    CodedWeight, DeviceCollective, DeviceStep, NcclCall, Phase, Prefetch, RebuildSteps,
+    StepKernels, decode_flex, no_nccl, run_steps,
 };
 
 /// A backend that runs [`DeviceCollective`]s on its tensors and, on CUDA backends, NCCL steps
@@ -40,13 +42,19 @@ pub trait CollectiveBackend: Backend {
     /// Runs a collective's forward steps on the tensor; the autodiff backend also records its
     /// backward steps (and its recomputation, under gradient checkpointing).
     fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
-        run_steps::<Self>(x, &op.forward, Phase::Forward, Self::nccl_step)
+        run_steps::<Self>(x, &op.forward, Phase::Forward, kernels::<Self>())
     }
 
     /// One NCCL collective on the tensor's device buffer. Only the CUDA backends have one;
     /// routing (`device::route`) sends NCCL steps to CUDA tensors only.
     fn nccl_step(x: FloatTensor<Self>, call: NcclCall) -> FloatTensor<Self> {
         no_nccl::<Self>(x, call)
+    }
+
+    /// The weight of 4-bit packed blocks ([`DeviceStep::Decode`]): Burn's plain ops
+    /// ([`decode`]); flex decodes in one pass ([`decode_flex`]).
+    fn decode_packed(x: FloatTensor<Self>, weight: CodedWeight) -> FloatTensor<Self> {
+        decode::<Self>(x, &weight)
     }
 
     /// The hub of a split (`split::split_views`): the tensor itself; on the autodiff backend, a
@@ -109,8 +117,21 @@ fn segments_of<B: Backend>(x: FloatTensor<B>, segments: &[Range<usize>]) -> Floa
     }
 }
 
+/// The backend's NCCL step and decode, for [`run_steps`].
+fn kernels<B: CollectiveBackend>() -> StepKernels<B> {
+    StepKernels {
+        nccl: B::nccl_step,
+        decode: B::decode_packed,
+    }
+}
+
 impl CollectiveBackend for NdArray {}
-impl CollectiveBackend for Flex {}
+
+impl CollectiveBackend for Flex {
+    fn decode_packed(x: FloatTensor<Self>, weight: CodedWeight) -> FloatTensor<Self> {
+        decode_flex(x, &weight)
+    }
+}
 
 /// LibTorch: NCCL on the tensor's CUDA buffer (see `device::torch`).
 #[cfg(feature = "tch")]
@@ -142,7 +163,7 @@ impl<B: CollectiveBackend> Backward<B, 1> for DeviceBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let state = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |grad| match state {
-            Some(op) => run_steps::<B>(grad, &op.forward, Phase::Backward, B::nccl_step),
+            Some(op) => run_steps::<B>(grad, &op.forward, Phase::Backward, kernels::<B>()),
             None => grad,
         });
     }
@@ -166,9 +187,9 @@ impl<B: CollectiveBackend> RetroForward for Recompute<B> {
                 input,
                 &p.finish_steps(&self.steps),
                 Phase::Recompute,
-                B::nccl_step,
+                kernels::<B>(),
             ),
-            None => run_steps::<B>(input, &self.steps, Phase::Recompute, B::nccl_step),
+            None => run_steps::<B>(input, &self.steps, Phase::Recompute, kernels::<B>()),
         };
         states.save(out_node, output);
     }
@@ -214,7 +235,7 @@ impl<B: CollectiveBackend> LinearWeight<B> {
                     Some(p) => p.finish_steps(&rebuild.steps),
                     None => rebuild.steps.clone(),
                 };
-                let flat = run_steps::<B>(source.clone(), &steps, Phase::Recompute, B::nccl_step);
+                let flat = run_steps::<B>(source.clone(), &steps, Phase::Recompute, kernels::<B>());
                 B::float_reshape(flat, shape.clone())
             }
         }

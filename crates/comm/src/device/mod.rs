@@ -19,10 +19,10 @@ pub(crate) mod nccl;
 pub(crate) mod torch;
 
 pub use collective::{DeviceCollective, RebuildSteps};
-pub use decode::{CodedWeight, INDICES_PER_VALUE};
+pub use decode::{CodedWeight, INDICES_PER_VALUE, decode_flex};
 pub use prefetch::Prefetch;
 pub use route::{describe, device_mismatch, is_cuda_device, route, same_device};
 pub use steps::{
     Deferral, DeviceOp, DevicePending, DeviceStep, Exchange, InFlight, NcclCall, Observer, Phase,
-    Sizes, no_nccl, run_steps,
+    Sizes, StepKernels, no_nccl, run_steps,
 };

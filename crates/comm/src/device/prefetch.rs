@@ -16,7 +16,7 @@ use burn::backend::Dispatch;
 use burn::tensor::Tensor;
 
 use super::steps::{
-    DeviceOp, DeviceStep, Exchange, InFlight, Observer, Phase, no_nccl, read_data, run_steps,
+    DeviceOp, DeviceStep, Exchange, InFlight, Observer, Phase, StepKernels, read_data, run_steps,
 };
 use crate::transport::group::ProcessGroup;
 
@@ -126,7 +126,8 @@ impl Prefetch {
             (*source).into_dispatch(),
             prefix,
             Phase::Recompute,
-            no_nccl::<Dispatch>,
+            // The steps before the first exchange: no NCCL and no decode among them.
+            StepKernels::plain(),
         );
         let in_flight = InFlight::start(op.clone(), read_data::<Dispatch>(x), group);
         slot.state = State::Issued(in_flight);

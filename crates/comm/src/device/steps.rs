@@ -383,6 +383,37 @@ impl NcclCall {
 /// (routing never sends them such a step).
 pub type NcclStep<B> = fn(FloatTensor<B>, NcclCall) -> FloatTensor<B>;
 
+/// How a backend decodes a 4-bit packed weight ([`DeviceStep::Decode`]).
+pub type DecodeStep<B> = fn(FloatTensor<B>, CodedWeight) -> FloatTensor<B>;
+
+/// A backend's own implementations of the steps that have one: its NCCL collective and its
+/// decode of packed weights (flex's one-pass loop; the plain ops elsewhere).
+pub struct StepKernels<B: Backend> {
+    /// Runs an NCCL step on the backend's buffer (read only in builds with NCCL).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub nccl: NcclStep<B>,
+    /// Decodes a packed weight.
+    pub decode: DecodeStep<B>,
+}
+
+impl<B: Backend> StepKernels<B> {
+    /// No NCCL, and the decode of Burn's plain ops.
+    pub fn plain() -> Self {
+        Self {
+            nccl: no_nccl::<B>,
+            decode: |x, weight| decode::<B>(x, &weight),
+        }
+    }
+}
+
+impl<B: Backend> Clone for StepKernels<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for StepKernels<B> {}
+
 /// The NCCL step of a backend that has none.
 pub fn no_nccl<B: Backend>(_x: FloatTensor<B>, call: NcclCall) -> FloatTensor<B> {
     call.finish(Err(CollectiveError::InvalidArgument {
@@ -419,14 +450,14 @@ fn bytes_of<B: Backend>(x: &FloatTensor<B>) -> usize {
     x.shape().num_elements() * x.dtype().size()
 }
 
-/// Runs `steps` on a backend tensor; NCCL steps go to `nccl`. A failing collective panics
+/// Runs `steps` on a backend tensor; NCCL and decode steps go to the backend's `kernels`. A failing collective panics
 /// with the op, the group and the phase: Burn's autodiff cannot return errors, and the launcher
 /// turns the panic into this rank's failure (entry points check what they can first).
 pub fn run_steps<B: Backend>(
     mut x: FloatTensor<B>,
     steps: &[DeviceStep],
     phase: Phase,
-    nccl: NcclStep<B>,
+    kernels: StepKernels<B>,
 ) -> FloatTensor<B> {
     let mut deferred = false;
     for step in steps {
@@ -455,7 +486,7 @@ pub fn run_steps<B: Backend>(
                     B::float_zeros(shape.clone().into(), &device, (*dtype).into())
                 }
             }
-            DeviceStep::Decode(weight) => decode::<B>(x, weight),
+            DeviceStep::Decode(weight) => (kernels.decode)(x, weight.clone()),
             DeviceStep::Cast(dtype) if x.dtype() == *dtype => x,
             DeviceStep::Cast(dtype) => B::float_cast(x, (*dtype).into()),
             DeviceStep::Piece { dim, sizes, index } => {
@@ -470,7 +501,7 @@ pub fn run_steps<B: Backend>(
             DeviceStep::Run {
                 op,
                 exchange: Exchange::Nccl(group),
-            } => nccl(
+            } => (kernels.nccl)(
                 x,
                 NcclCall {
                     op: op.clone(),
@@ -487,7 +518,6 @@ pub fn run_steps<B: Backend>(
             }
         };
     }
-    let _ = nccl;
     x
 }
 
