@@ -106,6 +106,42 @@ fn every_strategy_matches_single(optimizer: OptimizerKind, clip: Option<f32>) {
     }
 }
 
+/// Async TP (`enable_async_tensor_parallel`: the sequence all-gathers and reduce-scatters in
+/// ring steps overlapping the projections) trains as synchronous sequence-parallel TP, under
+/// tp 2 and fsdp2_tp 2 x 2, on 7 tokens (sequence chunks of 4 and 3); without sequence
+/// parallelism it is a named error.
+#[test]
+fn llama_async_tp_trains_as_synchronous_tp() {
+    for (strategy, world) in [(Strategy::Tp, 2), (Strategy::Fsdp2Tp, 4)] {
+        let sync = TrainConfig {
+            seq_len: 7,
+            distributed: resolved(DistributedFlags {
+                tp: Some(2),
+                tp_plan: Some("llama-sp".parse().unwrap()),
+                ..DistributedFlags::on(strategy, world)
+            }),
+            ..small_run(strategy, world, OptimizerKind::AdamW)
+        };
+        let mut ring = sync.clone();
+        ring.distributed.enable_async_tensor_parallel = true;
+        let what = format!("async TP, {strategy} on {world}");
+        let (got, want) = (run(&ring), run(&sync));
+        assert_curves(&got, &want, 1e-6, &what);
+        // The ring replaced the sequence reduce-scatters (and the all-gathers, whose backward
+        // is one): all-to-all steps instead. Under FSDP each chunk's projection gathers its
+        // weight again in backward, so the weight all-gathers do not fall.
+        let (ring_calls, sync_calls) = (got.steps[0].calls, want.steps[0].calls);
+        assert!(
+            ring_calls.all_to_all_calls > 0
+                && ring_calls.reduce_scatter_calls < sync_calls.reduce_scatter_calls,
+            "{what}: {ring_calls:?} against {sync_calls:?}"
+        );
+        ring.distributed.sequence_parallel = false;
+        let err = train(&ring, &|_| {}).unwrap_err().to_string();
+        assert!(err.contains("needs sequence_parallel"), "{err}");
+    }
+}
+
 #[test]
 fn llama_every_strategy_matches_single_sgd() {
     every_strategy_matches_single(OptimizerKind::Sgd, None);
@@ -207,6 +243,7 @@ fn llama_step_reports_serialize_to_the_json_line_format() {
                 "all_reduce_calls",
                 "all_reduce_s",
                 "all_to_all_calls",
+                "all_to_all_s",
                 "backward_s",
                 "forward_s",
                 "gathered_peak_bytes_per_rank",

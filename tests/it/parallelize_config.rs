@@ -135,7 +135,7 @@ fn inconsistent_configs_are_errors_that_name_the_problem() {
                 ..base()
             },
             2,
-            "enable_async_tensor_parallel is not yet supported",
+            "enable_async_tensor_parallel needs sequence_parallel = true",
         ),
         (
             DistributedConfig {

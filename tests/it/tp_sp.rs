@@ -138,8 +138,18 @@ fn run(b: &Block, seq: usize, toks: std::ops::Range<usize>, d: &Device) -> Run {
 
 /// The block under the sequence-parallel plan on this rank, with the gradient reduce dtype.
 fn sp_block(group: &ProcessGroup, reduce: Option<DType>, d: &Device) -> Result<Block, TpError> {
+    sp_block_with(group, reduce, false, d)
+}
+
+/// As [`sp_block`], with async TP on or off.
+fn sp_block_with(
+    group: &ProcessGroup,
+    reduce: Option<DType>,
+    async_steps: bool,
+    d: &Device,
+) -> Result<Block, TpError> {
     let plan = sp_plan();
-    let mut cx = TpApplier::new(&plan, group);
+    let mut cx = TpApplier::new(&plan, group).with_async_steps(async_steps);
     if let Some(dtype) = reduce {
         cx = cx.with_reduce_dtype(dtype);
     }
@@ -148,31 +158,50 @@ fn sp_block(group: &ProcessGroup, reduce: Option<DType>, d: &Device) -> Result<B
     Ok(b)
 }
 
-fn parallel(tp: usize, seq: usize, reduce: Option<DType>, d: &Device) -> Vec<Run> {
+fn parallel(
+    tp: usize,
+    seq: usize,
+    reduce: Option<DType>,
+    async_steps: bool,
+    d: &Device,
+) -> Vec<Run> {
     launch(tp, |ctx| {
         let group = ctx.world()?;
-        let b = sp_block(&group, reduce, d)?;
+        let b = sp_block_with(&group, reduce, async_steps, d)?;
         Ok::<_, TpError>(run(&b, seq, chunk_range(seq, tp, group.index()), d))
     })
     .unwrap()
 }
 
 fn check(tp: usize, reduce: Option<DType>, tol: f32, d: &Device) {
-    const SEQ: usize = 7;
-    let want = run(&Block::new(d), SEQ, 0..SEQ, d);
-    for (me, got) in parallel(tp, SEQ, reduce, d).iter().enumerate() {
-        let toks = chunk_range(SEQ, tp, me);
+    check_sequence(tp, 7, reduce, false, tol, d);
+}
+
+/// Every rank's output, input gradient and parameter gradients on `seq` tokens against one
+/// device's.
+fn check_sequence(
+    tp: usize,
+    seq: usize,
+    reduce: Option<DType>,
+    async_steps: bool,
+    tol: f32,
+    d: &Device,
+) {
+    let want = run(&Block::new(d), seq, 0..seq, d);
+    let runs = parallel(tp, seq, reduce, async_steps, d);
+    for (me, got) in runs.iter().enumerate() {
+        let toks = chunk_range(seq, tp, me);
         let cols = chunk_range(HIDDEN, tp, me);
         let ctx = |w: &str| format!("sp tp={tp} rank {me}: {w}");
         assert_close(
             &got.out,
-            &mid(&want.out, SEQ, MODEL, toks.clone()),
+            &mid(&want.out, seq, MODEL, toks.clone()),
             TOL,
             &ctx("output"),
         );
         assert_close(
             &got.x,
-            &mid(&want.x, SEQ, MODEL, toks),
+            &mid(&want.x, seq, MODEL, toks),
             TOL,
             &ctx("input grad"),
         );
@@ -186,6 +215,50 @@ fn check(tp: usize, reduce: Option<DType>, tol: f32, d: &Device) {
 fn tp_sequence_parallel_matches_single_device() {
     for tp in [2, 4] {
         check(tp, None, TOL, &ndarray_ad());
+    }
+}
+
+/// Async TP's ring steps give one device's outputs and gradients on uneven sequence chunks
+/// (7 tokens: 4+3, 3+3+1, 2+2+2+1).
+#[test]
+fn tp_async_sequence_parallel_matches_single_device() {
+    for (tp, seq) in [(2, 7), (3, 7), (4, 7)] {
+        check_sequence(tp, seq, None, true, TOL, &ndarray_ad());
+    }
+    check_sequence(2, 7, None, true, TOL, &flex_ad());
+}
+
+/// The ring moves the bytes the all-gather and reduce-scatter move, as all-to-all steps
+/// (`tp - 1` per collective), and runs no all-gather or reduce-scatter.
+#[test]
+fn tp_async_sequence_parallel_moves_the_synchronous_bytes_in_ring_steps() {
+    const SEQ: usize = 8;
+    for tp in [2usize, 4] {
+        let d = ndarray_ad();
+        let stats = |async_steps: bool| {
+            launch(tp, |ctx| {
+                let group = ctx.world()?;
+                let b = sp_block_with(&group, None, async_steps, &d)?;
+                let before = group.stats();
+                run(&b, SEQ, chunk_range(SEQ, tp, group.index()), &d);
+                Ok::<_, TpError>(group.stats().since(&before))
+            })
+            .unwrap()
+        };
+        for (ring, sync) in stats(true).iter().zip(stats(false)) {
+            assert_eq!(ring.calls(OpKind::AllGather), 0, "{:?}", ring.summary());
+            assert_eq!(ring.calls(OpKind::ReduceScatter), 0, "{:?}", ring.summary());
+            // Two collectives forward (gather, scatter) and their two backward.
+            assert_eq!(
+                ring.calls(OpKind::AllToAll),
+                4 * (tp as u64 - 1),
+                "{:?}",
+                ring.summary()
+            );
+            let sync_bytes =
+                sync.op(OpKind::AllGather).bytes_sent + sync.op(OpKind::ReduceScatter).bytes_sent;
+            assert_eq!(ring.op(OpKind::AllToAll).bytes_sent, sync_bytes);
+        }
     }
 }
 

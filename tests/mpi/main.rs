@@ -65,10 +65,15 @@ fn main() -> ExitCode {
             .unwrap_or(1);
         if let Some(i) = args.iter().position(|a| a == train::TRAIN_ARG) {
             // The trainer launches its own ranks (MPI initializes once per process).
-            let strategy = args.get(i + 1).map(String::as_str).unwrap_or("fsdp2");
-            let tp = args.get(i + 2).and_then(|t| t.parse().ok());
-            let pp = args.get(i + 3).and_then(|p| p.parse().ok());
-            return match train::run(size, strategy, tp, pp) {
+            let strategy = args.get(i + 1).and_then(|s| s.parse().ok());
+            let layout = train::Layout {
+                strategy: strategy.unwrap_or(burn_parallel::train::Strategy::Fsdp2),
+                tp: args.get(i + 2).and_then(|t| t.parse().ok()),
+                pp: args.get(i + 3).and_then(|p| p.parse().ok()),
+                sequence_parallel: args.get(i + 4).is_some_and(|a| a == train::ASYNC_TP_ARG),
+                async_tp: args.get(i + 4).is_some_and(|a| a == train::ASYNC_TP_ARG),
+            };
+            return match train::run(size, layout) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("mpi tests: {e}");
@@ -170,15 +175,22 @@ fn checks_and_training() -> Result<(), String> {
             "mpi tests: {np} processes passed in {:.1?}",
             started.elapsed()
         );
-        for (strategy, tp, pp) in train::strategies(np) {
-            let tp = tp.map(|t| t.to_string()).unwrap_or_default();
-            let pp = pp.map(|p| p.to_string()).unwrap_or_default();
-            let status = mpirun(np, &[train::TRAIN_ARG, strategy, &tp, &pp])?
+        for layout in train::strategies(np) {
+            let tp = layout.tp.map(|t| t.to_string()).unwrap_or_default();
+            let pp = layout.pp.map(|p| p.to_string()).unwrap_or_default();
+            let async_tp = if layout.async_tp {
+                train::ASYNC_TP_ARG
+            } else {
+                ""
+            };
+            let strategy = layout.strategy.to_string();
+            let args = [train::TRAIN_ARG, &strategy, &tp, &pp, async_tp];
+            let status = mpirun(np, &args)?
                 .status()
                 .map_err(|e| format!("cannot start mpirun: {e}"))?;
             if !status.success() {
                 return Err(format!(
-                    "train_llama {strategy} on {np} processes failed ({status})"
+                    "train_llama {layout:?} on {np} processes failed ({status})"
                 ));
             }
         }

@@ -324,7 +324,9 @@ pub struct DistributedConfig {
     /// Not supported (an error when true; default `false`): the CPU backends have no kernel
     /// fusion, and the CUDA build does not include Burn's fusion.
     pub enable_compile: bool,
-    /// Not supported (an error when true; default `false`).
+    /// Async tensor parallelism (default `false`): under `sequence_parallel` (required), the
+    /// linear layers' sequence all-gather and reduce-scatter run in ring steps, each exchange
+    /// overlapping the matmul of a chunk (PyTorch's micro-pipelined TP).
     pub enable_async_tensor_parallel: bool,
     /// With `true` (the default), `MeshContext::set_requires_gradient_sync(false)` around the
     /// micro-steps of gradient accumulation keeps FSDP from reducing until the synced step;

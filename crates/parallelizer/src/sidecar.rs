@@ -161,7 +161,8 @@ pub trait ModelParallelizer {
         if plan.entries().is_empty() {
             return Err(ConfigError::NoTpPlan { tp: ctx.sizes().tp }.into());
         }
-        let mut applier = TpApplier::new(&plan, ctx.tp_group());
+        let mut applier = TpApplier::new(&plan, ctx.tp_group())
+            .with_async_steps(ctx.plan().async_tensor_parallel());
         if let Some(dtype) = ctx.plan().mixed_precision().reduce_dtype {
             applier = applier.with_reduce_dtype(dtype.into());
         }

@@ -63,6 +63,7 @@ mod loss;
 mod pattern;
 mod plan;
 mod prepare;
+mod ring;
 mod shard;
 mod style;
 mod tp;

@@ -84,6 +84,7 @@ pub struct TpApplier<'a> {
     plan: &'a TpPlan,
     group: ProcessGroup,
     reduce_dtype: Option<DType>,
+    async_steps: bool,
     hits: Vec<usize>,
     report: TpReport,
 }
@@ -95,6 +96,7 @@ impl<'a> TpApplier<'a> {
             plan,
             group: group.clone(),
             reduce_dtype: None,
+            async_steps: false,
             hits: vec![0; plan.entries.len()],
             report: TpReport::default(),
         }
@@ -104,6 +106,13 @@ impl<'a> TpApplier<'a> {
     /// `dtype` (mixed precision's reduce dtype).
     pub fn with_reduce_dtype(mut self, dtype: DType) -> Self {
         self.reduce_dtype = Some(dtype);
+        self
+    }
+
+    /// Linear layers run their sequence-parallel collectives in ring steps overlapping their
+    /// matmuls (async TP, see [`Tp::with_async_steps`](crate::Tp::with_async_steps)).
+    pub fn with_async_steps(mut self, on: bool) -> Self {
+        self.async_steps = on;
         self
     }
 
@@ -195,6 +204,7 @@ impl<M: TpLayer> TpModule for Tp<M> {
             Some(style) => {
                 let group = cx.group.clone();
                 self.parallelize_with(style, &group, path, cx.reduce_dtype)
+                    .map(|t| t.with_async_steps(cx.async_steps))
             }
             None => Ok(self),
         }

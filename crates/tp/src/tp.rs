@@ -14,6 +14,7 @@ use burn_parallel_comm::collectives as coll;
 
 use crate::error::TpError;
 use crate::layer::{TpLayer, TpLinear, unsupported};
+use crate::ring;
 use crate::shard::ShardSpec;
 use crate::style::{Layout, ParallelStyle};
 
@@ -34,6 +35,10 @@ pub struct Sharding {
     pub reduce_dtype: Option<DType>,
     /// The parameters the style split, each along one dim by `spec` (the others stay whole).
     pub split_params: Vec<SplitParam>,
+    /// Async TP (`enable_async_tensor_parallel`): a linear layer's sequence all-gather
+    /// (colwise) or reduce-scatter (rowwise) runs in ring steps, each overlapping the matmul
+    /// of a chunk (see [`Tp::with_async_steps`]).
+    pub async_steps: bool,
 }
 
 /// A parameter a style split: `dim` of it is cut by the layer's [`ShardSpec`] (this rank holds
@@ -132,8 +137,23 @@ impl<M: TpLayer> Tp<M> {
                 spec,
                 reduce_dtype,
                 split_params,
+                async_steps: false,
             }),
         })
+    }
+
+    /// With `on`, a sharded linear layer runs its sequence-parallel collective in ring steps
+    /// overlapping its matmul (async TP): the colwise all-gather of a sequence-sharded input
+    /// in [`forward`](Tp::forward) and [`forward_shared`], the rowwise reduce-scatter into a
+    /// sequence-sharded output in every forward. The values are the synchronous ones (the
+    /// reduce-scatter's up to summation order). [`prepare_input`](Tp::prepare_input) and
+    /// [`forward_with`](Tp::forward_with) keep the synchronous collective: the first hands the
+    /// gathered input to the caller, the second runs a function that need not act per token.
+    pub fn with_async_steps(mut self, on: bool) -> Self {
+        if let Some(s) = &mut self.sharding {
+            s.async_steps = on;
+        }
+        self
     }
 
     /// The whole module back: its shard gathered over the tp group and the style removed (the
@@ -171,12 +191,7 @@ impl<M: TpLayer> Tp<M> {
         if x.by.same_input(&mine) {
             return Ok(x.tensor);
         }
-        Err(TpError::MismatchedSiblings {
-            style: mine.describe(),
-            path: mine.path,
-            prepared_style: x.by.describe(),
-            prepared_by: x.by.path,
-        })
+        Err(mismatched(mine, x.by))
     }
 
     /// Runs `f` on the (sharded) inner module with the style's collectives around it:
@@ -244,6 +259,32 @@ fn split_params(
 }
 
 impl Sharding {
+    /// The sequence dim a colwise layer all-gathers in ring steps, under async TP.
+    fn ring_gather_dim(&self) -> Option<usize> {
+        match self.style {
+            ParallelStyle::Colwise {
+                input: Layout::SequenceSharded { dim },
+                ..
+            }
+            | ParallelStyle::ColwiseFused {
+                input: Layout::SequenceSharded { dim },
+                ..
+            } if self.async_steps && self.group.size() > 1 => Some(dim),
+            _ => None,
+        }
+    }
+
+    /// The sequence dim a rowwise layer reduce-scatters in ring steps, under async TP.
+    fn ring_scatter_dim(&self) -> Option<usize> {
+        match self.style {
+            ParallelStyle::Rowwise {
+                output: Layout::SequenceSharded { dim },
+                ..
+            } if self.async_steps && self.group.size() > 1 => Some(dim),
+            _ => None,
+        }
+    }
+
     fn err(&self) -> impl FnOnce(burn_parallel_comm::CollectiveError) -> TpError + '_ {
         TpError::collective(&self.path)
     }
@@ -302,6 +343,13 @@ impl<L: TpLinear> Tp<L> {
     /// The linear layer's forward ([`TpLinear::linear_forward`]) under the style; a rowwise
     /// bias is added once, after the reduction.
     pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
+        if let Some(s) = &self.sharding
+            && let Some(dim) = s.ring_gather_dim()
+        {
+            let forward = |chunk| self.inner.linear_forward(chunk);
+            let [y] = ring::gathered_apply(x, &s.group, dim, [&forward]).map_err(s.err())?;
+            return s.leave(y);
+        }
         self.try_forward_prepared(self.prepare_input(x)?)
     }
 
@@ -315,7 +363,13 @@ impl<L: TpLinear> Tp<L> {
         let x = self.take_prepared(x)?;
         match &self.sharding {
             Some(s) if matches!(s.style, ParallelStyle::Rowwise { .. }) => {
-                let y = s.leave(self.inner.linear_forward_unbiased(x))?;
+                let y = match s.ring_scatter_dim() {
+                    Some(dim) => {
+                        let forward = |chunk| self.inner.linear_forward_unbiased(chunk);
+                        ring::reduce_scattered_apply(x, &s.group, dim, &forward).map_err(s.err())?
+                    }
+                    None => s.leave(self.inner.linear_forward_unbiased(x))?,
+                };
                 Ok(match self.inner.linear_bias() {
                     Some(b) => y + b.val().unsqueeze::<D>(),
                     None => y,
@@ -463,6 +517,17 @@ impl InputStep {
     }
 }
 
+/// A sibling layer (`mine`) whose input collective differs from the one that prepared the
+/// shared input (`prepared`).
+fn mismatched(mine: InputStep, prepared: InputStep) -> TpError {
+    TpError::MismatchedSiblings {
+        style: mine.describe(),
+        path: mine.path,
+        prepared_style: prepared.describe(),
+        prepared_by: prepared.path,
+    }
+}
+
 /// Runs sibling layers that read the same input (q/k/v, gate/up) with one input collective:
 /// [`Tp::prepare_input`] by the first, [`Tp::try_forward_prepared`] by each. Siblings whose
 /// styles need different input collectives panic naming them (infallible, like Burn's forward
@@ -482,6 +547,32 @@ pub fn try_forward_shared<L: TpLinear, const N: usize, const D: usize>(
     let Some(first) = layers.first() else {
         return Ok(std::array::from_fn(|_| unreachable!("no layers")));
     };
+    if let Some(s) = &first.sharding
+        && let Some(dim) = s.ring_gather_dim()
+    {
+        let mine = InputStep::of(Some(s));
+        for layer in &layers {
+            let theirs = InputStep::of(layer.sharding.as_ref());
+            if !theirs.same_input(&mine) || !layer.sharding.as_ref().is_some_and(|l| l.async_steps)
+            {
+                return Err(mismatched(theirs, mine));
+            }
+        }
+        let forwards: [_; N] = std::array::from_fn(|i| {
+            let layer = layers[i];
+            move |chunk| layer.inner.linear_forward(chunk)
+        });
+        let refs: [ring::ChunkForward<'_, D>; N] = std::array::from_fn(|i| &forwards[i] as _);
+        let ys = ring::gathered_apply(x, &s.group, dim, refs).map_err(s.err())?;
+        let mut out = Vec::with_capacity(N);
+        for (layer, y) in layers.iter().zip(ys) {
+            let s = layer.sharding.as_ref().expect("checked above");
+            out.push(s.leave(y)?);
+        }
+        return Ok(out
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per layer")));
+    }
     let x = first.prepare_input(x)?;
     let mut out = Vec::with_capacity(N);
     for layer in layers {

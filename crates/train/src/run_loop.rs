@@ -380,6 +380,7 @@ fn step_log(
         all_gather_backward_wait_s: forward_wait_s.map(|f| gather_wait_s - f),
         reduce_scatter_s: comm_s(OpKind::ReduceScatter),
         all_reduce_s: comm_s(OpKind::AllReduce),
+        all_to_all_s: comm_s(OpKind::AllToAll),
     };
     let calls = StepCalls {
         all_gather_calls: comm.op(OpKind::AllGather).calls,

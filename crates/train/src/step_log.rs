@@ -149,6 +149,8 @@ pub struct StepTimes {
     pub reduce_scatter_s: f64,
     /// All-reduces (DDP's buckets, HSDP's replicas, the loss and the gradient norm).
     pub all_reduce_s: f64,
+    /// All-to-alls (expert parallelism's token exchanges, async TP's ring steps).
+    pub all_to_all_s: f64,
 }
 
 /// How many collectives of each kind rank 0 issued during a step (FSDP's gathers and

@@ -344,6 +344,22 @@ pub fn gather_from_group<const D: usize>(
     attach_checked(x, op)
 }
 
+/// Starts one step of a ring: `x` goes to the next rank of the group (index + 1, wrapping) and
+/// the previous rank's tensor, whose length along `dim` may differ, comes back from
+/// [`Started::finish`]; the exchange runs while the caller computes. Backward: the gradient
+/// goes back the other way. The steps of async tensor parallelism.
+pub fn start_ring_shift<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Started<D>> {
+    check_dim::<D>(OpKind::AllToAll, group, dim)?;
+    let mut send_sizes = vec![0; group.size()];
+    send_sizes[(group.index() + 1) % group.size()] = x.dims()[dim];
+    let op = pairs::all_to_all(dim, dim, send_sizes, &route(&x.device(), group));
+    Ok(Started::new(x, op))
+}
+
 /// Slice `j` along `split_dim` (`send_sizes[j]` long) goes to rank `j`; received slices are
 /// concatenated along `concat_dim`. Backward: the inverse exchange of the gradient.
 pub fn all_to_all<const D: usize>(

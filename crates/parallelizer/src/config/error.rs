@@ -81,6 +81,13 @@ pub enum ConfigError {
         /// The scope asked for.
         scope: String,
     },
+    /// `enable_async_tensor_parallel` without `sequence_parallel`.
+    #[error(
+        "enable_async_tensor_parallel needs sequence_parallel = true (the ring steps split the \
+         sequence all-gather and reduce-scatter, which only sequence parallelism has; \
+         tp_shard_plan = \"llama-sp\" for the Llama)"
+    )]
+    AsyncTpWithoutSequenceParallel,
     /// `ddp_bucket_cap_mb` is zero, negative or NaN.
     #[error("ddp_bucket_cap_mb must be positive")]
     BucketCap,
@@ -278,9 +285,6 @@ pub enum Unsupported {
         /// What it was combined with, and what works.
         with: String,
     },
-    /// `enable_async_tensor_parallel`.
-    #[error("enable_async_tensor_parallel")]
-    AsyncTensorParallel,
     /// `enable_compile`.
     #[error(
         "enable_compile (the CPU backends have no kernel fusion and the CUDA build does not \

@@ -181,6 +181,12 @@ impl Plan {
         self.checkpointing() == Some(Checkpointing::Ops)
     }
 
+    /// Whether sequence-parallel collectives run in ring steps overlapping the matmuls
+    /// (`enable_async_tensor_parallel`).
+    pub fn async_tensor_parallel(&self) -> bool {
+        self.config.enable_async_tensor_parallel
+    }
+
     /// Whether activations are sharded along the sequence between tensor-parallel regions.
     pub fn sequence_parallel(&self) -> bool {
         self.config.sequence_parallel
@@ -439,8 +445,8 @@ impl DistributedConfig {
         if self.pp_size > 1 {
             self.check_pipeline()?;
         }
-        if self.enable_async_tensor_parallel {
-            return unsupported(Unsupported::AsyncTensorParallel);
+        if self.enable_async_tensor_parallel && !self.sequence_parallel {
+            return Err(invalid(ConfigError::AsyncTpWithoutSequenceParallel));
         }
         if self.enable_compile {
             return unsupported(Unsupported::Compile);
