@@ -35,7 +35,7 @@ fn run(
     use burn::module::Module;
     let device = Device::flex().autodiff();
     let model = Classifier::new(&device).load_record(init.clone());
-    let (train, valid) = setup::loaders(TRAIN, VALID, BATCH, 42);
+    let (train, valid) = setup::loaders(TRAIN, VALID, BATCH, 42, &device);
     let recorder = Recorder::default();
     let dir = std::env::temp_dir().join(format!(
         "burn-parallel-learner-example-{}",

@@ -164,12 +164,15 @@ pub fn dataset(n: usize, seed: u64) -> InMemDataset<Item> {
     InMemDataset::new(items)
 }
 
-/// The training loader (shuffled with `seed`) and the validation loader.
+/// The training loader (shuffled with `seed`) and the validation loader, on `device`: a
+/// loader built without `set_device` takes Burn's `Device::default()`, which in a build with
+/// `wgpu` is the wgpu device, whatever the model trains on.
 pub fn loaders(
     train: usize,
     valid: usize,
     batch: usize,
     seed: u64,
+    device: &Device,
 ) -> (
     Arc<dyn DataLoader<ClassBatch>>,
     Arc<dyn DataLoader<ClassBatch>>,
@@ -177,9 +180,11 @@ pub fn loaders(
     let train = DataLoaderBuilder::new(ItemBatcher)
         .batch_size(batch)
         .shuffle(seed)
+        .set_device(device.clone())
         .build(dataset(train, 1));
     let valid = DataLoaderBuilder::new(ItemBatcher)
         .batch_size(batch)
+        .set_device(device.clone())
         .build(dataset(valid, 2));
     (train, valid)
 }

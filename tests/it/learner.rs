@@ -90,7 +90,7 @@ where
         + TrainStep<Input = ClassBatch, Output = ClassificationOutput>
         + InferenceStep<Input = ClassBatch, Output = ClassificationOutput>,
 {
-    let (train, valid) = setup::loaders(TRAIN, VALID, BATCH, 7);
+    let (train, valid) = setup::loaders(TRAIN, VALID, BATCH, 7, &model.devices()[0]);
     let recorder = Recorder::default();
     let quiet = Quiet::default();
     let dir = scratch("run");
@@ -529,8 +529,9 @@ fn learner_resumes_from_a_sharded_checkpoint_under_another_strategy() {
 
 #[test]
 fn learner_refuses_burn_checkpointers_with_what_to_do() {
-    let model = Classifier::new(&Device::flex().autodiff()).load_record(init_once().clone());
-    let (train, valid) = setup::loaders(TRAIN, VALID, BATCH, 7);
+    let device = Device::flex().autodiff();
+    let model = Classifier::new(&device).load_record(init_once().clone());
+    let (train, valid) = setup::loaders(TRAIN, VALID, BATCH, 7, &device);
     let dir = scratch("refuse");
     let strategy = ParallelStrategy::new(config(Strategy::Ddp, 2, 1), AdamWConfig::new().init());
     let result = SupervisedTraining::new(&dir, train, valid)

@@ -11,6 +11,7 @@ mod context_parallel;
 mod data_chat;
 mod data_pack;
 mod data_sft;
+mod default_device;
 mod differentiable;
 mod failures;
 mod families;

@@ -77,6 +77,29 @@ fn params_of<M: Module>(model: &M, naming: &dyn Fn(&str) -> String) -> HashMap<P
     visit.out
 }
 
+/// Burn's `ModuleOptimizer::load_record` (burn-optim 0.22.1, the only way into a
+/// `ModuleOptimizer`'s state) builds the loaded state on Burn's `Device::default()`, not on
+/// the parameters' device, and the next step moves it over. The default is the first
+/// backend compiled in (wgpu in a build with `wgpu`) unless `BURN_DEVICE` names one: a flex
+/// run would start that backend's runtime to hold its optimizer state. Refused, naming the
+/// fix, unless the default is the model's device or a host backend (flex, ndarray).
+fn check_default_device(params: &HashMap<ParamId, ParamInfo>) -> Result<(), String> {
+    let Some(model) = params.values().map(|p| &p.device).next() else {
+        return Ok(());
+    };
+    let default = Device::default();
+    #[allow(deprecated)]
+    let host = default == Device::flex() || default == Device::ndarray();
+    if default == *model || host {
+        return Ok(());
+    }
+    Err(format!(
+        "Burn's ModuleOptimizer::load_record builds the loaded optimizer state on Burn's \
+         default device, {default:?}, not on the model's {model:?}: set BURN_DEVICE to the \
+         backend you train on before the process starts (BURN_DEVICE=flex, BURN_DEVICE=cuda)"
+    ))
+}
+
 fn record_error(e: impl std::fmt::Display) -> CheckpointError {
     CheckpointError::Optimizer(format!("Burn optimizer record: {e}"))
 }
@@ -256,6 +279,7 @@ impl OptimizerState for BurnOptimizer<'_> {
             writer = writer.with_metadata(&key, &path);
         }
         let bytes = writer.into_bytes().map_err(|e| e.to_string())?;
+        check_default_device(&self.params)?;
         *self.optimizer = self
             .optimizer
             .clone()
