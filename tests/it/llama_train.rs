@@ -109,7 +109,7 @@ fn every_strategy_matches_single(optimizer: OptimizerKind, clip: Option<f32>) {
 /// Async TP (`enable_async_tensor_parallel`: the sequence all-gathers and reduce-scatters in
 /// ring steps overlapping the projections) trains as synchronous sequence-parallel TP, under
 /// tp 2 and fsdp2_tp 2 x 2, on 7 tokens (sequence chunks of 4 and 3); without sequence
-/// parallelism it is a named error.
+/// parallelism, or on a sequence that leaves a rank no token, it is a named error.
 #[test]
 fn llama_async_tp_trains_as_synchronous_tp() {
     for (strategy, world) in [(Strategy::Tp, 2), (Strategy::Fsdp2Tp, 4)] {
@@ -135,6 +135,15 @@ fn llama_async_tp_trains_as_synchronous_tp() {
             ring_calls.all_to_all_calls > 0
                 && ring_calls.reduce_scatter_calls < sync_calls.reduce_scatter_calls,
             "{what}: {ring_calls:?} against {sync_calls:?}"
+        );
+        let short = TrainConfig {
+            seq_len: 1,
+            ..ring.clone()
+        };
+        let err = train(&short, &|_| {}).unwrap_err().to_string();
+        assert!(
+            err.contains("--seq-len") && err.contains("no token"),
+            "{err}"
         );
         ring.distributed.sequence_parallel = false;
         let err = train(&ring, &|_| {}).unwrap_err().to_string();

@@ -120,11 +120,12 @@ struct Run {
 /// Forward and backward on the tokens `toks` of a `[BATCH, seq, MODEL]` input.
 fn run(b: &Block, seq: usize, toks: std::ops::Range<usize>, d: &Device) -> Run {
     let d = d.clone();
+    // Slices, not `narrow`: a rank's chunk may be empty.
     let x = tensor(63, [BATCH, seq, MODEL], &d)
-        .narrow(1, toks.start, toks.len())
+        .slice_dim(1, toks.clone())
         .detach()
         .require_grad();
-    let c = tensor(64, [BATCH, seq, MODEL], &d).narrow(1, toks.start, toks.len());
+    let c = tensor(64, [BATCH, seq, MODEL], &d).slice_dim(1, toks.clone());
     let y = b.forward(x.clone());
     let mut grads = (y.clone() * c).sum().backward();
     b.sync_tp_grads(&mut grads).unwrap();
@@ -226,6 +227,31 @@ fn tp_async_sequence_parallel_matches_single_device() {
         check_sequence(tp, seq, None, true, TOL, &ndarray_ad());
     }
     check_sequence(2, 7, None, true, TOL, &flex_ad());
+}
+
+/// A rank that holds no token (5 tokens over 4: 2+2+1+0) trains under synchronous sequence
+/// parallelism; under async TP every rank fails, naming the empty chunk and the fix.
+#[test]
+fn tp_async_with_a_rank_holding_no_token_is_a_named_error() {
+    const SEQ: usize = 5;
+    check_sequence(4, SEQ, None, false, TOL, &ndarray_ad());
+    let failed = launch(4, |ctx| {
+        let group = ctx.world()?;
+        let d = ndarray_ad();
+        let b = sp_block_with(&group, None, true, &d)?;
+        let toks = chunk_range(SEQ, 4, group.index());
+        let x = tensor(63, [BATCH, SEQ, MODEL], &d).slice_dim(1, toks);
+        b.up.try_forward(x).map(|_| ())
+    })
+    .unwrap_err();
+    assert_eq!(failed.failures.len(), 4, "{failed:?}");
+    for f in &failed.failures {
+        assert!(
+            f.message.contains("holds no token") && f.message.contains("enable_async"),
+            "{}",
+            f.message
+        );
+    }
 }
 
 /// The ring moves the bytes the all-gather and reduce-scatter move, as all-to-all steps

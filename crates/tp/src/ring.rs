@@ -10,6 +10,11 @@
 //! chunk's gradient back along the ring. The threads and MPI engines progress an exchange on
 //! their own while the rank computes; NCCL runs it when the step finishes (CubeCL and tch hide
 //! their streams), so there the steps are correct but not overlapped.
+//!
+//! Every rank must hold at least one token: with an empty chunk Burn's autodiff leaves tensors
+//! of the ring out of the graph on some ranks, whose backward then skips ring steps the others
+//! run. An empty chunk is an error naming the fix (synchronous sequence parallelism handles
+//! it).
 
 use burn::tensor::Tensor;
 use burn_parallel_comm::chunk::{chunk_sizes, offsets};
@@ -30,24 +35,31 @@ pub(crate) fn gathered_apply<const D: usize, const N: usize>(
     layers: [ChunkForward<'_, D>; N],
 ) -> Result<[Tensor<D>; N], CollectiveError> {
     let n = group.size();
-    let mut outputs: [Vec<Option<Tensor<D>>>; N] = std::array::from_fn(|_| vec![None; n]);
+    let mut outputs: [Vec<Tensor<D>>; N] = std::array::from_fn(|_| Vec::with_capacity(n));
     let (mut held, mut owner) = (x, group.index());
+    let mut owners = Vec::with_capacity(n);
     for step in 0..n {
+        if held.dims()[dim] == 0 {
+            return Err(empty_chunk(group, owner));
+        }
         let next = match step + 1 < n {
             true => Some(start_ring_shift(held.clone(), group, dim)?),
             false => None,
         };
         for (out, layer) in outputs.iter_mut().zip(&layers) {
-            out[owner] = Some(layer(held.clone()));
+            out.push(layer(held.clone()));
         }
+        owners.push(owner);
         if let Some(next) = next {
             held = next.finish();
             owner = (owner + n - 1) % n;
         }
     }
+    // Chunks arrived in ring order; the gathered sequence is in rank order.
     Ok(outputs.map(|chunks| {
-        let chunks = chunks.into_iter().map(|c| c.expect("one chunk per rank"));
-        Tensor::cat(chunks.collect(), dim)
+        let mut by_rank: Vec<_> = owners.iter().copied().zip(chunks).collect();
+        by_rank.sort_by_key(|(rank, _)| *rank);
+        Tensor::cat(by_rank.into_iter().map(|(_, c)| c).collect(), dim)
     }))
 }
 
@@ -64,6 +76,9 @@ pub(crate) fn reduce_scattered_apply<const D: usize>(
 ) -> Result<Tensor<D>, CollectiveError> {
     let (n, me) = (group.size(), group.index());
     let sizes = chunk_sizes(x.dims()[dim], n);
+    if let Some(rank) = sizes.iter().position(|&s| s == 0) {
+        return Err(empty_chunk(group, rank));
+    }
     let starts = offsets(&sizes);
     let part = |step: usize| {
         let chunk = (me + n * 2 - step - 1) % n;
@@ -76,4 +91,18 @@ pub(crate) fn reduce_scattered_apply<const D: usize>(
         sum = passed.finish() + mine;
     }
     Ok(sum)
+}
+
+/// Rank `rank` of `group` holds no token of the sequence.
+fn empty_chunk(group: &ProcessGroup, rank: usize) -> CollectiveError {
+    CollectiveError::InvalidArgument {
+        op: "async tensor parallelism".into(),
+        group: group.label().into(),
+        message: format!(
+            "rank {rank} of the group holds no token of the sequence (fewer tokens than the \
+             {} ranks' chunks): the ring steps need one on every rank; use a longer sequence \
+             or enable_async_tensor_parallel = false (synchronous sequence parallelism)",
+            group.size()
+        ),
+    }
 }

@@ -2,6 +2,7 @@
 //! ranks, checked against the model's shapes (experts, heads, vocabulary) and the global batch
 //! before any rank starts. Everything else about the config the parallelizer validates.
 
+use burn_parallel_comm::chunk::chunk_sizes;
 use burn_parallel_describe::plan_name;
 use burn_parallel_models::{LLAMA_PLAN, LlamaConfig, ModelError};
 use burn_parallel_parallelizer::{Checkpointing, Plan, TpShardPlan};
@@ -61,6 +62,23 @@ pub fn mesh_plan(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Plan, TrainEr
             ));
         }
     }
+    if plan.async_tensor_parallel() && sizes.tp > 1 {
+        // Each of the tp ranks' sequence chunks (of this cp rank's tokens) must hold a token.
+        let tokens = cfg.seq_len / sizes.cp.max(1);
+        if chunk_sizes(tokens, sizes.tp).contains(&0) {
+            return Err(flag_error(
+                "--seq-len",
+                format!(
+                    "{} leaves a tensor-parallel rank no token of the sequence under async TP \
+                     ({tokens} tokens over tp = {}): use at least {} tokens, or \
+                     enable_async_tensor_parallel = false",
+                    cfg.seq_len,
+                    sizes.tp,
+                    min_tokens(sizes.tp) * sizes.cp.max(1)
+                ),
+            ));
+        }
+    }
     if sizes.cp > 1 {
         let cp = sizes.cp;
         if !cfg.seq_len.is_multiple_of(2 * cp) {
@@ -81,4 +99,11 @@ pub fn mesh_plan(cfg: &TrainConfig, model: &LlamaConfig) -> Result<Plan, TrainEr
         ));
     }
     Ok(plan)
+}
+
+/// The fewest tokens whose pad-to-ceil chunks over `tp` ranks leave none empty.
+fn min_tokens(tp: usize) -> usize {
+    (tp..)
+        .find(|&t| !chunk_sizes(t, tp).contains(&0))
+        .expect("tp x tp tokens always fill every chunk")
 }
