@@ -343,14 +343,10 @@ impl<L: TpLinear> Tp<L> {
     /// The linear layer's forward ([`TpLinear::linear_forward`]) under the style; a rowwise
     /// bias is added once, after the reduction.
     pub fn try_forward<const D: usize>(&self, x: Tensor<D>) -> Result<Tensor<D>, TpError> {
-        if let Some(s) = &self.sharding
-            && let Some(dim) = s.ring_gather_dim()
-        {
-            let forward = |chunk| self.inner.linear_forward(chunk);
-            let [y] = ring::gathered_apply(x, &s.group, dim, [&forward]).map_err(s.err())?;
-            return s.leave(y);
-        }
-        self.try_forward_prepared(self.prepare_input(x)?)
+        // One layer is the one-sibling case: its input collective (or async TP's ring), then
+        // its forward.
+        let [y] = try_forward_shared(x, [self])?;
+        Ok(y)
     }
 
     /// As [`try_forward`](Self::try_forward) on an input that already went through
