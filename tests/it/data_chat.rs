@@ -155,3 +155,63 @@ fn chat_templates_are_read_from_the_files_they_ship_in() {
     assert_eq!(marked_text, assistant);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Each family's chat template (as its tokenizer_config.json ships it, in
+/// tests/fixtures/families/chat/) renders the committed conversations exactly as transformers'
+/// `apply_chat_template` did (`scripts/make_chat_template_fixtures.py`), with and without the
+/// generation prompt; a template's `raise_exception` is an error carrying its message.
+#[test]
+fn family_chat_templates_render_as_transformers_apply_chat_template() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/chat");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let families = expected.as_object().unwrap();
+    assert_eq!(families.len(), 7, "{:?}", families.keys());
+    let base: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("tokenizer.json")).unwrap()).unwrap();
+    for (family, e) in families {
+        let out = crate::llama_hf::temp_dir(&format!("chat-template-{family}"));
+        // The fixture tokenizer with the family's special tokens added.
+        let mut tokenizer = base.clone();
+        let mut config = serde_json::json!({});
+        for key in ["bos_token", "eos_token"] {
+            let Some(text) = e[key].as_str() else {
+                continue;
+            };
+            config[key] = text.into();
+            let added = tokenizer["added_tokens"].as_array_mut().unwrap();
+            if added.iter().all(|t| t["content"] != text) {
+                let id = 1000 + added.len();
+                added.push(
+                    serde_json::json!({"id": id, "content": text, "single_word": false,
+                    "lstrip": false, "rstrip": false, "normalized": false, "special": true}),
+                );
+            }
+        }
+        std::fs::write(out.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        std::fs::write(out.join("tokenizer_config.json"), config.to_string()).unwrap();
+        std::fs::copy(
+            dir.join(format!("{family}.jinja")),
+            out.join("chat_template.jinja"),
+        )
+        .unwrap();
+        let tok = TextTokenizer::load(&out.join("tokenizer.json")).unwrap();
+        let template = ChatTemplate::of(&tok).unwrap();
+        for case in e["cases"].as_array().unwrap() {
+            let what = || format!("{family} {}", case["name"]);
+            let messages = messages_of(&case["messages"], &what).unwrap();
+            let prompt = case["add_generation_prompt"].as_bool().unwrap();
+            let got = template.render(&messages, prompt);
+            let label = format!("{family} {} (generation prompt {prompt})", case["name"]);
+            match (case["text"].as_str(), case["error"].as_str()) {
+                (Some(text), _) => assert_eq!(got.unwrap(), text, "{label}"),
+                (None, Some(error)) => {
+                    let e = got.unwrap_err().to_string();
+                    assert!(e.contains(error), "{label}: {e}");
+                }
+                _ => panic!("{label}: the fixture has neither text nor error"),
+            }
+        }
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}

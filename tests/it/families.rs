@@ -69,7 +69,8 @@ fn family_run(family: Family, flags: DistributedFlags) -> TrainConfig {
     }
 }
 
-fn layouts() -> Vec<(&'static str, DistributedFlags)> {
+/// Every layout the families train under, as (name, flags).
+pub(crate) fn layouts() -> Vec<(&'static str, DistributedFlags)> {
     let on = DistributedFlags::on;
     vec![
         ("ddp x2", on(Strategy::Ddp, 2)),
@@ -283,41 +284,4 @@ fn phi3_fine_tuned_under_tp_saves_fused_tensors_as_on_one_device() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// LoRA on Phi-3: peft adapts its fused `qkv_proj` and `gate_up_proj` with one shared `lora_A`
-/// each, which adapters on the parts would not be, so targets on them are refused by name;
-/// adapters on `o_proj` and `down_proj` train under fsdp2 x2 as on one device.
-#[test]
-fn phi3_lora_trains_its_unfused_projections_and_refuses_the_fused_ones() {
-    use burn_parallel::train::LoraOptions;
-    let lora = |targets: Option<&[&str]>, flags: DistributedFlags| TrainConfig {
-        lora: LoraOptions {
-            rank: Some(2),
-            alpha: Some(4.0),
-            targets: targets.map(|t| t.iter().map(|s| s.to_string()).collect()),
-            ..LoraOptions::default()
-        },
-        ..family_run(Family::Phi3, flags)
-    };
-    let on = DistributedFlags::on;
-    for targets in [
-        None,
-        Some(&["qkv_proj"][..]),
-        Some(&["o_proj", "up_proj"][..]),
-    ] {
-        let e = burn_parallel::train::train(&lora(targets, on(Strategy::Single, 1)), &|_| {})
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("--lora-targets")
-                && e.contains("qkv_proj")
-                && e.contains("o_proj,down_proj"),
-            "{targets:?}: {e}"
-        );
-    }
-    let unfused = Some(&["o_proj", "down_proj"][..]);
-    let single = run(&lora(unfused, on(Strategy::Single, 1)));
-    let sharded = run(&lora(unfused, on(Strategy::Fsdp2, 2)));
-    assert_curves(&sharded, &single, 1e-5, "Phi-3 LoRA fsdp2 x2");
 }

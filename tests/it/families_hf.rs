@@ -17,6 +17,28 @@ use crate::common::{assert_close, ndarray, to_vec};
 use crate::llama_hf::{assert_same_checkpoints, expected_in, logits_of, temp_dir};
 use crate::lora_llama::read_safetensors;
 
+/// The mean next-token cross-entropy of `model` over the fixture's ids (position t predicts
+/// id t + 1), as the fixture scripts compute it.
+pub(crate) fn next_token_loss(
+    model: &burn_parallel::models::Llama,
+    want: &crate::llama_hf::Expected,
+    device: &burn::tensor::Device,
+) -> burn::tensor::Tensor<1> {
+    use burn::tensor::activation::log_softmax;
+    use burn::tensor::{Int, Tensor, TensorData};
+    let [rows, seq, vocab] = want.shape;
+    let ids = Tensor::<2, Int>::from_data(TensorData::new(want.ids.clone(), [rows, seq]), device);
+    let targets = ids
+        .clone()
+        .narrow(1, 1, seq - 1)
+        .reshape([rows * (seq - 1), 1]);
+    let logits = model
+        .forward(ids)
+        .narrow(1, 0, seq - 1)
+        .reshape([rows * (seq - 1), vocab]);
+    -log_softmax(logits, 1).gather(1, targets).mean()
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/families")
@@ -64,8 +86,7 @@ fn qwen2_qwen3_mistral_olmo2_gemma_and_phi3_logits_match_transformers() {
 #[test]
 fn family_gradients_match_transformers() {
     use burn::module::{Module, ModuleMapper, Param};
-    use burn::tensor::activation::log_softmax;
-    use burn::tensor::{Gradients, Int, Tensor, TensorData};
+    use burn::tensor::{Gradients, Tensor};
 
     /// The model with each parameter replaced by its gradient.
     struct ToGrads<'a>(&'a Gradients);
@@ -92,19 +113,7 @@ fn family_gradients_match_transformers() {
         let device = crate::common::ndarray_ad();
         let want = expected_in(&fixture(name));
         let model = load_llama(fixture(name), &device).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let [rows, seq, vocab] = want.shape;
-        let ids =
-            Tensor::<2, Int>::from_data(TensorData::new(want.ids.clone(), [rows, seq]), &device);
-        let targets = ids
-            .clone()
-            .narrow(1, 1, seq - 1)
-            .reshape([rows * (seq - 1), 1]);
-        let logits = model
-            .forward(ids)
-            .narrow(1, 0, seq - 1)
-            .reshape([rows * (seq - 1), vocab]);
-        let loss = -log_softmax(logits, 1).gather(1, targets).mean();
-        let grads = loss.backward();
+        let grads = next_token_loss(&model, &want, &device).backward();
         let got = hf_tensors(&model.map(&mut ToGrads(&grads))).unwrap();
         let reference = read_safetensors(&fixture(name).join("grads.safetensors"));
         let names: Vec<&String> = got.iter().map(|(n, _)| n).collect();

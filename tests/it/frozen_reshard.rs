@@ -80,7 +80,10 @@ pub(crate) fn adapter_grads(layers: &[Lora<Linear>], grads: &Gradients) -> Vec<V
         .iter()
         .flat_map(|l| {
             let adapter = l.adapter.as_ref().expect("attached");
-            [adapter.a.grad(grads), adapter.b.grad(grads)]
+            [
+                adapter.a.as_ref().and_then(|a| a.grad(grads)),
+                adapter.b.grad(grads),
+            ]
         })
         .map(|g| vec_of(&g.expect("adapters train")))
         .collect()

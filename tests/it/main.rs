@@ -42,6 +42,7 @@ mod moe_sparse;
 mod parallelize_config;
 mod parallelize_macro;
 mod parallelize_train;
+mod phi3_lora;
 mod pipeline;
 mod pipeline_checkpoint;
 mod pipeline_trainer;

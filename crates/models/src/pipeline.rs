@@ -407,4 +407,14 @@ impl LoraModule for LlamaStage {
             ..self
         })
     }
+
+    fn fused_modules(&self, path: &str, out: &mut Vec<burn_parallel_peft::FusedModule>) {
+        let layers = child_path(&child_path(path, "model"), "layers");
+        for (i, layer) in self.layers.iter().enumerate() {
+            layer.fused_modules(
+                &child_path(&layers, &(self.first_layer + i).to_string()),
+                out,
+            );
+        }
+    }
 }

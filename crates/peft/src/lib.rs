@@ -18,6 +18,10 @@
 //!   packed f32 blocks that FSDP shards like any parameter; forward and backward decode them
 //!   on the device ([`nf4_weight`]), and [`merge_lora`] writes the dequantized base plus the
 //!   adapter.
+//! - Fused projections ([`FusedModule`]): a module peft adapts as one (Phi-3's `qkv_proj`)
+//!   that the model holds as parts gets one `a`, held by the first part and read by the
+//!   others in `forward_shared`, and `b` split by the parts' outputs; the adapter files,
+//!   `apply_lora`, `merge_lora` and `adapted_paths` see the one module.
 //!
 //! ```ignore
 //! #[parallelize]
@@ -40,6 +44,7 @@ mod apply;
 mod config;
 mod error;
 mod file;
+mod fused;
 mod init;
 mod lora;
 mod nf4;
@@ -53,6 +58,7 @@ pub use file::{
     AdapterConfig, CONFIG_FILE, LoadedAdapter, TargetModules, WEIGHTS_FILE, combine_adapters,
     load_adapter, load_adapter_part, save_adapter,
 };
+pub use fused::FusedModule;
 pub use lora::{A_NAME, Adapter, B_NAME, Lora, LoraBase};
 pub use nf4::{NF4_BLOCK, NF4_CODE, Nf4, quantize_nf4};
 pub use qlora::{LazyQuantized, nf4_weight, quantize_bases, quantize_blocks};

@@ -104,7 +104,9 @@ pub(crate) enum Factor {
 #[derive(Debug, Clone)]
 pub struct Adapter {
     /// `[d_in, r]` (peft's `lora_A.weight` transposed); under a rowwise style, this rank's rows.
-    pub a: Param<Tensor<2>>,
+    /// `None` on a later part of a fused projection ([`FusedModule`](crate::FusedModule)):
+    /// the parts share the first part's `a`, which `forward_shared` passes to them.
+    pub a: Option<Param<Tensor<2>>>,
     /// `[r, d_out]` (peft's `lora_B.weight` transposed); under a colwise style, this rank's
     /// columns.
     pub b: Param<Tensor<2>>,
@@ -117,24 +119,61 @@ pub struct Adapter {
 impl Adapter {
     /// `(x @ a @ b) * scale` on `[.., d_in]` features (this rank's features under TP).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let (mut a, mut b) = (self.a.val(), self.b.val());
-        // Under TP the whole factor meets only this rank's part of the other one, so its
-        // gradient is this rank's share of the sum: identity forward, all-reduce backward makes
-        // it whole inside autodiff, before FSDP or DDP reduce it over data-parallel ranks.
-        if let Some(r) = &self.replicated {
-            match r.factor {
-                Factor::A => a = coll::copy_to_group(a, &r.group),
-                Factor::B => b = coll::copy_to_group(b, &r.group),
-            }
+        self.forward_part(x, self)
+    }
+
+    /// [`forward`](Self::forward) of a fused projection's part, with `first`'s `a` when this
+    /// part has none (for the first part, or a plain adapter, `first` is the adapter itself).
+    pub fn forward_part<const D: usize>(&self, x: Tensor<D>, first: &Adapter) -> Tensor<D> {
+        let a = match self.a.is_some() {
+            true => self.factor_a(),
+            false => first.factor_a(),
+        };
+        let mut b = self.b.val();
+        if let Some(Replicated {
+            factor: Factor::B,
+            group,
+        }) = &self.replicated
+        {
+            b = coll::copy_to_group(b, group);
         }
         linear(linear(x, a, None), b, None).mul_scalar(self.scale)
     }
 
+    /// The value of `a` for a forward. Under TP the whole factor meets only this rank's part
+    /// of the other one, so its gradient is this rank's share of the sum: identity forward,
+    /// all-reduce backward makes it whole inside autodiff, before FSDP or DDP reduce it over
+    /// data-parallel ranks.
+    fn factor_a(&self) -> Tensor<2> {
+        let a = self
+            .a
+            .as_ref()
+            .unwrap_or_else(|| {
+                panic!(
+                    "a later part of a fused LoRA projection has no `a` of its own: run the \
+                     parts together with forward_shared (first part first)"
+                )
+            })
+            .val();
+        match &self.replicated {
+            Some(Replicated {
+                factor: Factor::A,
+                group,
+            }) => coll::copy_to_group(a, group),
+            _ => a,
+        }
+    }
+
     /// `a @ b * scale`: what the adapter adds to the base weight (this rank's block of it
-    /// under TP).
-    pub fn delta(&self) -> Tensor<2> {
-        self.a
-            .val()
+    /// under TP). A fused projection's later part gives its first part's `a` as `shared_a`.
+    pub fn delta(&self, shared_a: Option<&Param<Tensor<2>>>) -> Tensor<2> {
+        let a = self.a.as_ref().or(shared_a).unwrap_or_else(|| {
+            panic!(
+                "a later part of a fused LoRA projection merges with its first part's `a`: \
+                 merge through merge_lora"
+            )
+        });
+        a.val()
             .detach()
             .matmul(self.b.val().detach())
             .mul_scalar(self.scale)
@@ -147,7 +186,7 @@ impl Adapter {
 
     fn map_params(self, f: impl Fn(Param<Tensor<2>>) -> Param<Tensor<2>>) -> Self {
         Self {
-            a: f(self.a),
+            a: self.a.map(&f),
             b: f(self.b),
             ..self
         }
@@ -213,13 +252,22 @@ impl<M: LoraBase> Lora<M> {
         Ok(Self {
             base: self.base.no_grad(),
             adapter: Some(Adapter {
-                a: Param::from_tensor(a),
+                a: Some(Param::from_tensor(a)),
                 b: Param::from_tensor(b),
                 scale: config.scale(),
                 replicated: None,
             }),
             quantized: self.quantized,
         })
+    }
+
+    /// This layer as a later part of a fused projection: its adapter without `a` (the parts
+    /// share the first part's).
+    pub(crate) fn without_a(mut self) -> Self {
+        if let Some(ad) = &mut self.adapter {
+            ad.a = None;
+        }
+        self
     }
 
     /// `[d_in, d_out]`: the features the adapter maps between (of the decoded weight when
@@ -235,13 +283,18 @@ impl<M: LoraBase> Lora<M> {
     /// export. A 4-bit base is decoded first (QLoRA's merge: the dequantized base plus the
     /// adapter). The decorator's own state is untouched (see [`merged`](Self::merged)).
     pub fn merge(self) -> Self {
+        self.merge_part(None)
+    }
+
+    /// [`merge`](Self::merge) of a fused projection's later part, with the first part's `a`.
+    pub fn merge_part(self, shared_a: Option<&Param<Tensor<2>>>) -> Self {
         let base = match &self.quantized {
             Some(coded) => self.base.decoded(coded),
             None => self.base,
         };
         match self.adapter {
             None => Self::new(base),
-            Some(adapter) => Self::new(base.add_to_weight(adapter.delta())),
+            Some(adapter) => Self::new(base.add_to_weight(adapter.delta(shared_a))),
         }
     }
 
@@ -254,7 +307,7 @@ impl<M: LoraBase> Lora<M> {
         };
         match &self.adapter {
             None => base,
-            Some(adapter) => base.add_to_weight(adapter.delta()),
+            Some(adapter) => base.add_to_weight(adapter.delta(None)),
         }
     }
 }
@@ -262,6 +315,12 @@ impl<M: LoraBase> Lora<M> {
 impl Lora<Linear> {
     /// `base(x) + adapter(x)` on `[.., d_in]` features.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward_part(x, self)
+    }
+
+    /// [`forward`](Self::forward) of a fused projection's part: an adapter without its own
+    /// `a` runs with `first`'s (see [`Adapter::forward_part`]).
+    pub(crate) fn forward_part<const D: usize>(&self, x: Tensor<D>, first: &Self) -> Tensor<D> {
         let base = match self.rebuilt_weight() {
             Some((weight, rebuild)) => {
                 let y = coll::resharded_linear(x.clone(), weight, rebuild);
@@ -272,9 +331,10 @@ impl Lora<Linear> {
             }
             None => self.base.forward(x.clone()),
         };
-        match &self.adapter {
-            Some(adapter) => base + adapter.forward(x),
-            None => base,
+        match (&self.adapter, &first.adapter) {
+            (Some(adapter), Some(first)) => base + adapter.forward_part(x, first),
+            (Some(adapter), None) => base + adapter.forward(x),
+            (None, _) => base,
         }
     }
 
@@ -328,7 +388,10 @@ impl<M: Module> Module for Lora<M> {
     fn collect_devices(&self, devices: Devices) -> Devices {
         let devices = self.base.collect_devices(devices);
         match &self.adapter {
-            Some(ad) => ad.b.collect_devices(ad.a.collect_devices(devices)),
+            Some(ad) => match &ad.a {
+                Some(a) => ad.b.collect_devices(a.collect_devices(devices)),
+                None => ad.b.collect_devices(devices),
+            },
             None => devices,
         }
     }
@@ -377,7 +440,7 @@ impl<M: Module> Module for Lora<M> {
 
     fn num_params(&self) -> usize {
         let adapter = self.adapter.as_ref().map_or(0, |ad| {
-            Module::num_params(&ad.a) + Module::num_params(&ad.b)
+            ad.a.as_ref().map_or(0, Module::num_params) + Module::num_params(&ad.b)
         });
         self.base.num_params() + adapter
     }
@@ -385,7 +448,8 @@ impl<M: Module> Module for Lora<M> {
     fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
         self.base.visit(visitor);
         if let Some(ad) = &self.adapter {
-            for (name, p) in [(A_NAME, &ad.a), (B_NAME, &ad.b)] {
+            for (name, p) in [(A_NAME, ad.a.as_ref()), (B_NAME, Some(&ad.b))] {
+                let Some(p) = p else { continue };
                 visitor.enter_module(name, CONTAINER);
                 p.visit(visitor);
                 visitor.exit_module(name, CONTAINER);
@@ -402,7 +466,7 @@ impl<M: Module> Module for Lora<M> {
                 mapper.exit_module(name, CONTAINER);
                 p
             };
-            let a = one(A_NAME, ad.a);
+            let a = ad.a.map(|a| one(A_NAME, a));
             let b = one(B_NAME, ad.b);
             Adapter { a, b, ..ad }
         });
@@ -436,7 +500,8 @@ impl<M: ModuleDisplay> ModuleDisplayDefault for Lora<M> {
 
     fn num_params(&self) -> usize {
         let adapter = self.adapter.as_ref().map_or(0, |ad| {
-            ModuleDisplayDefault::num_params(&ad.a) + ModuleDisplayDefault::num_params(&ad.b)
+            ad.a.as_ref().map_or(0, ModuleDisplayDefault::num_params)
+                + ModuleDisplayDefault::num_params(&ad.b)
         });
         ModuleDisplayDefault::num_params(&self.base) + adapter
     }

@@ -39,7 +39,7 @@ impl Adapter {
                 self.replicated = replicated(Factor::A);
             }
             ParallelStyle::Rowwise { .. } => {
-                self.a = narrow_param(self.a, 0, spec.range.clone());
+                self.a = self.a.map(|a| narrow_param(a, 0, spec.range.clone()));
                 self.replicated = replicated(Factor::B);
             }
             // Nothing splits: every rank runs the whole adapter on its tokens.
@@ -61,7 +61,12 @@ impl Adapter {
             ParallelStyle::ColwiseFused { parts, .. } => {
                 self.b = gather_param_parts(self.b, 1, *parts, spec.full, group, path)?
             }
-            ParallelStyle::Rowwise { .. } => self.a = gather_param(self.a, 0, group, path)?,
+            ParallelStyle::Rowwise { .. } => {
+                self.a = self
+                    .a
+                    .map(|a| gather_param(a, 0, group, path))
+                    .transpose()?
+            }
             ParallelStyle::Sequence { .. } => {}
         }
         self.replicated = None;
@@ -125,7 +130,9 @@ impl TpLayer for Lora<Linear> {
         // already sums its gradient over tp (see `Adapter::forward`).
         self.base.visit_partial_grad_params(style, visitor);
         if let (ParallelStyle::Sequence { .. }, Some(ad)) = (style, &self.adapter) {
-            visitor.visit_float(&ad.a);
+            if let Some(a) = &ad.a {
+                visitor.visit_float(a);
+            }
             visitor.visit_float(&ad.b);
         }
     }
@@ -139,7 +146,11 @@ impl TpLayer for Lora<Linear> {
             ParallelStyle::Colwise { .. } | ParallelStyle::ColwiseFused { .. } => {
                 visitor.visit_float(&ad.b)
             }
-            ParallelStyle::Rowwise { .. } => visitor.visit_float(&ad.a),
+            ParallelStyle::Rowwise { .. } => {
+                if let Some(a) = &ad.a {
+                    visitor.visit_float(a)
+                }
+            }
             ParallelStyle::Sequence { .. } => {}
         }
     }
@@ -151,6 +162,10 @@ impl TpLayer for Lora<Linear> {
 impl TpLinear for Lora<Linear> {
     fn linear_forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         self.forward(x)
+    }
+
+    fn linear_forward_sibling<const D: usize>(&self, x: Tensor<D>, first: &Self) -> Tensor<D> {
+        self.forward_part(x, first)
     }
 
     fn linear_forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {

@@ -87,6 +87,14 @@ pub trait TpLinear: TpLayer {
     /// `x @ W + bias` on `[.., d_in]` features (this rank's shard under a style).
     fn linear_forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D>;
 
+    /// The forward of a later sibling in [`forward_shared`](crate::forward_shared), which may
+    /// read `first`'s state (the parts of a fused LoRA projection share the first part's `a`).
+    /// Default: [`linear_forward`](Self::linear_forward).
+    fn linear_forward_sibling<const D: usize>(&self, x: Tensor<D>, first: &Self) -> Tensor<D> {
+        let _ = first;
+        self.linear_forward(x)
+    }
+
     /// The forward without the bias: every term a rowwise layer's reduction sums.
     fn linear_forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D>;
 

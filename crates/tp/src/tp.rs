@@ -356,6 +356,17 @@ impl<L: TpLinear> Tp<L> {
         &self,
         x: Prepared<D>,
     ) -> Result<Tensor<D>, TpError> {
+        self.try_forward_prepared_sibling(x, &self.inner)
+    }
+
+    /// [`try_forward_prepared`](Self::try_forward_prepared) of a later sibling in
+    /// [`forward_shared`], whose non-rowwise forward reads `first`'s state
+    /// ([`TpLinear::linear_forward_sibling`]).
+    fn try_forward_prepared_sibling<const D: usize>(
+        &self,
+        x: Prepared<D>,
+        first: &L,
+    ) -> Result<Tensor<D>, TpError> {
         let x = self.take_prepared(x)?;
         match &self.sharding {
             Some(s) if matches!(s.style, ParallelStyle::Rowwise { .. }) => {
@@ -371,8 +382,8 @@ impl<L: TpLinear> Tp<L> {
                     None => y,
                 })
             }
-            Some(s) => s.leave(self.inner.linear_forward(x)),
-            None => Ok(self.inner.linear_forward(x)),
+            Some(s) => s.leave(self.inner.linear_forward_sibling(x, first)),
+            None => Ok(self.inner.linear_forward_sibling(x, first)),
         }
     }
 
@@ -556,7 +567,7 @@ pub fn try_forward_shared<L: TpLinear, const N: usize, const D: usize>(
         }
         let forwards: [_; N] = std::array::from_fn(|i| {
             let layer = layers[i];
-            move |chunk| layer.inner.linear_forward(chunk)
+            move |chunk| layer.inner.linear_forward_sibling(chunk, &first.inner)
         });
         let refs: [ring::ChunkForward<'_, D>; N] = std::array::from_fn(|i| &forwards[i] as _);
         let ys = ring::gathered_apply(x, &s.group, dim, refs).map_err(s.err())?;
@@ -572,7 +583,7 @@ pub fn try_forward_shared<L: TpLinear, const N: usize, const D: usize>(
     let x = first.prepare_input(x)?;
     let mut out = Vec::with_capacity(N);
     for layer in layers {
-        out.push(layer.try_forward_prepared(x.clone())?);
+        out.push(layer.try_forward_prepared_sibling(x.clone(), &first.inner)?);
     }
     Ok(out
         .try_into()

@@ -87,7 +87,8 @@ pub use malloc::Malloc;
 pub use mesh::mesh_plan;
 pub use optim::{AdamW, Optimizer, Sgd};
 pub use options::{
-    DEFAULT_TARGETS, LoraOptions, LoraQuantize, LrScheduleKind, OnNonFinite, PipelineOptions,
+    DEFAULT_TARGETS, FUSED_DEFAULT_TARGETS, LoraOptions, LoraQuantize, LrScheduleKind, OnNonFinite,
+    PipelineOptions,
 };
 pub use relaunch::{ATTEMPT_ENV, JobEnd, REQUEUE_EXIT_CODE, Relaunch, in_launched_job};
 pub use restarts::train;

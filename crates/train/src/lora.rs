@@ -10,7 +10,7 @@ use burn::nn::Linear;
 use burn::tensor::TensorData;
 use burn_parallel_fsdp::RowRequest;
 use burn_parallel_models::ModelError;
-use burn_parallel_models::checkpoint::{CheckpointRows, fused_module_names};
+use burn_parallel_models::checkpoint::{CheckpointRows, FUSED_PROJECTIONS};
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::Dtype;
 use burn_parallel_parallelizer::full_model;
@@ -21,7 +21,7 @@ use burn_parallel_peft::{
 
 use crate::config::TrainConfig;
 use crate::error::{TrainError, flag_error};
-use crate::options::{DEFAULT_TARGETS, LoraOptions, LoraQuantize};
+use crate::options::{DEFAULT_TARGETS, FUSED_DEFAULT_TARGETS, LoraOptions, LoraQuantize};
 
 /// The LoRA flags of the trainer's command line; [`options`](Self::options) gives the run's
 /// [`LoraOptions`].
@@ -47,7 +47,8 @@ pub struct LoraFlags {
         long,
         value_name = "LIST",
         help = "LoRA target modules: comma-separated Hugging Face module names or dotted path \
-                suffixes (default: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)"
+                suffixes (default: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; on \
+                Phi-3, whose checkpoint fuses them: qkv_proj,o_proj,gate_up_proj,down_proj)"
     )]
     pub lora_targets: Option<String>,
     /// `--lora-rslora`.
@@ -97,7 +98,7 @@ impl LoraFlags {
 
 /// Checks a run's LoRA settings before any rank starts (reading `--lora-init`'s config).
 pub(crate) fn check(cfg: &TrainConfig) -> Result<(), TrainError> {
-    if cfg.lora.plan(cfg.seed)?.is_some() && !cfg.freeze.is_empty() {
+    if cfg.lora.plan(cfg.seed, false)?.is_some() && !cfg.freeze.is_empty() {
         return Err(flag_error(
             "--freeze",
             "with LoRA: LoRA already freezes every base parameter (only the adapters train); \
@@ -110,15 +111,15 @@ pub(crate) fn check(cfg: &TrainConfig) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// Refuses adapters on the parts of a projection `model`'s checkpoint stores fused (Phi-3's
-/// `qkv_proj`, `gate_up_proj`): peft adapts each fused projection as one module with one
-/// `lora_A`, which adapters on q, k and v apart would not train, nor save as peft's files.
+/// Refuses targets that name a part of a projection `model`'s checkpoint stores fused (Phi-3's
+/// `q_proj` inside `qkv_proj`): peft adapts the fused module as one (one `lora_A` over its
+/// parts), and sees no part, so the target is the fused module's name.
 pub(crate) fn check_model(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), TrainError> {
     let row = model.family.row();
     if !row.fused {
         return Ok(());
     }
-    let (flag, targets) = match cfg.lora.plan(cfg.seed)? {
+    let (flag, targets) = match cfg.lora.plan(cfg.seed, true)? {
         None => return Ok(()),
         Some(LoraPlan::New(config)) => ("--lora-targets", config.targets),
         Some(LoraPlan::Load(dir)) => {
@@ -131,21 +132,32 @@ pub(crate) fn check_model(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), 
             ("--lora-init", targets)
         }
     };
-    let fused: Vec<&String> = targets
-        .iter()
-        .filter(|t| fused_module_names().any(|f| t.as_str() == f || t.ends_with(&format!(".{f}"))))
-        .collect();
-    if fused.is_empty() {
+    let names = |t: &String| {
+        FUSED_PROJECTIONS.iter().find_map(|(fused, parts)| {
+            let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_string();
+            parts
+                .iter()
+                .any(|p| *t == last(p) || t.ends_with(&format!(".{}", last(p))))
+                .then(|| (t.clone(), last(fused)))
+        })
+    };
+    let parts: Vec<(String, String)> = targets.iter().filter_map(names).collect();
+    if parts.is_empty() {
         return Ok(());
     }
+    let named = parts
+        .iter()
+        .map(|(part, fused)| format!("{part} (inside {fused})"))
+        .collect::<Vec<_>>()
+        .join(", ");
     Err(flag_error(
         flag,
         format!(
-            "targets {fused:?} of a {} model, whose checkpoint fuses q/k/v into qkv_proj and \
-             gate/up into gate_up_proj: peft adapts each fused projection with one shared \
-             lora_A, which is not built here; target o_proj and down_proj (--lora-targets \
-             o_proj,down_proj), or fine-tune without LoRA",
-            row.model_type
+            "names parts of a fused projection of a {} model: {named}; peft adapts qkv_proj and \
+             gate_up_proj each as one module (one lora_A shared by its parts), so target them \
+             by those names (--lora-targets {})",
+            row.model_type,
+            FUSED_DEFAULT_TARGETS.join(",")
         ),
     ))
 }
@@ -187,8 +199,9 @@ impl LoraOptions {
 
     /// The run's adapters, or `None` without LoRA. Reads `--lora-init`'s config, which the
     /// LoRA flags given with it must agree with; flags that need a rank without one are
-    /// errors saying so.
-    pub(crate) fn plan(&self, seed: u64) -> Result<Option<LoraPlan>, TrainError> {
+    /// errors saying so. `fused`: the model's checkpoint fuses projections (Phi-3), whose
+    /// default targets are [`FUSED_DEFAULT_TARGETS`].
+    pub(crate) fn plan(&self, seed: u64, fused: bool) -> Result<Option<LoraPlan>, TrainError> {
         if let Some(dir) = &self.init {
             let file = AdapterConfig::read(dir).map_err(lora_error)?;
             self.agrees_with(&file, dir)?;
@@ -211,6 +224,7 @@ impl LoraOptions {
         };
         let targets = match &self.targets {
             Some(t) => t.clone(),
+            None if fused => FUSED_DEFAULT_TARGETS.map(String::from).to_vec(),
             None => DEFAULT_TARGETS.map(String::from).to_vec(),
         };
         let config = LoraConfig {
@@ -330,14 +344,16 @@ pub(crate) fn read_rows(
     }
 }
 
-/// Elements of every adapter's `a` and `b` (a whole model's, or a pipeline stage's).
+/// Elements of every adapter's `a` and `b` (a whole model's, or a pipeline stage's; a fused
+/// projection's shared `a` once).
 pub(crate) fn adapter_elements<M: LoraModule + Clone>(model: &M) -> Result<u64, TrainError> {
     let mut n = 0u64;
     model
         .clone()
         .map_lora("", &mut |_, layer: Lora<Linear>| {
             if let Some(ad) = &layer.adapter {
-                n += (ad.a.lazy_shape().num_elements() + ad.b.lazy_shape().num_elements()) as u64;
+                let a = ad.a.as_ref().map_or(0, |a| a.lazy_shape().num_elements());
+                n += (a + ad.b.lazy_shape().num_elements()) as u64;
             }
             Ok(layer)
         })
@@ -373,11 +389,12 @@ pub(crate) fn finish(
 /// else [`finish`] (collective) with the run's settings.
 pub(crate) fn finish_run(
     cfg: &TrainConfig,
+    model_cfg: &LlamaConfig,
     model: Llama,
     is_root: bool,
 ) -> Result<Llama, TrainError> {
     let save_adapter = cfg.lora.save_adapter.as_deref();
-    let Some(plan) = cfg.lora.plan(cfg.seed)? else {
+    let Some(plan) = cfg.lora.plan(cfg.seed, model_cfg.family.row().fused)? else {
         return Ok(model);
     };
     if save_adapter.is_none() && cfg.save.is_none() {

@@ -53,6 +53,10 @@ pub const DEFAULT_TARGETS: [&str; 7] = [
     "down_proj",
 ];
 
+/// `--lora-targets`' default on a model whose checkpoint fuses q/k/v and gate/up (Phi-3):
+/// every decoder linear, as [`DEFAULT_TARGETS`] on the Llama, by the modules peft sees.
+pub const FUSED_DEFAULT_TARGETS: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
+
 /// A run's LoRA settings ([`TrainConfig::lora`](crate::TrainConfig::lora)); the default (no
 /// rank, no initial adapter) trains every parameter.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -62,7 +66,7 @@ pub struct LoraOptions {
     /// `--lora-alpha`: the scale numerator (default: the rank, a scale of 1).
     pub alpha: Option<f64>,
     /// `--lora-targets`: Hugging Face module names or dotted path suffixes (default
-    /// [`DEFAULT_TARGETS`]).
+    /// [`DEFAULT_TARGETS`]; [`FUSED_DEFAULT_TARGETS`] on Phi-3).
     pub targets: Option<Vec<String>>,
     /// `--lora-rslora`: scale by `alpha / sqrt(r)`.
     pub rslora: bool,

@@ -249,7 +249,7 @@ fn build_model(
 ) -> Result<(Llama, u64), TrainError> {
     let device = mesh.device();
     // Frozen before parallelize_model, which then shards them without gradient or state.
-    let lora = cfg.lora.plan(cfg.seed)?;
+    let lora = cfg.lora.plan(cfg.seed, model_cfg.family.row().fused)?;
     // Also the QLoRA bases left lazy, whose shards a sharded load quantizes from its rows.
     let frozen = |model: Llama| -> Result<(Llama, u64, Vec<LazyQuantized>), TrainError> {
         // LoRA freezes the whole base: only the adapters train.
@@ -416,7 +416,7 @@ impl StepRunner for WholeModel<'_> {
     /// With LoRA, the adapter saved and the base merged; then `--save`.
     fn finish(&self, model: Llama, mesh: &MeshContext) -> Result<(), TrainError> {
         let is_root = mesh.rank() == 0;
-        let model = crate::lora::finish_run(self.cfg, model, is_root)?;
+        let model = crate::lora::finish_run(self.cfg, self.model_cfg, model, is_root)?;
         if let Some(dir) = &self.cfg.save {
             save(model, self.model_cfg, dir, is_root)?;
             if is_root {

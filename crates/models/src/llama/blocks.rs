@@ -106,6 +106,10 @@ pub struct Attention {
     /// Whether `q_norm` / `k_norm` span the whole projection (every head at once).
     #[module(skip)]
     pub qk_norm_whole: bool,
+    /// Whether Hugging Face holds q/k/v as one `qkv_proj` (Phi-3): LoRA then adapts them as
+    /// that one module (one `a` shared by the three).
+    #[module(skip)]
+    pub qkv_fused: bool,
     /// Query heads.
     #[module(skip)]
     #[tp(heads)]
@@ -229,6 +233,10 @@ pub struct Mlp {
     /// The gate's activation.
     #[module(skip)]
     pub act: Activation,
+    /// Whether Hugging Face holds gate and up as one `gate_up_proj` (Phi-3): LoRA then adapts
+    /// them as that one module.
+    #[module(skip)]
+    pub gate_up_fused: bool,
 }
 
 impl Mlp {

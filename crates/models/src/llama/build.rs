@@ -130,6 +130,7 @@ fn dense_mlp(
         up_proj: linear(s, &format!("{layer}.mlp.up_proj"), h, i, b, device)?,
         down_proj: linear(s, &format!("{layer}.mlp.down_proj"), i, h, b, device)?,
         act: c.hidden_act,
+        gate_up_fused: c.family.row().fused,
     })
 }
 
@@ -262,6 +263,7 @@ pub(crate) fn decoder_layer(
         kv_heads: c.num_key_value_heads,
         head_dim: hd,
         qk_norm_whole: c.qk_norm_whole(),
+        qkv_fused: c.family.row().fused,
         sliding_window: c.window_of(i),
         scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(hd as f64).sqrt(),
         softcap: c.attn_logit_softcapping,

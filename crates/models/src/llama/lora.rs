@@ -1,8 +1,10 @@
 //! The walks `apply_lora` and `merge_lora` (crate burn-parallel-peft) take through the model to
 //! its seven projections, by Hugging Face module path (`model.layers.0.self_attn.q_proj`).
 
-use burn_parallel_peft::{LoraError, LoraFn, LoraModule};
+use burn_parallel_peft::{FusedModule, LoraError, LoraFn, LoraModule};
 use burn_parallel_tp::child_path;
+
+use crate::checkpoint::FUSED_PROJECTIONS;
 
 use super::Llama;
 use super::blocks::{Attention, DecoderLayer, Mlp};
@@ -18,6 +20,12 @@ impl LoraModule for Attention {
             ..self
         })
     }
+
+    fn fused_modules(&self, path: &str, out: &mut Vec<FusedModule>) {
+        if self.qkv_fused {
+            out.push(fused_module(path, "self_attn.qkv_proj"));
+        }
+    }
 }
 
 impl LoraModule for Mlp {
@@ -29,6 +37,27 @@ impl LoraModule for Mlp {
             ..self
         })
     }
+
+    fn fused_modules(&self, path: &str, out: &mut Vec<FusedModule>) {
+        if self.gate_up_fused {
+            out.push(fused_module(path, "mlp.gate_up_proj"));
+        }
+    }
+}
+
+/// The fused projection `name` (a [`FUSED_PROJECTIONS`] path) of the attention or MLP at
+/// `path`, with its parts' paths: the checkpoint's table, so that the adapter files and the
+/// checkpoint fuse the same parts in the same order.
+fn fused_module(path: &str, name: &str) -> FusedModule {
+    let (_, parts) = FUSED_PROJECTIONS
+        .iter()
+        .find(|(fused, _)| *fused == name)
+        .expect("a fused projection of the checkpoint's table");
+    let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_string();
+    FusedModule {
+        path: child_path(path, &last(name)),
+        parts: parts.iter().map(|p| child_path(path, &last(p))).collect(),
+    }
 }
 
 impl LoraModule for DecoderLayer {
@@ -38,6 +67,12 @@ impl LoraModule for DecoderLayer {
             mlp: self.mlp.map_lora(&child_path(path, "mlp"), f)?,
             ..self
         })
+    }
+
+    fn fused_modules(&self, path: &str, out: &mut Vec<FusedModule>) {
+        self.self_attn
+            .fused_modules(&child_path(path, "self_attn"), out);
+        self.mlp.fused_modules(&child_path(path, "mlp"), out);
     }
 }
 
@@ -50,5 +85,10 @@ impl LoraModule for Llama {
             layers: self.layers.map_lora(&layers, f)?,
             ..self
         })
+    }
+
+    fn fused_modules(&self, path: &str, out: &mut Vec<FusedModule>) {
+        let layers = child_path(&child_path(path, "model"), "layers");
+        self.layers.fused_modules(&layers, out);
     }
 }

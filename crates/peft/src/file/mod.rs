@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use burn::module::{Module, Param};
 use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 
-use crate::apply::LoraModule;
+use crate::apply::{LoraModule, fused_index};
 use crate::config::LoraConfig;
 use crate::error::LoraError;
 use crate::lora::Adapter;
@@ -35,26 +35,53 @@ pub fn save_adapter<M: LoraModule + Clone>(
 ) -> Result<(), LoraError> {
     let dir = dir.as_ref();
     config.validate()?;
-    let mut modules = Vec::new();
+    let fused = fused_index(model)?;
+    // Per peft module: `a` and the parts' `b`s (one for a plain module), joined after the walk.
+    let mut gathered: Vec<(String, Option<Matrix>, Vec<Option<Matrix>>)> = Vec::new();
     model.clone().map_lora("", &mut |path, layer| {
-        if let Some(ad) = &layer.adapter {
-            let (a, b) = (matrix(&ad.a), matrix(&ad.b));
-            let scale = config.scale();
-            if a.shape[1] != config.r || (ad.scale - scale).abs() > 1e-9 * scale.abs() {
-                return Err(LoraError::InvalidConfig(format!(
-                    "`{path}` has rank {} and scale {}, but the config says rank {} and scale \
-                     {scale}; save with the config the adapters were built with",
-                    a.shape[1], ad.scale, config.r
-                )));
-            }
-            let factors = PeftFactors {
-                a: a.transpose(),
-                b: b.transpose(),
-            };
-            modules.push((path.to_string(), factors));
+        let Some(ad) = &layer.adapter else {
+            return Ok(layer);
+        };
+        let module = fused.locate(path);
+        let b = matrix(&ad.b);
+        let scale = config.scale();
+        if b.shape[0] != config.r || (ad.scale - scale).abs() > 1e-9 * scale.abs() {
+            return Err(LoraError::InvalidConfig(format!(
+                "`{path}` has rank {} and scale {}, but the config says rank {} and scale \
+                 {scale}; save with the config the adapters were built with",
+                b.shape[0], ad.scale, config.r
+            )));
         }
+        let (index, count) = module.part.map_or((0, 1), |p| (p.index, p.count));
+        let slot = match gathered.iter().position(|(m, ..)| m == module.path) {
+            Some(i) => i,
+            None => {
+                gathered.push((module.path.to_string(), None, vec![None; count]));
+                gathered.len() - 1
+            }
+        };
+        let entry = &mut gathered[slot];
+        if let Some(a) = &ad.a {
+            entry.1 = Some(matrix(a));
+        }
+        entry.2[index] = Some(b);
         Ok(layer)
     })?;
+    let mut modules = Vec::with_capacity(gathered.len());
+    for (path, a, bs) in gathered {
+        let parts = bs.into_iter().collect::<Option<Vec<_>>>();
+        let (Some(a), Some(parts)) = (a, parts) else {
+            return Err(LoraError::InvalidConfig(format!(
+                "`{path}` is one module to peft, but only some of its parts hold an adapter \
+                 (or none holds `a`); attach adapters to it with apply_lora or load_adapter"
+            )));
+        };
+        let factors = PeftFactors {
+            a: a.transpose(),
+            b: Matrix::columns(&parts).transpose(),
+        };
+        modules.push((path, factors));
+    }
     if modules.is_empty() {
         return Err(LoraError::file(
             dir,
@@ -191,42 +218,56 @@ pub fn load_adapter_part<M: Module + LoraModule>(
     }
     let modules: Vec<String> = factors.keys().cloned().collect();
     let config = file.to_lora(&modules);
+    let fused = fused_index(&model)?;
     let mut seen = Vec::new();
+    let mut taken = std::collections::HashSet::new();
     let model = model.no_grad().map_lora("", &mut |path, layer| {
-        seen.push(path.to_string());
-        let Some(f) = factors.remove(path) else {
+        let module = fused.locate(path);
+        if module.part.is_none_or(|p| p.is_first()) {
+            seen.push(module.path.to_string());
+        }
+        let Some(f) = factors.get(module.path) else {
             return Ok(layer);
         };
+        taken.insert(module.path.to_string());
         let [d_in, d_out] = layer.features();
+        let (rows, fused_out) = module.part.map_or((0..d_out, d_out), |p| {
+            (p.offset..p.offset + d_out, p.fused_out)
+        });
         for (is_a, m, want) in [
             (true, &f.a, [config.r, d_in]),
-            (false, &f.b, [d_out, config.r]),
+            (false, &f.b, [fused_out, config.r]),
         ] {
             if m.shape != want {
                 let (k, dims) = (
-                    tensors::key(path, is_a),
+                    tensors::key(module.path, is_a),
                     if is_a { "[r, in]" } else { "[out, r]" },
                 );
                 return Err(LoraError::file(
                     &weights,
                     format!(
                         "`{k}` has shape {:?}, expected {dims} = {want:?} (r = {} from \
-                         {CONFIG_FILE}, the module is {d_in} -> {d_out}); was the adapter \
+                         {CONFIG_FILE}, the module is {d_in} -> {fused_out}); was the adapter \
                          trained on this model?",
                         m.shape, config.r
                     ),
                 ));
             }
         }
-        let mut layer = layer.attach(path, &config)?;
+        let first = module.part.is_none_or(|p| p.is_first());
+        let mut layer = layer.attach(module.path, &config)?;
         let ad = layer.adapter.take().expect("attach gives an adapter");
         layer.adapter = Some(Adapter {
-            a: replace(ad.a, f.a.transpose()),
-            b: replace(ad.b, f.b.transpose()),
+            a: match (first, ad.a) {
+                (true, Some(a)) => Some(replace(a, f.a.transpose())),
+                _ => None,
+            },
+            b: replace(ad.b, f.b.rows(rows).transpose()),
             ..ad
         });
         Ok(layer)
     })?;
+    factors.retain(|m, _| !taken.contains(m));
     let loaded = modules.iter().map(|m| !factors.contains_key(m)).collect();
     let loaded = LoadedAdapter {
         config,

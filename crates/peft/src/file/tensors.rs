@@ -38,6 +38,34 @@ impl Matrix {
             values,
         }
     }
+
+    /// Rows `range` (peft's `lora_B` of one part of a fused module).
+    pub fn rows(&self, range: std::ops::Range<usize>) -> Self {
+        let c = self.shape[1];
+        Self {
+            shape: [range.len(), c],
+            values: self.values[range.start * c..range.end * c].to_vec(),
+        }
+    }
+
+    /// The matrices side by side (`[r, c_i]` -> `[r, sum c_i]`): the parts' `b`s as the fused
+    /// module's. Every part has the same rows.
+    pub fn columns(parts: &[Matrix]) -> Self {
+        let r = parts.first().map_or(0, |m| m.shape[0]);
+        let c = parts.iter().map(|m| m.shape[1]).sum();
+        let values = (0..r)
+            .flat_map(|i| {
+                parts
+                    .iter()
+                    .flat_map(move |m| m.values[i * m.shape[1]..(i + 1) * m.shape[1]].iter())
+            })
+            .copied()
+            .collect();
+        Self {
+            shape: [r, c],
+            values,
+        }
+    }
 }
 
 /// One module's factors as peft stores them: `a` is `lora_A.weight [r, in]`, `b` is

@@ -43,7 +43,7 @@ pub(super) fn build_chunks(
     let (r, p, v) = (group.index(), group.size(), cfg.pipeline.stages_per_rank());
     let split = StageSplit::even(model.num_hidden_layers, p * v)
         .map_err(|e| flag_error("--pp", format!("{p} --stages-per-rank {v}: {e}")))?;
-    let trainable = match cfg.lora.plan(cfg.seed)? {
+    let trainable = match cfg.lora.plan(cfg.seed, model.family.row().fused)? {
         Some(LoraPlan::New(config)) => Trainable::Attach(config),
         Some(LoraPlan::Load(dir)) => Trainable::Load(dir),
         None => Trainable::Freeze,
