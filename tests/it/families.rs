@@ -285,3 +285,41 @@ fn phi3_fine_tuned_under_tp_saves_fused_tensors_as_on_one_device() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// LoRA (rank 2, the default targets: every decoder projection) on each family trains under
+/// fsdp2 x2 as on one device (Phi-3's fused projections: `phi3_lora`).
+#[test]
+fn lora_on_every_family_trains_under_fsdp2_as_on_one_device() {
+    use burn_parallel::train::LoraOptions;
+    let on = DistributedFlags::on;
+    for family in [
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mistral,
+        Family::Olmo2,
+        Family::Gemma2,
+        Family::Gemma3,
+    ] {
+        let lora = |flags| TrainConfig {
+            lora: LoraOptions {
+                rank: Some(2),
+                alpha: Some(4.0),
+                ..LoraOptions::default()
+            },
+            ..family_run(family, flags)
+        };
+        let single = run(&lora(on(Strategy::Single, 1)));
+        let full = run(&family_run(family, on(Strategy::Single, 1)));
+        assert_ne!(
+            single.steps[1].report.loss, full.steps[1].report.loss,
+            "{family:?}: LoRA trains something else than full fine-tuning"
+        );
+        let sharded = run(&lora(on(Strategy::Fsdp2, 2)));
+        assert_curves(
+            &sharded,
+            &single,
+            1e-5,
+            &format!("{family:?} LoRA fsdp2 x2"),
+        );
+    }
+}
