@@ -32,7 +32,7 @@ Setup (once; torch from PyPI, the CPU wheel index is not needed):
 Usage:
     VENV/bin/python scripts/bench-torch.py [--model tiny|hf-3m|95m]
         [--strategies single,ddp,fsdp2,fsdp2x4,tp,fsdp2_tp] [--steps 12] [--rounds 3]
-        [--global-batch 8] [--seq-len 128] [--backend flex] [--threads 1]
+        [--global-batch 8] [--seq-len 128] [--backend flex] [--threads 1] [--dtype f32|bf16]
 The binary is $TRAIN_LLAMA, else target/release/examples/train_llama.
 
 Strategies: single (1 rank); ddp (2); fsdp2 (2); fsdp2x4 (fsdp2 on 4); tp (2, tp the whole
@@ -124,6 +124,7 @@ def run_ours(binary, strategy, args):
         "--grad-clip", str(GRAD_CLIP),
         "--backend", args.backend,
         "--threads-per-rank", str(args.threads),
+        *(("--param-dtype", "bf16", "--reduce-dtype", "f32") if args.dtype == "bf16" else ()),
         *(("--config", MODEL_FILES[args.model]) if args.model in MODEL_FILES else ()),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -169,7 +170,7 @@ def torch_rank(rank, strategy, args, port, out):
     try:
         torch.manual_seed(0)  # the same init on every rank, before sharding
         model = build_model(args["model_config"])
-        model, loss_context = parallelize(model, strategy, rank)
+        model, loss_context = parallelize(model, strategy, rank, args["dtype"])
         opt = torch.optim.AdamW(
             model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0
         )
@@ -210,15 +211,23 @@ def build_model(config):
     return LlamaForCausalLM(cfg).float().train()
 
 
-def parallelize(model, strategy, rank):
-    """Applies the strategy; returns the model and the context the loss runs in."""
+def parallelize(model, strategy, rank, dtype="f32"):
+    """Applies the strategy; returns the model and the context the loss runs in. With bf16,
+    FSDP2 gets MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32), as our --param-dtype
+    bf16 --reduce-dtype f32; the other strategies run under CPU autocast to bf16 (f32 master
+    weights, bf16 matmuls)."""
     import contextlib
+    import functools
 
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     no_context = contextlib.nullcontext
+    if dtype == "bf16":
+        no_context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard = functools.partial(fully_shard, mp_policy=policy)
     kind = strategy.kind
     if kind == "single":
         return model, no_context
@@ -226,12 +235,23 @@ def parallelize(model, strategy, rank):
         return torch.nn.parallel.DistributedDataParallel(model), no_context
     if kind == "fsdp2":
         mesh = init_device_mesh("cpu", (strategy.world,))
-        return shard(model, mesh, fully_shard), no_context
+        # The policy casts: no autocast on top.
+        context = contextlib.nullcontext
+        return shard(model, mesh, fully_shard), context
     # tp, fsdp2_tp: tp is the inner dim (consecutive ranks), as ours.
     mesh = init_device_mesh("cpu", (strategy.dp, strategy.tp), mesh_dim_names=("dp", "tp"))
     loss_context = apply_tp(model, mesh["tp"])
     if kind == "fsdp2_tp":
         model = shard(model, mesh["dp"], fully_shard)
+        return model, loss_context
+    if dtype == "bf16":
+        parallel = loss_context
+
+        @contextlib.contextmanager
+        def loss_context():
+            with parallel(), no_context():
+                yield
+
     return model, loss_context
 
 
@@ -391,7 +411,7 @@ def print_table(rows, args):
     print(
         f"\n{args.model} Llama ({flops / 1e9:.1f} GFLOP per step), global batch "
         f"{args.global_batch} x seq {args.seq_len}, AdamW, "
-        f"grad clip {GRAD_CLIP}, f32, {args.threads} thread(s) per rank, {args.backend} backend; median step "
+        f"grad clip {GRAD_CLIP}, {args.dtype}, {args.threads} thread(s) per rank, {args.backend} backend; median step "
         f"time of rank 0 over steps {WARMUP_STEPS}..{args.steps - 1}, median of {args.rounds} "
         f"round(s)"
     )
@@ -426,6 +446,9 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--backend", default="flex")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank, both sides")
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
+                   help="bf16: ours --param-dtype bf16 --reduce-dtype f32; PyTorch FSDP2's "
+                        "MixedPrecisionPolicy alike, CPU autocast to bf16 elsewhere")
     args = p.parse_args()
     names = [n for n in args.strategies.split(",") if n]
     unknown = [n for n in names if n not in STRATEGIES]
