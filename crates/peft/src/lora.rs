@@ -331,10 +331,11 @@ impl Lora<Linear> {
             }
             None => self.base.forward(x.clone()),
         };
-        match (&self.adapter, &first.adapter) {
-            (Some(adapter), Some(first)) => base + adapter.forward_part(x, first),
-            (Some(adapter), None) => base + adapter.forward(x),
-            (None, _) => base,
+        match &self.adapter {
+            Some(adapter) => {
+                base + adapter.forward_part(x, first.adapter.as_ref().unwrap_or(adapter))
+            }
+            None => base,
         }
     }
 

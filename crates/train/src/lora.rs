@@ -10,7 +10,7 @@ use burn::nn::Linear;
 use burn::tensor::TensorData;
 use burn_parallel_fsdp::RowRequest;
 use burn_parallel_models::ModelError;
-use burn_parallel_models::checkpoint::{CheckpointRows, FUSED_PROJECTIONS};
+use burn_parallel_models::checkpoint::{CheckpointRows, fused_part_names};
 use burn_parallel_models::{Llama, LlamaConfig};
 use burn_parallel_parallelizer::Dtype;
 use burn_parallel_parallelizer::full_model;
@@ -133,13 +133,9 @@ pub(crate) fn check_model(cfg: &TrainConfig, model: &LlamaConfig) -> Result<(), 
         }
     };
     let names = |t: &String| {
-        FUSED_PROJECTIONS.iter().find_map(|(fused, parts)| {
-            let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_string();
-            parts
-                .iter()
-                .any(|p| *t == last(p) || t.ends_with(&format!(".{}", last(p))))
-                .then(|| (t.clone(), last(fused)))
-        })
+        fused_part_names()
+            .find(|(part, _)| t == part || t.ends_with(&format!(".{part}")))
+            .map(|(_, fused)| (t.clone(), fused.to_string()))
     };
     let parts: Vec<(String, String)> = targets.iter().filter_map(names).collect();
     if parts.is_empty() {

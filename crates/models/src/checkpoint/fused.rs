@@ -23,10 +23,16 @@ pub(crate) fn part_rows(config: &LlamaConfig, fused: &str) -> Vec<usize> {
     }
 }
 
-/// The module names (last path segments) that are a fused projection or one of its parts.
-pub fn fused_module_names() -> impl Iterator<Item = &'static str> {
-    FUSED_PROJECTIONS
-        .iter()
-        .flat_map(|(fused, parts)| std::iter::once(*fused).chain(parts.iter().copied()))
-        .map(|path| path.rsplit('.').next().unwrap_or(path))
+/// The module name (last path segment) of a [`FUSED_PROJECTIONS`] path (`qkv_proj`).
+pub fn module_name(path: &str) -> &str {
+    path.rsplit('.').next().unwrap_or(path)
+}
+
+/// Each part's module name with its fused projection's (`("q_proj", "qkv_proj")`).
+pub fn fused_part_names() -> impl Iterator<Item = (&'static str, &'static str)> {
+    FUSED_PROJECTIONS.iter().flat_map(|(fused, parts)| {
+        parts
+            .iter()
+            .map(move |part| (module_name(part), module_name(fused)))
+    })
 }

@@ -10,7 +10,7 @@ mod lazy;
 mod reader;
 mod writer;
 
-pub use fused::{FUSED_PROJECTIONS, fused_module_names};
+pub use fused::{FUSED_PROJECTIONS, fused_part_names, module_name};
 pub use hf_names::{HfParam, hf_params, hf_stage_params};
 pub use lazy::{CheckpointRows, lazy_llama, lazy_llama_ep, lazy_llama_stage, untaken_tensors};
 pub use reader::{CheckpointSource, HfCheckpoint, load_llama, load_llama_ep};

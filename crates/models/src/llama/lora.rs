@@ -4,7 +4,7 @@
 use burn_parallel_peft::{FusedModule, LoraError, LoraFn, LoraModule};
 use burn_parallel_tp::child_path;
 
-use crate::checkpoint::FUSED_PROJECTIONS;
+use crate::checkpoint::{FUSED_PROJECTIONS, module_name};
 
 use super::Llama;
 use super::blocks::{Attention, DecoderLayer, Mlp};
@@ -53,10 +53,12 @@ fn fused_module(path: &str, name: &str) -> FusedModule {
         .iter()
         .find(|(fused, _)| *fused == name)
         .expect("a fused projection of the checkpoint's table");
-    let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_string();
     FusedModule {
-        path: child_path(path, &last(name)),
-        parts: parts.iter().map(|p| child_path(path, &last(p))).collect(),
+        path: child_path(path, module_name(name)),
+        parts: parts
+            .iter()
+            .map(|p| child_path(path, module_name(p)))
+            .collect(),
     }
 }
 
