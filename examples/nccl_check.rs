@@ -8,7 +8,8 @@
 //! bootstrap root); see scripts/gpu-check.sh. (An id printed by a separate, exited process
 //! cannot work: NCCL's root listens in the process that created the id.)
 //!
-//! Exit status: 0 when every result matches, 1 on a mismatch, 2 when CUDA or NCCL is missing.
+//! Exit status: 0 when every result matches, 1 on a mismatch, 2 when CUDA or NCCL is missing
+//! or the communicators cannot be set up.
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -26,13 +26,18 @@ strategy runs --rounds times, ours and PyTorch's alternating; the table gives th
 rounds and the range of the per-round ratios ours / PyTorch (below 1: ours is faster).
 Not part of CI. Keep the machine otherwise idle.
 
+On a GPU: `--backend cuda` runs ours on Burn's CUDA backend and PyTorch on `cuda:0`, strategy
+`single` only (PyTorch's NCCL refuses two ranks on one GPU; ours can share it, see
+gpu-check.sh). Each PyTorch step ends with `torch.cuda.synchronize()` before its time is read,
+as ours reads a loss value; bf16 is autocast to bf16 on cuda.
+
 Setup (once; torch from PyPI, the CPU wheel index is not needed):
     python3 -m venv VENV && VENV/bin/pip install torch transformers
     cargo build --release --example train_llama
 Usage:
     VENV/bin/python scripts/bench-torch.py [--model tiny|hf-3m|95m]
         [--strategies single,ddp,fsdp2,fsdp2x4,tp,fsdp2_tp] [--steps 12] [--rounds 3]
-        [--global-batch 8] [--seq-len 128] [--backend flex] [--threads 1] [--dtype f32|bf16]
+        [--global-batch 8] [--seq-len 128] [--backend flex|cuda] [--threads 1] [--dtype f32|bf16]
 The binary is $TRAIN_LLAMA, else target/release/examples/train_llama.
 
 Strategies: single (1 rank); ddp (2); fsdp2 (2); fsdp2x4 (fsdp2 on 4); tp (2, tp the whole
@@ -169,8 +174,9 @@ def torch_rank(rank, strategy, args, port, out):
         dist.init_process_group("gloo", rank=rank, world_size=strategy.world)
     try:
         torch.manual_seed(0)  # the same init on every rank, before sharding
-        model = build_model(args["model_config"])
-        model, loss_context = parallelize(model, strategy, rank, args["dtype"])
+        device = torch_device(args["backend"])
+        model = build_model(args["model_config"]).to(device)
+        model, loss_context = parallelize(model, strategy, rank, args["dtype"], device.type)
         opt = torch.optim.AdamW(
             model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0
         )
@@ -181,6 +187,13 @@ def torch_rank(rank, strategy, args, port, out):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def torch_device(backend):
+    """PyTorch's device for our --backend: cuda:0 for cuda, else the CPU."""
+    import torch
+
+    return torch.device("cuda:0" if backend == "cuda" else "cpu")
 
 
 def model_config(model):
@@ -211,7 +224,7 @@ def build_model(config):
     return LlamaForCausalLM(cfg).float().train()
 
 
-def parallelize(model, strategy, rank, dtype="f32"):
+def parallelize(model, strategy, rank, dtype="f32", device_type="cpu"):
     """Applies the strategy; returns the model and the context the loss runs in. With bf16,
     FSDP2 gets MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32), as our --param-dtype
     bf16 --reduce-dtype f32; the other strategies run under CPU autocast to bf16 (f32 master
@@ -225,7 +238,7 @@ def parallelize(model, strategy, rank, dtype="f32"):
 
     no_context = contextlib.nullcontext
     if dtype == "bf16":
-        no_context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+        no_context = functools.partial(torch.autocast, device_type, dtype=torch.bfloat16)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         fully_shard = functools.partial(fully_shard, mp_policy=policy)
     kind = strategy.kind
@@ -304,12 +317,14 @@ def train(model, opt, loss_context, strategy, rank, args):
     rows = args["global_batch"] // strategy.dp
     seq = args["seq_len"]
     gen = torch.Generator().manual_seed(1000 + dp_rank)
+    device = torch_device(args["backend"])
     times, losses = [], []
     for _ in range(args["steps"]):
         start = time.perf_counter()
         vocab = args["model_config"]["vocab_size"]
         tokens = torch.randint(0, vocab, (rows, seq + 1), generator=gen)
         # Contiguous: the loss flattens the targets with a view.
+        tokens = tokens.to(device)
         inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         with loss_context():
             # shift_labels: the targets are already shifted, every position counts (as ours).
@@ -318,6 +333,8 @@ def train(model, opt, loss_context, strategy, rank, args):
         clip_grad_norm(model, GRAD_CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are queued, not done
         times.append(time.perf_counter() - start)
         losses.append(local_value(loss))
     return times, losses
@@ -444,7 +461,8 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--backend", default="flex")
+    p.add_argument("--backend", default="flex", choices=["flex", "ndarray", "wgpu", "cuda", "tch"],
+                   help="ours; PyTorch runs on cuda:0 with cuda, else on the CPU")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank, both sides")
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
                    help="bf16: ours --param-dtype bf16 --reduce-dtype f32; PyTorch FSDP2's "
@@ -454,6 +472,9 @@ def parse_args():
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         p.error(f"unknown strategies {unknown}; known: {', '.join(STRATEGIES)}")
+    if args.backend == "cuda" and names != ["single"]:
+        p.error("--backend cuda compares the single strategy only (--strategies single): "
+                "PyTorch's NCCL cannot put two ranks on one GPU")
     for n in names:
         if args.global_batch % STRATEGIES[n].dp:
             p.error(f"--global-batch {args.global_batch} does not split over {n}'s dp ranks")

@@ -32,8 +32,9 @@ pub mod collectives {
     pub use crate::autodiff::{
         GatherOptions, Started, WeightRebuild, all_gather, all_gather_recompute, all_gather_with,
         all_reduce, all_to_all, check_gather_dim, copy_to_group, decode_weight, gather_from_group,
-        place_flat, prefetch_on_backward, reduce_from_group, reduce_scatter, resharded_linear,
-        scatter_to_group, split_segments, split_views, start_all_gather, start_ring_shift,
+        order_after, place_flat, prefetch_on_backward, reduce_from_group, reduce_scatter,
+        resharded_linear, scatter_to_group, split_segments, split_views, start_all_gather,
+        start_ring_shift,
     };
     pub use crate::device::pairs::MixedDtypes;
     pub use crate::device::{

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::Tensor;
 use burn_parallel_comm::collectives::{
     Deferral, DeviceCollective, DeviceOp, DevicePending, DeviceStep, Exchange, Observer, Prefetch,
     Sizes, Started, check_gather_dim, route,
@@ -45,7 +45,8 @@ impl<const D: usize> PendingGather<D> {
 /// same on every rank, so the NCCL engine agrees on it once rather than every step. Under an
 /// offload policy the shard is first copied to the compute device (differentiably: backward
 /// copies its gradient back to the host). `after`, an exact zero computed from a unit's input
-/// (see [`UnitInput`](crate::UnitInput)), is added to the shard so that the gather's autodiff
+/// (see [`UnitInput`](crate::UnitInput)), orders the shard after it
+/// ([`order_after`](burn_parallel_comm::collectives::order_after)) so that the gather's autodiff
 /// node sits just below that input: Burn runs backward by graph depth, so the reduce-scatter
 /// then runs as soon as backward has passed the unit, not at the very end. `rebuilt_elems`:
 /// how many of the gathered elements belong to parameters whose consumers rebuild them in
@@ -63,16 +64,10 @@ pub(crate) fn start_gather<const D: usize>(
         Some(device) => shard.to_device(device),
         None => shard,
     };
-    // The values the recomputation reads, outside the graph (the anchor below adds zero).
+    // The values the recomputation reads, outside the graph (the order marker below is `shard`).
     let values = shard.clone().without_autodiff();
     let shard = match after {
-        Some(zero) => {
-            let zero = zero
-                .to_device(&shard.device())
-                .cast(FloatDType::from(shard.dtype()))
-                .reshape([1; D]);
-            shard + zero
-        }
+        Some(anchor) => burn_parallel_comm::collectives::order_after(shard, anchor),
         None => shard,
     };
     let dtype = unit.compute_dtype().unwrap_or(shard.dtype());

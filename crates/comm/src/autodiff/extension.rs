@@ -92,6 +92,13 @@ pub trait CollectiveBackend: Backend {
         x
     }
 
+    /// `x` itself; on the autodiff backend, a node below `anchor` too, whose backward passes the
+    /// gradient to `x` unchanged and gives `anchor` an exact zero (see
+    /// [`order_after`](crate::autodiff::order::order_after)).
+    fn order_after(x: FloatTensor<Self>, _anchor: FloatTensor<Self>) -> FloatTensor<Self> {
+        x
+    }
+
     /// `acc` (1-D) with `piece` written at `place.offset`, one step of `place::place_flat`
     /// (in place where the backend owns `acc` alone); on the autodiff backend a node that
     /// gradient checkpointing recomputes rather than keeps.
@@ -205,6 +212,27 @@ impl<B: CollectiveBackend> Backward<B, 1> for PrefetchBackward {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         ops.state.iter().for_each(Prefetch::issue);
         unary::<B, _>(ops.parents, ops.node, grads, |grad| grad);
+    }
+}
+
+/// An order marker's backward: the gradient to `x` unchanged; to the anchor, zeros of its
+/// shape, dtype and device, made without reading the gradient.
+#[derive(Debug)]
+struct OrderBackward;
+
+impl<B: CollectiveBackend> Backward<B, 2> for OrderBackward {
+    type State = (burn::tensor::Shape, burn::tensor::DType, B::Device);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (shape, dtype, device) = ops.state;
+        let grad = grads.consume::<B>(&ops.node);
+        let [x, anchor] = ops.parents;
+        if let Some(anchor) = anchor {
+            grads.register::<B>(anchor.id, B::float_zeros(shape, &device, dtype.into()));
+        }
+        if let Some(x) = x {
+            grads.register::<B>(x.id, grad);
+        }
     }
 }
 
@@ -529,6 +557,25 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
             .stateful()
         {
             OpsKind::Tracked(prep) => prep.finish(prefetches, x.into_primitive()),
+            OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
+        }
+    }
+
+    fn order_after(x: FloatTensor<Self>, anchor: FloatTensor<Self>) -> FloatTensor<Self> {
+        let retro = RetroSplit::<B> {
+            input: x.id(),
+            segments: None,
+            _backend: std::marker::PhantomData,
+        };
+        let anchor_meta = (anchor.shape(), anchor.dtype(), anchor.primitive().device());
+        match OrderBackward
+            .prepare::<C>([x.node(), anchor.node()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&x, &anchor])
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(anchor_meta, x.into_primitive()),
             OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
         }
     }

@@ -4,12 +4,14 @@
 pub mod extension;
 mod hub;
 pub mod ops;
+pub mod order;
 pub mod place;
 mod placement;
 pub mod recompute;
 pub mod split;
 
 pub use ops::*;
+pub use order::order_after;
 pub use place::place_flat;
 pub use split::{split_segments, split_views};
 

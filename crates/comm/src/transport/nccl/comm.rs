@@ -471,6 +471,12 @@ impl NcclComm {
     /// joins (it failed before its mesh existed), the watch's timeout or the process's failure
     /// signal ends the wait, and this thread aborts the parent (which ends the child's
     /// creation, as NCCL ties them) and the child.
+    ///
+    /// A non-blocking split reports its progress on the parent. NCCL 2.18 hands the new
+    /// communicator back at once; newer NCCL (2.28 on an H200 here) leaves it null until the
+    /// split is complete and writes it from its own thread then. So the slot lives on the heap
+    /// and is read once the parent settles; on a failure before that it is leaked, since
+    /// NCCL may still write to it.
     pub fn split(&self, key: SplitKey, watch: &Watch) -> Result<Self, NcclError> {
         self.enter()?;
         let stream = self
@@ -478,15 +484,15 @@ impl NcclComm {
             .context()
             .new_stream()
             .map_err(cuda_err("cuStreamCreate"))?;
-        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+        let slot: *mut sys::ncclComm_t = Box::into_raw(Box::new(std::ptr::null_mut()));
         let mut config = NcclConfig::non_blocking();
-        // SAFETY: `self.raw` is live; `raw` is written by the call (also when in progress).
+        // SAFETY: `self.raw` is live; `slot` stays allocated for as long as NCCL may write it.
         let status = unsafe {
             sys::ncclCommSplit(
                 self.raw,
                 key.color,
                 key.key,
-                &mut raw,
+                slot,
                 (&mut config as *mut NcclConfig).cast(),
             )
             .result()
@@ -494,6 +500,15 @@ impl NcclComm {
         if let Err(e) = status {
             return Err(nccl_err("ncclCommSplit")(e));
         }
+        // Waits for the split on the parent; on failure the watch has aborted the parent.
+        self.settle(Some(watch))?;
+        // SAFETY: the split is complete and NCCL no longer touches the slot; NCCL stores it with
+        // release ordering, read here with acquire, then freed.
+        let raw = unsafe {
+            let raw = std::sync::atomic::AtomicPtr::from_ptr(slot).load(Ordering::Acquire);
+            drop(Box::from_raw(slot));
+            raw
+        };
         if raw.is_null() {
             return Err(NcclError::Nccl {
                 call: "ncclCommSplit",
@@ -501,11 +516,7 @@ impl NcclComm {
             });
         }
         let mut child = Self::from_raw(raw, self.rank, 0, stream);
-        // The child answers for the split's progress; the parent's own state follows it.
-        if let Err(e) = child
-            .settle(Some(watch))
-            .and_then(|()| self.settle(Some(watch)))
-        {
+        if let Err(e) = child.settle(Some(watch)) {
             child.abort();
             return Err(e);
         }
