@@ -132,7 +132,11 @@ def run_ours(binary, strategy, args):
         *(("--param-dtype", "bf16", "--reduce-dtype", "f32") if args.dtype == "bf16" else ()),
         *(("--config", MODEL_FILES[args.model]) if args.model in MODEL_FILES else ()),
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if args.backend == "tch":
+        # LibTorch's own thread pools (OpenMP, MKL) take every core unless told otherwise.
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr}")
     steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

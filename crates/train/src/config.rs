@@ -15,8 +15,9 @@ use crate::options::{LoraOptions, LrScheduleKind, OnNonFinite, PipelineOptions};
 
 named_enum! {
     /// The backend each rank computes on: a CPU backend, one GPU per rank (`cuda`: Burn's
-    /// CUDA backend, build with `--features cuda`; `tch`: LibTorch on CUDA, `--features tch`),
-    /// or one wgpu device every rank shares (`wgpu`, `--features wgpu`).
+    /// CUDA backend, build with `--features cuda`; `tch`: LibTorch, `--features tch`, on CUDA
+    /// when LibTorch sees a GPU, else on the CPU), or one wgpu device every rank shares
+    /// (`wgpu`, `--features wgpu`).
     pub enum Backend as "backend" {
         /// Burn's ndarray CPU backend (no bf16).
         Ndarray = "ndarray",
@@ -24,7 +25,8 @@ named_enum! {
         Flex = "flex",
         /// Burn's CUDA backend, one GPU per rank.
         Cuda = "cuda",
-        /// LibTorch on CUDA, one GPU per rank.
+        /// LibTorch: one GPU per rank when LibTorch sees CUDA, else the CPU every rank shares
+        /// (PyTorch's `"cuda" if torch.cuda.is_available() else "cpu"`).
         Tch = "tch",
         /// Burn's CubeCL backend on wgpu's default adapter (Vulkan, Metal or DX12; Mesa's
         /// llvmpipe on a machine without a GPU), one device every rank shares.
@@ -42,13 +44,24 @@ named_enum! {
     }
 }
 
+/// Whether LibTorch sees a CUDA device (its CUDA runtime loads and finds a GPU).
+#[cfg(feature = "tch")]
+fn libtorch_sees_cuda() -> bool {
+    tch::Cuda::is_available()
+}
+
+#[cfg(all(feature = "cuda", not(feature = "tch")))]
+fn libtorch_sees_cuda() -> bool {
+    false
+}
+
 impl Backend {
     /// The autodiff device of a rank whose GPU (for `cuda` and `tch`) is `gpu`, or an error
     /// naming the cargo feature this build lacks (or, for `wgpu`, the missing driver).
     #[allow(deprecated)] // burn-ndarray and burn-tch are deprecated in Burn 0.22, not removed
     pub fn device(self, gpu: usize) -> Result<Device, TrainError> {
         #[cfg(any(feature = "cuda", feature = "tch"))]
-        if matches!(self, Backend::Cuda | Backend::Tch) {
+        if matches!(self, Backend::Cuda) || (self == Backend::Tch && libtorch_sees_cuda()) {
             burn_parallel_comm::nccl::check_gpu(gpu)
                 .map_err(|e| flag_error("--backend", format!("{self}: {e}")))?;
         }
@@ -59,7 +72,9 @@ impl Backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda => Device::cuda(gpu),
             #[cfg(feature = "tch")]
-            Backend::Tch => Device::libtorch_cuda(gpu),
+            Backend::Tch if libtorch_sees_cuda() => Device::libtorch_cuda(gpu),
+            #[cfg(feature = "tch")]
+            Backend::Tch => Device::libtorch(),
             #[cfg(feature = "wgpu")]
             // One device every rank shares (rank identity comes from the communicator).
             Backend::Wgpu => crate::wgpu_device::wgpu_adapter()
@@ -290,15 +305,26 @@ impl TrainConfig {
     }
 }
 
-#[cfg(all(test, not(feature = "wgpu")))]
+#[cfg(test)]
 mod tests {
+    #[allow(unused_imports)] // each test needs a build without its feature
     use super::*;
 
     /// Without the cargo feature, `--backend wgpu` is an error that says how to build it.
+    #[cfg(not(feature = "wgpu"))]
     #[test]
     fn backend_wgpu_without_the_feature_names_it() {
         assert!(!Backend::Wgpu.available());
         let e = Backend::Wgpu.device(0).unwrap_err().to_string();
         assert!(e.contains("`--features wgpu`"), "{e}");
+    }
+
+    /// Without the cargo feature, `--backend tch` is an error that says how to build it.
+    #[cfg(not(feature = "tch"))]
+    #[test]
+    fn backend_tch_without_the_feature_names_it() {
+        assert!(!Backend::Tch.available());
+        let e = Backend::Tch.device(0).unwrap_err().to_string();
+        assert!(e.contains("`--features tch`"), "{e}");
     }
 }

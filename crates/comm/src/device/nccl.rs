@@ -24,6 +24,7 @@ use crate::transport::nccl::scope::{Scope, Slot, collective_error};
 use crate::transport::nccl::types::{NcclDataType, nccl_dtype, nccl_reduce};
 
 /// A CUDA failure as an NCCL-engine error.
+#[cfg(feature = "cuda")]
 pub(crate) fn cuda_err(call: &'static str) -> impl Fn(String) -> NcclError {
     move |message| NcclError::Cuda { call, message }
 }
