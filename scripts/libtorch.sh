@@ -5,8 +5,8 @@
 # binaries load it from the wheel's torch/lib at run time.
 #
 # PyPI's Linux wheel is the CUDA build: libtorch.so links libtorch_cuda.so, which needs the
-# nvidia-* wheels it depends on even where LibTorch runs on the CPU (about 6 GB installed,
-# about a minute from PyPI). On a machine without a GPU, `--backend tch` runs on the CPU.
+# nvidia-* wheels it depends on even where LibTorch runs on the CPU (6-7 GB installed,
+# about 2 minutes from PyPI). On a machine without a GPU, `--backend tch` runs on the CPU.
 #
 # Usage:
 #   scripts/libtorch.sh install        install torch (once; a second call checks and returns)

@@ -7,14 +7,15 @@
 # Hugging Face save, or the LoRA adapter) within 1e-4 per element. AdamW divides each
 # element's step by its own gradient's size, so two backends' kernels, which round in other
 # orders, move elements whose gradient is near zero differently: ndarray against flex, both
-# f32 on the CPU, part by up to 3.7e-5 in the weights while their losses agree to 7e-7. Then a checkpoint saved by
-# tch at step 3 resumes on flex to step 5, and one saved by flex resumes on tch, both against
-# the straight flex run. Prints a PASS/FAIL line per check and exits 1 if any failed.
+# f32 on the CPU, part by up to 3.7e-5 in the weights while their losses agree to 7e-7. Then
+# a checkpoint saved by tch at step 3 resumes on flex to step 5, and one saved by flex resumes
+# on tch, both against the straight flex run. Prints a PASS/FAIL line per check and exits 1 if any failed.
 #
 # Needs a train_llama built with `--features tch` and LibTorch (scripts/libtorch.sh):
 #   scripts/libtorch.sh install
-#   CARGO_TARGET_DIR=target-tch scripts/libtorch.sh run \
-#     cargo build --release --locked --features tch --example train_llama
+#   CARGO_TARGET_DIR=target-tch scripts/libtorch.sh build --release --features tch --example train_llama
+# (`build`, not `run cargo build`: it patches burn-dispatch's missing LibTorch arm of
+# grad_replace, without which every strategy that replaces gradients panics on tch)
 #   TRAIN_LLAMA=target-tch/release/examples/train_llama scripts/tch-lane.sh
 # (a separate target folder: the tch feature changes Burn's features, so sharing one would
 # rebuild Burn each time you switch). Environment: TRAIN_LLAMA, TCH_LANE_WORK (kept; default a
