@@ -135,7 +135,7 @@ libdevice() {
 
 build() {
   need cargo "install Rust (rustup.rs)"
-  local features="cuda nccl"
+  local features="cuda nccl fusion"
   if [[ "$with_tch" == 1 ]]; then
     [[ -n "${LIBTORCH:-}" ]] || die "--tch needs LIBTORCH pointing at a libtorch install"
     features="$features tch"

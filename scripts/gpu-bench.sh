@@ -5,7 +5,8 @@
 #   2. the 95M Llama's step against PyTorch on cuda:0 (scripts/bench-torch.py --backend cuda,
 #      single, f32 and bf16), where python3 has torch and transformers;
 #   3. the 95M step of ours under single, fsdp2 on 1 rank and on 2 rank threads sharing the GPU,
-#      f32 and bf16, with the forward/backward/optimizer split of each step.
+#      f32 and bf16, with the forward/backward/optimizer split of each step; single f32 and bf16
+#      again with compile on (Burn's kernel fusion, `enable_compile: true`).
 # Everything is printed and kept under $OUT (default /tmp/gpu-bench). About 4 minutes on an H200.
 # Environment: OUT, GPU_BENCH_STEPS (default 5).
 set -u
@@ -34,11 +35,14 @@ done
 common=(--backend cuda --engine threads --config "$repo/examples/models/llama_95m.json"
   --global-batch 8 --seq-len 128 --optimizer adamw --lr 3e-3 --grad-clip 1.0 --json
   --steps "$steps")
-for run in "single 1 f32" "fsdp2 1 f32" "fsdp2 2 f32" "single 1 bf16" "fsdp2 2 bf16"; do
-  read -r strategy world dtype <<<"$run"
+printf 'enable_compile: true\n' >"$out/compile.yaml"
+for run in "single 1 f32" "fsdp2 1 f32" "fsdp2 2 f32" "single 1 bf16" "fsdp2 2 bf16" \
+  "single 1 f32 compile" "single 1 bf16 compile"; do
+  read -r strategy world dtype compile <<<"$run"
   extra=()
   [[ $dtype == bf16 ]] && extra=(--param-dtype bf16 --reduce-dtype f32)
-  name="$strategy-x$world-$dtype"
+  [[ -n $compile ]] && extra+=(--distributed-config "$out/compile.yaml")
+  name="$strategy-x$world-$dtype${compile:+-compile}"
   # LOCAL_RANK=0: every rank thread on GPU 0.
   LOCAL_RANK=0 timeout 90 "$TRAIN_LLAMA" "${common[@]}" "${extra[@]}" --strategy "$strategy" \
     --world-size "$world" >"$out/$name.json" 2>"$out/$name.err"

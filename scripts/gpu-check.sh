@@ -2,8 +2,8 @@
 # GPU check of burn-parallel on a machine with one NVIDIA GPU, no network and no Rust.
 #
 # The GPU kit. scripts/cuda-build.sh, run where there is Rust and a network (the first build
-# takes 45+ minutes on 2 cores), builds train_llama and nccl_check with --features "cuda nccl"
-# and packs them into target/gpu-kit/:
+# takes 45+ minutes on 2 cores), builds train_llama and nccl_check with
+# --features "cuda nccl fusion" and packs them into target/gpu-kit/:
 #   train_llama.xz, nccl_check.xz    stripped and xz-compressed (train_llama also has the CPU
 #                                    backends: its --backend flex run is the reference here)
 #   nvvm/libdevice/libdevice.10.bc   CUDA's math library. The CUDA backend links it into
@@ -41,7 +41,12 @@
 #      against a device-to-device copy. Then fsdp2 on 1 rank with the nccl engine (exchanges
 #      on device buffers) runs against the threads engine, within 5e-5. Without libnccl this
 #      part is SKIPPED: the script names every folder it searched, and the check does not fail.
-#   4. Report: the per-step JSON of the single-device cuda run, and for every run its wall
+#   4. Compile (Burn's kernel fusion, `enable_compile: true`; the kit is built with the
+#      `fusion` feature): single, and fsdp2 on 1 rank with the nccl engine when libnccl is
+#      there (the NCCL step as a fusion boundary), against the same runs eager (the runs above):
+#      single with SGD within 1e-5, fsdp2 with AdamW within 1e-3. Skipped with --cpu (flex has
+#      no kernel fusion).
+#   5. Report: the per-step JSON of the single-device cuda run, and for every run its wall
 #      time, tokens/s and peak GPU memory. Tokens/s is taken over the steps after the first,
 #      from the JSON's step_time_s and tokens_per_s. Peak memory comes from nvidia-smi, polled
 #      every 0.2 s, with the memory in use before the run alongside.
@@ -730,6 +735,24 @@ main() {
       --world-size 1 --engine nccl
     check_curve "fsdp2 on 1 rank, nccl engine against threads engine" "$TOL_ENGINE" \
       "$dev-fsdp2-nccl" "$dev-fsdp2-1thread"
+  fi
+
+  say ""
+  say "== 4. compile (Burn's kernel fusion) against eager"
+  if [[ "$cpu_only" == 1 ]]; then
+    result SKIPPED "compile checks" "--cpu (flex has no kernel fusion)"
+  else
+    printf 'enable_compile: true\n' > "$work/compile.yaml"
+    train_run "$dev-single-sgd-compile" 1 -- --backend "$dev" --strategy single --world-size 1 \
+      --engine threads --optimizer sgd --distributed-config "$work/compile.yaml"
+    check_curve "single device, $dev compiled against eager, SGD" "$TOL_SGD" \
+      "$dev-single-sgd-compile" "$dev-single-sgd"
+    if [[ "$nccl_ok" == 1 ]]; then
+      train_run "$dev-fsdp2-nccl-compile" 1 "${NCCL_ENV[@]}" -- --backend "$dev" --strategy fsdp2 \
+        --world-size 1 --engine nccl --distributed-config "$work/compile.yaml"
+      check_curve "fsdp2 on 1 rank, nccl engine, compiled against eager" "$TOL_ADAMW" \
+        "$dev-fsdp2-nccl-compile" "$dev-fsdp2-nccl"
+    fi
   fi
 
   report

@@ -7,6 +7,7 @@ mod checkpoint;
 mod checkpointing_scope;
 mod collective_cases;
 mod collective_props;
+mod compile;
 mod context_parallel;
 mod data_chat;
 mod data_pack;

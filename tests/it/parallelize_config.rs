@@ -474,7 +474,7 @@ fn effect(config: DistributedConfig) -> String {
         Ok(format!(
             "sizes {:?} groups {groups:?} checkpointing {} policy {:?} offload {} prefetch {} \
              backward prefetch {} defers {} ddp {} layout {:?} reduction {:?} buckets {:?} \
-             resharding {:?} activation checkpointing {:?}",
+             resharding {:?} activation checkpointing {:?} compile {}",
             ctx.sizes(),
             ctx.on_checkpointing_device(),
             fsdp.mixed_precision,
@@ -488,6 +488,7 @@ fn effect(config: DistributedConfig) -> String {
             fsdp.bucket_elements,
             ctx.plan().resharding(),
             ctx.plan().checkpointing(),
+            ctx.plan().compile(),
         ))
     })
     .unwrap();

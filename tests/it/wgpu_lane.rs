@@ -8,6 +8,7 @@
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel::comm::chunk::chunk_range;
 use burn_parallel::comm::collectives as coll;
+use burn_parallel::comm::compile::{KernelFusion, set_kernel_fusion};
 use burn_parallel::comm::{CollectiveError, ReduceOp, launch};
 use burn_parallel::models::attention::{AttentionMask, flash_attention};
 use burn_parallel::models::checkpoint::HfCheckpoint;
@@ -23,8 +24,11 @@ use crate::llama_train::{assert_curves, resolved, run, small_model, small_run};
 
 type R<T> = Result<T, CollectiveError>;
 
-/// The lane's device (not autodiff); a machine without one fails here, naming the driver.
-fn lane() -> &'static WgpuAdapter {
+/// The lane's device (not autodiff); a machine without one fails here, naming the driver. The
+/// lane runs eagerly: in a build with Burn's fusion, the process's choice is made here, before
+/// any tensor reaches the device (tests/it/compile.rs runs fused lanes in child processes).
+pub(crate) fn lane() -> &'static WgpuAdapter {
+    set_kernel_fusion(KernelFusion::Eager).unwrap_or_else(|e| panic!("the eager lane: {e}"));
     wgpu_adapter().unwrap_or_else(|e| panic!("the wgpu lane has no device: {e}"))
 }
 
@@ -324,7 +328,7 @@ fn wgpu_lane_fused_blocks_take_the_plain_path_and_match_flex() {
 }
 
 /// The small Llama's AdamW run on wgpu (`save`: into a fresh temp dir of that name).
-fn wgpu_run(
+pub(crate) fn wgpu_run(
     strategy: Strategy,
     world: usize,
     tp: Option<usize>,
@@ -343,7 +347,7 @@ fn wgpu_run(
 }
 
 /// The trained model of `cfg` (saved to its `save` dir), tensor by tensor, then the dir removed.
-fn saved_weights(cfg: &TrainConfig) -> Vec<(String, Vec<f32>)> {
+pub(crate) fn saved_weights(cfg: &TrainConfig) -> Vec<(String, Vec<f32>)> {
     let dir = cfg.save.as_ref().expect("a save dir");
     let checkpoint = HfCheckpoint::open(dir).unwrap();
     let weights = checkpoint

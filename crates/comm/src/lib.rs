@@ -19,6 +19,7 @@
 
 mod autodiff;
 pub mod checkpoint;
+pub mod compile;
 mod device;
 mod transport;
 

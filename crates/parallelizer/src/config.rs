@@ -321,8 +321,10 @@ pub struct DistributedConfig {
     /// for units that reshard after forward (`fsdp::FsdpConfig::backward_prefetch_depth`;
     /// default 2; at most 16: each holds its gathered weights until its backward).
     pub fsdp2_backward_prefetch_depth: usize,
-    /// Not supported (an error when true; default `false`): the CPU backends have no kernel
-    /// fusion, and the CUDA build does not include Burn's fusion.
+    /// Burn's kernel fusion (default `false`): on a CubeCL device (wgpu, cuda) of a build with
+    /// the `fusion` feature, operations run as fused kernels (`torch.compile`'s role). A named
+    /// error on flex, ndarray and tch, and without the feature. Fused or eager is one choice per
+    /// process (`burn_parallel_comm::compile`).
     pub enable_compile: bool,
     /// Async tensor parallelism (default `false`): under `sequence_parallel` (required), the
     /// linear layers' sequence all-gather and reduce-scatter run in ring steps, each exchange

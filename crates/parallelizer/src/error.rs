@@ -28,6 +28,9 @@ pub enum ParallelError {
     /// A pipeline stage could not be built or run its schedule.
     #[error("pipeline parallel: {0}")]
     Pipeline(#[from] burn_parallel_pp::PipelineError),
+    /// `enable_compile` does not fit the build, the device or the process's kernel fusion.
+    #[error("{0}")]
+    Compile(#[from] burn_parallel_comm::compile::CompileError),
     /// A collective (a DDP all-reduce, the replica check, ...) failed.
     #[error("collective: {0}")]
     Collective(#[from] CollectiveError),

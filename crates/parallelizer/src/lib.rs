@@ -45,6 +45,8 @@ pub use config::{
 };
 pub use context::{DP, ExpertGroups, LocalRows, MeshContext, PP, PP_BACKWARD, WORLD};
 pub use error::ParallelError;
+
+use burn_parallel_comm::compile::check_compile;
 pub use full::{full_model, full_state_dict};
 pub use pipeline::{PipelineReport, pipeline_eval_loss};
 pub use run_step::Step;
@@ -72,6 +74,9 @@ pub fn parallelize_model<M: ParallelizableModel>(
     model: M,
     ctx: &MeshContext,
 ) -> Result<M, ParallelError> {
+    // First: the replica check already runs kernels, and an eager process must be chosen
+    // before Burn's fusion starts.
+    check_compile(ctx.plan().compile(), ctx.device())?;
     if !ctx.uses_ddp() {
         agree::check_replicas_agree(&model, ctx)?;
     }
@@ -117,9 +122,18 @@ pub fn parallelize_model_from<M: ParallelizableModel, E: std::fmt::Display>(
     parallelize_model(model, &ctx.reading_rows(rows))
 }
 
-/// Burn fuses kernels when the backend has fusion (CUDA through burn-fusion). The CPU backends
-/// (ndarray, flex) have none: there it returns the model unchanged, as it does when
-/// `enable_compile` is off.
-pub fn compile_parallelized_model<M: ParallelizableModel>(model: M, _ctx: &MeshContext) -> M {
-    model
+/// NeMo's `compile_parallelized_model`: the model, run with Burn's kernel fusion on a CubeCL
+/// device (wgpu, cuda) of a build with the `fusion` feature. Burn fuses lazily as operations
+/// queue up, so nothing in the model changes: this checks that the build, the device and the
+/// process run fused ([`burn_parallel_comm::compile`]) and settles the process fused. With
+/// `enable_compile` off it returns the model as it is. An error names what is missing (the
+/// feature; a flex, ndarray or tch device; a process already chosen eager).
+pub fn compile_parallelized_model<M: ParallelizableModel>(
+    model: M,
+    ctx: &MeshContext,
+) -> Result<M, ParallelError> {
+    if ctx.plan().compile() {
+        check_compile(true, ctx.device())?;
+    }
+    Ok(model)
 }

@@ -43,6 +43,7 @@ impl TrainConfig {
         if !self.backend.available() {
             self.backend.device(0)?;
         }
+        self.settle_kernel_fusion()?;
         #[cfg(feature = "wgpu")]
         if self.backend == Backend::Wgpu {
             crate::wgpu_device::check_dtypes(&self.distributed.mp_policy)?;
@@ -54,6 +55,32 @@ impl TrainConfig {
             return bad("--engine", reason);
         }
         Ok(())
+    }
+
+    /// `enable_compile` against the backend and the build, and the process's kernel fusion
+    /// chosen from it on a CubeCL backend before any tensor exists there (Burn chooses its
+    /// fusers once per process: `burn_parallel_comm::compile`).
+    fn settle_kernel_fusion(&self) -> Result<(), TrainError> {
+        use burn_parallel_comm::compile::{KernelFusion, set_kernel_fusion};
+        let compile = self.distributed.enable_compile;
+        let fail = |e: &dyn std::fmt::Display| flag_error("enable_compile", e.to_string());
+        match (
+            compile,
+            matches!(self.backend, Backend::Wgpu | Backend::Cuda),
+        ) {
+            (true, false) => Err(flag_error(
+                "enable_compile",
+                format!(
+                    "--backend {} has no kernel fusion: Burn fuses on its CubeCL backends \
+                     (--backend wgpu or cuda, built with the `fusion` feature); leave \
+                     enable_compile false",
+                    self.backend
+                ),
+            )),
+            (true, true) => set_kernel_fusion(KernelFusion::Fused).map_err(|e| fail(&e)),
+            (false, true) => set_kernel_fusion(KernelFusion::Eager).map_err(|e| fail(&e)),
+            (false, false) => Ok(()),
+        }
     }
 
     /// The learning rate, its floor and the schedule they need.

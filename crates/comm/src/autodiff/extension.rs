@@ -148,18 +148,27 @@ impl CollectiveBackend for burn::backend::LibTorch {
     }
 }
 
-/// Burn's CUDA backend: NCCL on the tensor's buffer (see `device::cube`).
+/// Burn's CUDA backend: NCCL on the tensor's buffer (see `device::cube`). With the `fusion`
+/// feature `Cube` is Burn's fusion backend over it: the step is a fusion boundary
+/// (`device::fused`).
 #[cfg(feature = "cuda")]
-impl CollectiveBackend for burn_cubecl::CubeBackend {
+impl CollectiveBackend for burn_cubecl::Cube {
     fn nccl_step(x: FloatTensor<Self>, call: NcclCall) -> FloatTensor<Self> {
-        call.finish(crate::device::cube::run(x, &call.op, &call.group))
+        #[cfg(feature = "fusion")]
+        let result = crate::device::fused::on_inner(x, |x| {
+            crate::device::cube::run(x, &call.op, &call.group)
+        });
+        #[cfg(not(feature = "fusion"))]
+        let result = crate::device::cube::run(x, &call.op, &call.group);
+        call.finish(result)
     }
 }
 
 /// Burn's CubeCL backend built for wgpu alone: its tensors exchange through the group's engine
-/// (`device::route` sends NCCL steps to CUDA tensors only), so it has no NCCL step.
+/// (`device::route` sends NCCL steps to CUDA tensors only), so it has no NCCL step. The engine
+/// path reads the tensor's values, which flushes a fusion stream first.
 #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
-impl CollectiveBackend for burn_cubecl::CubeBackend {}
+impl CollectiveBackend for burn_cubecl::Cube {}
 
 #[derive(Debug)]
 struct DeviceBackward;

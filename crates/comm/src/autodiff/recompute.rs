@@ -93,7 +93,7 @@ impl RecomputeBackend for Flex {}
 #[cfg(feature = "tch")]
 impl RecomputeBackend for burn::backend::LibTorch {}
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
-impl RecomputeBackend for burn_cubecl::CubeBackend {}
+impl RecomputeBackend for burn_cubecl::Cube {}
 
 impl<B: RecomputeBackend, C: CheckpointStrategy> RecomputeBackend for Autodiff<B, C>
 where

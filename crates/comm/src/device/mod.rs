@@ -13,6 +13,8 @@ pub mod steps;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cube;
+#[cfg(all(feature = "cuda", feature = "fusion"))]
+pub(crate) mod fused;
 #[cfg(any(feature = "cuda", feature = "tch"))]
 pub(crate) mod nccl;
 #[cfg(feature = "tch")]

@@ -284,9 +284,10 @@ impl FlashBackend for burn::backend::Flex {}
 #[cfg(feature = "tch")]
 impl FlashBackend for burn::backend::LibTorch {}
 
-/// Burn's CubeCL backend (CUDA, wgpu): the blockwise plain-op math until a GPU kernel exists.
+/// Burn's CubeCL backend (CUDA, wgpu): the blockwise plain-op math until a GPU kernel exists
+/// (fused by Burn's fusion backend, which `Cube` is with the `fusion` feature).
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
-impl FlashBackend for burn_cubecl::CubeBackend {}
+impl FlashBackend for burn_cubecl::Cube {}
 
 /// Memory-efficient attention of `q` `[batch, heads, queries, head_dim]` over `k`, `v`
 /// `[batch, kv_heads, keys, head_dim]` under `mask`, scores scaled by `scale`, as one autodiff

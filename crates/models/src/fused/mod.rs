@@ -139,9 +139,10 @@ impl FusedBackend for NdArray {}
 #[cfg(feature = "tch")]
 impl FusedBackend for burn::backend::LibTorch {}
 
-/// Burn's CubeCL backend (CUDA, wgpu): the plain-op math until a GPU kernel exists.
+/// Burn's CubeCL backend (CUDA, wgpu): the plain-op math until a GPU kernel exists. With the
+/// `fusion` feature `Cube` is Burn's fusion backend over it, which fuses those ops' kernels.
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
-impl FusedBackend for burn_cubecl::CubeBackend {}
+impl FusedBackend for burn_cubecl::Cube {}
 
 /// `silu(gate) * up` as one autodiff node (SwiGLU's gating), in the inputs' dtype.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {

@@ -285,12 +285,6 @@ pub enum Unsupported {
         /// What it was combined with, and what works.
         with: String,
     },
-    /// `enable_compile`.
-    #[error(
-        "enable_compile (the CPU backends have no kernel fusion and the CUDA build does not \
-         include Burn's fusion; leave it false)"
-    )]
-    Compile,
     /// A combination megatron_fsdp refuses.
     #[error("megatron_fsdp with {0}")]
     MegatronFsdpWith(&'static str),

@@ -181,6 +181,11 @@ impl Plan {
         self.checkpointing() == Some(Checkpointing::Ops)
     }
 
+    /// Whether the run asks for Burn's kernel fusion (`enable_compile`).
+    pub fn compile(&self) -> bool {
+        self.config.enable_compile
+    }
+
     /// Whether sequence-parallel collectives run in ring steps overlapping the matmuls
     /// (`enable_async_tensor_parallel`).
     pub fn async_tensor_parallel(&self) -> bool {
@@ -447,9 +452,6 @@ impl DistributedConfig {
         }
         if self.enable_async_tensor_parallel && !self.sequence_parallel {
             return Err(invalid(ConfigError::AsyncTpWithoutSequenceParallel));
-        }
-        if self.enable_compile {
-            return unsupported(Unsupported::Compile);
         }
         if self.checkpointing()? == Checkpointing::Ops
             && self.activation_checkpointing
