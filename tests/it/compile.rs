@@ -32,7 +32,7 @@ fn compile_on_a_host_backend_is_refused_naming_it() {
         .expect_err("compile on flex")
         .to_string();
     assert!(
-        e.contains("enable_compile") && e.contains("flex") && e.contains("no kernel fusion"),
+        e.contains("enable_compile") && e.contains("--backend flex") && e.contains("CubeCL"),
         "{e}"
     );
 
@@ -66,7 +66,7 @@ mod fused_lane {
     use std::process::Command;
 
     use burn_parallel::comm::compile::{FusionCounter, FusionCounts};
-    use burn_parallel::train::{Strategy, TrainConfig};
+    use burn_parallel::train::{Strategy, TrainConfig, train, wgpu_adapter};
 
     use crate::common::assert_close;
     use crate::llama_hf::temp_dir;
@@ -186,13 +186,37 @@ mod fused_lane {
         saved_weights(&cfg)
     }
 
-    /// One mode's runs, in this process (a child of the test above).
+    /// Eager asked after a tensor reached the device (Burn's fusion started with its fusers): the
+    /// trainer refuses, naming the call that makes the choice at the start.
     #[test]
-    #[ignore = "run in a child process by compile_on_trains_as_compile_off_with_kernels_fused"]
+    fn eager_after_a_fused_tensor_is_refused_naming_the_call() {
+        let root = temp_dir("compile-lane-late");
+        in_a_child("late", &root);
+        std::fs::remove_dir_all(root).unwrap();
+    }
+
+    /// A tensor on the wgpu device before any choice, then the trainer with compile off.
+    fn late_choice() {
+        let device = wgpu_adapter().unwrap().device.clone();
+        let x = crate::common::tensor(1, [2, 3], &device);
+        assert_eq!(crate::common::vec_of(&(x * 2.0)).len(), 6);
+        let e = train(&lane_run(Strategy::Single, 1, None, false), &|_| {})
+            .expect_err("eager after fusion started")
+            .to_string();
+        assert!(
+            e.contains("enable_compile") && e.contains("set_kernel_fusion"),
+            "{e}"
+        );
+    }
+
+    /// One mode's runs, in this process (a child of the tests above).
+    #[test]
+    #[ignore = "run in a child process by the tests above"]
     fn child_runs_the_lane() {
         let compile = match std::env::var(MODE_ENV).as_deref() {
             Ok("fused") => true,
             Ok("eager") => false,
+            Ok("late") => return late_choice(),
             other => panic!("{MODE_ENV} is {other:?}"),
         };
         let out = PathBuf::from(std::env::var_os(OUT_ENV).expect(OUT_ENV));
@@ -220,5 +244,14 @@ mod fused_lane {
             });
             std::fs::write(run_file(&out, strategy), json.to_string()).unwrap();
         }
+        // The process is settled: the other mode is refused by name.
+        let other = lane_run(Strategy::Single, 1, None, !compile);
+        let e = train(&other, &|_| {})
+            .expect_err("the other kernel fusion in this process")
+            .to_string();
+        assert!(
+            e.contains("already run") && e.contains("separate processes"),
+            "{e}"
+        );
     }
 }

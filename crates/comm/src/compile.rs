@@ -150,11 +150,22 @@ pub fn is_cube_device(device: &Device) -> bool {
 /// on, it needs fusion built and a CubeCL device, and settles the process fused; off, on a
 /// CubeCL device of a fusion build, it settles the process eager.
 pub fn check_compile(enable_compile: bool, device: &Device) -> Result<(), CompileError> {
-    match (enable_compile, is_cube_device(device)) {
+    settle_kernel_fusion(enable_compile, is_cube_device(device), || {
+        crate::device::describe(device)
+    })
+}
+
+/// [`check_compile`] for a backend chosen before its device exists (the trainer's
+/// `--backend`, settled before any rank starts): `cube` says whether it is a CubeCL one, `name`
+/// names it in the error.
+pub fn settle_kernel_fusion(
+    enable_compile: bool,
+    cube: bool,
+    name: impl FnOnce() -> String,
+) -> Result<(), CompileError> {
+    match (enable_compile, cube) {
         (true, _) if !FUSION_BUILT => Err(CompileError::NotBuilt),
-        (true, false) => Err(CompileError::NoFusionOn {
-            device: crate::device::describe(device),
-        }),
+        (true, false) => Err(CompileError::NoFusionOn { device: name() }),
         (true, true) => set_kernel_fusion(KernelFusion::Fused),
         (false, true) => set_kernel_fusion(KernelFusion::Eager),
         (false, false) => Ok(()),

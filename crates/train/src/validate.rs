@@ -61,26 +61,14 @@ impl TrainConfig {
     /// chosen from it on a CubeCL backend before any tensor exists there (Burn chooses its
     /// fusers once per process: `burn_parallel_comm::compile`).
     fn settle_kernel_fusion(&self) -> Result<(), TrainError> {
-        use burn_parallel_comm::compile::{KernelFusion, set_kernel_fusion};
-        let compile = self.distributed.enable_compile;
-        let fail = |e: &dyn std::fmt::Display| flag_error("enable_compile", e.to_string());
-        match (
-            compile,
-            matches!(self.backend, Backend::Wgpu | Backend::Cuda),
-        ) {
-            (true, false) => Err(flag_error(
-                "enable_compile",
-                format!(
-                    "--backend {} has no kernel fusion: Burn fuses on its CubeCL backends \
-                     (--backend wgpu or cuda, built with the `fusion` feature); leave \
-                     enable_compile false",
-                    self.backend
-                ),
-            )),
-            (true, true) => set_kernel_fusion(KernelFusion::Fused).map_err(|e| fail(&e)),
-            (false, true) => set_kernel_fusion(KernelFusion::Eager).map_err(|e| fail(&e)),
-            (false, false) => Ok(()),
-        }
+        let cube = matches!(self.backend, Backend::Wgpu | Backend::Cuda);
+        let name = || format!("--backend {}", self.backend);
+        burn_parallel_comm::compile::settle_kernel_fusion(
+            self.distributed.enable_compile,
+            cube,
+            name,
+        )
+        .map_err(|e| flag_error("enable_compile", e.to_string()))
     }
 
     /// The learning rate, its floor and the schedule they need.
