@@ -65,7 +65,7 @@ mod fused_lane {
     use std::path::{Path, PathBuf};
     use std::process::Command;
 
-    use burn_parallel::comm::compile::{FusionCounter, FusionCounts};
+    use burn_parallel::comm::compile::{FusionCounter, FusionCounts, KernelFusion, kernel_fusion};
     use burn_parallel::train::{Strategy, TrainConfig, train, wgpu_adapter};
 
     use crate::common::assert_close;
@@ -244,7 +244,12 @@ mod fused_lane {
             });
             std::fs::write(run_file(&out, strategy), json.to_string()).unwrap();
         }
-        // The process is settled: the other mode is refused by name.
+        // The process is settled: it reports its choice, and the other mode is refused by name.
+        let settled = match compile {
+            true => KernelFusion::Fused,
+            false => KernelFusion::Eager,
+        };
+        assert_eq!(kernel_fusion(), Some(settled));
         let other = lane_run(Strategy::Single, 1, None, !compile);
         let e = train(&other, &|_| {})
             .expect_err("the other kernel fusion in this process")
