@@ -4,7 +4,8 @@
 # Mesa's llvmpipe), AdamW, a global batch of 8 x 128 tokens, with `enable_compile: false` and
 # `true` (Burn's kernel fusion), alternating over R rounds (default 2) of 8 steps. Each mode runs
 # in its own process (Burn chooses fused or eager once per process). Figures: the median step
-# time of steps 3-8 over the rounds, and on/off.
+# time of steps 3-8 over the rounds, and on/off; the median kernels a step ran (the step JSON's
+# `kernels`, Burn's fusion counting them) and how many of them fused operations.
 #
 # Usage: scripts/bench-compile.sh [--rounds R]   (keep the machine otherwise idle)
 # Builds `train_llama` in release with --features "wgpu fusion" unless TRAIN_LLAMA names a
@@ -45,15 +46,16 @@ done
 python3 - "$work" "$rounds" <<'PY'
 import json, statistics, sys
 work, rounds = sys.argv[1], int(sys.argv[2])
-def median(mode):
-    times = []
+def median(mode, key):
+    values = []
     for round in range(1, rounds + 1):
         steps = [json.loads(l) for l in open(f"{work}/{mode}-{round}.jsonl") if l.startswith("{")]
-        times += [s["step_time_s"] for s in steps[2:]]
-    return statistics.median(times)
-off, on = median("off"), median("on")
-print(f"{'compile':8} {'step s':>8}")
-print(f"{'off':8} {off:8.3f}")
-print(f"{'on':8} {on:8.3f}")
-print(f"on / off: {on / off:.2f}")
+        values += [s[key] for s in steps[2:]]
+    return statistics.median(values)
+print(f"{'compile':8} {'step s':>8} {'kernels':>8} {'fused':>6}")
+for mode in ("off", "on"):
+    print(f"{mode:8} {median(mode, 'step_time_s'):8.3f} {median(mode, 'kernels'):8.0f} "
+          f"{median(mode, 'fused_kernels'):6.0f}")
+print(f"on / off: step {median('on', 'step_time_s') / median('off', 'step_time_s'):.2f}, "
+      f"kernels {median('on', 'kernels') / median('off', 'kernels'):.2f}")
 PY

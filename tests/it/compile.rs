@@ -229,6 +229,18 @@ mod fused_lane {
             let counter = FusionCounter::start();
             let summary = run(&cfg);
             let counts = counter.counts();
+            // The trainer's step reports count the same kernels.
+            let fused: u64 = summary
+                .steps
+                .iter()
+                .map(|s| s.fused_kernels.expect("kernels counted on wgpu"))
+                .sum();
+            assert_eq!(
+                fused > 0,
+                compile,
+                "{strategy}: {fused} fused kernels reported"
+            );
+            assert!(summary.steps.iter().all(|s| s.kernels > Some(0)));
             let curve = |f: fn(&burn_parallel::train::StepLog) -> f32| -> Vec<f32> {
                 summary.steps.iter().map(f).collect()
             };

@@ -8,6 +8,7 @@ use std::time::Instant;
 use crate::aux::RouterReport;
 use burn::module::Module;
 use burn::tensor::Gradients;
+use burn_parallel_comm::compile::{FUSION_BUILT, FusionCounter, FusionCounts, is_cube_device};
 use burn_parallel_comm::memory::reset_peak_rss;
 use burn_parallel_comm::{CommStats, OpKind, RankContext};
 use burn_parallel_fsdp::MemoryTracker;
@@ -174,6 +175,7 @@ pub(crate) fn train_loop<R: StepRunner>(
         figures,
         stragglers: Stragglers::default(),
         position,
+        kernels: (FUSION_BUILT && is_cube_device(mesh.device())).then(FusionCounter::start),
     };
     let schedule = LrSchedule::of(cfg);
     let stats_before = ctx.stats();
@@ -255,6 +257,8 @@ struct Steps<'a, R: StepRunner> {
     stragglers: Stragglers,
     /// Where the data stream stands, in samples.
     position: usize,
+    /// Burn's fusion kernels, counted on a CubeCL backend of a `fusion` build.
+    kernels: Option<FusionCounter>,
 }
 
 impl<R: StepRunner> Steps<'_, R> {
@@ -269,6 +273,7 @@ impl<R: StepRunner> Steps<'_, R> {
         let RankRun { cfg, mesh, ctx, .. } = *self.run;
         let start_time = Instant::now();
         let (usage_before, comm_before) = (ProcessUsage::now(), ctx.stats());
+        let kernels_before = self.kernels.as_ref().map(FusionCounter::counts);
         let nan_fault = cfg.fault.is_some_and(|f| f.at_step_start(ctx.rank(), step));
         self.optimizer.set_lr(lr);
         let mut update_s = None;
@@ -304,7 +309,13 @@ impl<R: StepRunner> Steps<'_, R> {
             }
             _ => None,
         };
+        let kernels = self
+            .kernels
+            .as_ref()
+            .zip(kernels_before)
+            .map(|(counter, before)| counter.counts().since(&before));
         let measured = Measured {
+            kernels,
             step,
             lr,
             skipped,
@@ -335,6 +346,8 @@ struct RunFigures {
 
 /// What the loop measured around one step.
 struct Measured {
+    /// Burn's fusion kernels during the step, where they are counted.
+    kernels: Option<FusionCounts>,
     step: usize,
     lr: f32,
     skipped: Option<Skipped>,
@@ -421,5 +434,7 @@ fn step_log(
         expert_tokens_max: routing.map(|r| r.expert_tokens.1),
         pp_wait_s: done.schedule.map(|s| s.0),
         pp_peak_microbatches: done.schedule.map(|s| s.1),
+        kernels: m.kernels.map(|k| k.blocks),
+        fused_kernels: m.kernels.map(|k| k.fused_blocks),
     })
 }

@@ -114,6 +114,15 @@ pub struct StepLog {
     /// gpipe, at most `p` under 1f1b).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pp_peak_microbatches: Option<usize>,
+    /// On a CubeCL backend of a `fusion` build: the kernels Burn's fusion ran in this process
+    /// during the step (every rank thread's; a fused kernel counts once, an operation run alone
+    /// once), as its server processed them, so work still queued at the step's end counts in
+    /// the next.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernels: Option<u64>,
+    /// Of `kernels`, those that fused more than one operation (0 with `enable_compile` off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fused_kernels: Option<u64>,
 }
 
 /// Where a step's time went, as rank 0 saw it, in seconds. The collectives' times are inside

@@ -33,6 +33,20 @@ struct Counts {
     fused_operations: AtomicU64,
 }
 
+impl FusionCounts {
+    /// What was counted after `earlier`, a reading of the same counter.
+    pub fn since(&self, earlier: &FusionCounts) -> FusionCounts {
+        FusionCounts {
+            operations: self.operations.saturating_sub(earlier.operations),
+            blocks: self.blocks.saturating_sub(earlier.blocks),
+            fused_blocks: self.fused_blocks.saturating_sub(earlier.fused_blocks),
+            fused_operations: self
+                .fused_operations
+                .saturating_sub(earlier.fused_operations),
+        }
+    }
+}
+
 impl FusionCounter {
     /// Starts counting. Sync the devices first to leave out work queued before (Burn's
     /// `FusionObservation` notes why).
