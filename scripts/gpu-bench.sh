@@ -49,7 +49,8 @@ for run in "single 1 f32" "fsdp2 1 f32" "fsdp2 2 f32" "single 1 bf16" "fsdp2 2 b
   echo "== $name exit $? at $((SECONDS - t0)) s"
   python3 - "$out/$name.json" <<'PY'
 import json, sys
-keys = ("step", "loss", "step_time_s", "forward_s", "backward_s", "optimizer_s", "tokens_per_s")
+keys = ("step", "loss", "step_time_s", "forward_s", "backward_s", "optimizer_s", "tokens_per_s",
+        "kernels", "fused_kernels")
 for line in open(sys.argv[1]):
     if line.startswith("{"):
         step = json.loads(line)
