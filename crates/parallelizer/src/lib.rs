@@ -28,6 +28,7 @@ mod run_step;
 mod sidecar;
 mod step;
 
+use burn_parallel_comm::compile::check_compile;
 pub use burn_parallel_describe::{
     CheckpointScope, DefaultParallelizer, HeadCount, ModelDescription, NamedPlan, Parallelize,
     UnitMap, describe_unit_vec, map_unit_option, map_unit_vec,
@@ -45,8 +46,6 @@ pub use config::{
 };
 pub use context::{DP, ExpertGroups, LocalRows, MeshContext, PP, PP_BACKWARD, WORLD};
 pub use error::ParallelError;
-
-use burn_parallel_comm::compile::check_compile;
 pub use full::{full_model, full_state_dict};
 pub use pipeline::{PipelineReport, pipeline_eval_loss};
 pub use run_step::Step;
