@@ -21,6 +21,7 @@ mod autodiff;
 pub mod checkpoint;
 pub mod compile;
 mod device;
+pub mod linear;
 mod transport;
 
 pub use transport::{buffer, chunk, memory};

@@ -10,6 +10,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives::split_views;
+use burn_parallel_comm::linear::linear;
 use burn_parallel_ep::{EpError, ExpertModule, ExpertShard, Routing, run_experts};
 use burn_parallel_fsdp::try_with_module_unit;
 use burn_parallel_macros::parallelize;
@@ -127,7 +128,11 @@ impl SparseMoe {
         let [b, s, h] = x.dims();
         let (tokens, k) = (b * s, self.top_k);
         let x = x.reshape([tokens, h]);
-        let logits = self.gate.forward(x.clone());
+        let logits = linear(
+            x.clone(),
+            self.gate.weight.val(),
+            self.gate.bias.as_ref().map(Param::val),
+        );
         let probs = softmax(logits.clone().cast(FloatDType::F32), 1);
         let chosen = top_k(&probs.clone().into_data(), self.experts.num_experts, k);
         let device = x.device();

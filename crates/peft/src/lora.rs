@@ -8,11 +8,11 @@ use burn::module::{
     ModuleVisitor, Param,
 };
 use burn::nn::Linear;
-use burn::tensor::module::linear;
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use burn_parallel_comm::ProcessGroup;
 use burn_parallel_comm::collectives as coll;
 use burn_parallel_comm::collectives::{CodedWeight, DeviceStep, RebuildSteps, WeightRebuild};
+use burn_parallel_comm::linear::linear;
 
 use crate::config::LoraConfig;
 use crate::error::LoraError;
@@ -329,7 +329,11 @@ impl Lora<Linear> {
                     None => y,
                 }
             }
-            None => self.base.forward(x.clone()),
+            None => linear(
+                x.clone(),
+                self.base.weight.val(),
+                self.base.bias.as_ref().map(Param::val),
+            ),
         };
         match &self.adapter {
             Some(adapter) => {

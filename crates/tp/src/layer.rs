@@ -5,6 +5,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::Tensor;
 use burn_parallel_comm::ProcessGroup;
+use burn_parallel_comm::linear::linear;
 
 use crate::error::TpError;
 use crate::shard::{
@@ -104,11 +105,11 @@ pub trait TpLinear: TpLayer {
 
 impl TpLinear for Linear {
     fn linear_forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        self.forward(x)
+        linear(x, self.weight.val(), self.bias.as_ref().map(Param::val))
     }
 
     fn linear_forward_unbiased<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        burn::tensor::module::linear(x, self.weight.val(), None)
+        linear(x, self.weight.val(), None)
     }
 
     fn linear_bias(&self) -> Option<&Param<Tensor<1>>> {

@@ -28,6 +28,7 @@ use crate::device::{
     CodedWeight, DeviceCollective, DeviceStep, NcclCall, Phase, Prefetch, RebuildSteps,
     StepKernels, decode_flex, no_nccl, run_steps,
 };
+use crate::linear::LinearBackend;
 
 /// A backend that runs [`DeviceCollective`]s on its tensors and, on CUDA backends, NCCL steps
 /// on its own buffers.
@@ -38,7 +39,7 @@ use crate::device::{
     Cube: cfg(any(feature = "cuda", feature = "wgpu")),
     LibTorch: cfg(feature = "tch")
 )]
-pub trait CollectiveBackend: Backend {
+pub trait CollectiveBackend: LinearBackend {
     /// Runs a collective's forward steps on the tensor; the autodiff backend also records its
     /// backward steps (and its recomputation, under gradient checkpointing).
     fn device_collective(x: FloatTensor<Self>, op: DeviceCollective) -> FloatTensor<Self> {
@@ -83,7 +84,7 @@ pub trait CollectiveBackend: Backend {
         _source: FloatTensor<Self>,
         _rebuild: Option<RebuildSteps>,
     ) -> FloatTensor<Self> {
-        Self::linear(x, w, None)
+        Self::linear_forward(x, w)
     }
 
     /// The tensor itself; on the autodiff backend, a node whose backward issues `prefetches`
@@ -287,7 +288,7 @@ impl<B: CollectiveBackend> LinearWeight<B> {
 }
 
 /// A resharded linear's backward: the input gradient from the weight it rebuilds (or kept),
-/// the weight gradient from the kept input, each as Burn's own linear computes it.
+/// the weight gradient from the kept input, each with the backend's linear kernels.
 #[derive(Debug)]
 struct ReshardedLinearBackward;
 
@@ -299,7 +300,7 @@ impl<B: CollectiveBackend> Backward<B, 2> for ReshardedLinearBackward {
         let [x_node, w_node] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         if let (Some(node), Some(input)) = (w_node, input) {
-            grads.register::<B>(node.id, B::linear_weight_backward(input, grad.clone()));
+            grads.register::<B>(node.id, B::linear_weight_grad(input, grad.clone()));
         }
         if let (Some(node), Some(weight)) = (x_node, weight) {
             let mut w = weight.weight();
@@ -307,7 +308,7 @@ impl<B: CollectiveBackend> Backward<B, 2> for ReshardedLinearBackward {
             if w.device() != grad.device() {
                 w = B::float_to_device(w, &grad.device());
             }
-            let grad = B::linear_x_backward(w, grad);
+            let grad = B::linear_input_grad(w, grad);
             weight.released();
             grads.register::<B>(node.id, grad);
         }
@@ -536,7 +537,7 @@ impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff
             None => LinearWeight::Kept(w.clone()),
         });
         let input = w_tracked.then(|| x.clone());
-        let output = B::linear(x, w, None);
+        let output = B::linear_forward(x, w);
         match ReshardedLinearBackward
             .prepare::<C>([x_node, w_node])
             .compute_bound()

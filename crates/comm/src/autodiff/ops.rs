@@ -212,15 +212,15 @@ pub struct WeightRebuild {
 /// the gathered weight alive from forward until then (FSDP2's reshard after forward, on any
 /// device: Burn's own linear would keep it). A tracked `weight` (a trainable FSDP parameter)
 /// gets its gradient as Burn's linear gives it, and passes it on to its gather's backward.
-/// Without `rebuild`, Burn's `linear`. The values and gradients are Burn's `linear`'s bit for
-/// bit.
+/// Without `rebuild`, [`linear`](crate::linear::linear). The products are the backend's
+/// [`LinearBackend`](crate::linear::LinearBackend) kernels either way.
 pub fn resharded_linear<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     rebuild: Option<WeightRebuild>,
 ) -> Tensor<D> {
     let Some(WeightRebuild { source, rebuild }) = rebuild else {
-        return burn::tensor::module::linear(x, weight, None);
+        return crate::linear::linear(x, weight, None);
     };
     if D == 1 {
         // Burn's linear adds a batch dimension to 1-d input; so does this.

@@ -237,6 +237,10 @@ impl Llama {
         };
         let table = self.embed_tokens.inner().weight.val();
         let table = table.clone().cast(x.dtype());
-        Ok(x.matmul(table.transpose().unsqueeze::<3>()))
+        Ok(burn_parallel_comm::linear::linear(
+            x,
+            table.transpose(),
+            None,
+        ))
     }
 }
