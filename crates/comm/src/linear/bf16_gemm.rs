@@ -28,31 +28,6 @@ pub(crate) struct Bf16Matrix<'a> {
     pub col_stride: usize,
 }
 
-impl Bf16Matrix<'_> {
-    /// Element `(r, c)`'s bits, 0 (the bf16 zero) outside the matrix: packing pads with it.
-    #[inline]
-    fn bits(&self, r: usize, c: usize) -> u32 {
-        if r < self.rows && c < self.cols {
-            self.data[r * self.row_stride + c * self.col_stride].to_bits() as u32
-        } else {
-            0
-        }
-    }
-
-    /// Elements `(r, c)` and `(r, c + 1)` as one pair, the first in the low half (the order
-    /// `vdpbf16ps` reads a lane's two products in).
-    #[inline]
-    fn pair_along_row(&self, r: usize, c: usize) -> u32 {
-        self.bits(r, c) | self.bits(r, c + 1) << 16
-    }
-
-    /// Elements `(r, c)` and `(r + 1, c)` as one pair.
-    #[inline]
-    fn pair_along_col(&self, r: usize, c: usize) -> u32 {
-        self.bits(r, c) | self.bits(r + 1, c) << 16
-    }
-}
-
 /// Whether this CPU has the instructions [`matmul`] needs (checked at run time, so one binary
 /// runs everywhere: without them the caller keeps its f32 route).
 pub(crate) fn available() -> bool {
@@ -94,17 +69,94 @@ pub(crate) fn matmul(a: Bf16Matrix, b: Bf16Matrix, out: &mut [bf16]) {
         });
 }
 
+/// Two bf16 as one u32, `low` in the low half (the order `vdpbf16ps` reads a lane's two
+/// products in).
+#[inline]
+fn pair(low: bf16, high: bf16) -> u32 {
+    low.to_bits() as u32 | (high.to_bits() as u32) << 16
+}
+
+/// `n` elements from `start`, `stride` apart.
+fn strided(data: &[bf16], start: usize, stride: usize, n: usize) -> impl Iterator<Item = bf16> {
+    data[start..].iter().step_by(stride.max(1)).take(n).copied()
+}
+
+/// Calls `put(kk, pair)` for the pairs of a run of `k` elements along the summed dim, `stride`
+/// apart (an odd last one pairs with zero).
+fn for_each_pair(
+    data: &[bf16],
+    start: usize,
+    stride: usize,
+    k: usize,
+    mut put: impl FnMut(usize, u32),
+) {
+    if stride == 1 {
+        // Adjacent pairs: the common row-major case, read two at a time.
+        let run = &data[start..start + k];
+        let chunks = run.chunks_exact(2);
+        let last = chunks.remainder().first().copied();
+        for (kk, two) in chunks.enumerate() {
+            put(kk, pair(two[0], two[1]));
+        }
+        if let Some(last) = last {
+            put(k / 2, pair(last, bf16::ZERO));
+        }
+        return;
+    }
+    let mut run = strided(data, start, stride, k);
+    let mut kk = 0;
+    while let Some(low) = run.next() {
+        put(kk, pair(low, run.next().unwrap_or(bf16::ZERO)));
+        kk += 1;
+    }
+}
+
+/// `out[i] = pair(low[i], high[i])`, with zeros for a missing `high` (past an odd last row).
+fn pair_runs(
+    out: &mut [u32],
+    low: impl Iterator<Item = bf16>,
+    high: Option<impl Iterator<Item = bf16>>,
+) {
+    match high {
+        Some(high) => {
+            for (v, (low, high)) in out.iter_mut().zip(low.zip(high)) {
+                *v = pair(low, high);
+            }
+        }
+        None => {
+            for (v, low) in out.iter_mut().zip(low) {
+                *v = pair(low, bf16::ZERO);
+            }
+        }
+    }
+}
+
 /// B's columns in panels of [`NR`]; within a panel, for each pair of rows, each column's two
-/// elements as one u32 (zero padded past the last row and column).
+/// elements as one u32, zero padded past the last row and column.
 fn pack_b(b: Bf16Matrix, pairs: usize) -> Vec<u32> {
-    let mut packed = vec![0u32; b.cols.div_ceil(NR) * pairs * NR];
+    let (k, n) = (b.rows, b.cols);
+    let mut packed = vec![0u32; n.div_ceil(NR) * pairs * NR];
     packed
         .par_chunks_mut(pairs * NR)
         .enumerate()
         .for_each(|(panel, dst)| {
-            for (kk, row) in dst.chunks_exact_mut(NR).enumerate() {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = b.pair_along_col(2 * kk, panel * NR + j);
+            let first = panel * NR;
+            let cols = NR.min(n - first);
+            // Walk memory in order: down each column when the summed dim is the contiguous
+            // one (a transposed weight), along the rows otherwise.
+            if b.row_stride == 1 {
+                for j in 0..cols {
+                    let column = (first + j) * b.col_stride;
+                    for_each_pair(b.data, column, 1, k, |kk, v| dst[kk * NR + j] = v);
+                }
+            } else {
+                // Row `r`'s `cols` elements of this panel.
+                let row = |r: usize| {
+                    let start = r * b.row_stride + first * b.col_stride;
+                    strided(b.data, start, b.col_stride, cols)
+                };
+                for (kk, out) in dst.chunks_exact_mut(NR).enumerate() {
+                    pair_runs(out, row(2 * kk), (2 * kk + 1 < k).then(|| row(2 * kk + 1)));
                 }
             }
         });
@@ -114,12 +166,27 @@ fn pack_b(b: Bf16Matrix, pairs: usize) -> Vec<u32> {
 /// A's rows `first..first + rows` in tiles of [`MR`]; within a tile, for each pair of
 /// columns, each row's two elements as one u32 (zero padded past the last row and column).
 fn pack_a(a: Bf16Matrix, first: usize, rows: usize, pairs: usize) -> Vec<u32> {
+    let k = a.cols;
     let mut packed = vec![0u32; rows.div_ceil(MR) * pairs * MR];
     for (tile, dst) in packed.chunks_exact_mut(pairs * MR).enumerate() {
-        for r in 0..MR.min(rows - tile * MR) {
-            let row = first + tile * MR + r;
-            for kk in 0..pairs {
-                dst[kk * MR + r] = a.pair_along_row(row, 2 * kk);
+        let top = first + tile * MR;
+        let tile_rows = MR.min(rows - tile * MR);
+        // Walk memory in order: across the tile's rows when they are the contiguous dim (a
+        // transposed input), along each row otherwise.
+        if a.row_stride == 1 {
+            // Column `c`'s elements in this tile's rows.
+            let column = |c: usize| strided(a.data, top + c * a.col_stride, 1, tile_rows);
+            for (kk, out) in dst.chunks_exact_mut(MR).enumerate() {
+                pair_runs(
+                    out,
+                    column(2 * kk),
+                    (2 * kk + 1 < k).then(|| column(2 * kk + 1)),
+                );
+            }
+        } else {
+            for r in 0..tile_rows {
+                let row = (top + r) * a.row_stride;
+                for_each_pair(a.data, row, a.col_stride, k, |kk, v| dst[kk * MR + r] = v);
             }
         }
     }

@@ -1,10 +1,12 @@
-//! Flex's fused kernels: one loop per pass over contiguous f32 buffers. Other dtypes take the
-//! plain-op math; strided inputs are made contiguous first (the plain ops would copy them too).
+//! Flex's fused kernels: one loop per pass over contiguous f32 buffers. SwiGLU also takes bf16,
+//! computing in f32 and rounding to bf16 wherever the plain ops round (each op's result);
+//! other dtypes take the plain-op math. Strided inputs are made contiguous first (the plain
+//! ops would copy them too).
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Flex, TensorMetadata};
-use burn::tensor::{DType, Shape, TensorData};
+use burn::tensor::{DType, Shape, TensorData, bf16};
 
 use super::{FusedBackend, plain};
 
@@ -26,6 +28,70 @@ fn elems(x: &FlexTensor) -> &[f32] {
 
 fn tensor(values: Vec<f32>, shape: Shape) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// `x`'s elements in f32 when it holds bf16 (each value exact in f32).
+fn bf16_as_f32(x: &FlexTensor) -> Option<Vec<f32>> {
+    if x.dtype() != DType::BF16 {
+        return None;
+    }
+    let x = x.to_contiguous();
+    Some(x.as_slice::<bf16>()?.iter().map(|v| v.to_f32()).collect())
+}
+
+/// A bf16 tensor of f32 values already rounded to bf16 (so dropping the low half is exact).
+fn bf16_tensor(values: &[f32], shape: Shape) -> FlexTensor {
+    let values: Vec<bf16> = values
+        .iter()
+        .map(|v| bf16::from_bits((v.to_bits() >> 16) as u16))
+        .collect();
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), as `bf16::from_f32` rounds: where a plain
+/// op on bf16 tensors rounds its result. Branch-free, so the loops around it vectorize.
+#[inline]
+fn round_bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let rounded = f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000);
+    if x.is_nan() { x } else { rounded }
+}
+
+/// SwiGLU on bf16 `gate` and `up`, rounding as `plain::swiglu`'s ops do: `s = sigmoid(gate)`,
+/// `silu = gate * s` and the product with `up`, each rounded to bf16.
+fn swiglu_bf16(gate: &FlexTensor, up: &FlexTensor) -> Option<FlexTensor> {
+    let (g, u) = (bf16_as_f32(gate)?, bf16_as_f32(up)?);
+    let out: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&g, &u)| round_bf16(round_bf16(g * round_bf16(sigmoid(g))) * u))
+        .collect();
+    Some(bf16_tensor(&out, gate.shape()))
+}
+
+/// SwiGLU's backward on bf16, rounding as `plain::swiglu_backward`'s ops do.
+fn swiglu_backward_bf16(
+    gate: &FlexTensor,
+    up: &FlexTensor,
+    grad: &FlexTensor,
+) -> Option<(FlexTensor, FlexTensor)> {
+    let (g, u, d) = (bf16_as_f32(gate)?, bf16_as_f32(up)?, bf16_as_f32(grad)?);
+    let n = g.len();
+    let (mut d_gate, mut d_up) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let outs = d_gate.iter_mut().zip(d_up.iter_mut());
+    for ((d_gate, d_up), ((&g, &u), &d)) in outs.zip(g.iter().zip(&u).zip(&d)) {
+        let s = round_bf16(sigmoid(g));
+        let silu = round_bf16(g * s);
+        *d_up = round_bf16(d * silu);
+        let one_minus_s = round_bf16(-s + 1.0);
+        let d_silu = round_bf16(s + round_bf16(silu * one_minus_s));
+        *d_gate = round_bf16(round_bf16(d * u) * d_silu);
+    }
+    let shape = gate.shape();
+    Some((
+        bf16_tensor(&d_gate, shape.clone()),
+        bf16_tensor(&d_up, shape),
+    ))
 }
 
 fn sigmoid(x: f32) -> f32 {
@@ -102,6 +168,9 @@ impl FusedBackend for Flex {
         if shape != up.shape() {
             return plain::swiglu::<Self>(gate, up);
         }
+        if let Some(out) = swiglu_bf16(&gate, &up) {
+            return out;
+        }
         let (Some(gate), Some(up)) = (contiguous_f32(gate.clone()), contiguous_f32(up.clone()))
         else {
             return plain::swiglu::<Self>(gate, up);
@@ -121,6 +190,9 @@ impl FusedBackend for Flex {
         let shape = gate.shape();
         if shape != up.shape() || shape != grad.shape() {
             return plain::swiglu_backward::<Self>(gate, up, grad);
+        }
+        if let Some(grads) = swiglu_backward_bf16(&gate, &up, &grad) {
+            return grads;
         }
         let (Some(g), Some(u), Some(d)) = (
             contiguous_f32(gate.clone()),
@@ -337,6 +409,38 @@ pub(super) fn softmax_backward(probs: &FlexTensor, grad: &FlexTensor) -> Option<
 #[cfg(test)]
 mod tests {
     use super::exp;
+
+    /// The branch-free rounding equals `half`'s (ties to even, overflow to infinity, NaN kept).
+    #[test]
+    fn round_bf16_equals_halfs_conversion() {
+        use super::{bf16, round_bf16};
+        let mut bits = 0u32;
+        loop {
+            let x = f32::from_bits(bits);
+            let (got, want) = (round_bf16(x), bf16::from_f32(x).to_f32());
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{x}"
+            );
+            match bits.checked_add(0x3_3333) {
+                Some(next) => bits = next,
+                None => break,
+            }
+        }
+        for x in [
+            1.0 + 2f32.powi(-8),
+            1.0 + 3.0 * 2f32.powi(-8),
+            f32::MAX,
+            -0.0,
+            1e-40,
+        ] {
+            assert_eq!(
+                round_bf16(x).to_bits(),
+                bf16::from_f32(x).to_f32().to_bits(),
+                "{x}"
+            );
+        }
+    }
 
     /// Within 2 ulp of the f64 `exp` over the range softmax and SiLU use, and clamped beyond.
     #[test]

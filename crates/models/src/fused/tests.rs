@@ -5,7 +5,7 @@
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
-use super::{causal_attention, reference, rms_norm, rotary, swiglu};
+use super::{FusedBackend, causal_attention, plain, reference, rms_norm, rotary, swiglu};
 
 /// The devices every fused-kernel test runs on (the attention tests share them).
 #[allow(deprecated)] // ndarray: the default test backend until Burn 0.23
@@ -91,6 +91,59 @@ fn swiglu_equals_silu_times_up() {
             assert_close("swiglu d gate", &fused.1[0], &unfused.1[0], 1e-5);
             assert_close("swiglu d up", &fused.1[1], &unfused.1[1], 1e-5);
         }
+    }
+}
+
+/// bf16 on flex: the fused loop rounds where Burn's plain ops round, so it gives their values
+/// (to one bf16 ulp where the loop's `exp` and Burn's differ across a rounding boundary).
+#[test]
+fn bf16_swiglu_rounds_as_the_plain_ops() {
+    use burn::backend::Flex;
+    use burn::backend::flex::FlexTensor;
+
+    let bf16 = |seed| {
+        let v: Vec<burn::tensor::bf16> = values(210, seed)
+            .into_iter()
+            .map(burn::tensor::bf16::from_f32)
+            .collect();
+        FlexTensor::from_data(TensorData::new(v, [3, 7, 10]))
+    };
+    let (g, u, d) = (bf16(1), bf16(2), bf16(3));
+    let read = |t: FlexTensor| {
+        let data = t.into_data().convert::<f32>();
+        data.to_vec::<f32>().unwrap()
+    };
+    let pairs = [
+        (
+            "swiglu",
+            read(<Flex as FusedBackend>::swiglu(g.clone(), u.clone())),
+            read(plain::swiglu::<Flex>(g.clone(), u.clone())),
+        ),
+        {
+            let (fused, _) =
+                <Flex as FusedBackend>::swiglu_backward(g.clone(), u.clone(), d.clone());
+            let (plain, _) = plain::swiglu_backward::<Flex>(g.clone(), u.clone(), d.clone());
+            ("d gate", read(fused), read(plain))
+        },
+        {
+            let (_, fused) =
+                <Flex as FusedBackend>::swiglu_backward(g.clone(), u.clone(), d.clone());
+            let (_, plain) = plain::swiglu_backward::<Flex>(g, u, d);
+            ("d up", read(fused), read(plain))
+        },
+    ];
+    for (what, fused, plain) in pairs {
+        let mut differing = 0;
+        for (i, (f, p)) in fused.iter().zip(&plain).enumerate() {
+            let ulp = 2f32.powi(p.abs().max(1e-30).log2().floor() as i32 - 7);
+            assert!((f - p).abs() <= ulp, "{what}[{i}]: fused {f}, plain {p}");
+            differing += usize::from(f != p);
+        }
+        assert!(
+            differing * 10 <= fused.len(),
+            "{what}: {differing} of {} differ",
+            fused.len()
+        );
     }
 }
 
