@@ -34,6 +34,7 @@ pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -76,9 +77,9 @@ fn pair(low: bf16, high: bf16) -> u32 {
     low.to_bits() as u32 | (high.to_bits() as u32) << 16
 }
 
-/// `n` elements from `start`, `stride` apart.
+/// `n` elements from `start`, `stride` apart (0: one element repeated, a broadcast view).
 fn strided(data: &[bf16], start: usize, stride: usize, n: usize) -> impl Iterator<Item = bf16> {
-    data[start..].iter().step_by(stride.max(1)).take(n).copied()
+    (0..n).map(move |i| data[start + i * stride])
 }
 
 /// Calls `put(kk, pair)` for the pairs of a run of `k` elements along the summed dim, `stride`

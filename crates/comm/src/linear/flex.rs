@@ -11,7 +11,7 @@ use super::LinearBackend;
 use super::bf16_gemm::{self, Bf16Matrix};
 
 /// A 2-D bf16 tensor as a strided matrix over its storage (`None` for other dtypes, ranks or
-/// negative strides).
+/// negative strides; a broadcast view's zero stride is walked as it is).
 fn matrix(t: &FlexTensor) -> Option<Bf16Matrix<'_>> {
     let layout = t.layout();
     let (rows, cols, row_stride, col_stride) = layout.as_2d_strides()?;

@@ -249,3 +249,41 @@ fn bf16_linear_matches_f64_math_and_burns_bf16_linear() {
         assert_eq!(db, bdb, "the bias gradient is Burn's kernel on {device:?}");
     }
 }
+
+/// Broadcast views (a zero stride) and sizes of one give the values of Burn's bf16 linear.
+#[test]
+fn bf16_linear_on_broadcast_weights_and_single_rows_is_burns() {
+    let device = Device::flex();
+    let bf16 = |t: Tensor<2>| t.cast(FloatDType::BF16);
+    let data = |n, seed| TensorData::new(values(n, seed), [n]);
+    let x: Tensor<2> = bf16(Tensor::<1>::from_data(data(3 * 20, 7), &device).reshape([3, 20]));
+    let row: Tensor<2> = bf16(Tensor::<1>::from_data(data(9, 8), &device).reshape([1, 9]));
+    let broadcast = row.clone().expand([20, 9]);
+    let column: Tensor<2> = bf16(Tensor::<1>::from_data(data(20, 10), &device).reshape([20, 1]));
+    let broadcast_columns = column.expand([20, 9]);
+    let single = x.clone().slice([0..1, 0..20]);
+    for (what, x, w) in [
+        ("weight broadcast over rows", x.clone(), broadcast.clone()),
+        (
+            "weight broadcast over columns",
+            x.clone(),
+            broadcast_columns,
+        ),
+        ("one row", single, broadcast),
+        (
+            "one column",
+            x,
+            bf16(Tensor::<1>::from_data(data(20, 9), &device).reshape([20, 1])),
+        ),
+    ] {
+        let ours = read(&linear(x.clone(), w.clone(), None));
+        let burns = read(&burn::tensor::module::linear(x, w, None));
+        for (i, (a, b)) in ours.iter().zip(&burns).enumerate() {
+            let tol = 2.0 * ulp(*b as f64) + 1e-3;
+            assert!(
+                (*a as f64 - *b as f64).abs() <= tol,
+                "{what}[{i}]: ours {a}, Burn's {b}"
+            );
+        }
+    }
+}
