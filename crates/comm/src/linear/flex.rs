@@ -29,10 +29,11 @@ fn matrix(t: &FlexTensor) -> Option<Bf16Matrix<'_>> {
 
 /// `t` `[.., last]` as a `[rows, last]` matrix (a view where the layout allows).
 fn rows_of(t: &FlexTensor) -> FlexTensor {
-    let shape = t.shape();
-    let last = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements() / last.max(1);
-    t.reshape(Shape::new([rows, last]))
+    let dims = t.shape().to_vec();
+    let (last, leading) = dims
+        .split_last()
+        .expect("a linear layer's tensors have a last dim");
+    t.reshape(Shape::new([leading.iter().product(), *last]))
 }
 
 /// `a @ b` when both are bf16 matrices and the CPU multiplies bf16 (`None` otherwise).

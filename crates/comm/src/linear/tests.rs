@@ -250,7 +250,8 @@ fn bf16_linear_matches_f64_math_and_burns_bf16_linear() {
     }
 }
 
-/// Broadcast views (a zero stride) and sizes of one give the values of Burn's bf16 linear.
+/// Broadcast views (a zero stride), sizes of one and of zero give the values of Burn's bf16
+/// linear.
 #[test]
 fn bf16_linear_on_broadcast_weights_and_single_rows_is_burns() {
     let device = Device::flex();
@@ -262,7 +263,15 @@ fn bf16_linear_on_broadcast_weights_and_single_rows_is_burns() {
     let column: Tensor<2> = bf16(Tensor::<1>::from_data(data(20, 10), &device).reshape([20, 1]));
     let broadcast_columns = column.expand([20, 9]);
     let single = x.clone().slice([0..1, 0..20]);
+    let no_features = bf16(Tensor::<2>::zeros([3, 0], &device));
+    let no_outputs = bf16(Tensor::<2>::zeros([20, 0], &device));
     for (what, x, w) in [
+        (
+            "no input features",
+            no_features,
+            bf16(Tensor::<2>::zeros([0, 9], &device)),
+        ),
+        ("no outputs", x.clone(), no_outputs),
         ("weight broadcast over rows", x.clone(), broadcast.clone()),
         (
             "weight broadcast over columns",
@@ -276,8 +285,12 @@ fn bf16_linear_on_broadcast_weights_and_single_rows_is_burns() {
             bf16(Tensor::<1>::from_data(data(20, 9), &device).reshape([20, 1])),
         ),
     ] {
-        let ours = read(&linear(x.clone(), w.clone(), None));
-        let burns = read(&burn::tensor::module::linear(x, w, None));
+        let (ours, burns) = (
+            linear(x.clone(), w.clone(), None),
+            burn::tensor::module::linear(x, w, None),
+        );
+        assert_eq!(ours.dims(), burns.dims(), "{what}");
+        let (ours, burns) = (read(&ours), read(&burns));
         for (i, (a, b)) in ours.iter().zip(&burns).enumerate() {
             let tol = 2.0 * ulp(*b as f64) + 1e-3;
             assert!(
