@@ -8,6 +8,10 @@
 //!    buffer adapters for Burn's CUDA and LibTorch backends.
 //! 3. autodiff: the backend extension that makes step lists Burn autodiff ops.
 //!
+//! Beside them, with no import from them, [`linear`]: the linear layer as one autodiff node
+//! whose products are backend kernels (the autodiff layer's resharded linear uses them), so
+//! every crate's linear layers share one path and flex's bf16 kernel.
+//!
 //! The public API sits at the root: the mesh and groups ([`DeviceMesh`], [`ProcessGroup`]),
 //! launching ([`launch`], [`run_ranks`], [`EngineKind`]), the host collectives
 //! ([`Communicator`], [`Collective`]), the differentiable ones on Burn tensors
