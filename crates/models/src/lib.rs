@@ -34,6 +34,7 @@ mod pipeline;
 mod pipeline_paths;
 mod plan;
 mod rope;
+mod simd;
 
 pub use config::{Activation, LlamaConfig, RopeScaling};
 pub use error::ModelError;

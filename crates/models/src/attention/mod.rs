@@ -16,11 +16,12 @@
 //! [`FlashBackend`] is a Burn backend extension whose autodiff implementation is one node with
 //! its own backward (forward keeps q, k, v and the log-sum-exp; backward recomputes). Its
 //! kernels are the blockwise algorithm in Burn's backend ops ([`plain`]), scores and softmax in
-//! f32, on every backend (flex runs them on its own matmul kernels); a backend with a fused
-//! kernel overrides the two methods. They are tested against [`reference_attention`] (the dense
+//! f32; flex overrides the two methods with the same math on raw buffers (`flex.rs`), other
+//! backends run the plain ops. They are tested against [`reference_attention`] (the dense
 //! masked softmax, op by op) and against f64 math, values and gradients.
 
 mod autodiff;
+mod flex;
 pub mod plain;
 
 use std::sync::Arc;
@@ -274,11 +275,46 @@ pub trait FlashBackend: Backend {
 
 impl FlashBackend for NdArray {}
 
-/// Flex: the blockwise algorithm on flex's own matmul kernels (f32, bf16 and f16). A fused
-/// row-by-row loop (one query row against every key, online softmax, no matmul) was measured
-/// 25-30x slower than the eager kernel in the test profile, where the blockwise ops run 0.4-0.6x
-/// its time (docs/context-parallel.md): flex keeps the blockwise one.
-impl FlashBackend for burn::backend::Flex {}
+/// Flex: the same math on raw buffers with gemm's kernels ([`flex`]) for f32 and bf16 (the
+/// blockwise plain ops for other dtypes): one pass of a few loops per block instead of a dozen
+/// tensor ops, each allocating. (A row-by-row loop without matmuls was 25-30x slower than
+/// eager attention: the products need gemm's kernels.)
+impl FlashBackend for burn::backend::Flex {
+    fn flash_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: AttentionMask,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let same = q.dtype() == k.dtype() && k.dtype() == v.dtype();
+        let fused = same
+            .then(|| crate::simd::by_elem!(q.dtype(), flex::forward(&q, &k, &v, &mask, scale)))
+            .flatten();
+        fused.unwrap_or_else(|| plain::forward::<Self>(q, k, v, &mask, scale))
+    }
+
+    fn flash_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        mask: AttentionMask,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let dtype = q.dtype();
+        let same = [k.dtype(), v.dtype(), grad.dtype()]
+            .iter()
+            .all(|&d| d == dtype);
+        let fused = same
+            .then(|| {
+                crate::simd::by_elem!(dtype, flex::backward(&q, &k, &v, &lse, &grad, &mask, scale))
+            })
+            .flatten();
+        fused.unwrap_or_else(|| plain::backward::<Self>(q, k, v, lse, grad, &mask, scale))
+    }
+}
 
 /// LibTorch: the blockwise plain-op math.
 #[cfg(feature = "tch")]

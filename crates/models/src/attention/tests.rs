@@ -365,3 +365,79 @@ fn flash_attention_takes_bf16_inputs_on_flex() {
         assert_close(&format!("bf16 {name}"), got, want, 3e-2);
     }
 }
+
+/// Flex's kernels against the plain-op kernels on the same flex tensors, in f32 and bf16: both
+/// compute in f32 and round the results once to the inputs' dtype, so f32 agrees to round-off
+/// and bf16 to one bf16 ulp. Grouped heads, packed rows of uneven documents, 70 queries (two
+/// query blocks, the second partial), and a soft cap with a sliding window.
+#[test]
+fn flex_kernels_equal_the_plain_ops_in_f32_and_bf16() {
+    use burn::backend::Flex;
+    use burn::backend::flex::FlexTensor;
+
+    use super::{FlashBackend, plain};
+    use crate::fused::tests::{assert_bf16_close, bf16_tensor, read};
+
+    let (b, h, hk, s, d) = (2, 4, 2, 70, 8);
+    let segments: Vec<i64> = (0..b * s)
+        .map(|i| if i % s < 23 + 9 * (i / s) { 0 } else { 1 })
+        .collect();
+    let masks = [
+        AttentionMask::packed(&segments, b),
+        AttentionMask::causal(s)
+            .with_window(Some(30))
+            .with_softcap(Some(2.0)),
+    ];
+    let f32_tensor = |shape: Vec<usize>, seed| {
+        let n = shape.iter().product();
+        FlexTensor::from_data(TensorData::new(values(n, seed), shape))
+    };
+    for mask in &masks {
+        for bf16 in [false, true] {
+            let make = |shape: Vec<usize>, seed| match bf16 {
+                true => bf16_tensor(shape, seed),
+                false => f32_tensor(shape, seed),
+            };
+            let (q, k, v) = (
+                make(vec![b, h, s, d], 1),
+                make(vec![b, hk, s, d], 2),
+                make(vec![b, hk, s, d], 3),
+            );
+            let grad = make(vec![b, h, s, d], 4);
+            let scale = 0.7;
+            let (out, lse) = <Flex as FlashBackend>::flash_attention_forward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                mask.clone(),
+                scale,
+            );
+            let (plain_out, plain_lse) =
+                plain::forward::<Flex>(q.clone(), k.clone(), v.clone(), mask, scale);
+            let grads = <Flex as FlashBackend>::flash_attention_backward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                plain_lse.clone(),
+                grad.clone(),
+                mask.clone(),
+                scale,
+            );
+            let plain_grads =
+                plain::backward::<Flex>(q, k, v, plain_lse.clone(), grad, mask, scale);
+            assert_close("lse", &read(lse), &read(plain_lse), 1e-5);
+            let pairs = [
+                ("out", read(out), read(plain_out)),
+                ("d q", read(grads.0), read(plain_grads.0)),
+                ("d k", read(grads.1), read(plain_grads.1)),
+                ("d v", read(grads.2), read(plain_grads.2)),
+            ];
+            for (what, got, want) in pairs {
+                match bf16 {
+                    true => assert_bf16_close(what, &got, &want),
+                    false => assert_close(what, &got, &want, 1e-5),
+                }
+            }
+        }
+    }
+}

@@ -1,185 +1,194 @@
-//! Flex's fused kernels: one loop per pass over contiguous f32 buffers. SwiGLU also takes bf16,
-//! computing in f32 and rounding to bf16 wherever the plain ops round (each op's result);
-//! other dtypes take the plain-op math. Strided inputs are made contiguous first (the plain
-//! ops would copy them too).
+//! Flex's fused kernels: one loop per pass over contiguous buffers, compiled for the CPU's
+//! widest vectors ([`wide_fn`]). The element-wise blocks take f32 and bf16 ([`Elem`]): bf16 is
+//! computed in f32 and rounded to bf16 wherever the plain ops round (each op's result), so both
+//! dtypes give the plain ops' values; other dtypes take the plain-op math. Strided inputs are
+//! made contiguous first (the plain ops would copy them too).
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Flex, TensorMetadata};
-use burn::tensor::{DType, Shape, TensorData, bf16};
+use burn::tensor::Shape;
 
 use super::{FusedBackend, plain};
+use crate::simd::{
+    Elem, by_elem, contiguous, dot, elems, exp, rounded_tensor, sigmoid, sum, tensor, to_f32_vec,
+    wide_fn,
+};
 
-/// `x`, contiguous, when it holds f32.
-fn contiguous_f32(x: FlexTensor) -> Option<FlexTensor> {
-    if x.dtype() != DType::F32 {
-        return None;
+/// SwiGLU, `silu(gate) * up`, rounding as `plain::swiglu`'s ops do: `s = sigmoid(gate)`,
+/// `silu = gate * s` and the product with `up`, each rounded to `E`.
+fn swiglu<E: Elem>(gate: &FlexTensor, up: &FlexTensor) -> Option<FlexTensor> {
+    let (gate, up) = (contiguous::<E>(gate)?, contiguous::<E>(up)?);
+    let mut out = vec![E::from_rounded(0.0); gate.shape().num_elements()];
+    swiglu_loop(elems::<E>(&gate), elems::<E>(&up), &mut out);
+    Some(tensor(out, gate.shape()))
+}
+
+wide_fn! {
+    fn swiglu_loop<E: Elem>(g: &[E], u: &[E], out: &mut [E]) {
+        for (o, (&g, &u)) in out.iter_mut().zip(g.iter().zip(u)) {
+            let (g, u) = (g.to_f32(), u.to_f32());
+            let silu = E::round(g * E::round(sigmoid(g)));
+            *o = E::from_rounded(E::round(silu * u));
+        }
     }
-    Some(match x.as_slice::<f32>() {
-        Some(_) => x,
-        None => x.to_contiguous(),
-    })
 }
 
-/// The f32 elements of a tensor [`contiguous_f32`] returned.
-fn elems(x: &FlexTensor) -> &[f32] {
-    x.as_slice::<f32>().expect("contiguous f32")
-}
-
-fn tensor(values: Vec<f32>, shape: Shape) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(values, shape))
-}
-
-/// `x`'s elements in f32 when it holds bf16 (each value exact in f32).
-fn bf16_as_f32(x: &FlexTensor) -> Option<Vec<f32>> {
-    if x.dtype() != DType::BF16 {
-        return None;
-    }
-    let x = x.to_contiguous();
-    Some(x.as_slice::<bf16>()?.iter().map(|v| v.to_f32()).collect())
-}
-
-/// A bf16 tensor of f32 values already rounded to bf16 (so dropping the low half is exact).
-fn bf16_tensor(values: &[f32], shape: Shape) -> FlexTensor {
-    let values: Vec<bf16> = values
-        .iter()
-        .map(|v| bf16::from_bits((v.to_bits() >> 16) as u16))
-        .collect();
-    FlexTensor::from_data(TensorData::new(values, shape))
-}
-
-/// `x` rounded to the nearest bf16 (ties to even), as `bf16::from_f32` rounds: where a plain
-/// op on bf16 tensors rounds its result. Branch-free, so the loops around it vectorize.
-#[inline]
-fn round_bf16(x: f32) -> f32 {
-    let bits = x.to_bits();
-    let rounded = f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000);
-    if x.is_nan() { x } else { rounded }
-}
-
-/// SwiGLU on bf16 `gate` and `up`, rounding as `plain::swiglu`'s ops do: `s = sigmoid(gate)`,
-/// `silu = gate * s` and the product with `up`, each rounded to bf16.
-fn swiglu_bf16(gate: &FlexTensor, up: &FlexTensor) -> Option<FlexTensor> {
-    let (g, u) = (bf16_as_f32(gate)?, bf16_as_f32(up)?);
-    let out: Vec<f32> = g
-        .iter()
-        .zip(&u)
-        .map(|(&g, &u)| round_bf16(round_bf16(g * round_bf16(sigmoid(g))) * u))
-        .collect();
-    Some(bf16_tensor(&out, gate.shape()))
-}
-
-/// SwiGLU's backward on bf16, rounding as `plain::swiglu_backward`'s ops do.
-fn swiglu_backward_bf16(
+/// SwiGLU's backward, rounding as `plain::swiglu_backward`'s ops do.
+fn swiglu_backward<E: Elem>(
     gate: &FlexTensor,
     up: &FlexTensor,
     grad: &FlexTensor,
 ) -> Option<(FlexTensor, FlexTensor)> {
-    let (g, u, d) = (bf16_as_f32(gate)?, bf16_as_f32(up)?, bf16_as_f32(grad)?);
-    let n = g.len();
-    let (mut d_gate, mut d_up) = (vec![0.0f32; n], vec![0.0f32; n]);
-    let outs = d_gate.iter_mut().zip(d_up.iter_mut());
-    for ((d_gate, d_up), ((&g, &u), &d)) in outs.zip(g.iter().zip(&u).zip(&d)) {
-        let s = round_bf16(sigmoid(g));
-        let silu = round_bf16(g * s);
-        *d_up = round_bf16(d * silu);
-        let one_minus_s = round_bf16(-s + 1.0);
-        let d_silu = round_bf16(s + round_bf16(silu * one_minus_s));
-        *d_gate = round_bf16(round_bf16(d * u) * d_silu);
-    }
-    let shape = gate.shape();
-    Some((
-        bf16_tensor(&d_gate, shape.clone()),
-        bf16_tensor(&d_up, shape),
-    ))
+    let (gate, up, grad) = (
+        contiguous::<E>(gate)?,
+        contiguous::<E>(up)?,
+        contiguous::<E>(grad)?,
+    );
+    let (shape, zero) = (gate.shape(), E::from_rounded(0.0));
+    let n = shape.num_elements();
+    let (mut d_gate, mut d_up) = (vec![zero; n], vec![zero; n]);
+    let inputs = [&gate, &up, &grad].map(elems::<E>);
+    swiglu_backward_loop(inputs, &mut d_gate, &mut d_up);
+    Some((tensor(d_gate, shape.clone()), tensor(d_up, shape)))
 }
 
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + exp(-x))
-}
-
-/// `e^x` in f32 without a libm call, so that the loops around it vectorize (libm's `expf` was a
-/// tenth of a tiny-Llama step). Cody-Waite reduction `x = n ln2 + r`, `|r| <= ln2 / 2`, and
-/// Cephes' degree-5 polynomial for `e^r` (within 2 ulp of `e^x`); `x` is clamped to
-/// [-87.3, 88], where `2^n` stays a normal f32 (below: about 1.3e-38 instead of a smaller
-/// number or 0; above: about 1.7e38 instead of a larger one or infinity).
-#[inline]
-fn exp(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer without a branch.
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.3, 88.0);
-    let n = (x * LOG2_E + ROUND) - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let e_r = p * r * r + r + 1.0;
-    e_r * f32::from_bits(((n as i32 + 127) as u32) << 23)
-}
-
-/// `sum(a * b)` in f32 over 16 interleaved partial sums (a vectorizable order; a single running
-/// sum would be one dependent add per element).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let mut lanes = [0.0f32; LANES];
-    let (a_chunks, b_chunks) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = a_chunks
-        .remainder()
-        .iter()
-        .zip(b_chunks.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a_chunks.zip(b_chunks) {
-        for i in 0..LANES {
-            lanes[i] += x[i] * y[i];
+wide_fn! {
+    fn swiglu_backward_loop<E: Elem>(inputs: [&[E]; 3], d_gate: &mut [E], d_up: &mut [E]) {
+        let [g, u, d] = inputs;
+        let outs = d_gate.iter_mut().zip(d_up.iter_mut());
+        for ((d_gate, d_up), ((&g, &u), &d)) in outs.zip(g.iter().zip(u).zip(d)) {
+            let (g, u, d) = (g.to_f32(), u.to_f32(), d.to_f32());
+            let s = E::round(sigmoid(g));
+            let silu = E::round(g * s);
+            *d_up = E::from_rounded(E::round(d * silu));
+            let one_minus_s = E::round(-s + 1.0);
+            let d_silu = E::round(s + E::round(silu * one_minus_s));
+            *d_gate = E::from_rounded(E::round(E::round(d * u) * d_silu));
         }
     }
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// `sum(a)` in f32, in [`dot`]'s order.
-fn sum(a: &[f32]) -> f32 {
-    const LANES: usize = 16;
-    let mut lanes = [0.0f32; LANES];
-    let chunks = a.chunks_exact(LANES);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for x in chunks {
-        for i in 0..LANES {
-            lanes[i] += x[i];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// `1 / sqrt(mean(row^2) + eps)` in f32, as the plain ops compute it.
+#[inline(always)]
 fn inv_rms(row: &[f32], eps: f64) -> f32 {
     1.0 / (dot(row, row) / row.len() as f32 + eps as f32).sqrt()
 }
 
+/// `row`'s elements in f32, into `into`.
+#[inline(always)]
+fn load<E: Elem>(row: &[E], into: &mut [f32]) {
+    for (to, &v) in into.iter_mut().zip(row) {
+        *to = v.to_f32();
+    }
+}
+
+/// RMSNorm over the last dim in f32, as `plain::rms_norm`: the normalized row rounded to `E`,
+/// then times the weight, rounded again.
+fn rms_norm<E: Elem>(x: &FlexTensor, weight: &FlexTensor, eps: f64) -> Option<FlexTensor> {
+    let shape = x.shape();
+    let n = shape[shape.num_dims() - 1];
+    let (xs, w) = (contiguous::<E>(x)?, to_f32_vec(weight)?);
+    if w.len() != n || n == 0 {
+        return None;
+    }
+    let mut out = vec![E::from_rounded(0.0); shape.num_elements()];
+    rms_norm_loop(elems::<E>(&xs), &w, eps, &mut out);
+    Some(tensor(out, shape))
+}
+
+wide_fn! {
+    fn rms_norm_loop<E: Elem>(x: &[E], w: &[f32], eps: f64, out: &mut [E]) {
+        let n = w.len();
+        let mut row32 = vec![0.0f32; n];
+        for (row, out) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+            load(row, &mut row32);
+            let r = inv_rms(&row32, eps);
+            for ((o, &v), &w) in out.iter_mut().zip(&row32).zip(w) {
+                *o = E::from_rounded(E::round(E::round(v * r) * w));
+            }
+        }
+    }
+}
+
+/// RMSNorm's backward, as `plain::rms_norm_backward`: f32 math from `E`'s values, rounded to
+/// `E` where the plain ops' results are `E` (`grad * weight`, each `grad * normed` term, `d x`);
+/// the weight's gradient is summed over rows in f32 and rounded once.
+fn rms_norm_backward<E: Elem>(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    grad: &FlexTensor,
+    eps: f64,
+) -> Option<(FlexTensor, FlexTensor)> {
+    let shape = x.shape();
+    let n = shape[shape.num_dims() - 1];
+    let (xs, w, d) = (
+        contiguous::<E>(x)?,
+        to_f32_vec(weight)?,
+        contiguous::<E>(grad)?,
+    );
+    if w.len() != n || n == 0 || shape != grad.shape() {
+        return None;
+    }
+    let mut d_x = vec![E::from_rounded(0.0); shape.num_elements()];
+    let mut d_weight = vec![0.0f32; n];
+    let inputs = [elems::<E>(&xs), elems::<E>(&d)];
+    rms_norm_backward_loop(inputs, &w, eps, &mut d_x, &mut d_weight);
+    Some((
+        tensor(d_x, shape),
+        rounded_tensor::<E>(&d_weight, Shape::new([n])),
+    ))
+}
+
+wide_fn! {
+    fn rms_norm_backward_loop<E: Elem>(
+        inputs: [&[E]; 2],
+        w: &[f32],
+        eps: f64,
+        d_x: &mut [E],
+        d_weight: &mut [f32],
+    ) {
+        let [x, grad] = inputs;
+        let n = w.len();
+        let [mut row32, mut grad32, mut normed, mut d_normed] = [(); 4].map(|_| vec![0.0f32; n]);
+        let rows = x.chunks_exact(n).zip(grad.chunks_exact(n));
+        for ((row, g), d_x) in rows.zip(d_x.chunks_exact_mut(n)) {
+            load(row, &mut row32);
+            load(g, &mut grad32);
+            let r = inv_rms(&row32, eps);
+            for i in 0..n {
+                normed[i] = row32[i] * r;
+                d_normed[i] = E::round(grad32[i] * w[i]);
+                d_weight[i] += E::round(grad32[i] * E::round(normed[i]));
+            }
+            let mean = dot(&d_normed, &normed) / n as f32;
+            for i in 0..n {
+                d_x[i] = E::from_rounded(E::round(r * (d_normed[i] - normed[i] * mean)));
+            }
+        }
+    }
+}
+
+/// Runs a kernel generic over [`Elem`] on a tensor's dtype, else the plain-op math.
+macro_rules! fused_or_plain {
+    ($dtype:expr, $fused:ident ( $($arg:expr),* ), $plain:expr) => {
+        match by_elem!($dtype, $fused($($arg),*)) {
+            Some(out) => out,
+            None => $plain,
+        }
+    };
+}
+
 impl FusedBackend for Flex {
     fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        let shape = gate.shape();
-        if shape != up.shape() {
+        if gate.shape() != up.shape() {
             return plain::swiglu::<Self>(gate, up);
         }
-        if let Some(out) = swiglu_bf16(&gate, &up) {
-            return out;
-        }
-        let (Some(gate), Some(up)) = (contiguous_f32(gate.clone()), contiguous_f32(up.clone()))
-        else {
-            return plain::swiglu::<Self>(gate, up);
-        };
-        let mut out = vec![0.0f32; shape.num_elements()];
-        for (o, (&g, &u)) in out.iter_mut().zip(elems(&gate).iter().zip(elems(&up))) {
-            *o = g * sigmoid(g) * u;
-        }
-        tensor(out, shape)
+        fused_or_plain!(
+            gate.dtype(),
+            swiglu(&gate, &up),
+            plain::swiglu::<Self>(gate, up)
+        )
     }
 
     fn swiglu_backward(
@@ -191,46 +200,19 @@ impl FusedBackend for Flex {
         if shape != up.shape() || shape != grad.shape() {
             return plain::swiglu_backward::<Self>(gate, up, grad);
         }
-        if let Some(grads) = swiglu_backward_bf16(&gate, &up, &grad) {
-            return grads;
-        }
-        let (Some(g), Some(u), Some(d)) = (
-            contiguous_f32(gate.clone()),
-            contiguous_f32(up.clone()),
-            contiguous_f32(grad.clone()),
-        ) else {
-            return plain::swiglu_backward::<Self>(gate, up, grad);
-        };
-        let n = shape.num_elements();
-        let (mut d_gate, mut d_up) = (vec![0.0f32; n], vec![0.0f32; n]);
-        let outs = d_gate.iter_mut().zip(d_up.iter_mut());
-        let ins = elems(&g).iter().zip(elems(&u)).zip(elems(&d));
-        for ((d_gate, d_up), ((&g, &u), &d)) in outs.zip(ins) {
-            let s = sigmoid(g);
-            let silu = g * s;
-            *d_up = d * silu;
-            *d_gate = d * u * (s + silu * (1.0 - s));
-        }
-        (tensor(d_gate, shape.clone()), tensor(d_up, shape))
+        fused_or_plain!(
+            gate.dtype(),
+            swiglu_backward(&gate, &up, &grad),
+            plain::swiglu_backward::<Self>(gate, up, grad)
+        )
     }
 
     fn rms_norm(x: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
-        let shape = x.shape();
-        let n = shape[shape.num_dims() - 1];
-        let (Some(xs), Some(w)) = (contiguous_f32(x.clone()), contiguous_f32(weight.clone()))
-        else {
-            return plain::rms_norm::<Self>(x, weight, eps);
-        };
-        let w = elems(&w);
-        if w.len() != n || n == 0 {
-            return plain::rms_norm::<Self>(x, weight, eps);
-        }
-        let mut out = Vec::with_capacity(shape.num_elements());
-        for row in elems(&xs).chunks_exact(n) {
-            let r = inv_rms(row, eps);
-            out.extend(row.iter().zip(w).map(|(&v, &w)| (v * r) * w));
-        }
-        tensor(out, shape)
+        fused_or_plain!(
+            x.dtype(),
+            rms_norm(&x, &weight, eps),
+            plain::rms_norm::<Self>(x, weight, eps)
+        )
     }
 
     fn rms_norm_backward(
@@ -239,36 +221,11 @@ impl FusedBackend for Flex {
         grad: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let shape = x.shape();
-        let n = shape[shape.num_dims() - 1];
-        let (Some(xs), Some(w), Some(d)) = (
-            contiguous_f32(x.clone()),
-            contiguous_f32(weight.clone()),
-            contiguous_f32(grad.clone()),
-        ) else {
-            return plain::rms_norm_backward::<Self>(x, weight, grad, eps);
-        };
-        let w = elems(&w);
-        if w.len() != n || n == 0 || shape != grad.shape() {
-            return plain::rms_norm_backward::<Self>(x, weight, grad, eps);
-        }
-        let mut d_x = vec![0.0f32; shape.num_elements()];
-        let mut d_weight = vec![0.0f32; n];
-        let (mut normed, mut d_normed) = (vec![0.0f32; n], vec![0.0f32; n]);
-        let rows = elems(&xs).chunks_exact(n).zip(elems(&d).chunks_exact(n));
-        for ((row, g), d_x) in rows.zip(d_x.chunks_exact_mut(n)) {
-            let r = inv_rms(row, eps);
-            for i in 0..n {
-                normed[i] = row[i] * r;
-                d_normed[i] = g[i] * w[i];
-                d_weight[i] += g[i] * normed[i];
-            }
-            let mean = dot(&d_normed, &normed) / n as f32;
-            for i in 0..n {
-                d_x[i] = r * (d_normed[i] - normed[i] * mean);
-            }
-        }
-        (tensor(d_x, shape), tensor(d_weight, Shape::new([n])))
+        fused_or_plain!(
+            x.dtype(),
+            rms_norm_backward(&x, &weight, &grad, eps),
+            plain::rms_norm_backward::<Self>(x, weight, grad, eps)
+        )
     }
 
     fn causal_softmax(scores: FloatTensor<Self>, scale: f64) -> FloatTensor<Self> {
@@ -290,10 +247,11 @@ impl FusedBackend for Flex {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        match rotate(&x, &cos, &sin, false) {
-            Some(out) => out,
-            None => plain::rotary::<Self>(x, cos, sin, false),
-        }
+        fused_or_plain!(
+            x.dtype(),
+            rotate(&x, &cos, &sin, false),
+            plain::rotary::<Self>(x, cos, sin, false)
+        )
     }
 
     fn rotary_backward(
@@ -301,16 +259,18 @@ impl FusedBackend for Flex {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        match rotate(&grad, &cos, &sin, true) {
-            Some(out) => out,
-            None => plain::rotary::<Self>(grad, cos, sin, true),
-        }
+        fused_or_plain!(
+            grad.dtype(),
+            rotate(&grad, &cos, &sin, true),
+            plain::rotary::<Self>(grad, cos, sin, true)
+        )
     }
 }
 
 /// The rotation of `x` `[.., seq, dim]` by `cos`/`sin` (`seq * dim` elements), or its
-/// transpose; `None` where the loop does not apply (dtype, odd dim, other shapes).
-fn rotate(
+/// transpose, rounding as `plain::rotary`'s ops do (`x * cos`, the rotated half times `sin`,
+/// their sum); `None` where the loop does not apply (dtype, odd dim, other shapes).
+fn rotate<E: Elem>(
     x: &FlexTensor,
     cos: &FlexTensor,
     sin: &FlexTensor,
@@ -322,36 +282,49 @@ fn rotate(
         return None;
     }
     let (seq, dim) = (shape[rank - 2], shape[rank - 1]);
-    let (x, cos, sin) = (
-        contiguous_f32(x.clone())?,
-        contiguous_f32(cos.clone())?,
-        contiguous_f32(sin.clone())?,
-    );
-    let (c, s) = (elems(&cos), elems(&sin));
+    let (x, c, s) = (contiguous::<E>(x)?, to_f32_vec(cos)?, to_f32_vec(sin)?);
     if dim % 2 != 0 || dim == 0 || c.len() != seq * dim || s.len() != seq * dim {
         return None;
     }
-    let half = dim / 2;
-    let mut out = vec![0.0f32; shape.num_elements()];
-    for (index, (row, o)) in elems(&x)
-        .chunks_exact(dim)
-        .zip(out.chunks_exact_mut(dim))
-        .enumerate()
-    {
-        let at = (index % seq) * dim;
-        let (c, s) = (&c[at..at + dim], &s[at..at + dim]);
-        for i in 0..half {
-            let (a, b) = (row[i], row[i + half]);
-            if transposed {
-                o[i] = a * c[i] + b * s[i + half];
-                o[i + half] = b * c[i + half] - a * s[i];
-            } else {
-                o[i] = a * c[i] - b * s[i];
-                o[i + half] = b * c[i + half] + a * s[i + half];
+    let mut out = vec![E::from_rounded(0.0); shape.num_elements()];
+    rotate_loop(elems::<E>(&x), [&c, &s], dim, transposed, &mut out);
+    Some(tensor(out, shape))
+}
+
+wide_fn! {
+    /// [`rotate`]'s loop: `x` and `out` are `[.., seq, dim]`, the tables `[seq, dim]`.
+    fn rotate_loop<E: Elem>(
+        x: &[E],
+        tables: [&[f32]; 2],
+        dim: usize,
+        transposed: bool,
+        out: &mut [E],
+    ) {
+        let [cos, sin] = tables;
+        let (half, r) = (dim / 2, E::round);
+        let matrices = x.chunks_exact(cos.len()).zip(out.chunks_exact_mut(cos.len()));
+        for (x, out) in matrices {
+            let rows = x.chunks_exact(dim).zip(out.chunks_exact_mut(dim));
+            for ((row, o), (c, s)) in rows.zip(cos.chunks_exact(dim).zip(sin.chunks_exact(dim))) {
+                let (o1, o2) = o.split_at_mut(half);
+                for i in 0..half {
+                    let (a, b) = (row[i].to_f32(), row[i + half].to_f32());
+                    let (first, second) = match transposed {
+                        true => (
+                            r(a * c[i]) + r(b * s[i + half]),
+                            r(b * c[i + half]) - r(a * s[i]),
+                        ),
+                        false => (
+                            r(a * c[i]) - r(b * s[i]),
+                            r(b * c[i + half]) + r(a * s[i + half]),
+                        ),
+                    };
+                    o1[i] = E::from_rounded(r(first));
+                    o2[i] = E::from_rounded(r(second));
+                }
             }
         }
     }
-    Some(tensor(out, shape))
 }
 
 /// Flex's attention softmax and its backward as loops over f32 rows; the matmuls around them
@@ -362,27 +335,32 @@ pub(super) fn causal_softmax(scores: &FlexTensor, scale: f64) -> Option<FlexTens
     if rank < 2 || shape[rank - 1] != shape[rank - 2] {
         return None;
     }
-    let s = shape[rank - 1];
-    let scores = contiguous_f32(scores.clone())?;
-    let scale = scale as f32;
+    let scores = contiguous::<f32>(scores)?;
     let mut out = vec![0.0f32; shape.num_elements()];
-    for (index, (row, p)) in elems(&scores)
-        .chunks_exact(s)
-        .zip(out.chunks_exact_mut(s))
-        .enumerate()
-    {
-        // Query `i` sees keys `0..=i`; the rest stay 0 (exp(-inf)).
-        let seen = index % s + 1;
-        let max = row[..seen]
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-        for (p, &x) in p[..seen].iter_mut().zip(&row[..seen]) {
-            *p = exp(x * scale - max);
-        }
-        let sum = sum(&p[..seen]);
-        p[..seen].iter_mut().for_each(|p| *p /= sum);
-    }
+    causal_softmax_loop(
+        elems::<f32>(&scores),
+        shape[rank - 1],
+        scale as f32,
+        &mut out,
+    );
     Some(tensor(out, shape))
+}
+
+wide_fn! {
+    fn causal_softmax_loop(scores: &[f32], s: usize, scale: f32, out: &mut [f32]) {
+        for (index, (row, p)) in scores.chunks_exact(s).zip(out.chunks_exact_mut(s)).enumerate() {
+            // Query `i` sees keys `0..=i`; the rest stay 0 (exp(-inf)).
+            let seen = index % s + 1;
+            let max = row[..seen]
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+            for (p, &x) in p[..seen].iter_mut().zip(&row[..seen]) {
+                *p = exp(x * scale - max);
+            }
+            let sum = sum(&p[..seen]);
+            p[..seen].iter_mut().for_each(|p| *p /= sum);
+        }
+    }
 }
 
 pub(super) fn softmax_backward(probs: &FlexTensor, grad: &FlexTensor) -> Option<FlexTensor> {
@@ -391,74 +369,20 @@ pub(super) fn softmax_backward(probs: &FlexTensor, grad: &FlexTensor) -> Option<
         return None;
     }
     let n = shape[shape.num_dims() - 1];
-    let (probs, grad) = (
-        contiguous_f32(probs.clone())?,
-        contiguous_f32(grad.clone())?,
-    );
-    let mut out = Vec::with_capacity(shape.num_elements());
-    for (p, g) in elems(&probs)
-        .chunks_exact(n)
-        .zip(elems(&grad).chunks_exact(n))
-    {
-        let dot = dot(p, g);
-        out.extend(p.iter().zip(g).map(|(p, g)| p * (g - dot)));
-    }
+    let (probs, grad) = (contiguous::<f32>(probs)?, contiguous::<f32>(grad)?);
+    let mut out = vec![0.0f32; shape.num_elements()];
+    softmax_backward_loop(elems::<f32>(&probs), elems::<f32>(&grad), n, &mut out);
     Some(tensor(out, shape))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::exp;
-
-    /// The branch-free rounding equals `half`'s (ties to even, overflow to infinity, NaN kept).
-    #[test]
-    fn round_bf16_equals_halfs_conversion() {
-        use super::{bf16, round_bf16};
-        let mut bits = 0u32;
-        loop {
-            let x = f32::from_bits(bits);
-            let (got, want) = (round_bf16(x), bf16::from_f32(x).to_f32());
-            assert!(
-                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                "{x}"
-            );
-            match bits.checked_add(0x3_3333) {
-                Some(next) => bits = next,
-                None => break,
+wide_fn! {
+    fn softmax_backward_loop(probs: &[f32], grad: &[f32], n: usize, out: &mut [f32]) {
+        let rows = probs.chunks_exact(n).zip(grad.chunks_exact(n));
+        for ((p, g), o) in rows.zip(out.chunks_exact_mut(n)) {
+            let dot = dot(p, g);
+            for ((o, p), g) in o.iter_mut().zip(p).zip(g) {
+                *o = p * (g - dot);
             }
         }
-        for x in [
-            1.0 + 2f32.powi(-8),
-            1.0 + 3.0 * 2f32.powi(-8),
-            f32::MAX,
-            -0.0,
-            1e-40,
-        ] {
-            assert_eq!(
-                round_bf16(x).to_bits(),
-                bf16::from_f32(x).to_f32().to_bits(),
-                "{x}"
-            );
-        }
-    }
-
-    /// Within 2 ulp of the f64 `exp` over the range softmax and SiLU use, and clamped beyond.
-    #[test]
-    fn exp_is_within_two_ulp_of_libm() {
-        let mut x = -87.0f32;
-        while x <= 87.5 {
-            let want = (x as f64).exp();
-            let got = exp(x) as f64;
-            let ulp = (want as f32).abs() * f32::EPSILON;
-            assert!(
-                (got - want).abs() <= 2.0 * ulp as f64,
-                "exp({x}) = {got}, want {want}"
-            );
-            x += 0.001_7;
-        }
-        assert_eq!(exp(0.0), 1.0);
-        assert!(exp(f32::NEG_INFINITY) < 1.3e-38 && exp(f32::NEG_INFINITY) > 0.0);
-        assert!(exp(f32::NAN).is_nan());
-        assert!(exp(1000.0).is_finite());
     }
 }
