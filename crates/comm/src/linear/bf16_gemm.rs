@@ -34,6 +34,7 @@ pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512bf16")
     }
@@ -72,62 +73,106 @@ pub(crate) fn matmul(a: Bf16Matrix, b: Bf16Matrix, out: &mut [bf16]) {
 
 /// Two bf16 as one u32, `low` in the low half (the order `vdpbf16ps` reads a lane's two
 /// products in).
-#[inline]
+#[inline(always)]
 fn pair(low: bf16, high: bf16) -> u32 {
     low.to_bits() as u32 | (high.to_bits() as u32) << 16
 }
 
-/// `n` elements from `start`, `stride` apart (0: one element repeated, a broadcast view).
-fn strided(data: &[bf16], start: usize, stride: usize, n: usize) -> impl Iterator<Item = bf16> {
-    (0..n).map(move |i| data[start + i * stride])
-}
-
-/// Calls `put(kk, pair)` for the pairs of a run of `k` elements along the summed dim, `stride`
-/// apart (an odd last one pairs with zero).
-fn for_each_pair(
-    data: &[bf16],
-    start: usize,
-    stride: usize,
-    k: usize,
-    mut put: impl FnMut(usize, u32),
-) {
+/// `out[i] = pair(data[low + i * stride], data[high + i * stride])`, zeros for a missing
+/// `high` (past an odd last row); `stride` 0 is a broadcast view.
+#[inline(always)]
+fn interleave(out: &mut [u32], data: &[bf16], low: usize, high: Option<usize>, stride: usize) {
+    let n = out.len();
     if stride == 1 {
-        // Adjacent pairs: the common row-major case, read two at a time.
-        let run = &data[start..start + k];
-        let chunks = run.chunks_exact(2);
-        let last = chunks.remainder().first().copied();
-        for (kk, two) in chunks.enumerate() {
-            put(kk, pair(two[0], two[1]));
-        }
-        if let Some(last) = last {
-            put(k / 2, pair(last, bf16::ZERO));
+        // Two contiguous runs: the loop vectorizes.
+        let lows = &data[low..low + n];
+        match high {
+            Some(high) => {
+                let highs = &data[high..high + n];
+                for ((o, &l), &h) in out.iter_mut().zip(lows).zip(highs) {
+                    *o = pair(l, h);
+                }
+            }
+            None => {
+                for (o, &l) in out.iter_mut().zip(lows) {
+                    *o = pair(l, bf16::ZERO);
+                }
+            }
         }
         return;
     }
-    let mut run = strided(data, start, stride, k);
-    let mut kk = 0;
-    while let Some(low) = run.next() {
-        put(kk, pair(low, run.next().unwrap_or(bf16::ZERO)));
-        kk += 1;
+    for (i, o) in out.iter_mut().enumerate() {
+        let h = high.map_or(bf16::ZERO, |h| data[h + i * stride]);
+        *o = pair(data[low + i * stride], h);
     }
 }
 
-/// `out[i] = pair(low[i], high[i])`, with zeros for a missing `high` (past an odd last row).
-fn pair_runs(
-    out: &mut [u32],
-    low: impl Iterator<Item = bf16>,
-    high: Option<impl Iterator<Item = bf16>>,
-) {
-    match high {
-        Some(high) => {
-            for (v, (low, high)) in out.iter_mut().zip(low.zip(high)) {
-                *v = pair(low, high);
-            }
+/// The pairs of a run of `k` elements along the summed dim from `start`, `stride` apart, into
+/// every `step`-th element of `dst` (an odd last one pairs with zero).
+#[inline(always)]
+fn pairs_along(dst: &mut [u32], step: usize, data: &[bf16], start: usize, stride: usize, k: usize) {
+    let mut slots = dst.iter_mut().step_by(step);
+    if stride == 1 {
+        // Adjacent pairs: the common row-major case, read two at a time.
+        let chunks = data[start..start + k].chunks_exact(2);
+        let last = chunks.remainder().first().copied();
+        for (two, slot) in chunks.zip(&mut slots) {
+            *slot = pair(two[0], two[1]);
         }
-        None => {
-            for (v, low) in out.iter_mut().zip(low) {
-                *v = pair(low, bf16::ZERO);
-            }
+        if let (Some(last), Some(slot)) = (last, slots.next()) {
+            *slot = pair(last, bf16::ZERO);
+        }
+        return;
+    }
+    for (kk, slot) in slots.take(k.div_ceil(2)).enumerate() {
+        let high = (2 * kk + 1 < k).then(|| data[start + (2 * kk + 1) * stride]);
+        *slot = pair(data[start + 2 * kk * stride], high.unwrap_or(bf16::ZERO));
+    }
+}
+
+/// B's columns `first..first + cols` as one panel: for each pair of rows, each column's two
+/// elements as one u32 (`dst` zeroed past the last row and column).
+#[inline(always)]
+fn pack_b_panel(b: Bf16Matrix, first: usize, cols: usize, dst: &mut [u32]) {
+    let k = b.rows;
+    // Walk memory in order: down each column when the summed dim is the contiguous one (a
+    // transposed weight), along the rows otherwise.
+    if b.row_stride == 1 {
+        for j in 0..cols {
+            pairs_along(&mut dst[j..], NR, b.data, (first + j) * b.col_stride, 1, k);
+        }
+    } else {
+        for (kk, out) in dst.chunks_exact_mut(NR).enumerate() {
+            let low = 2 * kk * b.row_stride + first * b.col_stride;
+            let high = (2 * kk + 1 < k).then(|| low + b.row_stride);
+            interleave(&mut out[..cols], b.data, low, high, b.col_stride);
+        }
+    }
+}
+
+/// A's rows `top..top + rows` as one tile: for each pair of columns, each row's two elements
+/// as one u32 (`dst` zeroed past the last row and column).
+#[inline(always)]
+fn pack_a_tile(a: Bf16Matrix, top: usize, rows: usize, dst: &mut [u32]) {
+    let k = a.cols;
+    // Walk memory in order: across the tile's rows when they are the contiguous dim (a
+    // transposed input), along each row otherwise.
+    if a.row_stride == 1 {
+        for (kk, out) in dst.chunks_exact_mut(MR).enumerate() {
+            let low = top + 2 * kk * a.col_stride;
+            let high = (2 * kk + 1 < k).then(|| low + a.col_stride);
+            interleave(&mut out[..rows], a.data, low, high, 1);
+        }
+    } else {
+        for r in 0..rows {
+            pairs_along(
+                &mut dst[r..],
+                MR,
+                a.data,
+                (top + r) * a.row_stride,
+                a.col_stride,
+                k,
+            );
         }
     }
 }
@@ -135,31 +180,18 @@ fn pair_runs(
 /// B's columns in panels of [`NR`]; within a panel, for each pair of rows, each column's two
 /// elements as one u32, zero padded past the last row and column.
 fn pack_b(b: Bf16Matrix, pairs: usize) -> Vec<u32> {
-    let (k, n) = (b.rows, b.cols);
+    let n = b.cols;
     let mut packed = vec![0u32; n.div_ceil(NR) * pairs * NR];
     packed
         .par_chunks_mut(pairs * NR)
         .enumerate()
         .for_each(|(panel, dst)| {
             let first = panel * NR;
-            let cols = NR.min(n - first);
-            // Walk memory in order: down each column when the summed dim is the contiguous
-            // one (a transposed weight), along the rows otherwise.
-            if b.row_stride == 1 {
-                for j in 0..cols {
-                    let column = (first + j) * b.col_stride;
-                    for_each_pair(b.data, column, 1, k, |kk, v| dst[kk * NR + j] = v);
-                }
-            } else {
-                // Row `r`'s `cols` elements of this panel.
-                let row = |r: usize| {
-                    let start = r * b.row_stride + first * b.col_stride;
-                    strided(b.data, start, b.col_stride, cols)
-                };
-                for (kk, out) in dst.chunks_exact_mut(NR).enumerate() {
-                    pair_runs(out, row(2 * kk), (2 * kk + 1 < k).then(|| row(2 * kk + 1)));
-                }
-            }
+            // SAFETY: `matmul` checked the CPU features.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                x86::pack_b_panel(b, first, NR.min(n - first), dst)
+            };
         });
     packed
 }
@@ -167,29 +199,14 @@ fn pack_b(b: Bf16Matrix, pairs: usize) -> Vec<u32> {
 /// A's rows `first..first + rows` in tiles of [`MR`]; within a tile, for each pair of
 /// columns, each row's two elements as one u32 (zero padded past the last row and column).
 fn pack_a(a: Bf16Matrix, first: usize, rows: usize, pairs: usize) -> Vec<u32> {
-    let k = a.cols;
     let mut packed = vec![0u32; rows.div_ceil(MR) * pairs * MR];
     for (tile, dst) in packed.chunks_exact_mut(pairs * MR).enumerate() {
         let top = first + tile * MR;
-        let tile_rows = MR.min(rows - tile * MR);
-        // Walk memory in order: across the tile's rows when they are the contiguous dim (a
-        // transposed input), along each row otherwise.
-        if a.row_stride == 1 {
-            // Column `c`'s elements in this tile's rows.
-            let column = |c: usize| strided(a.data, top + c * a.col_stride, 1, tile_rows);
-            for (kk, out) in dst.chunks_exact_mut(MR).enumerate() {
-                pair_runs(
-                    out,
-                    column(2 * kk),
-                    (2 * kk + 1 < k).then(|| column(2 * kk + 1)),
-                );
-            }
-        } else {
-            for r in 0..tile_rows {
-                let row = (top + r) * a.row_stride;
-                for_each_pair(a.data, row, a.col_stride, k, |kk, v| dst[kk * MR + r] = v);
-            }
-        }
+        // SAFETY: `matmul` checked the CPU features.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            x86::pack_a_tile(a, top, MR.min(rows - tile * MR), dst)
+        };
     }
     packed
 }
@@ -226,7 +243,21 @@ fn multiply_block(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{MR, NR, bf16};
+    use super::{Bf16Matrix, MR, NR, bf16};
+
+    /// [`pack_b_panel`](super::pack_b_panel) compiled for the vectors [`super::available`]
+    /// checked.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn pack_b_panel(b: Bf16Matrix, first: usize, cols: usize, dst: &mut [u32]) {
+        super::pack_b_panel(b, first, cols, dst)
+    }
+
+    /// [`pack_a_tile`](super::pack_a_tile) compiled for the vectors [`super::available`]
+    /// checked.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn pack_a_tile(a: Bf16Matrix, top: usize, rows: usize, dst: &mut [u32]) {
+        super::pack_a_tile(a, top, rows, dst)
+    }
 
     /// One `MR x NR` tile over all `pairs`: f32 sums in registers, rounded to bf16 at the end.
     #[target_feature(enable = "avx512f,avx512bf16,avx512vl")]

@@ -54,6 +54,47 @@ fn product_f64(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> (Vec<f64>,
     (out, abs)
 }
 
+/// How a test stores a logical row-major matrix.
+#[derive(Debug, Clone, Copy)]
+enum Layout {
+    Rows,
+    Transposed,
+    /// Row-major with a gap after every element: strides `2 * cols` and 2.
+    Spaced,
+}
+
+impl Layout {
+    fn store(self, x: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+        let mut s = vec![bf16::ZERO; x.len() * if let Self::Spaced = self { 2 } else { 1 }];
+        for r in 0..rows {
+            for c in 0..cols {
+                let at = match self {
+                    Self::Rows => r * cols + c,
+                    Self::Transposed => c * rows + r,
+                    Self::Spaced => 2 * (r * cols + c),
+                };
+                s[at] = x[r * cols + c];
+            }
+        }
+        s
+    }
+
+    fn view(self, data: &[bf16], rows: usize, cols: usize) -> Bf16Matrix<'_> {
+        let (row_stride, col_stride) = match self {
+            Self::Rows => (cols, 1),
+            Self::Transposed => (1, rows),
+            Self::Spaced => (2 * cols, 2),
+        };
+        Bf16Matrix {
+            data,
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+        }
+    }
+}
+
 #[test]
 fn bf16_matmul_matches_f64_math_on_uneven_and_transposed_operands() {
     if !bf16_gemm::available() {
@@ -68,43 +109,27 @@ fn bf16_matmul_matches_f64_math_on_uneven_and_transposed_operands() {
         (200, 3, 40),
         (5, 0, 3),
     ] {
-        for (a_transposed, b_transposed) in [(false, false), (true, false), (false, true)] {
+        // Each operand row-major, transposed, or every other element of a wider row-major
+        // buffer (neither stride 1: the packing's strided reads).
+        for (a_layout, b_layout) in [
+            (Layout::Rows, Layout::Rows),
+            (Layout::Transposed, Layout::Rows),
+            (Layout::Rows, Layout::Transposed),
+            (Layout::Spaced, Layout::Spaced),
+        ] {
             let a: Vec<bf16> = values(m * k, 1).into_iter().map(bf16::from_f32).collect();
             let b: Vec<bf16> = values(k * n, 2).into_iter().map(bf16::from_f32).collect();
-            // The same logical matrices, stored transposed when asked.
-            let stored = |x: &[bf16], rows: usize, cols: usize, t: bool| -> Vec<bf16> {
-                if !t {
-                    return x.to_vec();
-                }
-                let mut s = vec![bf16::ZERO; x.len()];
-                for r in 0..rows {
-                    for c in 0..cols {
-                        s[c * rows + r] = x[r * cols + c];
-                    }
-                }
-                s
-            };
-            let (a_store, b_store) = (
-                stored(&a, m, k, a_transposed),
-                stored(&b, k, n, b_transposed),
-            );
-            let view = |data, rows, cols, t: bool| Bf16Matrix {
-                data,
-                rows,
-                cols,
-                row_stride: if t { 1 } else { cols },
-                col_stride: if t { rows } else { 1 },
-            };
+            let (a_store, b_store) = (a_layout.store(&a, m, k), b_layout.store(&b, k, n));
             let mut out = vec![bf16::ZERO; m * n];
             bf16_gemm::matmul(
-                view(&a_store, m, k, a_transposed),
-                view(&b_store, k, n, b_transposed),
+                a_layout.view(&a_store, m, k),
+                b_layout.view(&b_store, k, n),
                 &mut out,
             );
             let f64s = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
             let (want, abs) = product_f64(&f64s(&a), &f64s(&b), m, k, n);
             for (i, got) in out.iter().enumerate() {
-                let what = format!("{m}x{k}x{n} ({a_transposed}, {b_transposed})[{i}]");
+                let what = format!("{m}x{k}x{n} ({a_layout:?}, {b_layout:?})[{i}]");
                 assert_bf16_close(&what, got.to_f32(), want[i], abs[i]);
             }
         }
