@@ -306,21 +306,19 @@ wide_fn! {
         for (x, out) in matrices {
             let rows = x.chunks_exact(dim).zip(out.chunks_exact_mut(dim));
             for ((row, o), (c, s)) in rows.zip(cos.chunks_exact(dim).zip(sin.chunks_exact(dim))) {
-                let (o1, o2) = o.split_at_mut(half);
-                for i in 0..half {
-                    let (a, b) = (row[i].to_f32(), row[i + half].to_f32());
+                // Halves as their own slices, so the loops below carry no bounds checks.
+                let ((x1, x2), (o1, o2)) = (row.split_at(half), o.split_at_mut(half));
+                let ((c1, c2), (s1, s2)) = (c.split_at(half), s.split_at(half));
+                let halves = x1.iter().zip(x2).zip(o1.iter_mut().zip(o2.iter_mut()));
+                let tables = c1.iter().zip(c2).zip(s1.iter().zip(s2));
+                for (((a, b), (o1, o2)), ((c1, c2), (s1, s2))) in halves.zip(tables) {
+                    let (a, b) = (a.to_f32(), b.to_f32());
                     let (first, second) = match transposed {
-                        true => (
-                            r(a * c[i]) + r(b * s[i + half]),
-                            r(b * c[i + half]) - r(a * s[i]),
-                        ),
-                        false => (
-                            r(a * c[i]) - r(b * s[i]),
-                            r(b * c[i + half]) + r(a * s[i + half]),
-                        ),
+                        true => (r(a * c1) + r(b * s2), r(b * c2) - r(a * s1)),
+                        false => (r(a * c1) - r(b * s1), r(b * c2) + r(a * s2)),
                     };
-                    o1[i] = E::from_rounded(r(first));
-                    o2[i] = E::from_rounded(r(second));
+                    *o1 = E::from_rounded(r(first));
+                    *o2 = E::from_rounded(r(second));
                 }
             }
         }
