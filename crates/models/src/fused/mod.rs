@@ -9,10 +9,10 @@
 //! the product) and allocates a tensor per op in both passes. Here each block is one node that
 //! saves its inputs (attention also its probabilities) and runs one kernel per pass.
 //! [`FusedBackend`] is a Burn backend extension: on flex (the default CPU backend) the
-//! element-wise blocks are single loops over f32 buffers, and attention runs flex's matmuls
-//! around a one-loop masked softmax; on every other backend, dtype or layout the kernels are
-//! the plain-op math ([`plain`]), so the model has one path and the autodiff node is the same
-//! everywhere. Both are tested against [`reference`] (the blocks op by op, as transformers
+//! element-wise blocks are single loops over f32 or bf16 buffers (bf16 computed in f32 and
+//! rounded where the plain ops round), and attention runs flex's matmuls around a one-loop
+//! masked softmax; on every other backend, dtype or layout the kernels are the plain-op math
+//! ([`plain`]), so the model has one path and the autodiff node is the same everywhere. Both are tested against [`reference`] (the blocks op by op, as transformers
 //! writes them), values and gradients; `benches/kernels.rs` times them against it.
 
 mod autodiff;
