@@ -14,7 +14,7 @@ use burn::tensor::{DType, Shape};
 use rayon::prelude::*;
 
 use super::{AttentionMask, QUERY_BLOCK};
-use crate::simd::{Elem, contiguous, elems, exp, max, rounded_tensor, sum, tensor, wide_fn};
+use crate::simd::{Elem, contiguous, dot, elems, exp, max, rounded_tensor, sum, tensor, wide_fn};
 
 /// A float tensor's elements in f32, contiguous (f32 and bf16; else `None`).
 fn f32_elems<E: Elem>(x: &FlexTensor) -> Option<Vec<f32>> {
@@ -287,21 +287,9 @@ wide_fn! {
 
 wide_fn! {
     /// The softmax's backward in place, `dp <- p (dp - rowsum(p dp)) scale` (times the soft
-    /// cap's slope), with `p dp` summed in lanes.
+    /// cap's slope).
     fn scores_grad(p: &[f32], dp: &mut [f32], slope: Option<&[f32]>, scale: f32) {
-        let mut lanes = [0.0f32; 16];
-        let chunks = p.chunks_exact(16).zip(dp.chunks_exact(16));
-        let tail: f32 = p[p.len() / 16 * 16..]
-            .iter()
-            .zip(&dp[p.len() / 16 * 16..])
-            .map(|(a, b)| a * b)
-            .sum();
-        for (a, b) in chunks {
-            for i in 0..16 {
-                lanes[i] += a[i] * b[i];
-            }
-        }
-        let delta = lanes.iter().sum::<f32>() + tail;
+        let delta = dot(p, dp);
         for (d, &p) in dp.iter_mut().zip(p) {
             *d = p * (*d - delta);
         }

@@ -8,10 +8,18 @@
 
 use std::collections::HashMap;
 
+mod flex;
+#[cfg(test)]
+mod tests;
+mod update;
+
+use burn::backend::Dispatch;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
-use burn::tensor::{Gradients, Tensor};
+use burn::tensor::{GradientCheckpointingStrategy, Gradients, Tensor};
 use burn_parallel_checkpoint::OptimizerState;
 use serde_json::json;
+
+pub use update::{AdamWBackend, AdamWScalars};
 
 /// An optimizer step on every parameter of a module.
 pub trait Optimizer {
@@ -40,8 +48,8 @@ impl Optimizer for Sgd {
                 let lr = self.lr;
                 p.map(|t| match grad {
                     Some(g) if g.dims().iter().product::<usize>() > 0 => {
-                        let device = t.device();
-                        Tensor::from_data((t.inner() - g * lr).into_data(), &device).require_grad()
+                        let strategy = t.gradient_checkpointing_strategy();
+                        new_leaf(t.inner() - g * lr, strategy)
                     }
                     _ => t,
                 })
@@ -90,6 +98,24 @@ impl AdamW {
     }
 }
 
+impl AdamW {
+    /// This step's scalars, computed in f32 as PyTorch's for-loop AdamW computes them.
+    fn scalars(&self) -> AdamWScalars {
+        let bias1 = 1.0 - self.beta1.powi(self.step);
+        let bias2 = 1.0 - self.beta2.powi(self.step);
+        AdamWScalars {
+            beta1: self.beta1,
+            one_minus_beta1: 1.0 - self.beta1,
+            beta2: self.beta2,
+            one_minus_beta2: 1.0 - self.beta2,
+            bias2_sqrt: bias2.sqrt(),
+            eps: self.eps,
+            step_size: self.lr / bias1,
+            decay: (self.weight_decay != 0.0).then_some(1.0 - self.lr * self.weight_decay),
+        }
+    }
+}
+
 impl Optimizer for AdamW {
     fn step<M: Module>(&mut self, model: M, grads: &Gradients) -> M {
         self.step += 1;
@@ -118,33 +144,42 @@ impl ModuleMapper for AdamWStep<'_> {
             return p;
         }
         let o = &mut *self.opt;
-        let g = g.reshape([n]);
-        let (m, v) = match o.moments.remove(&p.id) {
-            Some((m, v)) => (
-                m.mul_scalar(o.beta1) + g.clone().mul_scalar(1.0 - o.beta1),
-                v.mul_scalar(o.beta2) + g.square().mul_scalar(1.0 - o.beta2),
-            ),
-            None => (
-                g.clone().mul_scalar(1.0 - o.beta1),
-                g.square().mul_scalar(1.0 - o.beta2),
-            ),
-        };
-        let bias1 = 1.0 - o.beta1.powi(o.step);
-        let bias2 = 1.0 - o.beta2.powi(o.step);
-        let step_size = o.lr / bias1;
-        let denom = v.clone().sqrt().div_scalar(bias2.sqrt()).add_scalar(o.eps);
-        let update = (m.clone() / denom).mul_scalar(step_size).reshape(shape);
-        let (lr, wd) = (o.lr, o.weight_decay);
-        o.moments.insert(p.id, (m, v));
-        p.map(|t| {
-            let device = t.device();
-            let mut x = t.inner();
-            if wd != 0.0 {
-                x = x.mul_scalar(1.0 - lr * wd);
-            }
-            Tensor::from_data((x - update).into_data(), &device).require_grad()
-        })
+        let s = o.scalars();
+        let moments = o.moments.remove(&p.id);
+        let mut updated_moments = None;
+        let p = p.map(|t| {
+            let strategy = t.gradient_checkpointing_strategy();
+            let x = t.inner().reshape([n]).into_dispatch();
+            let g = g.reshape([n]).into_dispatch();
+            let (x, m, v) = match moments {
+                Some((m, v)) => {
+                    let (m, v) = (m.into_dispatch(), v.into_dispatch());
+                    <Dispatch as AdamWBackend>::adamw_step(x, g, m, v, s)
+                }
+                None => <Dispatch as AdamWBackend>::adamw_first_step(x, g, s),
+            };
+            updated_moments = Some((Tensor::from_dispatch(m), Tensor::from_dispatch(v)));
+            new_leaf(Tensor::<1>::from_dispatch(x).reshape(shape), strategy)
+        });
+        if let Some(moments) = updated_moments {
+            o.moments.insert(p.id, moments);
+        }
+        p
     }
+}
+
+/// An updated parameter as a new autodiff leaf that keeps the old one's gradient
+/// checkpointing strategy (the strategy its device gave it).
+fn new_leaf<const D: usize>(
+    updated: Tensor<D>,
+    strategy: Option<GradientCheckpointingStrategy>,
+) -> Tensor<D> {
+    let leaf = updated.autodiff();
+    match strategy {
+        Some(strategy) => leaf.with_gradient_checkpointing_strategy(strategy),
+        None => leaf,
+    }
+    .require_grad()
 }
 
 /// An f32 setting as the f64 of its shortest decimal (0.9, not 0.8999999761581421), for JSON.
