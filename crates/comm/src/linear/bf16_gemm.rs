@@ -4,29 +4,21 @@
 //! the operands are packed as bf16 pairs along the summed dimension, the sums stay in f32, and
 //! each output element is rounded once to bf16 (to nearest even), as the f32 route rounds it.
 //! The products are exact in f32; only the order of the f32 additions differs from gemm's.
+//! Where the CPU has AMX and the OS grants it, the same packed B feeds AMX tiles instead
+//! ([`Kernel::Tiles`], `super::amx`).
 
 use burn::tensor::bf16;
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::amx;
+use super::packing::{Bf16Matrix, NR, interleave, pairs_along};
+
 /// Rows of a micro-tile (12 x 2 f32 accumulators, two B vectors and a broadcast fill 27 of
 /// the 32 vector registers).
 const MR: usize = 12;
-/// Columns of a micro-tile: two 16-lane vectors.
-const NR: usize = 32;
 /// Rows of A one task packs and multiplies by every B panel (its packed rows stay in L2).
 const MC: usize = 96;
-
-/// A read-only bf16 matrix in strided storage: element `(r, c)` is
-/// `data[r * row_stride + c * col_stride]`, so a transposed view is the same storage with the
-/// strides swapped.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Bf16Matrix<'a> {
-    pub data: &'a [bf16],
-    pub rows: usize,
-    pub cols: usize,
-    pub row_stride: usize,
-    pub col_stride: usize,
-}
 
 /// Whether this CPU has the instructions [`matmul`] needs (checked at run time, so one binary
 /// runs everywhere: without them the caller keeps its f32 route).
@@ -44,13 +36,49 @@ pub(crate) fn available() -> bool {
     }
 }
 
-/// `a @ b` into `out` (`a.rows x b.cols`, row-major), on the calling thread's rayon pool (a
-/// rank's own compute threads). Panics when the shapes disagree or the CPU lacks the
-/// instructions ([`available`] tells).
+/// The instructions a product runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// AVX512-BF16's `vdpbf16ps` on vector registers.
+    Vectors,
+    /// AMX tiles ([`amx`]), where the CPU and the OS allow them.
+    Tiles,
+}
+
+impl Kernel {
+    /// The fastest kernel this process may run: tiles where granted, else vectors.
+    pub(crate) fn best() -> Kernel {
+        if available() && tiles_granted() {
+            Kernel::Tiles
+        } else {
+            Kernel::Vectors
+        }
+    }
+
+    /// Whether this process may run the kernel.
+    pub(crate) fn runs_here(self) -> bool {
+        match self {
+            Kernel::Vectors => available(),
+            Kernel::Tiles => available() && tiles_granted(),
+        }
+    }
+}
+
+/// `a @ b` into `out` (`a.rows x b.cols`, row-major) on [`Kernel::best`], on the calling
+/// thread's rayon pool (a rank's own compute threads). Panics when the shapes disagree or the
+/// CPU lacks the instructions ([`available`] tells).
 pub(crate) fn matmul(a: Bf16Matrix, b: Bf16Matrix, out: &mut [bf16]) {
+    matmul_on(Kernel::best(), a, b, out)
+}
+
+/// [`matmul`] on the given kernel (which must [run here](Kernel::runs_here)).
+pub(crate) fn matmul_on(kernel: Kernel, a: Bf16Matrix, b: Bf16Matrix, out: &mut [bf16]) {
     assert_eq!(a.cols, b.rows, "bf16 matmul: inner dimensions differ");
     assert_eq!(out.len(), a.rows * b.cols, "bf16 matmul: output size");
-    assert!(available(), "bf16 matmul needs AVX512-BF16");
+    assert!(
+        kernel.runs_here(),
+        "bf16 matmul: this CPU cannot run {kernel:?}"
+    );
     let n = b.cols;
     if out.is_empty() {
         return;
@@ -61,72 +89,45 @@ pub(crate) fn matmul(a: Bf16Matrix, b: Bf16Matrix, out: &mut [bf16]) {
         out.fill(bf16::ZERO);
         return;
     }
-    let packed_b = pack_b(b, pairs);
-    out.par_chunks_mut(MC * n)
-        .enumerate()
-        .for_each(|(block, out_rows)| {
-            let rows = out_rows.len() / n;
-            let packed_a = pack_a(a, block * MC, rows, pairs);
-            multiply_block(&packed_a, &packed_b, pairs, rows, n, out_rows);
-        });
-}
-
-/// Two bf16 as one u32, `low` in the low half (the order `vdpbf16ps` reads a lane's two
-/// products in).
-#[inline(always)]
-fn pair(low: bf16, high: bf16) -> u32 {
-    low.to_bits() as u32 | (high.to_bits() as u32) << 16
-}
-
-/// `out[i] = pair(data[low + i * stride], data[high + i * stride])`, zeros for a missing
-/// `high` (past an odd last row); `stride` 0 is a broadcast view.
-#[inline(always)]
-fn interleave(out: &mut [u32], data: &[bf16], low: usize, high: Option<usize>, stride: usize) {
-    let n = out.len();
-    if stride == 1 {
-        // Two contiguous runs: the loop vectorizes.
-        let lows = &data[low..low + n];
-        match high {
-            Some(high) => {
-                let highs = &data[high..high + n];
-                for ((o, &l), &h) in out.iter_mut().zip(lows).zip(highs) {
-                    *o = pair(l, h);
-                }
-            }
-            None => {
-                for (o, &l) in out.iter_mut().zip(lows) {
-                    *o = pair(l, bf16::ZERO);
-                }
-            }
+    match kernel {
+        Kernel::Vectors => {
+            let packed_b = pack_b(b, pairs, pairs);
+            out.par_chunks_mut(MC * n)
+                .enumerate()
+                .for_each(|(block, out_rows)| {
+                    let rows = out_rows.len() / n;
+                    let packed_a = pack_a(a, block * MC, rows, pairs);
+                    multiply_block(&packed_a, &packed_b, pairs, rows, n, out_rows);
+                });
         }
-        return;
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        let h = high.map_or(bf16::ZERO, |h| data[h + i * stride]);
-        *o = pair(data[low + i * stride], h);
+        // `runs_here` holds only on x86-64.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Tiles => {
+            let padded = amx::padded_pairs(pairs);
+            let packed_b = pack_b(b, pairs, padded);
+            out.par_chunks_mut(MC * n)
+                .enumerate()
+                .for_each(|(block, out_rows)| {
+                    let rows = out_rows.len() / n;
+                    let packed_a = amx::pack_a(a, block * MC, rows, padded);
+                    // SAFETY: `runs_here` checked the CPU and the OS's grant.
+                    unsafe { amx::tile_block(&packed_a, &packed_b, padded, rows, n, out_rows) };
+                });
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Kernel::Tiles => unreachable!("AMX is x86-64's"),
     }
 }
 
-/// The pairs of a run of `k` elements along the summed dim from `start`, `stride` apart, into
-/// every `step`-th element of `dst` (an odd last one pairs with zero).
-#[inline(always)]
-fn pairs_along(dst: &mut [u32], step: usize, data: &[bf16], start: usize, stride: usize, k: usize) {
-    let mut slots = dst.iter_mut().step_by(step);
-    if stride == 1 {
-        // Adjacent pairs: the common row-major case, read two at a time.
-        let chunks = data[start..start + k].chunks_exact(2);
-        let last = chunks.remainder().first().copied();
-        for (two, slot) in chunks.zip(&mut slots) {
-            *slot = pair(two[0], two[1]);
-        }
-        if let (Some(last), Some(slot)) = (last, slots.next()) {
-            *slot = pair(last, bf16::ZERO);
-        }
-        return;
+/// Whether AMX tiles run here (x86-64 only).
+fn tiles_granted() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        amx::available()
     }
-    for (kk, slot) in slots.take(k.div_ceil(2)).enumerate() {
-        let high = (2 * kk + 1 < k).then(|| data[start + (2 * kk + 1) * stride]);
-        *slot = pair(data[start + 2 * kk * stride], high.unwrap_or(bf16::ZERO));
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -178,19 +179,19 @@ fn pack_a_tile(a: Bf16Matrix, top: usize, rows: usize, dst: &mut [u32]) {
 }
 
 /// B's columns in panels of [`NR`]; within a panel, for each pair of rows, each column's two
-/// elements as one u32, zero padded past the last row and column.
-fn pack_b(b: Bf16Matrix, pairs: usize) -> Vec<u32> {
+/// elements as one u32, zero padded past the last row and column, and to `padded` pairs.
+fn pack_b(b: Bf16Matrix, pairs: usize, padded: usize) -> Vec<u32> {
     let n = b.cols;
-    let mut packed = vec![0u32; n.div_ceil(NR) * pairs * NR];
+    let mut packed = vec![0u32; n.div_ceil(NR) * padded * NR];
     packed
-        .par_chunks_mut(pairs * NR)
+        .par_chunks_mut(padded * NR)
         .enumerate()
         .for_each(|(panel, dst)| {
             let first = panel * NR;
             // SAFETY: `matmul` checked the CPU features.
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                x86::pack_b_panel(b, first, NR.min(n - first), dst)
+                x86::pack_b_panel(b, first, NR.min(n - first), &mut dst[..pairs * NR])
             };
         });
     packed

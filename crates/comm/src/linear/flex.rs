@@ -8,7 +8,8 @@ use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::{DType, Shape, TensorData, bf16};
 
 use super::LinearBackend;
-use super::bf16_gemm::{self, Bf16Matrix};
+use super::bf16_gemm;
+use super::packing::Bf16Matrix;
 
 /// A 2-D bf16 tensor as a strided matrix over its storage (`None` for other dtypes, ranks or
 /// negative strides; a broadcast view's zero stride is walked as it is).

@@ -7,9 +7,12 @@
 //! burn-flex's conversion of both operands to f32. Every linear layer of the models, LoRA and
 //! tensor parallelism runs through [`linear`], so the dtype decides the kernel, not the layer.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod autodiff;
 mod bf16_gemm;
 mod flex;
+mod packing;
 #[cfg(test)]
 mod tests;
 

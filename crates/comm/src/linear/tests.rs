@@ -5,8 +5,9 @@
 
 use burn::tensor::{Device, FloatDType, Tensor, TensorData, bf16};
 
-use super::bf16_gemm::{self, Bf16Matrix};
+use super::bf16_gemm::{self, Kernel};
 use super::linear;
+use super::packing::Bf16Matrix;
 
 /// Deterministic values in about [-2, 2).
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -95,19 +96,31 @@ impl Layout {
     }
 }
 
+/// Both kernels (vectors, and AMX tiles where this CPU and Linux allow them) against f64 math.
 #[test]
 fn bf16_matmul_matches_f64_math_on_uneven_and_transposed_operands() {
-    if !bf16_gemm::available() {
-        eprintln!("this CPU lacks AVX512-BF16: flex keeps Burn's bf16 route (tested below)");
-        return;
+    let kernels = [Kernel::Vectors, Kernel::Tiles];
+    for kernel in kernels.into_iter().filter(|kernel| {
+        let runs = kernel.runs_here();
+        if !runs {
+            eprintln!("this CPU or OS cannot run {kernel:?}: flex takes the next kernel down");
+        }
+        runs
+    }) {
+        matmul_matches_f64_math(kernel);
     }
-    // Uneven everywhere: odd k (a padded pair), m past a tile and a block, n past a panel.
+}
+
+fn matmul_matches_f64_math(kernel: Kernel) {
+    // Uneven everywhere: odd k (a padded pair), m past a tile and a block, n past a panel;
+    // and whole tiles (32 rows, 64 k: two AMX chunks, 32 columns).
     for (m, k, n) in [
         (1, 1, 1),
         (13, 7, 33),
         (97, 258, 65),
         (200, 3, 40),
         (5, 0, 3),
+        (32, 64, 32),
     ] {
         // Each operand row-major, transposed, or every other element of a wider row-major
         // buffer (neither stride 1: the packing's strided reads).
@@ -121,7 +134,8 @@ fn bf16_matmul_matches_f64_math_on_uneven_and_transposed_operands() {
             let b: Vec<bf16> = values(k * n, 2).into_iter().map(bf16::from_f32).collect();
             let (a_store, b_store) = (a_layout.store(&a, m, k), b_layout.store(&b, k, n));
             let mut out = vec![bf16::ZERO; m * n];
-            bf16_gemm::matmul(
+            bf16_gemm::matmul_on(
+                kernel,
                 a_layout.view(&a_store, m, k),
                 b_layout.view(&b_store, k, n),
                 &mut out,
@@ -129,7 +143,7 @@ fn bf16_matmul_matches_f64_math_on_uneven_and_transposed_operands() {
             let f64s = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
             let (want, abs) = product_f64(&f64s(&a), &f64s(&b), m, k, n);
             for (i, got) in out.iter().enumerate() {
-                let what = format!("{m}x{k}x{n} ({a_layout:?}, {b_layout:?})[{i}]");
+                let what = format!("{kernel:?} {m}x{k}x{n} ({a_layout:?}, {b_layout:?})[{i}]");
                 assert_bf16_close(&what, got.to_f32(), want[i], abs[i]);
             }
         }
