@@ -19,7 +19,7 @@ use burn::tensor::{GradientCheckpointingStrategy, Gradients, Tensor};
 use burn_parallel_checkpoint::OptimizerState;
 use serde_json::json;
 
-pub use update::{AdamWBackend, AdamWScalars};
+use update::{AdamWBackend, AdamWScalars};
 
 /// An optimizer step on every parameter of a module.
 pub trait Optimizer {
@@ -96,9 +96,7 @@ impl AdamW {
             moments: HashMap::new(),
         }
     }
-}
 
-impl AdamW {
     /// This step's scalars, computed in f32 as PyTorch's for-loop AdamW computes them.
     fn scalars(&self) -> AdamWScalars {
         let bias1 = 1.0 - self.beta1.powi(self.step);
