@@ -18,15 +18,17 @@ use burn::backend::{Autodiff, Backend, Flex, NdArray, backend_extension};
 
 use std::ops::Range;
 
-use burn::backend::TensorMetadata;
-use burn::tensor::Slice;
+use burn::backend::flex::FlexTensor;
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::{AutodiffBackend, Dispatch, TensorMetadata};
+use burn::tensor::{DType, Shape, Slice, TensorData, bf16, f16};
 
 use super::hub::SplitHub;
 use super::placement::Placement;
 use crate::device::decode::decode;
 use crate::device::{
     CodedWeight, DeviceCollective, DeviceStep, NcclCall, Phase, Prefetch, RebuildSteps,
-    StepKernels, decode_flex, no_nccl, run_steps,
+    StepKernels, cast_flex, decode_flex, no_nccl, run_steps,
 };
 use crate::linear::LinearBackend;
 
@@ -56,6 +58,12 @@ pub trait CollectiveBackend: LinearBackend {
     /// ([`decode`]); flex decodes in one pass ([`decode_flex`]).
     fn decode_packed(x: FloatTensor<Self>, weight: CodedWeight) -> FloatTensor<Self> {
         decode::<Self>(x, &weight)
+    }
+
+    /// `x` in another float dtype ([`DeviceStep::Cast`], the mixed-precision casts): Burn's
+    /// cast; flex converts f32 and bf16 in vectorized chunks ([`cast_flex`]).
+    fn cast_step(x: FloatTensor<Self>, dtype: DType) -> FloatTensor<Self> {
+        Self::float_cast(x, dtype.into())
     }
 
     /// The hub of a split (`split::split_views`): the tensor itself; on the autodiff backend, a
@@ -100,6 +108,15 @@ pub trait CollectiveBackend: LinearBackend {
         x
     }
 
+    /// `len` zeros (1-D) in `like`'s dtype and on its device: the buffer `place::place_flat`
+    /// writes pieces into. Flex allocates them zeroed in one pass (its `float_zeros` copies a
+    /// fresh zeroed buffer once more to align it: a second pass over a unit's buffer every
+    /// step); untracked on the autodiff backend.
+    fn flat_zeros(like: FloatTensor<Self>, len: usize) -> FloatTensor<Self> {
+        let dtype = like.dtype().into();
+        Self::float_zeros(Shape::new([len]), &like.device(), dtype)
+    }
+
     /// `acc` (1-D) with `piece` written at `place.offset`, one step of `place::place_flat`
     /// (in place where the backend owns `acc` alone); on the autodiff backend a node that
     /// gradient checkpointing recomputes rather than keeps.
@@ -125,11 +142,12 @@ fn segments_of<B: Backend>(x: FloatTensor<B>, segments: &[Range<usize>]) -> Floa
     }
 }
 
-/// The backend's NCCL step and decode, for [`run_steps`].
+/// The backend's NCCL step, decode and cast, for [`run_steps`].
 fn kernels<B: CollectiveBackend>() -> StepKernels<B> {
     StepKernels {
         nccl: B::nccl_step,
         decode: B::decode_packed,
+        cast: B::cast_step,
     }
 }
 
@@ -138,6 +156,21 @@ impl CollectiveBackend for NdArray {}
 impl CollectiveBackend for Flex {
     fn decode_packed(x: FloatTensor<Self>, weight: CodedWeight) -> FloatTensor<Self> {
         decode_flex(x, &weight)
+    }
+
+    fn cast_step(x: FloatTensor<Self>, dtype: DType) -> FloatTensor<Self> {
+        cast_flex(x, dtype)
+    }
+
+    fn flat_zeros(like: FloatTensor<Self>, len: usize) -> FloatTensor<Self> {
+        let data = match like.dtype() {
+            DType::F32 => TensorData::new(vec![0f32; len], [len]),
+            DType::BF16 => TensorData::new(vec![bf16::ZERO; len], [len]),
+            DType::F16 => TensorData::new(vec![f16::ZERO; len], [len]),
+            DType::F64 => TensorData::new(vec![0f64; len], [len]),
+            other => return Self::float_zeros(Shape::new([len]), &like.device(), other.into()),
+        };
+        FlexTensor::from_data(data)
     }
 }
 
@@ -220,7 +253,9 @@ impl<B: CollectiveBackend> Backward<B, 1> for PrefetchBackward {
     type State = Vec<Prefetch>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        ops.state.iter().for_each(Prefetch::issue);
+        ops.state
+            .iter()
+            .for_each(|prefetch| prefetch.issue(kernels::<Dispatch>()));
         unary::<B, _>(ops.parents, ops.node, grads, |grad| grad);
     }
 }
@@ -480,6 +515,10 @@ impl<B: CollectiveBackend> RetroForward for RetroPlace<B> {
 }
 
 impl<B: CollectiveBackend, C: CheckpointStrategy> CollectiveBackend for Autodiff<B, C> {
+    fn flat_zeros(like: FloatTensor<Self>, len: usize) -> FloatTensor<Self> {
+        Self::from_inner(B::flat_zeros(Self::inner(like), len))
+    }
+
     fn place_piece(
         acc: FloatTensor<Self>,
         piece: FloatTensor<Self>,

@@ -23,9 +23,9 @@ pub use super::placement::Placement;
 /// of pieces.
 pub fn place_flat(total: usize, pieces: Vec<(usize, Tensor<1>)>) -> Tensor<1> {
     let (_, first) = pieces.first().expect("place_flat takes at least one piece");
-    let mut buffer = Tensor::<1>::zeros([total], &first.device())
-        .cast(first.dtype())
-        .detach();
+    let like = first.clone().detach().into_dispatch();
+    let mut buffer =
+        Tensor::<1>::from_dispatch(<Dispatch as CollectiveBackend>::flat_zeros(like, total));
     for (offset, piece) in pieces {
         let len = piece.dims()[0];
         assert!(
@@ -51,12 +51,14 @@ mod tests {
 
     /// The buffer and each tracked piece's gradient, with an untracked piece (a frozen
     /// parameter) among them, with and without gradient checkpointing (where backward rebuilds
-    /// the buffer from the pieces).
+    /// the buffer from the pieces), on ndarray and flex.
     #[test]
     #[allow(deprecated)] // ndarray: the default test backend until Burn 0.23
     fn places_pieces_and_hands_each_its_gradient() {
         let plain = Device::ndarray().autodiff();
-        for device in [plain.clone(), plain.gradient_checkpointing()] {
+        // Flex makes the zeros buffer its own way (`CollectiveBackend::flat_zeros`).
+        let flex = Device::flex().autodiff();
+        for device in [plain.clone(), plain.gradient_checkpointing(), flex] {
             let a = tensor(&[1.0, 2.0, 3.0], &device).require_grad();
             let b = tensor(&[4.0, 5.0, 6.0, 7.0], &device).require_grad();
             let frozen = tensor(&[8.0], &device);

@@ -4,6 +4,7 @@
 //! tensors (`cube`, `torch`, planned by `nccl`). It builds on the transport layer and knows
 //! nothing of autodiff.
 
+pub mod cast;
 pub mod collective;
 pub mod decode;
 pub mod pairs;
@@ -20,6 +21,7 @@ pub(crate) mod nccl;
 #[cfg(feature = "tch")]
 pub(crate) mod torch;
 
+pub use cast::cast_flex;
 pub use collective::{DeviceCollective, RebuildSteps};
 pub use decode::{CodedWeight, INDICES_PER_VALUE, decode_flex};
 pub use prefetch::Prefetch;

@@ -21,8 +21,9 @@ use super::steps::{
 use crate::transport::group::ProcessGroup;
 
 /// `steps` split at their first engine collective, for issuing it ahead of its use: the steps
-/// before it, the op and its group. `None` when there is no such step (or it exchanges through
-/// NCCL, which cannot be issued ahead: CubeCL and tch hide their streams).
+/// before it, the op and its group. `None` when there is no such step, when it exchanges
+/// through NCCL (which cannot be issued ahead: CubeCL and tch hide their streams) or on a
+/// group of one (where it exchanges nothing: `run_steps` passes the tensor through).
 pub(crate) fn engine_prefix(
     steps: &[DeviceStep],
 ) -> Option<(&[DeviceStep], &DeviceOp, &ProcessGroup)> {
@@ -33,7 +34,7 @@ pub(crate) fn engine_prefix(
         DeviceStep::Run {
             op,
             exchange: Exchange::Engine(group),
-        } => Some((&steps[..at], op, group)),
+        } if group.size() > 1 => Some((&steps[..at], op, group)),
         _ => None,
     }
 }
@@ -109,8 +110,9 @@ impl Prefetch {
 
     /// Issues the rebuild's first exchange now, without waiting, when it is armed and not yet
     /// issued. Collective: every rank issues the same prefetches in the same order (every rank
-    /// runs the same backward).
-    pub fn issue(&self) {
+    /// runs the same backward). `kernels` are the backend's own steps (its cast, for a
+    /// mixed-precision rebuild).
+    pub fn issue(&self, kernels: StepKernels<Dispatch>) {
         let mut slot = self.slot();
         if !slot.armed || !matches!(slot.state, State::Waiting { .. }) {
             return;
@@ -122,13 +124,7 @@ impl Prefetch {
         let Some((prefix, op, group)) = engine_prefix(&steps) else {
             return;
         };
-        let x = run_steps::<Dispatch>(
-            (*source).into_dispatch(),
-            prefix,
-            Phase::Recompute,
-            // The steps before the first exchange: no NCCL and no decode among them.
-            StepKernels::plain(),
-        );
+        let x = run_steps::<Dispatch>((*source).into_dispatch(), prefix, Phase::Recompute, kernels);
         let in_flight = InFlight::start(op.clone(), read_data::<Dispatch>(x), group);
         slot.state = State::Issued(in_flight);
         if let Some((bytes, observer)) = &slot.counted {

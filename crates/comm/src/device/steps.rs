@@ -13,7 +13,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
 use burn::tensor::{DType, Slice, TensorData, try_read_sync};
 
-use super::decode::{CodedWeight, decode};
+use super::decode::CodedWeight;
 use crate::transport::chunk::{chunk_sizes, offsets};
 use crate::transport::collective::{Collective, CollectiveHandle, OpKind};
 use crate::transport::data::ReduceOp;
@@ -148,6 +148,35 @@ impl DeviceOp {
 
     /// Records what the exchange taught: every rank's rows of a gather, the lengths received
     /// by an all_to_all.
+    /// Whether this op on a group of one gives the input itself, learning the sizes the engine
+    /// would. True for every op whose known sizes agree with the input's dims; otherwise the
+    /// engine runs it and names the disagreement. A group of one exchanges nothing, so its
+    /// steps skip the engine's copies through host memory.
+    fn passes_through_alone(&self, dims: &[usize]) -> bool {
+        match self {
+            DeviceOp::AllReduce { .. } => true,
+            DeviceOp::AllGather { dim, sizes } => dims.get(*dim).is_some_and(|&len| {
+                sizes.set(vec![len]);
+                true
+            }),
+            DeviceOp::ReduceScatter { dim, sizes, .. } => dims
+                .get(*dim)
+                .is_some_and(|&len| sizes.get().is_none_or(|s| s == [len])),
+            DeviceOp::AllToAll {
+                split_dim,
+                concat_dim,
+                send_sizes,
+                received,
+            } => match (dims.get(*split_dim), dims.get(*concat_dim)) {
+                (Some(&sent), Some(&kept)) if send_sizes.get() == Some(vec![sent]) => {
+                    received.set(vec![kept]);
+                    true
+                }
+                _ => false,
+            },
+        }
+    }
+
     fn learn(&self, sizes: Vec<usize>) {
         match self {
             DeviceOp::AllGather { sizes: s, .. } => s.set(sizes),
@@ -386,24 +415,20 @@ pub type NcclStep<B> = fn(FloatTensor<B>, NcclCall) -> FloatTensor<B>;
 /// How a backend decodes a 4-bit packed weight ([`DeviceStep::Decode`]).
 pub type DecodeStep<B> = fn(FloatTensor<B>, CodedWeight) -> FloatTensor<B>;
 
-/// A backend's own implementations of the steps that have one: its NCCL collective and its
-/// decode of packed weights (flex's one-pass loop; the plain ops elsewhere).
+/// How a backend converts a tensor to another float dtype ([`DeviceStep::Cast`]).
+pub type CastStep<B> = fn(FloatTensor<B>, DType) -> FloatTensor<B>;
+
+/// A backend's own implementations of the steps that have one: its NCCL collective, its
+/// decode of packed weights and its dtype cast (flex's one-pass loops; the plain ops
+/// elsewhere).
 pub struct StepKernels<B: Backend> {
     /// Runs an NCCL step on the backend's buffer (read only in builds with NCCL).
     #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     pub nccl: NcclStep<B>,
     /// Decodes a packed weight.
     pub decode: DecodeStep<B>,
-}
-
-impl<B: Backend> StepKernels<B> {
-    /// No NCCL, and the decode of Burn's plain ops.
-    pub fn plain() -> Self {
-        Self {
-            nccl: no_nccl::<B>,
-            decode: |x, weight| decode::<B>(x, &weight),
-        }
-    }
+    /// Casts to another float dtype.
+    pub cast: CastStep<B>,
 }
 
 impl<B: Backend> Clone for StepKernels<B> {
@@ -488,10 +513,15 @@ pub fn run_steps<B: Backend>(
             }
             DeviceStep::Decode(weight) => (kernels.decode)(x, weight.clone()),
             DeviceStep::Cast(dtype) if x.dtype() == *dtype => x,
-            DeviceStep::Cast(dtype) => B::float_cast(x, (*dtype).into()),
+            DeviceStep::Cast(dtype) => (kernels.cast)(x, *dtype),
             DeviceStep::Piece { dim, sizes, index } => {
                 let sizes = sizes.expect("slicing this rank's piece");
                 piece::<B>(x, *dim, offsets(&sizes)[*index], sizes[*index])
+            }
+            DeviceStep::Run { op, exchange }
+                if exchange.group().size() == 1 && op.passes_through_alone(&x.shape()) =>
+            {
+                x
             }
             DeviceStep::Run {
                 op,
@@ -614,6 +644,49 @@ fn engine_exchange(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// On a group of one every op gives its input, learning the sizes an engine would; known
+    /// sizes that disagree with the input go to the engine, which names the error.
+    #[test]
+    fn ops_pass_through_a_group_of_one_only_where_their_sizes_agree() {
+        let dims = [5, 3];
+        let gather = DeviceOp::AllGather {
+            dim: 1,
+            sizes: Sizes::unknown(),
+        };
+        assert!(gather.passes_through_alone(&dims));
+        let DeviceOp::AllGather { sizes, .. } = &gather else {
+            unreachable!()
+        };
+        assert_eq!(sizes.get(), Some(vec![3]));
+        let scatter = |sizes| DeviceOp::ReduceScatter {
+            dim: 0,
+            sizes,
+            op: ReduceOp::Sum,
+        };
+        assert!(scatter(Sizes::unknown()).passes_through_alone(&dims));
+        assert!(scatter(Sizes::known(vec![5])).passes_through_alone(&dims));
+        assert!(!scatter(Sizes::known(vec![4])).passes_through_alone(&dims));
+        let to_all = |sent| DeviceOp::AllToAll {
+            split_dim: 0,
+            concat_dim: 1,
+            send_sizes: Sizes::known(sent),
+            received: Sizes::unknown(),
+        };
+        let through = to_all(vec![5]);
+        assert!(through.passes_through_alone(&dims));
+        let DeviceOp::AllToAll { received, .. } = &through else {
+            unreachable!()
+        };
+        assert_eq!(received.get(), Some(vec![3]));
+        assert!(!to_all(vec![2]).passes_through_alone(&dims));
+        let out_of_range = DeviceOp::AllGather {
+            dim: 2,
+            sizes: Sizes::unknown(),
+        };
+        assert!(!out_of_range.passes_through_alone(&dims));
+        assert!(DeviceOp::AllReduce { op: ReduceOp::Avg }.passes_through_alone(&dims));
+    }
 
     #[test]
     fn sizes_learned_forward_are_read_backward() {

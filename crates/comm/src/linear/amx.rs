@@ -11,9 +11,10 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
-use super::packing::{Bf16Matrix, NR, interleave, pairs_along};
+use super::packing::{Bf16Matrix, NR, Packed, interleave, pairs_along};
 use burn::tensor::bf16;
 
 /// Rows of an AMX tile.
@@ -65,11 +66,11 @@ pub(crate) fn padded_pairs(pairs: usize) -> usize {
 /// A's rows `first..first + rows` in tiles of 16 rows (an even number of them, so that every
 /// micro-kernel has two), each tile as its `padded_pairs / 16` chunks of 16 rows by 16 pairs,
 /// zero past the last row and pair.
-pub(crate) fn pack_a(a: Bf16Matrix, first: usize, rows: usize, padded_pairs: usize) -> Vec<u32> {
+pub(crate) fn pack_a(a: Bf16Matrix, first: usize, rows: usize, padded_pairs: usize) -> Packed {
     let tiles = rows.div_ceil(MICRO_ROWS) * 2;
-    let mut packed = vec![0u32; tiles * TILE_ROWS * padded_pairs];
+    let mut packed = Packed::zeroed(tiles * TILE_ROWS * padded_pairs);
     // SAFETY: AMX runs only where AVX-512 does (`bf16_gemm::Kernel::runs_here`).
-    unsafe { pack_a_rows(a, first, rows, padded_pairs, &mut packed) };
+    unsafe { pack_a_rows(a, first, rows, padded_pairs, packed.as_mut_slice()) };
     packed
 }
 
@@ -144,25 +145,30 @@ const CONFIG: TileConfig = TileConfig {
     rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
 };
 
+/// A micro-kernel's 32 x 32 f32 sums, each row of a tile on its own cache line.
+#[repr(C, align(64))]
+struct Sums([f32; MICRO_ROWS * NR]);
+
 /// One block of output rows on AMX: every B panel against every pair of A tiles. `packed_a`
-/// is [`pack_a`]'s, `packed_b` B's panels of [`NR`] columns over `padded_pairs` pairs.
+/// is [`pack_a`]'s, `packed_b` B's panels of [`NR`] columns over `padded_pairs` pairs, both
+/// 64-byte aligned ([`Packed`]).
 ///
 /// # Safety
 /// [`available`] must have returned true.
-#[target_feature(enable = "avx512f,avx512bf16,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vl")]
 pub(crate) unsafe fn tile_block(
     packed_a: &[u32],
     packed_b: &[u32],
     padded_pairs: usize,
     rows: usize,
     n: usize,
-    out: &mut [bf16],
+    out: &mut [MaybeUninit<bf16>],
 ) {
     let chunks = padded_pairs / TILE_PAIRS;
     let a_tile = TILE_ROWS * padded_pairs;
     assert!(packed_a.len() >= rows.div_ceil(MICRO_ROWS) * 2 * a_tile);
     assert!(packed_b.len() >= n.div_ceil(NR) * padded_pairs * NR);
-    let mut sums = [0f32; MICRO_ROWS * NR];
+    let mut sums = Sums([0f32; MICRO_ROWS * NR]);
     // SAFETY: AMX is granted (the caller's contract); the config is 64 bytes, aligned.
     unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly, preserves_flags)) };
     for (panel, b) in packed_b.chunks_exact(padded_pairs * NR).enumerate() {
@@ -171,12 +177,12 @@ pub(crate) unsafe fn tile_block(
         for micro in 0..rows.div_ceil(MICRO_ROWS) {
             let a = &packed_a[2 * micro * a_tile..];
             // SAFETY: the assertions bound every tile read; `sums` holds 32 x 32 f32.
-            unsafe { micro_kernel(chunks, a.as_ptr(), a_tile, b.as_ptr(), &mut sums) };
+            unsafe { micro_kernel(chunks, a.as_ptr(), a_tile, b.as_ptr(), &mut sums.0) };
             let top = micro * MICRO_ROWS;
             for r in 0..MICRO_ROWS.min(rows - top) {
                 let at = (top + r) * n + col;
-                // SAFETY: the CPU has AVX512-BF16 (this function's features).
-                unsafe { round_row(&sums[r * NR..(r + 1) * NR], &mut out[at..at + cols]) };
+                // SAFETY: the CPU has AVX512-BF16 and BW (this function's features).
+                unsafe { round_row(&sums.0[r * NR..(r + 1) * NR], &mut out[at..at + cols]) };
             }
         }
     }
@@ -246,17 +252,20 @@ unsafe fn micro_kernel(
     }
 }
 
-/// `out[i] = bf16(sums[i])`, to nearest even, for the first `out.len()` (at most 32).
+/// `out[i] = bf16(sums[i])`, to nearest even, for the first `out.len()` (at most 32), stored
+/// straight into `out` under a mask (a short copy per row cost a call to `memmove`).
 #[inline(always)]
-unsafe fn round_row(sums: &[f32], out: &mut [bf16]) {
-    let mut rounded = [bf16::ZERO; NR];
-    for half in 0..NR / 16 {
-        // SAFETY: 16 f32 in, 16 bf16 out, inside both arrays; AVX512-BF16 by the caller.
+unsafe fn round_row(sums: &[f32], out: &mut [MaybeUninit<bf16>]) {
+    assert!(out.len() <= NR && sums.len() >= NR);
+    for lane0 in (0..out.len()).step_by(16) {
+        let width = (out.len() - lane0).min(16);
+        let mask = (u32::MAX >> (32 - width)) as __mmask16;
+        // SAFETY: 16 f32 read inside `sums`; `width` bf16 written inside `out`; AVX512-BF16
+        // and BW by the caller.
         unsafe {
-            let lanes = _mm512_loadu_ps(sums.as_ptr().add(half * 16));
+            let lanes = _mm512_loadu_ps(sums.as_ptr().add(lane0));
             let pbh: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(lanes));
-            _mm256_storeu_si256(rounded.as_mut_ptr().add(half * 16).cast(), pbh);
+            _mm256_mask_storeu_epi16(out.as_mut_ptr().add(lane0).cast(), mask, pbh);
         }
     }
-    out.copy_from_slice(&rounded[..out.len()]);
 }

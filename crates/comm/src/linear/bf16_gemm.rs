@@ -7,12 +7,14 @@
 //! Where the CPU has AMX and the OS grants it, the same packed B feeds AMX tiles instead
 //! ([`Kernel::Tiles`], `super::amx`).
 
+use std::mem::MaybeUninit;
+
 use burn::tensor::bf16;
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use super::amx;
-use super::packing::{Bf16Matrix, NR, interleave, pairs_along};
+use super::packing::{Bf16Matrix, NR, Packed, interleave, pairs_along};
 
 /// Rows of a micro-tile (12 x 2 f32 accumulators, two B vectors and a broadcast fill 27 of
 /// the 32 vector registers).
@@ -64,15 +66,27 @@ impl Kernel {
     }
 }
 
-/// `a @ b` into `out` (`a.rows x b.cols`, row-major) on [`Kernel::best`], on the calling
-/// thread's rayon pool (a rank's own compute threads). Panics when the shapes disagree or the
-/// CPU lacks the instructions ([`available`] tells).
-pub(crate) fn matmul(a: Bf16Matrix, b: Bf16Matrix, out: &mut [bf16]) {
-    matmul_on(Kernel::best(), a, b, out)
+/// `a @ b` (`a.rows x b.cols`, row-major) on [`Kernel::best`], on the calling thread's rayon
+/// pool (a rank's own compute threads). Panics when the shapes disagree or the CPU lacks the
+/// instructions ([`available`] tells).
+pub(crate) fn matmul(a: Bf16Matrix, b: Bf16Matrix) -> Vec<bf16> {
+    let len = a.rows * b.cols;
+    let mut out = Vec::with_capacity(len);
+    matmul_on(Kernel::best(), a, b, &mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `matmul_on` wrote every one of the `len` elements (the kernels write each output
+    // row in full; an empty sum fills zeros). Skipping the zero fill saves a pass over memory.
+    unsafe { out.set_len(len) };
+    out
 }
 
-/// [`matmul`] on the given kernel (which must [run here](Kernel::runs_here)).
-pub(crate) fn matmul_on(kernel: Kernel, a: Bf16Matrix, b: Bf16Matrix, out: &mut [bf16]) {
+/// `a @ b` into `out`, every element written, on the given kernel (which must
+/// [run here](Kernel::runs_here)).
+pub(crate) fn matmul_on(
+    kernel: Kernel,
+    a: Bf16Matrix,
+    b: Bf16Matrix,
+    out: &mut [MaybeUninit<bf16>],
+) {
     assert_eq!(a.cols, b.rows, "bf16 matmul: inner dimensions differ");
     assert_eq!(out.len(), a.rows * b.cols, "bf16 matmul: output size");
     assert!(
@@ -86,7 +100,7 @@ pub(crate) fn matmul_on(kernel: Kernel, a: Bf16Matrix, b: Bf16Matrix, out: &mut 
     let pairs = a.cols.div_ceil(2);
     if pairs == 0 {
         // An empty sum.
-        out.fill(bf16::ZERO);
+        out.iter_mut().for_each(|o| _ = o.write(bf16::ZERO));
         return;
     }
     match kernel {
@@ -97,7 +111,7 @@ pub(crate) fn matmul_on(kernel: Kernel, a: Bf16Matrix, b: Bf16Matrix, out: &mut 
                 .for_each(|(block, out_rows)| {
                     let rows = out_rows.len() / n;
                     let packed_a = pack_a(a, block * MC, rows, pairs);
-                    multiply_block(&packed_a, &packed_b, pairs, rows, n, out_rows);
+                    multiply_block(&packed_a, packed_b.as_slice(), pairs, rows, n, out_rows);
                 });
         }
         // `runs_here` holds only on x86-64.
@@ -111,7 +125,16 @@ pub(crate) fn matmul_on(kernel: Kernel, a: Bf16Matrix, b: Bf16Matrix, out: &mut 
                     let rows = out_rows.len() / n;
                     let packed_a = amx::pack_a(a, block * MC, rows, padded);
                     // SAFETY: `runs_here` checked the CPU and the OS's grant.
-                    unsafe { amx::tile_block(&packed_a, &packed_b, padded, rows, n, out_rows) };
+                    unsafe {
+                        amx::tile_block(
+                            packed_a.as_slice(),
+                            packed_b.as_slice(),
+                            padded,
+                            rows,
+                            n,
+                            out_rows,
+                        )
+                    };
                 });
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -180,10 +203,11 @@ fn pack_a_tile(a: Bf16Matrix, top: usize, rows: usize, dst: &mut [u32]) {
 
 /// B's columns in panels of [`NR`]; within a panel, for each pair of rows, each column's two
 /// elements as one u32, zero padded past the last row and column, and to `padded` pairs.
-fn pack_b(b: Bf16Matrix, pairs: usize, padded: usize) -> Vec<u32> {
+fn pack_b(b: Bf16Matrix, pairs: usize, padded: usize) -> Packed {
     let n = b.cols;
-    let mut packed = vec![0u32; n.div_ceil(NR) * padded * NR];
+    let mut packed = Packed::zeroed(n.div_ceil(NR) * padded * NR);
     packed
+        .as_mut_slice()
         .par_chunks_mut(padded * NR)
         .enumerate()
         .for_each(|(panel, dst)| {
@@ -220,7 +244,7 @@ fn multiply_block(
     pairs: usize,
     rows: usize,
     n: usize,
-    out: &mut [bf16],
+    out: &mut [MaybeUninit<bf16>],
 ) {
     let mut tile_out = [bf16::ZERO; MR * NR];
     for (panel, b) in packed_b.chunks_exact(pairs * NR).enumerate() {
@@ -234,7 +258,7 @@ fn multiply_block(
             };
             for r in 0..MR.min(rows - tile * MR) {
                 let at = (tile * MR + r) * n + col;
-                out[at..at + cols].copy_from_slice(&tile_out[r * NR..r * NR + cols]);
+                out[at..at + cols].write_copy_of_slice(&tile_out[r * NR..r * NR + cols]);
             }
         }
     }

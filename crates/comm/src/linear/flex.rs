@@ -40,8 +40,7 @@ fn rows_of(t: &FlexTensor) -> FlexTensor {
 /// `a @ b` when both are bf16 matrices and the CPU multiplies bf16 (`None` otherwise).
 fn bf16_product(a: &FlexTensor, b: &FlexTensor) -> Option<FlexTensor> {
     let (a, b) = (matrix(a)?, matrix(b)?);
-    let mut out = vec![bf16::ZERO; a.rows * b.cols];
-    bf16_gemm::matmul(a, b, &mut out);
+    let out = bf16_gemm::matmul(a, b);
     Some(FlexTensor::from_data(TensorData::new(
         out,
         [a.rows, b.cols],

@@ -113,7 +113,8 @@ fn bf16_matmul_matches_f64_math_on_uneven_and_transposed_operands() {
 
 fn matmul_matches_f64_math(kernel: Kernel) {
     // Uneven everywhere: odd k (a padded pair), m past a tile and a block, n past a panel;
-    // and whole tiles (32 rows, 64 k: two AMX chunks, 32 columns).
+    // whole tiles (32 rows, 64 k: two AMX chunks, 32 columns); two whole micro-kernels
+    // against uneven panels; a whole block and a short one.
     for (m, k, n) in [
         (1, 1, 1),
         (13, 7, 33),
@@ -121,6 +122,8 @@ fn matmul_matches_f64_math(kernel: Kernel) {
         (200, 3, 40),
         (5, 0, 3),
         (32, 64, 32),
+        (64, 96, 70),
+        (100, 64, 33),
     ] {
         // Each operand row-major, transposed, or every other element of a wider row-major
         // buffer (neither stride 1: the packing's strided reads).
@@ -133,13 +136,16 @@ fn matmul_matches_f64_math(kernel: Kernel) {
             let a: Vec<bf16> = values(m * k, 1).into_iter().map(bf16::from_f32).collect();
             let b: Vec<bf16> = values(k * n, 2).into_iter().map(bf16::from_f32).collect();
             let (a_store, b_store) = (a_layout.store(&a, m, k), b_layout.store(&b, k, n));
-            let mut out = vec![bf16::ZERO; m * n];
+            // NaN where the kernel writes nothing: every element must be written.
+            let mut out = vec![std::mem::MaybeUninit::new(bf16::NAN); m * n];
             bf16_gemm::matmul_on(
                 kernel,
                 a_layout.view(&a_store, m, k),
                 b_layout.view(&b_store, k, n),
                 &mut out,
             );
+            // SAFETY: initialised to NaN above, overwritten by the kernel.
+            let out: Vec<bf16> = out.iter().map(|o| unsafe { o.assume_init() }).collect();
             let f64s = |x: &[bf16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();
             let (want, abs) = product_f64(&f64s(&a), &f64s(&b), m, k, n);
             for (i, got) in out.iter().enumerate() {
