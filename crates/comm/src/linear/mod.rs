@@ -2,10 +2,12 @@
 #![allow(deprecated)]
 
 //! The dense layer `x @ w + b` as one autodiff node whose three products are backend kernels
-//! ([`LinearBackend`]): Burn's own linear kernels everywhere, except bf16 on flex where the CPU
-//! has AVX512-BF16, which multiplies bf16 by bf16 into f32 sums ([`bf16_gemm`]) instead of
-//! burn-flex's conversion of both operands to f32. Every linear layer of the models, LoRA and
-//! tensor parallelism runs through [`linear`], so the dtype decides the kernel, not the layer.
+//! ([`LinearBackend`]): Burn's own linear kernels, except on flex, where each is one 2-D
+//! product over the rows of every leading dim (transposed operands as views, not copies) and
+//! bf16, where the CPU has AVX512-BF16, multiplies bf16 by bf16 into f32 sums ([`bf16_gemm`])
+//! instead of burn-flex's conversion of both operands to f32. Every linear layer of the models,
+//! LoRA and tensor parallelism runs through [`linear`], so the dtype decides the kernel, not
+//! the layer.
 
 #[cfg(target_arch = "x86_64")]
 mod amx;

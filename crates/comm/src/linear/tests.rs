@@ -1,6 +1,6 @@
 //! The bf16 kernel against f64 math on the same bf16 values, and [`linear`] on the autodiff
 //! backend: bf16 values and gradients against f64 math and against Burn's own bf16 linear,
-//! f32 bit for bit Burn's linear (its kernels are Burn's), with and without gradient
+//! f32 bit for bit Burn's linear (the same gemm products, unbatched), with and without gradient
 //! checkpointing, on uneven shapes and transposed weights.
 
 use burn::tensor::{Device, FloatDType, Tensor, TensorData, bf16};
